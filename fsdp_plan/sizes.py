@@ -1,0 +1,51 @@
+"""Byte sizes at the edges: parse ``--mem`` values and print both decimal and binary units.
+
+Inside the package every memory figure is an ``int`` number of bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+from fsdp_plan.errors import BadInput
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_bytes(text: str | int, what: str = "--mem") -> int:
+    """``70GB`` -> 70*10**9, ``70GiB`` -> 70*2**30, ``70000MB``, or plain bytes; must be > 0."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = _SIZE_RE.match(str(text))
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _UNITS:
+            raise BadInput(
+                f"{what} {text!r} is not a memory size: write a positive number with an optional "
+                "unit, e.g. 70GB (10^9 bytes), 70GiB (2^30 bytes), 70000MB or 75161927680."
+            )
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise BadInput(f"{what} {text!r} must be larger than zero bytes, e.g. 80GB.")
+    return value
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """``61234567890`` -> ``61.23 GB (57.03 GiB)``: both units, as the report promises."""
+    n = float(num_bytes)
+    for dec, bin_, name, bname in ((1e12, 2**40, "TB", "TiB"), (1e9, 2**30, "GB", "GiB"),
+                                   (1e6, 2**20, "MB", "MiB"), (1e3, 2**10, "kB", "KiB")):
+        if abs(n) >= dec:
+            return f"{n / dec:.2f} {name} ({n / bin_:.2f} {bname})"
+    return f"{int(n)} B"
+
+
+def format_gb(num_bytes: int | float) -> str:
+    """Compact decimal GB for table cells."""
+    return f"{num_bytes / 1e9:.2f}"
