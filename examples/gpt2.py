@@ -161,6 +161,6 @@ def example_inputs(batch_size: int, seq_len: int, size: str | None = None) -> tu
 
 
 def loss_fn(logits: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy against a fixed target, as training does (keeps logits' grad real)."""
+    """Next-token cross entropy against a fixed target (keeps the logits' grad real)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), torch.zeros(
         logits.shape[0] * logits.shape[1], dtype=torch.long, device=logits.device))

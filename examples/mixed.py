@@ -16,8 +16,8 @@ Nothing here is a real architecture; every piece is something a planner must not
 - no ``loss_fn``: the output is a plain tensor, so the planner's default ``.sum()`` applies.
 
 It starts with an ``nn.Embedding`` but defines ``example_inputs`` anyway (token ids of shape
-``[batch_size, seq_len]``). Sizes: ``tiny`` (301,648 parameters) and ``big`` (every dimension,
-the vocabulary included, times 8: 19,066,624 parameters). Sequences up to 4096 tokens.
+``[batch_size, seq_len]``). Sizes: ``tiny`` (301,680 parameters) and ``big`` (every dimension,
+the vocabulary included, times 8: 19,200,896 parameters). Sequences up to 4096 tokens.
 
     fsdp-plan examples/mixed.py --model-arg size=big --mem 4GB --world-size 4
 """
