@@ -36,9 +36,9 @@ class LlamaConfig:
 
 SIZES: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192,
-                        vocab_size=512, max_seq_len=256),
+                        vocab_size=512),
     "small": LlamaConfig(dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=768,
-                         vocab_size=4096, max_seq_len=1024),
+                         vocab_size=4096),
     "1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192),
     "8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
     "70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),

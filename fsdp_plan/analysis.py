@@ -1,0 +1,331 @@
+"""Activation and compute analysis: one fake forward + backward of the unwrapped model.
+
+[Note: activation timeline]
+The analysis runs the model once under ``FakeTensorMode`` with parameters in the planned
+``param_dtype`` (what FSDP's mixed precision computes with) and records, at every module
+boundary (pre/post forward, pre/post backward, in execution order), the bytes of every live
+tensor that is *not* a parameter or a parameter's gradient, and the highest such figure
+since the previous boundary. Those bytes (activations saved for backward, transient
+temporaries, activation gradients, the loss) do not depend on how the model is sharded,
+so the memory model composes any FSDP plan's peak as this timeline plus the sharded states
+plus the unsharded parameters and gradients that plan keeps live at each boundary.
+Cumulative FLOPs are recorded at the same boundaries, giving each module's forward and
+backward compute. With activation checkpointing the timeline changes inside the
+checkpointed blocks only; a second pass with every repeated block checkpointed supplies
+those segments (``Timeline`` per pass; see memory.py for the composition).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.flop_counter import FlopCounterMode
+
+from fsdp_plan.errors import BadInput
+from fsdp_plan.fake import materialize_fake, new_fake_mode
+from fsdp_plan.load import LoadedModel, rebuild_meta
+
+_WRAPPER_SEGMENTS = ("._checkpoint_wrapped_module", "._fsdp_wrapped_module")
+
+
+@dataclass(kw_only=True, slots=True)
+class Event:
+    """One module boundary in execution order."""
+
+    kind: str
+    """``pre_fw``, ``post_fw``, ``pre_bw`` or ``post_bw``."""
+    module: str
+    level: int
+    """Activation-side bytes alive at this boundary."""
+    peak: int
+    """Highest activation-side bytes since the previous boundary (>= both levels)."""
+    flops: float
+    """Cumulative FLOPs of the pass so far."""
+
+
+@dataclass(kw_only=True)
+class Timeline:
+    """The events of one analysis pass."""
+
+    events: list[Event]
+    checkpointed: list[str] = field(default_factory=list)
+    final_level: int = 0
+    """Activation-side bytes left after backward (should be ~0)."""
+    seconds: float = 0.0
+
+
+@dataclass(kw_only=True)
+class ModuleCompute:
+    """Per-module figures derived from a pass (inclusive of submodules)."""
+
+    fw_flops: float = 0.0
+    bw_flops: float = 0.0
+    saved_bytes: int = 0
+    """Bytes saved for backward by ops running directly in this module (not in children)."""
+    output_bytes: int = 0
+    calls: int = 0
+
+
+@dataclass(kw_only=True)
+class Analysis:
+    """What one micro-batch costs the unwrapped model: timeline, per-module compute, input bytes."""
+
+    timeline: Timeline
+    modules: dict[str, ModuleCompute]
+    input_bytes: int
+    param_dtype: str
+    total_fw_flops: float
+    total_bw_flops: float
+    checkpointed_timeline: Timeline | None = None
+
+
+def normalize_fqn(fqn: str) -> str:
+    """Drop wrapper segments so names match the user's module tree."""
+    for seg in _WRAPPER_SEGMENTS:
+        fqn = fqn.replace(seg, "")
+    return fqn
+
+
+class _ActivationMeter(TorchDispatchMode):
+    """Counts bytes of live non-parameter storages, with the peak since the last ``mark``."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self.excluded = excluded
+        self.live: dict[int, tuple[weakref.ref, int]] = {}
+        self.current = 0
+        self.peak_since_mark = 0
+
+    def track(self, tensor: torch.Tensor) -> None:
+        st = tensor.untyped_storage()
+        key = id(st)
+        if key in self.excluded or key in self.live:
+            return
+        nbytes = st.nbytes()
+        ref = weakref.ref(st, lambda _r, k=key: self._free(k))
+        self.live[key] = (ref, nbytes)
+        self.current += nbytes
+        self.peak_since_mark = max(self.peak_since_mark, self.current)
+
+    def _free(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[1]
+
+    def untrack(self, tensor: torch.Tensor) -> None:
+        """Reclassify a storage as a parameter gradient: it leaves the activation side."""
+        key = id(tensor.untyped_storage())
+        self._free(key)
+        self.excluded.add(key)
+
+    def mark(self) -> int:
+        peak = max(self.peak_since_mark, self.current)
+        self.peak_since_mark = self.current
+        return peak
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tree_map_only(torch.Tensor, self.track, out)
+        return out
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
+def _bytes_of(value: Any) -> int:
+    leaves, _ = tree_flatten(value)
+    seen: set[int] = set()
+    total = 0
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in seen:
+            seen.add(id(t.untyped_storage()))
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
+             checkpoint: list[str] | None = None, model: nn.Module | None = None
+             ) -> tuple[Timeline, dict[str, ModuleCompute], int]:
+    """One fake forward + backward; returns the timeline, per-module figures and input bytes."""
+    started = time.perf_counter()
+    model = model if model is not None else rebuild_meta(loaded)
+    fake_mode = new_fake_mode()
+    materialize_fake(model, fake_mode)
+    if checkpoint:
+        apply_checkpointing(model, checkpoint)
+    if param_dtype is not None:
+        with fake_mode:
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(param_dtype)
+    param_storages = {id(p.untyped_storage()) for p in model.parameters()}
+    param_storages |= {id(b.untyped_storage()) for b in model.buffers()}
+    meter = _ActivationMeter(set(param_storages))
+    modules: dict[str, ModuleCompute] = {}
+    events: list[Event] = []
+    stack: list[str] = []
+    names = {id(m): normalize_fqn(n) for n, m in model.named_modules()}
+    flop_counter = FlopCounterMode(display=False)
+
+    def record(kind: str, module: nn.Module) -> None:
+        fqn = names.get(id(module))
+        if fqn is None:
+            return
+        events.append(Event(kind=kind, module=fqn, level=meter.current, peak=meter.mark(),
+                            flops=float(flop_counter.get_total_flops())))
+
+    def pre_fw(module: nn.Module, _inputs: Any) -> None:
+        record("pre_fw", module)
+        fqn = names.get(id(module))
+        if fqn is not None:
+            stack.append(fqn)
+
+    def post_fw(module: nn.Module, _inputs: Any, outputs: Any) -> None:
+        fqn = names.get(id(module))
+        if fqn is not None and stack and stack[-1] == fqn:
+            stack.pop()
+            comp = modules.setdefault(fqn, ModuleCompute())
+            comp.calls += 1
+            comp.output_bytes = _bytes_of(outputs)
+        record("post_fw", module)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = id(t.untyped_storage())
+        if key not in meter.excluded and key not in saved_seen and stack:
+            saved_seen.add(key)
+            modules.setdefault(stack[-1], ModuleCompute()).saved_bytes += t.untyped_storage().nbytes()
+        return t
+
+    saved_seen: set[int] = set()
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.untrack(p.grad))
+             for p in model.parameters() if p.requires_grad]
+    tracker = ModTracker()
+    tracker.register_user_hooks(pre_fw, post_fw, lambda m, g: record("pre_bw", m),
+                                lambda m, g: record("post_bw", m))
+    with fake_mode:
+        args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
+        if param_dtype is not None:
+            args, kwargs = _cast_floating(args, param_dtype), _cast_floating(kwargs, param_dtype)
+        input_bytes = _bytes_of((args, kwargs))
+        try:
+            with tracker, flop_counter, meter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                output = model(*args, **kwargs)
+                loss = loaded.compute_loss(output)
+                del output
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise BadInput("loss_fn must return a scalar tensor; got "
+                                   f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}.")
+                loss.backward()
+                del loss
+                events.append(Event(kind="end", module="", level=meter.current, peak=meter.mark(),
+                                    flops=float(flop_counter.get_total_flops())))
+        except BadInput:
+            raise
+        except Exception as e:
+            raise _explain_trace_failure(e, loaded) from e
+        finally:
+            for h in hooks:
+                h.remove()
+            tracker.clear_user_hooks()
+    fill_flops(events, modules)
+    timeline = Timeline(events=events, checkpointed=list(checkpoint or []),
+                        final_level=meter.current, seconds=time.perf_counter() - started)
+    return timeline, modules, input_bytes
+
+
+def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
+    """Forward/backward FLOPs per module from cumulative FLOPs at its first boundaries."""
+    open_at: dict[tuple[str, str], float] = {}
+    for ev in events:
+        if ev.kind in ("pre_fw", "pre_bw"):
+            open_at.setdefault((ev.module, ev.kind[-2:]), ev.flops)
+        elif ev.kind in ("post_fw", "post_bw"):
+            start = open_at.pop((ev.module, ev.kind[-2:]), None)
+            if start is None:
+                continue
+            comp = modules.setdefault(ev.module, ModuleCompute())
+            if ev.kind == "post_fw":
+                comp.fw_flops += ev.flops - start
+            else:
+                comp.bw_flops += ev.flops - start
+
+
+def _explain_trace_failure(error: Exception, loaded: LoadedModel) -> BadInput:
+    name = type(error).__name__
+    text = str(error).strip().splitlines()[0] if str(error).strip() else name
+    if "DynamicOutputShape" in name or "data-dependent" in str(error).lower():
+        return BadInput(
+            f"the model's forward uses data-dependent shapes ({name}: {text}), which fake tensors "
+            "cannot trace, e.g. mixture-of-experts routing with nonzero(). Use a static-shape "
+            "implementation (for transformers MoE models, the grouped_mm experts implementation) "
+            "or route tokens with fixed capacity in example mode.")
+    return BadInput(
+        f"the model failed on its example inputs (batch {loaded.source.batch_size}, sequence "
+        f"{loaded.source.seq_len}) with {name}: {text}. Check example_inputs and --batch-size/"
+        "--seq-len against what the model's forward expects.")
+
+
+def apply_checkpointing(model: nn.Module, fqns: list[str]) -> None:
+    """Wrap each listed module in PyTorch's non-reentrant checkpoint wrapper, in place."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+    for fqn in fqns:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, checkpoint_wrapper(getattr(parent, child),
+                                                  checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
+
+def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: list[str],
+            with_checkpointing: bool = True, exact: bool = False,
+            progress: Callable[[str], None] | None = None) -> Analysis:
+    """Run the plain pass and, when the model has repeated blocks, the all-blocks-checkpointed pass.
+
+    Deep models are analysed on a copy cut to three blocks per stack and the middle block's
+    segments are repeated (see depth.py); ``exact=True`` runs every block instead.
+    """
+    timeline, modules, input_bytes = _pass(loaded, param_dtype, blocks, None, exact)
+    ckpt = None
+    if with_checkpointing and blocks:
+        if progress:
+            progress("analysing activation checkpointing")
+        ckpt, _, _ = _pass(loaded, param_dtype, blocks, blocks, exact)
+    root = modules.get("", ModuleCompute())
+    end = timeline.events[-1].flops if timeline.events else 0.0
+    return Analysis(
+        timeline=timeline, modules=modules, input_bytes=input_bytes,
+        param_dtype=str(param_dtype).removeprefix("torch.") if param_dtype else "float32",
+        total_fw_flops=root.fw_flops, total_bw_flops=max(0.0, end - root.fw_flops),
+        checkpointed_timeline=ckpt,
+    )
+
+
+def _pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str],
+          checkpoint: list[str] | None, exact: bool):
+    from fsdp_plan.depth import expand_pass, reduce_depth
+    if not exact:
+        model = rebuild_meta(loaded)
+        cut = reduce_depth(model, blocks)
+        if cut is not None:
+            kept = [b for b in (checkpoint or []) if b in cut.kept_blocks]
+            try:
+                result = run_pass(loaded, param_dtype=param_dtype, checkpoint=kept, model=model)
+            except BadInput:
+                result = None  # the forward may index blocks by count: analyse every block
+            if result is not None:
+                expanded = expand_pass(*result, cut)
+                if expanded is not None:
+                    expanded[0].checkpointed = list(checkpoint or [])
+                    return expanded
+    return run_pass(loaded, param_dtype=param_dtype, checkpoint=checkpoint)

@@ -1,0 +1,78 @@
+"""Unit construction: which module FQNs each ``fully_shard`` call gets, and what each unit holds.
+
+[Note: units]
+Written once and shared by the search, the report, the emitted policy and the verifier.
+Units are applied children first and the root ``""`` last; each parameter belongs to the
+innermost unit whose modules contain it (FSDP2 skips parameters a nested ``fully_shard``
+already manages). Parameters shared between modules (tied embeddings) must sit in one unit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fsdp_plan.graph import ModuleGraph
+
+
+@dataclass(kw_only=True)
+class UnitSpec:
+    """One unit with the per-rank sizes FSDP2 will allocate for it."""
+
+    modules: list[str]
+    reshard_after_forward: bool = True
+    numel: int = 0
+    """Parameters the unit manages (unpadded)."""
+    shard_numel: int = 0
+    """Per-rank shard of those parameters, padded as FSDP2 pads dim 0 to the shard size."""
+    num_params: int = 0
+    owned_modules: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return self.modules[0]
+
+    def unsharded_numel(self, shard_size: int) -> int:
+        """Elements of the all-gathered (padded) parameters."""
+        return self.shard_numel * shard_size
+
+
+def owner_unit(fqn: str, unit_of_module: dict[str, int]) -> int:
+    """Index of the innermost unit that contains module ``fqn``."""
+    probe = fqn
+    while True:
+        if probe in unit_of_module:
+            return unit_of_module[probe]
+        if probe == "":
+            raise KeyError("the root must be a unit")
+        probe = probe.rpartition(".")[0]
+
+
+def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool],
+                shard_size: int) -> list[UnitSpec]:
+    """Units for ``groups`` (children first; the root ``[""]`` is appended when missing)."""
+    groups = [list(g) for g in groups]
+    reshard = list(reshard)
+    if not groups or groups[-1] != [""]:
+        groups.append([""])
+        reshard.append(False)
+    units = [UnitSpec(modules=g, reshard_after_forward=r) for g, r in zip(groups, reshard)]
+    unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
+    for fqn, info in graph.modules.items():
+        unit = units[owner_unit(fqn, unit_of_module)]
+        unit.owned_modules.append(fqn)
+        for shape in info.param_shapes:
+            numel = math.prod(shape) if shape else 1
+            dim0 = shape[0] if shape else 1
+            unit.numel += numel
+            unit.shard_numel += math.ceil(dim0 / shard_size) * (numel // max(dim0, 1))
+            unit.num_params += 1
+    return units
+
+
+def check_tied(graph: ModuleGraph, groups: list[list[str]]) -> bool:
+    """True when every tied-parameter group lands in a single unit."""
+    unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
+    unit_of_module.setdefault("", len(groups))
+    return all(len({owner_unit(m, unit_of_module) for m in tied}) == 1
+               for tied in graph.tied_groups)
