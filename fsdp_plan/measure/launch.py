@@ -1,0 +1,315 @@
+"""Run one function on N local worker processes and notice, within a timeout, when one fails.
+
+``launch(target, payload, nproc=N, timeout_s=T)`` starts N ``torch.multiprocessing`` (spawn)
+processes with the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``
+environment, so the target initialises its process group exactly as under ``torchrun``.
+Each worker reports progress and its result through small files in a private folder; the
+parent polls them, so it needs no process group of its own and never blocks on a dead peer.
+
+[Note: failure detection]
+- A worker whose target raises writes its traceback to ``rank{r}.error.json`` and exits 1.
+  Any worker exiting non-zero ends the run: every other worker is killed by pid and the report
+  names the rank whose error came FIRST (a crash makes its peers fail in their next collective
+  a moment later, and those secondary errors must not hide the cause).
+- A worker that dies without Python's help (signal, ``os._exit``) is reported by exit code.
+- A hang is a rank that has reported no progress for ``timeout_s`` seconds (start-up counts).
+  Before killing, the parent asks every live worker for its Python stack (``faulthandler`` on
+  SIGUSR1) and names the ranks with the least progress, with the frame each one is stuck in.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_plan.errors import CheckFailed
+
+FAULT_ENV = "FSDP_PLAN_BENCH_FAULT"
+"""Test-only fault injection: ``crash:rank=1:step=2``, ``hang:rank=1:step=2`` or ``exit:...``."""
+
+_POLL_S = 0.05
+
+
+@dataclass(kw_only=True)
+class RankFailure:
+    """What went wrong on one rank."""
+
+    rank: int
+    kind: str
+    """``error`` (Python exception), ``exit`` (died with a code or signal) or ``hang``."""
+    error: str
+    """One line: the exception's last line, the exit code, or where the rank is stuck."""
+    detail: str = ""
+    """The full traceback or stack dump, for ``--debug`` and the report's tail."""
+    last_progress: dict[str, Any] = field(default_factory=dict)
+
+
+class WorkersFailed(CheckFailed):
+    """A worker crashed or hung; carries every rank's failure, the cause first."""
+
+    def __init__(self, message: str, failures: list[RankFailure]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+@dataclass(kw_only=True)
+class WorkerContext:
+    """Handed to the target in each worker: who it is and how to report progress."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    workdir: str | None = None
+    """The launcher's private folder (``None`` under torchrun)."""
+    reports: int = 0
+    """How many progress reports this rank made: the hang report's measure of progress."""
+
+    def report(self, **progress: Any) -> None:
+        """Record progress (e.g. ``phase="step", step=3, steps=20``); the parent prints rank 0's."""
+        self.reports += 1
+        if self.workdir is None:
+            return
+        progress.update(time=time.time(), order=self.reports)
+        _atomic_json(os.path.join(self.workdir, f"rank{self.rank}.progress.json"), progress)
+
+
+def context_from_env() -> WorkerContext:
+    """The context of a worker started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
+    return WorkerContext(rank=int(os.environ.get("RANK", "0")),
+                         world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                         local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def maybe_inject_fault(rank: int, step: int) -> None:
+    """Test hook: crash, hang or exit on ``rank`` at ``step`` when ``FSDP_PLAN_BENCH_FAULT`` says so."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    kind, *fields = spec.split(":")
+    opts = dict(f.split("=", 1) for f in fields if "=" in f)
+    if int(opts.get("rank", -1)) != rank or int(opts.get("step", -1)) != step:
+        return
+    if kind == "crash":
+        raise RuntimeError(f"injected fault: rank {rank} crashed at step {step} ({FAULT_ENV})")
+    if kind == "hang":
+        while True:
+            time.sleep(1)
+    if kind == "exit":
+        os._exit(int(opts.get("code", 3)))
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (for ``MASTER_PORT``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _atomic_json(path: str, data: Any) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, default=str)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, workdir: str) -> None:
+    """Entry point of each spawned worker: environment, stack dumps on SIGUSR1, run, report."""
+    import faulthandler
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    ctx = WorkerContext(rank=rank, world_size=nproc, local_rank=rank, workdir=workdir)
+    ctx.report(phase="started")
+    stack_file = open(os.path.join(workdir, f"rank{rank}.stack.txt"), "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    try:
+        module_name, _, func_name = target.partition(":")
+        result = getattr(importlib.import_module(module_name), func_name)(ctx, payload)
+        _atomic_json(os.path.join(workdir, f"rank{rank}.result.json"), result)
+    except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
+        lines = traceback.format_exception_only(type(e), e)
+        _atomic_json(os.path.join(workdir, f"rank{rank}.error.json"), {
+            "time": time.time(), "error": (lines[-1] if lines else repr(e)).strip(),
+            "traceback": traceback.format_exc()})
+        stack_file.flush()
+        os._exit(1)  # skip atexit/process-group teardown, which can block on dead peers
+    stack_file.flush()
+    os._exit(0)
+
+
+def _stuck_frame(stack_text: str) -> str:
+    """The innermost frame of the main thread in a faulthandler dump (``file:line in func``)."""
+    blocks = stack_text.split("\n\n")
+    main = next((b for b in blocks if "Current thread" in b or "most recent call first" in b), "")
+    for line in main.splitlines():
+        line = line.strip()
+        if line.startswith("File "):
+            return line.replace("File ", "", 1)
+    return "unknown frame"
+
+
+class _Run:
+    """The state of one launch: the processes, their folder and the failure analysis."""
+
+    def __init__(self, nproc: int, timeout_s: float, workdir: str) -> None:
+        self.nproc, self.timeout_s, self.workdir = nproc, timeout_s, workdir
+        self.procs: list[Any] = []
+        self.last_seen: dict[int, tuple[float, Any]] = {}
+
+    def progress(self, rank: int) -> dict[str, Any]:
+        return _read_json(os.path.join(self.workdir, f"rank{rank}.progress.json")) or {}
+
+    def kill_all(self) -> None:
+        """End every live worker by its pid (SIGKILL), then reap it."""
+        for p in self.procs:
+            if p.exitcode is None and p.pid is not None:
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            p.join(timeout=10)
+
+    def crashed(self) -> list[RankFailure]:
+        failures = []
+        for rank, p in enumerate(self.procs):
+            if p.exitcode in (None, 0):
+                continue
+            err = _read_json(os.path.join(self.workdir, f"rank{rank}.error.json"))
+            if err:
+                failures.append(RankFailure(rank=rank, kind="error", error=err["error"],
+                                            detail=err["traceback"],
+                                            last_progress=self.progress(rank)))
+                failures[-1].last_progress["error_time"] = err["time"]
+            else:
+                code = p.exitcode
+                what = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                failures.append(RankFailure(rank=rank, kind="exit", last_progress=self.progress(rank),
+                                            error=f"{what} without a Python error"))
+        # The cause first: the earliest Python error, then deaths without one.
+        failures.sort(key=lambda f: (f.kind != "exit", f.last_progress.get("error_time", 0.0)))
+        return failures
+
+    def hung(self) -> list[RankFailure]:
+        """Ranks silent for ``timeout_s``, with their stacks; least progress first."""
+        live = [r for r, p in enumerate(self.procs) if p.exitcode is None]
+        for rank in live:
+            try:
+                os.kill(self.procs[rank].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+        failures = []
+        for rank in live:
+            try:
+                with open(os.path.join(self.workdir, f"rank{rank}.stack.txt")) as f:
+                    stack = f.read()
+            except OSError:
+                stack = ""
+            prog = self.progress(rank)
+            failures.append(RankFailure(
+                rank=rank, kind="hang", detail=stack, last_progress=prog,
+                error=f"no progress for {self.timeout_s:g} s after {_describe(prog)}; "
+                      f"stuck at {_stuck_frame(stack)}"))
+        failures.sort(key=lambda f: _progress_key(f.last_progress))
+        return failures
+
+
+def _describe(progress: dict[str, Any]) -> str:
+    if not progress:
+        return "start-up"
+    phase = progress.get("phase", "?")
+    if "step" in progress:
+        return f"{phase} {progress['step']}/{progress.get('steps', '?')}"
+    return str(phase)
+
+
+def _progress_key(progress: dict[str, Any]) -> tuple[int, float]:
+    return (int(progress.get("order", 0)), float(progress.get("time", 0.0)))
+
+
+def launch(target: str, payload: Any, *, nproc: int, timeout_s: float = 300.0,
+           on_progress: Callable[[int, dict[str, Any]], None] | None = None) -> list[Any]:
+    """Run ``target`` (``"package.module:function"``, called as ``fn(ctx, payload)``) on ``nproc``
+    spawned workers; return each rank's (JSON) result in rank order.
+
+    ``on_progress(rank, progress)`` is called whenever a rank reports something new.
+    Raises ``WorkersFailed`` (exit code 1) naming the failing rank and its error when a worker
+    raises, dies, or reports no progress for ``timeout_s`` seconds; all workers are then killed.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="fsdp-plan-workers-") as workdir:
+        run = _Run(nproc, timeout_s, workdir)
+        port = free_port()
+        start = time.time()
+        try:
+            for rank in range(nproc):
+                p = ctx.Process(target=_child_main, args=(rank, nproc, port, target, payload, workdir),
+                                daemon=True, name=f"fsdp-plan-rank{rank}")
+                p.start()
+                run.procs.append(p)
+            while True:
+                time.sleep(_POLL_S)
+                now = time.time()
+                for rank in range(nproc):
+                    prog = run.progress(rank)
+                    stamp = prog.get("time", start)
+                    if run.last_seen.get(rank, (None,))[0] != stamp:
+                        run.last_seen[rank] = (stamp, now)
+                        if prog and on_progress is not None:
+                            on_progress(rank, prog)
+                failures = run.crashed()
+                if failures:
+                    run.kill_all()
+                    raise WorkersFailed(_failure_message(failures), failures)
+                if all(p.exitcode == 0 for p in run.procs):
+                    break
+                silent = [r for r, p in enumerate(run.procs) if p.exitcode is None
+                          and now - run.last_seen.get(r, (None, start))[1] > timeout_s]
+                if silent:
+                    failures = run.hung()
+                    run.kill_all()
+                    raise WorkersFailed(_failure_message(failures), failures)
+        except BaseException:
+            run.kill_all()
+            raise
+        results = []
+        for rank in range(nproc):
+            result = _read_json(os.path.join(workdir, f"rank{rank}.result.json"))
+            if result is None:
+                raise WorkersFailed(f"rank {rank} exited cleanly but left no result.",
+                                    [RankFailure(rank=rank, kind="exit", error="no result file")])
+            results.append(result)
+        return results
+
+
+def _failure_message(failures: list[RankFailure]) -> str:
+    first = failures[0]
+    if first.kind == "hang":
+        head = (f"rank {first.rank} hung: {first.error}. All workers were killed.")
+    else:
+        head = (f"rank {first.rank} failed at {_describe(first.last_progress)}: {first.error}. "
+                "All workers were killed.")
+    others = [f"rank {f.rank}: {f.error}" for f in failures[1:]]
+    if others:
+        head += " Then: " + "; ".join(others[:3]) + ("; ..." if len(others) > 3 else "") + "."
+    return head

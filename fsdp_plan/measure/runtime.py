@@ -1,0 +1,170 @@
+"""What every measurement does the same way: rebuild the planned model, build the mesh, apply
+the plan through the generated policy module, make the optimizer, run one training step.
+
+``verify`` (fake process group), ``count_collectives`` and ``bench`` (real workers) all go
+through these helpers, so a difference between them is a difference in what they measure,
+never in how the plan was applied.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_plan.errors import BadInput
+from fsdp_plan.load import LoadedModel, ModelSource, load_model, source_digest
+from fsdp_plan.plan import Plan
+
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+
+
+def source_from_plan(plan: Plan, model_path: str | None = None,
+                     plan_path: str | None = None) -> ModelSource:
+    """The ``ModelSource`` recorded in ``plan.model``; ``model_path`` replaces its source.
+
+    A relative source that does not exist from the working folder is looked up next to the
+    plan file, so a plan committed beside its model keeps working from elsewhere.
+    """
+    raw = plan.model
+    if "source" not in raw and model_path is None:
+        raise BadInput("the plan's model key has no source; pass the model file as MODEL.")
+    source = model_path or str(raw["source"])
+    kind = str(raw.get("kind") or "file")
+    if model_path is not None:
+        from fsdp_plan.load import source_kind
+        kind = source_kind(model_path)
+    if (kind != "import" and not os.path.isabs(source) and not os.path.exists(source)
+            and plan_path is not None):
+        beside = os.path.join(os.path.dirname(os.path.abspath(plan_path)), source)
+        if os.path.exists(beside):
+            source = beside
+    return ModelSource(source=source, entry=str(raw.get("entry") or "build_model"),
+                       args=dict(raw.get("args") or {}), batch_size=int(raw.get("batch_size", 1)),
+                       seq_len=int(raw.get("seq_len", 4096)), kind=kind)
+
+
+def count_params(model: nn.Module) -> int:
+    """Parameters counted once each (tied parameters are one parameter)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_model_matches(plan: Plan, loaded: LoadedModel) -> None:
+    """Refuse to measure a model other than the planned one (parameter count and code digest)."""
+    expected = plan.model.get("params")
+    actual = count_params(loaded.model)
+    if expected is not None and int(expected) != actual:
+        raise BadInput(f"the model has {actual:,} parameters but the plan was made for "
+                       f"{int(expected):,}; re-plan it (fsdp-plan {loaded.source.source} ...) or "
+                       "pass the model file the plan was made for.")
+    digest = plan.model.get("digest")
+    if digest and digest != source_digest(loaded.source):
+        raise BadInput(f"the model code or arguments changed since the plan was made (digest "
+                       f"{source_digest(loaded.source)} != {digest} in the plan); re-plan it so "
+                       "the plan matches the model.")
+
+
+def load_planned_model(plan: Plan, model_path: str | None = None,
+                       plan_path: str | None = None) -> LoadedModel:
+    """Load the plan's model on ``meta`` and check it is the one that was planned."""
+    loaded = load_model(source_from_plan(plan, model_path, plan_path))
+    check_model_matches(plan, loaded)
+    return loaded
+
+
+def policy_source(plan: Plan) -> str:
+    """The policy module's text, rendered as ``fsdp-plan -o`` writes it (what users import)."""
+    from fsdp_plan.emit import render_policy_module
+    return render_policy_module(plan)
+
+
+def load_policy(source_text: str) -> types.ModuleType:
+    """Import a rendered policy module from its text."""
+    from fsdp_plan.emit import load_policy_module
+    return load_policy_module(source_text)
+
+
+def mesh_shape(plan_mesh: Any) -> tuple[int, int]:
+    """``(replicate, shard)`` from a ``Mesh``, a plan dict's ``mesh`` or a pair."""
+    if isinstance(plan_mesh, (tuple, list)):
+        return int(plan_mesh[0]), int(plan_mesh[1])
+    if isinstance(plan_mesh, dict):
+        return int(plan_mesh.get("replicate", 1)), int(plan_mesh["shard"])
+    return int(plan_mesh.replicate), int(plan_mesh.shard)
+
+
+def make_mesh(device_type: str, replicate: int, shard: int):
+    """A 1-D ``("shard",)`` mesh for plain FSDP, 2-D ``("replicate", "shard")`` for HSDP.
+
+    Built outside any ``FakeTensorMode``: the mesh's rank map is data-dependent.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    if replicate == 1:
+        return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
+def apply_plan(model: nn.Module, policy: types.ModuleType, mesh: Any, *, fsdp_version: int,
+               device: torch.device) -> nn.Module:
+    """Apply the plan: FSDP2 ``apply_fully_shard(model, mesh)`` or FSDP1 wrapping + checkpointing."""
+    if fsdp_version == 2:
+        return policy.apply_fully_shard(model, mesh)
+    if fsdp_version != 1:
+        raise BadInput(f"fsdp_version must be 1 or 2, got {fsdp_version!r}.")
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    # HSDP needs the 2-D mesh passed explicitly: node groups cannot be derived from CPU devices.
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=policy.auto_wrap_policy,
+                                       device_id=device, **policy.fsdp1_kwargs(mesh))
+    policy.apply_activation_checkpointing(wrapped)
+    return wrapped
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer | None:
+    """The plan's optimizer with default hyper-parameters (the state it keeps is what matters)."""
+    name = (name or "none").lower()
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-4)
+    if name == "none":
+        return None
+    raise BadInput(f"the plan's optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}.")
+
+
+def forward_backward(model: nn.Module, loaded: LoadedModel, inputs: tuple[tuple, dict]) -> None:
+    """One forward and backward: the part of a step that issues FSDP's collectives."""
+    args, kwargs = inputs
+    loss = loaded.compute_loss(model(*args, **kwargs))
+    loss.backward()
+
+
+def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Optimizer step, then drop the gradients (``set_to_none``) as a training loop does."""
+    if optimizer is not None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+
+
+def to_device(inputs: tuple[tuple, dict], device: torch.device) -> tuple[tuple, dict]:
+    """Move example inputs to the worker's device."""
+    def move(x: Any) -> Any:
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+    args, kwargs = inputs
+    return tuple(move(a) for a in args), {k: move(v) for k, v in kwargs.items()}
+
+
+def build_real_model(loaded: LoadedModel, device: torch.device, seed: int = 0) -> nn.Module:
+    """The real model on ``device``, initialised identically on every rank (same seed)."""
+    torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            return loaded.factory(**loaded.source.args)
+    except Exception as e:
+        raise BadInput(f"building the real model on {device} failed: {type(e).__name__}: {e}.") from e
