@@ -9,7 +9,8 @@ since the previous boundary. Those bytes (activations saved for backward, transi
 temporaries, activation gradients, the loss) do not depend on how the model is sharded,
 so the memory model composes any FSDP plan's peak as this timeline plus the sharded states
 plus the unsharded parameters and gradients that plan keeps live at each boundary.
-Cumulative FLOPs are recorded at the same boundaries, giving each module's forward and
+Cumulative FLOPs (PyTorch's ``flop_registry``, the rules ``FlopCounterMode`` uses; the mode
+itself keeps recomputed tensors alive under checkpointing) are recorded at the same boundaries, giving each module's forward and
 backward compute. With activation checkpointing the timeline changes inside the
 checkpointed blocks only; a second pass with every repeated block checkpointed supplies
 those segments (``Timeline`` per pass; see memory.py for the composition).
@@ -27,7 +28,7 @@ from torch import nn
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
 from fsdp_plan.errors import BadInput
 from fsdp_plan.fake import materialize_fake, new_fake_mode
@@ -103,6 +104,7 @@ class _ActivationMeter(TorchDispatchMode):
         self.live: dict[int, tuple[weakref.ref, int]] = {}
         self.current = 0
         self.peak_since_mark = 0
+        self.flops = 0.0
 
     def track(self, tensor: torch.Tensor) -> None:
         st = tensor.untyped_storage()
@@ -132,8 +134,12 @@ class _ActivationMeter(TorchDispatchMode):
         return peak
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         tree_map_only(torch.Tensor, self.track, out)
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            self.flops += count(*args, **kwargs, out_val=out)
         return out
 
 
@@ -174,14 +180,13 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
     events: list[Event] = []
     stack: list[str] = []
     names = {id(m): normalize_fqn(n) for n, m in model.named_modules()}
-    flop_counter = FlopCounterMode(display=False)
 
     def record(kind: str, module: nn.Module) -> None:
         fqn = names.get(id(module))
         if fqn is None:
             return
         events.append(Event(kind=kind, module=fqn, level=meter.current, peak=meter.mark(),
-                            flops=float(flop_counter.get_total_flops())))
+                            flops=float(meter.flops)))
 
     def pre_fw(module: nn.Module, _inputs: Any) -> None:
         record("pre_fw", module)
@@ -217,7 +222,7 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
             args, kwargs = _cast_floating(args, param_dtype), _cast_floating(kwargs, param_dtype)
         input_bytes = _bytes_of((args, kwargs))
         try:
-            with tracker, flop_counter, meter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with tracker, meter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 output = model(*args, **kwargs)
                 loss = loaded.compute_loss(output)
                 del output
@@ -227,7 +232,7 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
                 loss.backward()
                 del loss
                 events.append(Event(kind="end", module="", level=meter.current, peak=meter.mark(),
-                                    flops=float(flop_counter.get_total_flops())))
+                                    flops=float(meter.flops)))
         except BadInput:
             raise
         except Exception as e:

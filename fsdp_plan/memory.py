@@ -99,6 +99,10 @@ class ActivationProfile:
         row = self._table[level]
         return max(row[lo], row[hi - (1 << level) + 1])
 
+    def first_event(self, kind: str, module: str, default: int) -> int:
+        """Index of the first backward (or forward) ``kind`` event of ``module``."""
+        return self._first.get((kind, module, kind.endswith("bw")), default)
+
     def windows(self, unit: UnitSpec) -> UnitWindows:
         """Where ``unit`` computes: its modules' first pre-forward to last post-forward, etc."""
         end = len(self.events) - 1
@@ -120,6 +124,58 @@ class ActivationProfile:
                            bw_end=max(bw_end, bw_start))
 
 
+def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[str, int]
+           ) -> MemoryEstimate:
+    """Highest total over the gaps between boundary events and the sub-step instants.
+
+    Points are ordered as (event, sub) with ``(k, -1)`` the gap before event ``k``; every
+    buffer is present on the half-open range ``start <= point < end``, so one sweep suffices.
+    """
+    n = len(profile.events)
+    deltas: list[tuple[tuple[int, int], int, str]] = []
+    for start, end, nbytes, cat in live:
+        deltas.append((start, nbytes, cat))
+        deltas.append((end, -nbytes, cat))
+    for at, nbytes in grads_at:
+        deltas.append(((at, 1), nbytes, "sharded_grads"))
+    deltas.sort(key=lambda d: d[0])
+    extra: dict[tuple[int, int], list[tuple[int, str]]] = {}
+    for at, nbytes, cat in instants:
+        extra.setdefault(at, []).append((nbytes, cat))
+    points = {(0, -1), (n - 1, -1)}
+    for start, end, _, _ in live:
+        points.update({(start[0], -1), start, (end[0], -1)})
+    points.update(extra)
+    ordered = sorted(pt for pt in points if pt[0] < n)
+    current: dict[str, int] = {}
+    best = MemoryEstimate(peak_bytes=-1, phase="", breakdown={})
+    base = sum(static.values())
+    prev_event, d = -1, 0
+    for point in ordered:
+        while d < len(deltas) and deltas[d][0] <= point:
+            current[deltas[d][2]] = current.get(deltas[d][2], 0) + deltas[d][1]
+            d += 1
+        event, sub = point
+        if sub == -1:  # the gap ending at ``event``: highest activation since the last boundary
+            act = profile.max_peak(prev_event + 1, event)
+            added = ()
+        else:
+            act = profile.levels[event]
+            added = extra.get(point, ())
+        prev_event = max(prev_event, event)
+        total = base + act + sum(current.values()) + sum(b for b, _ in added)
+        if total > best.peak_bytes:
+            parts = {**static, **{k: v for k, v in current.items() if v}}
+            for nbytes, cat in added:
+                parts[cat] = parts.get(cat, 0) + nbytes
+            parts["activations"] = act
+            ev = profile.events[event]
+            phase = "forward" if event <= profile.forward_end else "backward"
+            best = MemoryEstimate(peak_bytes=total, breakdown=parts,
+                                  phase=f"{phase} ({ev.kind} {ev.module or '<root>'})")
+    return best
+
+
 def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
                   forward_prefetch: int = 0, backward_prefetch: int = 1) -> MemoryEstimate:
     """Peak bytes per rank of one steady step for ``units`` (children first, root last)."""
@@ -139,58 +195,51 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     fw_order = sorted(ran, key=lambda i: windows[i].fw_start)
     bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
 
-    # (start_event, end_event, bytes, category): live for events start..end.
-    live: list[tuple[int, int, int, str]] = []
-    instants: list[tuple[int, int, str]] = []  # transient extra bytes at one event
+    # [Note: sub-steps] Several FSDP actions share one module boundary; they run in this order:
+    # 0 the ending unit's post-forward/post-backward (reshard, reduce-scatter), 1 the starting
+    # unit's copy-out of its all-gather, 2 the prefetch of the next unit's all-gather.
+    # A live buffer is (start, end, bytes, category) with start/end = (event, sub-step),
+    # present at instants start <= t < end and in the gap before event k when start < k <= end.
+    live: list[tuple[tuple[int, int], tuple[int, int], int, str]] = []
+    instants: list[tuple[tuple[int, int], int, str]] = []
     for pos, i in enumerate(fw_order):
         u, w = units[i], windows[i]
         unsharded = u.unsharded_numel(shard) * p.param_bytes
         gather_at = windows[fw_order[max(0, pos - forward_prefetch)]].fw_start
-        free_at = w.fw_end if u.reshard_after_forward else w.bw_end
-        live.append((gather_at, free_at, unsharded, "unsharded_params"))
-        instants.append((gather_at, unsharded + u.shard_numel * p.param_bytes, "comm_buffers"))
+        start = (gather_at, 2 if gather_at < w.fw_start else 1)
+        end = (w.fw_end, 0) if u.reshard_after_forward else (w.bw_end, 0)
+        live.append((start, end, unsharded, "unsharded_params"))
+        instants.append(((w.fw_start, 1), unsharded + u.shard_numel * p.param_bytes, "comm_buffers"))
     bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
+    # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
+    # module hooks may report them the other way round: end each unit where the next begins.
+    for here, nxt in zip(bw_sequence, bw_sequence[1:]):
+        if units[here].modules != [""] and windows[nxt].bw_start > windows[here].bw_start:
+            windows[here].bw_end = min(windows[here].bw_end, windows[nxt].bw_start)
     for pos, i in enumerate(bw_sequence):
         u, w = units[i], windows[i]
         unsharded = u.unsharded_numel(shard) * p.param_bytes
         if u.reshard_after_forward:
-            gather_at = windows[bw_sequence[max(0, pos - backward_prefetch)]].bw_start
-            gather_at = min(gather_at, w.bw_start)
-            live.append((gather_at, w.bw_end, unsharded, "unsharded_params"))
-            instants.append((gather_at, unsharded + u.shard_numel * p.param_bytes, "comm_buffers"))
-        live.append((w.bw_start, w.bw_end, u.unsharded_numel(shard) * p.param_bytes, "unsharded_grads"))
+            gather_at = min(windows[bw_sequence[max(0, pos - backward_prefetch)]].bw_start, w.bw_start)
+            start = (gather_at, 2 if gather_at < w.bw_start else 1)
+            live.append((start, (w.bw_end, 0), unsharded, "unsharded_params"))
+            instants.append(((w.bw_start, 1), unsharded + u.shard_numel * p.param_bytes,
+                             "comm_buffers"))
+        for fqn, numel in u.param_modules:
+            made_at = min(max(profile.first_event("pre_bw", fqn, w.bw_start), w.bw_start), w.bw_end)
+            live.append(((made_at, 1), (w.bw_end, 0), numel * p.param_bytes, "unsharded_grads"))
     last = len(profile.events) - 1
-    grads_by_event: list[tuple[int, int]] = []
+    bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
+    grads_at: list[tuple[int, int]] = []
     for pos, i in enumerate(bw_order):
         u, w = units[i], windows[i]
         rs_input = u.unsharded_numel(shard) * p.reduce_bytes
-        nxt = windows[bw_order[pos + 1]].bw_end if pos + 1 < len(bw_order) else last
-        live.append((w.bw_end, nxt, rs_input, "comm_buffers"))
-        grads_by_event.append((w.bw_end, u.shard_numel * p.orig_bytes))
-
-    boundaries = sorted({0, last, *(s for s, _, _, _ in live), *(e for _, e, _, _ in live)})
-    best = MemoryEstimate(peak_bytes=-1, phase="", breakdown={})
-    for idx, event in enumerate(boundaries):
-        lo = boundaries[idx - 1] + 1 if idx else 0
-        for point, act in ((event, profile.max_peak(lo, event)), (event, profile.levels[event])):
-            is_instant = act == profile.levels[event] and point == event
-            parts: dict[str, int] = dict(static)
-            for s, e, nbytes, cat in live:
-                # A buffer allocated at ``s`` is not in the interval before ``s`` (its peak).
-                inside = s <= point <= e if is_instant else s < point <= e
-                if inside:
-                    parts[cat] = parts.get(cat, 0) + nbytes
-            if is_instant:
-                for at, nbytes, cat in instants:
-                    if at == point:
-                        parts[cat] = parts.get(cat, 0) + nbytes
-            parts["sharded_grads"] = sum(b for at, b in grads_by_event if at < point)
-            parts["activations"] = act
-            total = sum(parts.values())
-            if total > best.peak_bytes:
-                phase = "forward" if point <= profile.forward_end else "backward"
-                best = MemoryEstimate(peak_bytes=total, phase=f"{phase} ({profile.events[point].kind} "
-                                      f"{profile.events[point].module or '<root>'})", breakdown=parts)
+        nxt = windows[bw_order[pos + 1]].bw_end if pos + 1 < len(bw_order) else last + 1
+        live.append(((w.bw_end, 0), (nxt, 0), rs_input, "comm_buffers"))
+        # The reduce-scatter input is filled while the unsharded gradients still exist.
+        instants.append(((w.bw_end, 0), u.numel * p.param_bytes, "unsharded_grads"))
+        grads_at.append((w.bw_end, u.shard_numel * p.orig_bytes))
+    best = _sweep(profile, live, instants, grads_at, static)
     optimizer_step = static_total + total_shard * p.orig_bytes + (
         total_shard * p.orig_bytes if OPTIMIZER_STATES.get(ctx.optimizer, 0) else 0)
     if optimizer_step > best.peak_bytes:

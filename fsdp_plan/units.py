@@ -27,6 +27,8 @@ class UnitSpec:
     """Per-rank shard of those parameters, padded as FSDP2 pads dim 0 to the shard size."""
     num_params: int = 0
     owned_modules: list[str] = field(default_factory=list)
+    param_modules: list[tuple[str, int]] = field(default_factory=list)
+    """(module FQN, parameters registered directly on it) for owned modules with parameters."""
 
     @property
     def key(self) -> str:
@@ -61,6 +63,8 @@ def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool]
     for fqn, info in graph.modules.items():
         unit = units[owner_unit(fqn, unit_of_module)]
         unit.owned_modules.append(fqn)
+        if info.direct_numel:
+            unit.param_modules.append((fqn, info.direct_numel))
         for shape in info.param_shapes:
             numel = math.prod(shape) if shape else 1
             dim0 = shape[0] if shape else 1
