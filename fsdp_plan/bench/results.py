@@ -1,0 +1,252 @@
+"""Benchmark results that last: one JSON file per run (written atomically, never overwritten),
+the report printed from it, the check against the plan's prediction, and ``--compare``.
+
+A result file holds what is needed to tell whether a later run regressed and why: the plan's
+hash, the model, world size and mesh, torch version, device name, git commit, and all figures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from fsdp_plan.errors import BadInput
+from fsdp_plan.plan import atomic_write_text
+from fsdp_plan.sizes import format_bytes
+
+RESULT_VERSION = 1
+
+
+def plan_hash(plan_dict: dict[str, Any]) -> str:
+    """A short hash of the plan document (canonical JSON)."""
+    text = json.dumps(plan_dict, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def git_commit(folder: str = ".") -> dict[str, Any]:
+    """The checked-out commit and whether the tree has local changes (``None`` outside git)."""
+    def git(*cmd: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *cmd], check=False, cwd=folder, capture_output=True, text=True,
+                                  timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": bool(dirty) if commit else None}
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100): an observed value, no interpolation."""
+    ordered = sorted(values)
+    index = max(0, math.ceil(q / 100 * len(ordered)) - 1)
+    return ordered[index]
+
+
+def _step_times(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    per_rank = [{"rank": r["rank"], "median_s": statistics.median(r["step_times_s"]),
+                 "p99_s": percentile(r["step_times_s"], 99), "steps_s": r["step_times_s"]}
+                for r in ranks]
+    slowest = max(per_rank, key=lambda r: r["median_s"])
+    # A step ends when its slowest rank ends: the step time is the per-step maximum over ranks.
+    per_step = [max(vals) for vals in zip(*(r["step_times_s"] for r in ranks))]
+    return {"median_s": statistics.median(per_step), "p99_s": percentile(per_step, 99),
+            "mean_s": statistics.fmean(per_step), "slowest_rank": slowest["rank"],
+            "slowest_rank_median_s": slowest["median_s"], "per_rank": per_rank}
+
+
+def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, Any]) -> dict[str, Any]:
+    """The result document of one run from every rank's figures."""
+    plan = prepared.plan
+    predicted = plan.predicted or {}
+    counts_key = "collectives_per_step_fsdp1" if prepared.fsdp_version == 1 else "collectives_per_step"
+    counts = ranks[0]["counts"]
+    comm = ranks[0]["comm"]
+    worst = max(ranks, key=lambda r: r["comm"].get("exposed_s", 0.0))
+    return {
+        "fsdp_plan_bench_version": RESULT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "plan": {"path": prepared.plan_path, "hash": plan_hash(plan.to_dict()),
+                 "world_size": plan.world_size,
+                 "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard}},
+        "model": dict(plan.model),
+        "run": {"nproc": prepared.nproc, "mesh": {"replicate": prepared.mesh[0],
+                                                  "shard": prepared.mesh[1]},
+                "fsdp_version": prepared.fsdp_version, "steps": prepared.payload["steps"],
+                "warmup": prepared.payload["warmup"], "device": ranks[0]["device"],
+                "device_name": device_name(), "torch": torch.__version__,
+                "python": platform.python_version(), "git": git_commit()},
+        "collectives": {"measured": counts, "predicted": predicted.get(counts_key),
+                        "predicted_key": counts_key,
+                        "ranks_agree": all(r["counts"] == counts for r in ranks)},
+        "step_time": {**_step_times(ranks), "predicted_s": predicted.get("step_time_s")},
+        "memory": {**memory, "predicted_bytes": predicted.get("peak_bytes")},
+        "comm": {"rank0": comm, "max_exposed_s": worst["comm"].get("exposed_s"),
+                 "max_exposed_rank": worst["rank"],
+                 "per_rank": [{"rank": r["rank"], **r["comm"]} for r in ranks],
+                 "predicted_exposed_s": predicted.get("exposed_comm_s")},
+    }
+
+
+def result_filename(result: dict[str, Any]) -> str:
+    stem = os.path.splitext(os.path.basename(str(result["model"].get("source", "model"))))[0]
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run = result["run"]
+    return (f"{stamp}-{stem}-fsdp{run['fsdp_version']}-n{run['nproc']}-"
+            f"{result['plan']['hash'][:8]}")
+
+
+def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None = None) -> str:
+    """Write ``<out>/<name>.json`` (and ``<name>.trace.json``) atomically; never overwrite."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, result_filename(result))
+    n = 1
+    name = base
+    while os.path.exists(name + ".json"):
+        n += 1
+        name = f"{base}-{n}"
+    if trace_from and os.path.exists(trace_from):
+        trace_path = name + ".trace.json"
+        tmp = trace_path + ".tmp"
+        shutil.copyfile(trace_from, tmp)
+        os.replace(tmp, trace_path)
+        result["trace"] = os.path.basename(trace_path)
+    atomic_write_text(name + ".json", json.dumps(result, indent=2, default=str) + "\n")
+    return name + ".json"
+
+
+def read_result(path: str) -> dict[str, Any]:
+    """A result file written by ``write_result`` (for ``--compare``)."""
+    try:
+        with open(path) as f:
+            result = json.load(f)
+    except FileNotFoundError as e:
+        raise BadInput(f"--compare {path!r} does not exist.") from e
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--compare {path!r} is not a readable JSON result: {e}.") from e
+    if not isinstance(result, dict) or result.get("fsdp_plan_bench_version") != RESULT_VERSION:
+        raise BadInput(f"--compare {path!r} is not an fsdp-plan bench result (version "
+                       f"{RESULT_VERSION}).")
+    return result
+
+
+def counts_differ(measured: dict[str, int], predicted: dict[str, int]) -> list[str]:
+    """Kinds whose counts differ (a kind missing on one side counts as 0)."""
+    kinds = sorted(set(measured) | set(predicted))
+    return [k for k in kinds if int(measured.get(k, 0)) != int(predicted.get(k, 0))]
+
+
+def check_prediction(result: dict[str, Any]) -> list[str]:
+    """Failures against the plan: collective counts must match exactly (SPEC 5)."""
+    coll = result["collectives"]
+    problems = []
+    if coll["predicted"] is not None:
+        wrong = counts_differ(coll["measured"], coll["predicted"])
+        if wrong:
+            problems.append("collective counts differ from the plan's prediction for " + ", ".join(
+                f"{k} (measured {coll['measured'].get(k, 0)}, predicted {coll['predicted'].get(k, 0)})"
+                for k in wrong))
+    if not coll["ranks_agree"]:
+        problems.append("ranks issued different collectives")
+    return problems
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.2f} ms"
+
+
+def _bytes(value: int | None) -> str:
+    return "-" if value is None else format_bytes(value)
+
+
+def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str:
+    """The human-readable report of one run."""
+    run, coll, st, mem, comm = (result["run"], result["collectives"], result["step_time"],
+                                result["memory"], result["comm"])
+    head = (f"bench {result['model'].get('source')} on {run['nproc']} rank(s), mesh "
+            f"{run['mesh']['replicate']}x{run['mesh']['shard']}, FSDP{run['fsdp_version']}, "
+            f"{run['device_name']}, torch {run['torch']}")
+    predicted = coll["predicted"] or {}
+    kinds = sorted(set(coll["measured"]) | set(predicted))
+    count_rows = [[k, coll["measured"].get(k, 0), predicted.get(k, "-") if coll["predicted"]
+                   else "-", "ok" if not coll["predicted"] or int(coll["measured"].get(k, 0))
+                   == int(predicted.get(k, 0)) else "DIFFERS"] for k in kinds]
+    rows = [
+        ["step time (median, slowest rank per step)", _secs(st["median_s"]), _secs(st.get("predicted_s"))],
+        ["step time P99", _secs(st["p99_s"]), ""],
+        [f"slowest rank (rank {st['slowest_rank']}) median", _secs(st["slowest_rank_median_s"]), ""],
+        ["peak memory per rank", _bytes(mem.get("peak_bytes")), _bytes(mem.get("predicted_bytes"))],
+        ["communication (rank 0)", _secs(comm["rank0"].get("comm_s")), ""],
+        ["  hidden behind compute", _secs(comm["rank0"].get("hidden_s")), ""],
+        ["  exposed", _secs(comm["rank0"].get("exposed_s")), _secs(comm.get("predicted_exposed_s"))],
+        ["  exposed tail after backward", _secs(comm["rank0"].get("tail_exposed_s")), ""],
+        [f"exposed, worst rank (rank {comm['max_exposed_rank']})", _secs(comm["max_exposed_s"]), ""],
+        ["backward slowed while overlapped", _secs(comm["rank0"].get("backward_overlap_slowdown_s")), ""],
+    ]
+    parts = [head, "", tabulate(count_rows, headers=["collective / step", "measured", "predicted",
+                                                     ""]),
+             "", tabulate(rows, headers=["figure", "measured", "predicted"])]
+    parts.append(f"memory: {mem.get('source')}")
+    for note in notes or []:
+        parts.append(f"note: {note}")
+    if result.get("trace"):
+        parts.append(f"profiler trace (Chrome/Perfetto): {result['trace']}")
+    return "\n".join(parts)
+
+
+def _change(old: float | None, new: float | None) -> float | None:
+    if old in (None, 0) or new is None:
+        return None
+    return (new - old) / old
+
+
+def compare(old: dict[str, Any], new: dict[str, Any], threshold: float) -> tuple[str, list[str]]:
+    """Side-by-side table of two results and the regressions past ``threshold``."""
+    rows, problems = [], []
+    o_counts, n_counts = old["collectives"]["measured"], new["collectives"]["measured"]
+    for kind in sorted(set(o_counts) | set(n_counts)):
+        o, n = int(o_counts.get(kind, 0)), int(n_counts.get(kind, 0))
+        status = "ok" if o == n else "CHANGED"
+        rows.append([f"{kind} / step", o, n, "" if o == n else f"{n - o:+d}", status])
+        if o != n:
+            problems.append(f"{kind} per step changed from {o} to {n}")
+    for label, o, n, fmt in (
+        ("step time median", old["step_time"]["median_s"], new["step_time"]["median_s"], _secs),
+        ("step time P99", old["step_time"]["p99_s"], new["step_time"]["p99_s"], _secs),
+        ("peak memory", old["memory"].get("peak_bytes"), new["memory"].get("peak_bytes"), _bytes),
+        ("exposed communication", old["comm"]["rank0"].get("exposed_s"),
+         new["comm"]["rank0"].get("exposed_s"), _secs),
+    ):
+        change = _change(o, n)
+        gated = label in ("step time median", "peak memory")
+        regressed = gated and change is not None and change > threshold
+        rows.append([label, fmt(o), fmt(n), "-" if change is None else f"{change:+.1%}",
+                     "REGRESSED" if regressed else ("ok" if gated else "info")])
+        if regressed:
+            problems.append(f"{label} regressed {change:+.1%} (threshold {threshold:.0%})")
+    for label, key in (("plan hash", "hash"),):
+        if old["plan"][key] != new["plan"][key]:
+            rows.append([label, old["plan"][key], new["plan"][key], "", "differs"])
+    for label in ("torch", "device_name"):
+        if old["run"].get(label) != new["run"].get(label):
+            rows.append([label, old["run"].get(label), new["run"].get(label), "", "differs"])
+    table = tabulate(rows, headers=["compare", "old", "new", "change", "status"])
+    return table, problems

@@ -1,0 +1,155 @@
+"""One benchmark session, shared by ``fsdp-plan bench`` and the torchrun worker entry:
+validate the inputs before any work (``prepare``), then turn every rank's figures into one
+result file, a report and an exit code (``finish``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_plan.errors import BadInput, CheckFailed
+from fsdp_plan.load import LoadedModel
+from fsdp_plan.measure import runtime
+from fsdp_plan.plan import Plan, read_plan
+
+DEFAULT_OUT = os.path.join("benchmarks", "results")
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options a benchmark run needs, wherever it is launched from."""
+    parser.add_argument("plan", metavar="PLAN.yaml", help="a plan written by fsdp-plan --plan")
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="the model file (default: the source recorded in the plan)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steady steps (default 20)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="warm-up steps skipped before measuring (default 3)")
+    parser.add_argument("--fsdp1", action="store_true",
+                        help="apply the plan with FSDP1 FullyShardedDataParallel(auto_wrap_policy=...) "
+                             "instead of FSDP2 fully_shard")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help=f"folder for the result JSON and trace (default {DEFAULT_OUT})")
+    parser.add_argument("--compare", metavar="OLD.json", default=None,
+                        help="a previous result: print both side by side, exit 1 on a regression")
+    parser.add_argument("--threshold", type=float, default=0.10,
+                        help="relative step-time / peak-memory regression that fails --compare "
+                             "(default 0.10 = 10%%)")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+@dataclass(kw_only=True)
+class Prepared:
+    """Everything checked before launching: the plan, the model, the run's mesh, the payload."""
+
+    plan: Plan
+    plan_path: str
+    loaded: LoadedModel
+    nproc: int
+    mesh: tuple[int, int]
+    fsdp_version: int
+    payload: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    old_result: dict[str, Any] | None = None
+
+
+def run_mesh(plan: Plan, nproc: int) -> tuple[tuple[int, int], list[str]]:
+    """The ``(replicate, shard)`` mesh for ``nproc`` ranks: the plan's own when ``nproc`` is its
+    world size; else plain FSDP over ``nproc``, or HSDP keeping the plan's shard size."""
+    replicate, shard = runtime.mesh_shape(plan.mesh)
+    notes = []
+    if nproc == plan.world_size:
+        mesh = (replicate, shard)
+    elif replicate == 1:
+        mesh = (1, nproc)
+    elif nproc % shard == 0:
+        mesh = (nproc // shard, shard)
+    else:
+        raise BadInput(f"--nproc {nproc} cannot hold the plan's HSDP shard groups of {shard}; "
+                       f"use a multiple of {shard} (the plan is for {plan.world_size} ranks).")
+    if nproc != plan.world_size:
+        notes.append(f"running {nproc} ranks (mesh {mesh[0]}x{mesh[1]}) for a plan made for "
+                     f"{plan.world_size}: collective counts per rank do not depend on the world "
+                     "size, step time and communication do.")
+    if mesh[1] == 1 and shard > 1:
+        notes.append("shard groups of 1 issue no all-gather or reduce-scatter, so counts cannot "
+                     "match a plan made for sharded groups.")
+    return mesh, notes
+
+
+def prepare(args: argparse.Namespace, *, nproc: int) -> Prepared:
+    """Read and check everything before any worker starts (bad input fails fast, exit 2)."""
+    if args.steps < 1 or args.warmup < 0:
+        raise BadInput(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}.")
+    if nproc < 1:
+        raise BadInput(f"--nproc must be at least 1, got {nproc}.")
+    if not 0 < args.threshold < 10:
+        raise BadInput(f"--threshold is a fraction (0.10 = 10%), got {args.threshold}.")
+    from fsdp_plan.bench.results import read_result
+
+    old = read_result(args.compare) if args.compare else None
+    os.makedirs(args.out, exist_ok=True)
+    if not os.access(args.out, os.W_OK):
+        raise BadInput(f"--out {args.out!r} cannot be written; choose another folder.")
+    plan = read_plan(args.plan)
+    loaded = runtime.load_planned_model(plan, args.model, args.plan)
+    mesh, notes = run_mesh(plan, nproc)
+    fsdp_version = 1 if args.fsdp1 else 2
+    payload = {
+        "source": {"source": loaded.source.source, "entry": loaded.source.entry,
+                   "args": dict(loaded.source.args), "batch_size": loaded.source.batch_size,
+                   "seq_len": loaded.source.seq_len, "kind": loaded.source.kind},
+        "policy_source": runtime.policy_source(plan), "mesh": list(mesh),
+        "fsdp_version": fsdp_version, "optimizer": plan.optimizer,
+        "warmup": args.warmup, "steps": args.steps,
+        "trace_dir": tempfile.mkdtemp(prefix="fsdp-plan-traces-"),
+    }
+    return Prepared(plan=plan, plan_path=args.plan, loaded=loaded, nproc=nproc, mesh=mesh,
+                    fsdp_version=fsdp_version, payload=payload, notes=notes, old_result=old)
+
+
+def _cpu_memory(prepared: Prepared) -> dict[str, Any]:
+    """On CPU there is no allocator peak: measure the plan with FSDPMemTracker on the fake
+    process group at the plan's world size (SPEC 5's CPU definition of peak)."""
+    from fsdp_plan.measure.memory import measure_peak
+
+    if prepared.fsdp_version != 2:
+        return {"peak_bytes": None, "source": "not measured: FSDPMemTracker tracks FSDP2 only"}
+    measured = measure_peak(prepared.loaded, prepared.plan,
+                            runtime.load_policy(prepared.payload["policy_source"]))
+    return {"peak_bytes": measured.peak_bytes, "breakdown": measured.breakdown,
+            "source": f"FSDPMemTracker on the fake process group at world size "
+                      f"{prepared.plan.world_size} (CPU run: no allocator peak)"}
+
+
+def finish(args: argparse.Namespace, prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
+    """Write the result, print the report, check counts and ``--compare``; the exit code."""
+    from fsdp_plan.bench import results
+
+    if ranks and ranks[0].get("peak_bytes") is not None:
+        memory = {"peak_bytes": max(r["peak_bytes"] for r in ranks),
+                  "source": "torch.cuda.max_memory_allocated over the timed steps"}
+    else:
+        memory = _cpu_memory(prepared)
+    result = results.build_result(prepared, ranks, memory)
+    path = results.write_result(result, args.out, trace_from=ranks[0]["trace"])
+    result["path"] = path
+    problems = results.check_prediction(result)
+    text = results.format_report(result, prepared.notes)
+    compare_problems: list[str] = []
+    if prepared.old_result is not None:
+        table, compare_problems = results.compare(prepared.old_result, result, args.threshold)
+        text += "\n\n" + table
+    if args.format == "json":
+        import json
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(text)
+    failures = problems + compare_problems
+    if failures:
+        raise CheckFailed("; ".join(failures) + f". The result was still written to {path}.")
+    print(f"result written to {path}", file=sys.stderr)
+    return 0

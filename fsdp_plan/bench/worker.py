@@ -1,0 +1,144 @@
+"""One benchmark rank: apply the plan to the real model and measure stable training steps.
+
+Run by ``fsdp-plan bench`` on ``--nproc`` local workers, or directly under ``torchrun`` on
+any number of machines (each rank reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``)::
+
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m fsdp_plan.bench.worker PLAN.yaml [MODEL] \
+        [--steps 20] [--warmup 3] [--fsdp1] [--out benchmarks/results]
+
+Steps, in order: ``warmup`` steps (lazy initialisation, optimizer states, allocator warm-up)
+that nothing measures; one step counted with ``CollectiveCounter`` (forward + backward, SPEC
+5); ``steps`` timed steps (peak memory too on GPU); one step under ``torch.profiler``. The
+counting and profiling steps are kept out of the timings: both slow every op down.
+Each rank's figures are gathered to rank 0, which returns (or, under torchrun, writes) them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from typing import Any
+
+import torch
+
+from fsdp_plan.measure.launch import WorkerContext, context_from_env, maybe_inject_fault
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
+    """Measure this rank; rank 0 returns every rank's figures under ``ranks``."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from fsdp_plan.load import ModelSource, load_model
+    from fsdp_plan.measure import runtime
+    from fsdp_plan.measure.collectives import CollectiveCounter, init_worker_process_group
+    from fsdp_plan.measure.profile import analyze_trace
+
+    device = init_worker_process_group(ctx.local_rank)
+    loaded = load_model(ModelSource(**payload["source"]))
+    policy = runtime.load_policy(payload["policy_source"])
+    mesh = runtime.make_mesh(device.type, *payload["mesh"])
+    model = runtime.build_real_model(loaded, device)
+    model = runtime.apply_plan(model, policy, mesh, fsdp_version=payload["fsdp_version"],
+                               device=device)
+    optimizer = runtime.make_optimizer(payload["optimizer"], model.parameters())
+    torch.manual_seed(1 + ctx.rank)
+    src = loaded.source
+    inputs = runtime.to_device(loaded.make_inputs(src.batch_size, src.seq_len), device)
+
+    warmup, steps = int(payload["warmup"]), int(payload["steps"])
+    total = warmup + steps + 2
+    step_no = 0
+
+    def begin(phase: str) -> None:
+        nonlocal step_no
+        step_no += 1
+        maybe_inject_fault(ctx.rank, step_no)
+        ctx.report(phase=phase, step=step_no, steps=total)
+
+    for _ in range(warmup):
+        begin("warm-up")
+        runtime.forward_backward(model, loaded, inputs)
+        runtime.finish_step(model, optimizer)
+    _sync(device)
+
+    begin("count")
+    with CollectiveCounter() as counter:
+        runtime.forward_backward(model, loaded, inputs)
+    runtime.finish_step(model, optimizer)
+    counts = counter.counts()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        begin("timed")
+        _sync(device)
+        t0 = time.perf_counter()
+        runtime.forward_backward(model, loaded, inputs)
+        runtime.finish_step(model, optimizer)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+    begin("profile")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof, record_function("fsdp_plan.step"):
+        args, kwargs = inputs
+        with record_function("fsdp_plan.forward"):
+            loss = loaded.compute_loss(model(*args, **kwargs))
+        with record_function("fsdp_plan.backward"):
+            loss.backward()
+            _sync(device)
+        with record_function("fsdp_plan.optimizer"):
+            runtime.finish_step(model, optimizer)
+        _sync(device)
+    trace_path = os.path.join(payload["trace_dir"], f"rank{ctx.rank}.trace.json")
+    prof.export_chrome_trace(trace_path)
+    comm = analyze_trace(trace_path).to_dict()
+    ctx.report(phase="done", step=total, steps=total)
+
+    mine = {"rank": ctx.rank, "counts": counts, "step_times_s": times, "peak_bytes": peak,
+            "comm": comm, "trace": trace_path, "device": str(device)}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"ranks": gathered} if ctx.rank == 0 else {"rank": ctx.rank}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fsdp_plan.bench.worker``: one rank under torchrun; rank 0 writes the result."""
+    from fsdp_plan.bench import session
+    from fsdp_plan.errors import FsdpPlanError
+
+    parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.worker",
+                                     description="One fsdp-plan benchmark rank (under torchrun).")
+    session.add_run_arguments(parser)
+    args = parser.parse_args(argv)
+    ctx = context_from_env()
+    prepared = None
+    try:
+        prepared = session.prepare(args, nproc=ctx.world_size)
+        per_rank = bench_rank(ctx, prepared.payload)
+        if ctx.rank != 0:
+            return 0
+        return session.finish(args, prepared, per_rank["ranks"])
+    except FsdpPlanError as e:
+        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}\n")
+        return e.exit_code
+    finally:
+        if prepared is not None:
+            shutil.rmtree(prepared.payload["trace_dir"], ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

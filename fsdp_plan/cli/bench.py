@@ -1,0 +1,83 @@
+"""Benchmark a plan on real workers: collectives, step time, peak memory and exposed communication.
+
+    fsdp-plan bench PLAN.yaml [MODEL] [--nproc N] [--steps 20] [--warmup 3] [--fsdp1]
+                    [--compare OLD.json] [--threshold 0.10] [--timeout S] [--out benchmarks/results]
+
+Launches ``--nproc`` local workers (gloo on CPU, NCCL on GPUs); across machines run the same
+worker under torchrun (``python -m fsdp_plan.bench.worker``). Exit 0 when the counts match
+the plan (and ``--compare`` found no regression), 1 otherwise or when a worker crashed or hung,
+2 for bad input. Each run writes one JSON result and a profiler trace under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from typing import Any
+
+from fsdp_plan.bench import session
+from fsdp_plan.errors import BadInput
+from fsdp_plan.measure.launch import WorkersFailed, launch
+from fsdp_plan.plan import read_plan
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    session.add_run_arguments(parser)
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="local worker processes (default: the plan's world size)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds a worker may go without progress before it counts as hung "
+                             "(start-up included; default 300)")
+
+
+def default_nproc(world_size: int) -> int:
+    """The plan's world size, if this machine can run that many ranks."""
+    import torch
+    if torch.cuda.is_available():
+        if world_size > torch.cuda.device_count():
+            raise BadInput(f"the plan is for {world_size} GPUs and this machine has "
+                           f"{torch.cuda.device_count()}; pass --nproc (or run the worker under "
+                           "torchrun across machines).")
+        return world_size
+    limit = max(4, 2 * (os.cpu_count() or 1))
+    if world_size > limit:
+        raise BadInput(f"the plan is for {world_size} ranks; running that many CPU workers here "
+                       f"would take long. Pass --nproc 2 or 4 (counts per rank do not depend on "
+                       "the world size).")
+    return world_size
+
+
+def _progress_printer(total_ranks: int):
+    started: set[int] = set()
+
+    def show(rank: int, progress: dict[str, Any]) -> None:
+        if progress.get("phase") == "started":
+            started.add(rank)
+            if len(started) == total_ranks:
+                print(f"bench: {total_ranks} worker(s) started", file=sys.stderr, flush=True)
+            return
+        if rank == 0 and "step" in progress:
+            print(f"bench: step {progress['step']}/{progress['steps']} ({progress['phase']})",
+                  file=sys.stderr, flush=True)
+    return show
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.timeout <= 0:
+        raise BadInput(f"--timeout must be a positive number of seconds, got {args.timeout}.")
+    nproc = args.nproc if args.nproc is not None else default_nproc(read_plan(args.plan).world_size)
+    prepared = session.prepare(args, nproc=nproc)
+    trace_dir = prepared.payload["trace_dir"]
+    try:
+        try:
+            results = launch("fsdp_plan.bench.worker:bench_rank", prepared.payload, nproc=nproc,
+                             timeout_s=args.timeout, on_progress=_progress_printer(nproc))
+        except WorkersFailed as e:
+            if getattr(args, "debug", False) and e.failures:
+                sys.stderr.write(e.failures[0].detail + "\n")
+            raise
+        return session.finish(args, prepared, results[0]["ranks"])
+    finally:
+        shutil.rmtree(trace_dir, ignore_errors=True)

@@ -1,0 +1,146 @@
+"""Dry-run a plan on the fake process group and compare the measured peak with the prediction.
+
+    fsdp-plan verify PLAN.yaml [MODEL] [--tolerance 0.05] [--format table|json]
+
+Rebuilds the planned model under ``FakeTensorMode`` at the plan's real world size and mesh,
+applies the policy module rendered from the plan (what users import), runs a warm-up and a
+steady step under ``FSDPMemTracker`` and prints predicted vs measured peak, by component and
+per unit. Exit 0 when the measured peak fits ``budget - headroom`` and is within
+``--tolerance`` of the prediction, 1 when not, 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from tabulate import tabulate
+
+from fsdp_plan.errors import BadInput, CheckFailed
+from fsdp_plan.measure import runtime
+from fsdp_plan.measure.memory import MeasuredMemory, measure_peak
+from fsdp_plan.plan import Plan, read_plan
+from fsdp_plan.sizes import format_bytes
+
+# FSDPMemTracker's categories -> the planner's breakdown keys (several may share one key).
+TRACKER_TO_PLAN = {
+    "Sharded Param": "sharded_params",
+    "Unsharded Param": "unsharded_params",
+    "Sharded Grad": "sharded_grads",
+    "Unsharded Grad": "unsharded_grads",
+    "OptState": "optimizer_states",
+    "Activation": "activations",
+    "Temp": "activations",
+    "All Gather": "comm_buffers",
+    "Reduce Scatter": "comm_buffers",
+    "Buffer": "buffers",
+    "Inputs": "inputs",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN.yaml", help="a plan written by fsdp-plan --plan")
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="the model file (default: the source recorded in the plan)")
+    parser.add_argument("--tolerance", type=float, default=0.05,
+                        help="largest accepted |measured - predicted| / measured (default 0.05)")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float) -> dict[str, Any]:
+    """Everything the report shows and the checks decide, as plain data."""
+    predicted = plan.predicted or {}
+    predicted_peak = predicted.get("peak_bytes")
+    limit = plan.budget_bytes - plan.headroom_bytes
+    measured_by_key: dict[str, int] = {}
+    for category, value in measured.breakdown.items():
+        key = TRACKER_TO_PLAN.get(category, category)
+        measured_by_key[key] = measured_by_key.get(key, 0) + value
+    predicted_by_key = {k: int(v) for k, v in (predicted.get("breakdown") or {}).items()
+                        if isinstance(v, (int, float))}
+    keys = [k for k in dict.fromkeys([*TRACKER_TO_PLAN.values(), *predicted_by_key])
+            if measured_by_key.get(k) or predicted_by_key.get(k)]
+    components = [{"component": k, "predicted_bytes": predicted_by_key.get(k),
+                   "measured_bytes": measured_by_key.get(k, 0)} for k in keys]
+    predicted_units = {u.get("key"): u for u in predicted.get("units") or [] if isinstance(u, dict)}
+    units = [{"unit": u.key or "<root>", "reshard_after_forward": u.reshard_after_forward,
+              "predicted": {k: v for k, v in predicted_units.get(u.key, {}).items()
+                            if k != "key" and isinstance(v, (int, float))},
+              "measured_peak_bytes": measured.module_peaks.get(u.key)} for u in plan.units]
+    rel = (abs(measured.peak_bytes - predicted_peak) / measured.peak_bytes
+           if predicted_peak is not None and measured.peak_bytes else None)
+    problems = []
+    if measured.peak_bytes > limit:
+        problems.append(f"measured peak {format_bytes(measured.peak_bytes)} exceeds budget - "
+                        f"headroom = {format_bytes(limit)}")
+    if rel is not None and rel > tolerance:
+        problems.append(f"measured peak {format_bytes(measured.peak_bytes)} differs from the "
+                        f"predicted {format_bytes(predicted_peak)} by {rel:.1%} (tolerance "
+                        f"{tolerance:.1%})")
+    notes = list(measured.notes)
+    if predicted_peak is None:
+        notes.append("the plan has no predicted peak; only the budget was checked.")
+    return {"model": plan.model.get("source"), "world_size": plan.world_size,
+            "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard},
+            "budget_bytes": plan.budget_bytes, "headroom_bytes": plan.headroom_bytes,
+            "limit_bytes": limit, "predicted_peak_bytes": predicted_peak,
+            "measured_peak_bytes": measured.peak_bytes, "relative_error": rel,
+            "tolerance": tolerance, "components": components, "units": units,
+            "measured": measured.to_dict(), "notes": notes, "problems": problems,
+            "ok": not problems}
+
+
+def _cell(value: int | None) -> str:
+    return "-" if value is None else format_bytes(value)
+
+
+def format_report(data: dict[str, Any]) -> str:
+    rows = [[c["component"], _cell(c["predicted_bytes"]), _cell(c["measured_bytes"]),
+             "-" if c["predicted_bytes"] is None else _cell(c["measured_bytes"] - c["predicted_bytes"])]
+            for c in data["components"]]
+    rows.append(["PEAK", _cell(data["predicted_peak_bytes"]), _cell(data["measured_peak_bytes"]),
+                 "-" if data["predicted_peak_bytes"] is None
+                 else _cell(data["measured_peak_bytes"] - data["predicted_peak_bytes"])])
+    mesh = data["mesh"]
+    head = (f"verify {data['model']} at world size {data['world_size']} (mesh "
+            f"{mesh['replicate']}x{mesh['shard']}) on the fake process group "
+            f"({data['measured']['seconds']:.1f} s)")
+    legend = ("breakdown at the peak (measured: FSDPMemTracker; Temp counts as activations, "
+              "all-gather/reduce-scatter buffers as comm_buffers)")
+    parts = [head, "", legend,
+             tabulate(rows, headers=["component", "predicted", "measured", "measured - predicted"])]
+    unit_fields = sorted({k for u in data["units"] for k in u["predicted"]})
+    if data["units"]:
+        unit_rows = [[u["unit"], "yes" if u["reshard_after_forward"] else "no",
+                      *[_cell(u["predicted"].get(k)) if k.endswith("bytes")
+                        else u["predicted"].get(k, "-") for k in unit_fields],
+                      _cell(u["measured_peak_bytes"])] for u in data["units"]]
+        parts += ["", tabulate(unit_rows, headers=["unit", "reshard", *[f"predicted {k}" for k in
+                                                                       unit_fields],
+                                                   "measured peak while it ran"])]
+    rel = data["relative_error"]
+    parts += ["", f"budget {_cell(data['budget_bytes'])} - headroom {_cell(data['headroom_bytes'])}"
+                  f" = {_cell(data['limit_bytes'])}; measured peak {_cell(data['measured_peak_bytes'])}"
+                  + ("" if rel is None else f"; off the prediction by {rel:.1%} "
+                     f"(tolerance {data['tolerance']:.1%})")]
+    parts += [f"note: {n}" for n in data["notes"]]
+    parts.append("verify: " + ("OK" if data["ok"] else "FAILED: " + "; ".join(data["problems"])))
+    return "\n".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 <= args.tolerance < 1:
+        raise BadInput(f"--tolerance is a fraction (0.05 = 5%), got {args.tolerance}.")
+    plan = read_plan(args.plan)
+    loaded = runtime.load_planned_model(plan, args.model, args.plan)
+    policy = runtime.load_policy(runtime.policy_source(plan))
+    measured = measure_peak(loaded, plan, policy)
+    data = gather_data(plan, measured, args.tolerance)
+    if args.format == "json":
+        print(json.dumps(data, indent=2))
+    else:
+        print(format_report(data))
+    if not data["ok"]:
+        raise CheckFailed("; ".join(data["problems"]) + ".")
+    return 0

@@ -1,0 +1,47 @@
+"""Collective counts per steady step (forward + backward), SPEC section 5: the rule, written once.
+
+FSDP2 (``fully_shard``): each unit that runs and holds parameters issues one all-gather
+before its forward, another before its backward when it resharded after forward, and one
+reduce-scatter after its backward; HSDP adds one all-reduce of the reduced shard across the
+replicate axis. FSDP1 wraps every module of a grouped unit separately (``FSDP1_UNITS`` in the
+emitted policy), never reshards the root after forward, and with ``NO_SHARD`` only all-reduces.
+"""
+
+from __future__ import annotations
+
+from fsdp_plan.units import UnitSpec
+
+
+def count_fsdp2(units: list[UnitSpec], *, replicate: int, shard: int,
+                ran: list[bool] | None = None) -> dict[str, int]:
+    """All-gather, reduce-scatter and all-reduce calls of one FSDP2 step."""
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for i, u in enumerate(units):
+        if u.numel == 0 or (ran is not None and not ran[i]):
+            continue
+        if shard > 1:  # a one-rank shard group (pure replication) gathers nothing
+            counts["all_gather"] += 1 + (1 if u.reshard_after_forward else 0)
+            counts["reduce_scatter"] += 1
+        if replicate > 1:
+            counts["all_reduce"] += 1
+    return counts
+
+
+def count_fsdp1(units: list[UnitSpec], *, strategy: str, replicate: int,
+                ran: list[bool] | None = None) -> dict[str, int]:
+    """The same step under FSDP1 ``FullyShardedDataParallel`` with the emitted auto-wrap policy."""
+    counts = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for i, u in enumerate(units):
+        if u.numel == 0 or (ran is not None and not ran[i]):
+            continue
+        instances = len(u.modules)
+        is_root = u.modules == [""]
+        if strategy == "none":
+            counts["all_reduce"] += instances
+            continue
+        regather = strategy in ("full", "hybrid") and not is_root
+        counts["all_gather"] += instances * (2 if regather else 1)
+        counts["reduce_scatter"] += instances
+        if strategy == "hybrid" and replicate > 1:
+            counts["all_reduce"] += instances
+    return counts

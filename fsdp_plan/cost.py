@@ -1,0 +1,172 @@
+"""The step-time model: per-unit compute and collective times, simulated on two streams.
+
+[Note: two-stream simulation]
+Compute runs units in forward order, then in backward order. Each unit's all-gather must
+finish before it computes; it is issued when the unit ``d`` places earlier starts (prefetch
+depth ``d``; 0 means when the unit itself starts). Reduce-scatters (and HSDP all-reduces) are
+issued when a unit's backward finishes. One communication stream runs collectives in issue
+order. While a collective overlaps compute, compute slows by ``contention`` (collectives take
+SMs and HBM bandwidth). Then, as DEVELOPERS.md defines:
+    exposed = max(0, comm_finish - backward_finish); hidden = total - exposed
+    step = forward + backward_with_contention + exposed + optimizer + bubbles
+where bubbles are the times compute waited for an all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_plan.errors import BadInput
+
+
+@dataclass(kw_only=True, frozen=True)
+class Hardware:
+    """One GPU kind and its links; every field can be overridden from a YAML file."""
+
+    name: str
+    peak_flops: float
+    """Dense bf16 FLOP/s."""
+    efficiency: float = 0.5
+    """Share of peak a real training step reaches."""
+    hbm_bandwidth: float = 3.3e12
+    intra_node_bandwidth: float = 360e9
+    """Achieved bus bandwidth of NVLink collectives, bytes/s per GPU."""
+    inter_node_bandwidth: float = 40e9
+    """Achieved bus bandwidth across nodes (e.g. 400 Gb/s InfiniBand per GPU)."""
+    collective_latency_s: float = 20e-6
+    launch_overhead_s: float = 10e-6
+    contention: float = 0.10
+    """Fractional slowdown of compute while a collective overlaps it."""
+
+
+GPUS: dict[str, Hardware] = {
+    "h100": Hardware(name="h100", peak_flops=989e12, hbm_bandwidth=3.35e12),
+    "h200": Hardware(name="h200", peak_flops=989e12, hbm_bandwidth=4.8e12),
+    "a100": Hardware(name="a100", peak_flops=312e12, hbm_bandwidth=2.0e12,
+                     intra_node_bandwidth=230e9, inter_node_bandwidth=20e9),
+    "b200": Hardware(name="b200", peak_flops=2250e12, hbm_bandwidth=8.0e12,
+                     intra_node_bandwidth=720e9, inter_node_bandwidth=80e9),
+}
+
+
+def hardware_for(name: str, overrides: dict[str, float] | None = None) -> Hardware:
+    """The preset ``name`` with any field replaced from ``overrides``."""
+    key = name.lower()
+    if key not in GPUS:
+        raise BadInput(f"unknown --gpu {name!r}; choose one of {', '.join(GPUS)}, or describe "
+                       "the GPU in a hardware YAML file with --hardware.")
+    hw = GPUS[key]
+    if overrides:
+        fields = {f: getattr(hw, f) for f in hw.__dataclass_fields__}
+        unknown = set(overrides) - set(fields)
+        if unknown:
+            raise BadInput(f"hardware file sets unknown fields {sorted(unknown)}; known: "
+                           f"{', '.join(sorted(fields))}.")
+        fields.update({k: float(v) if k != "name" else v for k, v in overrides.items()})
+        hw = Hardware(**fields)
+    return hw
+
+
+def collective_time(hw: Hardware, nbytes: float, group: int, crosses_nodes: bool,
+                    kind: str = "all_gather") -> float:
+    """Ring time of one collective over ``group`` ranks moving ``nbytes`` (the full buffer)."""
+    if group <= 1:
+        return hw.launch_overhead_s
+    bw = hw.inter_node_bandwidth if crosses_nodes else hw.intra_node_bandwidth
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return hw.launch_overhead_s + hw.collective_latency_s + factor * (group - 1) / group * nbytes / bw
+
+
+@dataclass(kw_only=True)
+class UnitCost:
+    """Times of one unit: compute per pass and its collectives."""
+
+    key: str
+    fw_compute_s: float
+    bw_compute_s: float
+    all_gather_s: float
+    reduce_scatter_s: float
+    all_reduce_s: float = 0.0
+    regather: bool = True
+
+
+@dataclass(kw_only=True)
+class StepTime:
+    """The simulated step and its parts (seconds)."""
+
+    step_s: float
+    forward_s: float
+    backward_s: float
+    exposed_comm_s: float
+    total_comm_s: float
+    optimizer_s: float
+    bubbles_s: float
+    contention_s: float
+    spans: list[tuple[str, str, float, float]] = field(default_factory=list)
+    """(lane, label, start, end) for the report's timeline and the Chrome trace."""
+
+    @property
+    def hidden_comm_s(self) -> float:
+        return self.total_comm_s - self.exposed_comm_s
+
+
+def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int = 0,
+                  backward_prefetch: int = 1, optimizer_s: float = 0.0) -> StepTime:
+    """Run the two-stream simulation over ``units`` given in forward order."""
+    spans: list[tuple[str, str, float, float]] = []
+    comm_free = 0.0
+    comm_busy: list[tuple[float, float]] = []
+
+    def issue(label: str, at: float, duration: float) -> float:
+        nonlocal comm_free
+        start = max(at, comm_free)
+        comm_free = start + duration
+        comm_busy.append((start, comm_free))
+        spans.append(("comm", label, start, comm_free))
+        return comm_free
+
+    def overlap(start: float, end: float) -> float:
+        return sum(max(0.0, min(end, e) - max(start, s)) for s, e in comm_busy)
+
+    def run_pass(order: list[UnitCost], phase: str, now: float, prefetch: int,
+                 gathers: list[bool]) -> tuple[float, float, float]:
+        ready: dict[int, float] = {}
+        bubbles = contention = 0.0
+        issued = 0
+        for i, u in enumerate(order):
+            # issue all-gathers up to ``prefetch`` units ahead of the one about to compute
+            while issued < len(order) and issued <= i + prefetch:
+                cost = order[issued]
+                ready[issued] = (issue(f"AG {cost.key}", now, cost.all_gather_s)
+                                 if gathers[issued] else now)
+                issued += 1
+            start = max(now, ready[i])
+            bubbles += start - now
+            duration = u.fw_compute_s if phase == "fw" else u.bw_compute_s
+            slowed = duration * (1 + hw.contention * min(1.0, overlap(start, start + duration)
+                                                          / max(duration, 1e-12)))
+            contention += slowed - duration
+            now = start + slowed
+            spans.append(("compute", f"{phase.upper()} {u.key}", start, now))
+            if phase == "bw":
+                issue(f"RS {u.key}", now, u.reduce_scatter_s)
+                if u.all_reduce_s:
+                    issue(f"AR {u.key}", comm_free, u.all_reduce_s)
+        return now, bubbles, contention
+
+    fw_end, fw_bubbles, fw_cont = run_pass(units, "fw", 0.0, forward_prefetch, [True] * len(units))
+    bw_order = list(reversed(units))
+    bw_end, bw_bubbles, bw_cont = run_pass(bw_order, "bw", fw_end, backward_prefetch,
+                                           [u.regather for u in bw_order])
+    comm_finish = max([e for _, e in comm_busy], default=bw_end)
+    exposed = max(0.0, comm_finish - bw_end)
+    total_comm = sum(e - s for s, e in comm_busy)
+    forward = sum(u.fw_compute_s for u in units)
+    backward = sum(u.bw_compute_s for u in units)
+    bubbles = fw_bubbles + bw_bubbles
+    step = forward + backward + (fw_cont + bw_cont) + exposed + optimizer_s + bubbles
+    end = bw_end + exposed
+    spans.append(("compute", "optimizer", end, end + optimizer_s))
+    return StepTime(step_s=step, forward_s=forward, backward_s=backward + bw_cont,
+                    exposed_comm_s=exposed, total_comm_s=total_comm, optimizer_s=optimizer_s,
+                    bubbles_s=bubbles, contention_s=fw_cont + bw_cont, spans=spans)

@@ -1,0 +1,103 @@
+"""The report: the module table, the chosen plan beside alternatives and recipes, the timeline.
+
+Pure formatting over plain data (``gather_*`` functions return rows; ``format_*`` print them),
+so ``--format json`` and the tables show the same figures.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tabulate import tabulate
+
+from fsdp_plan.analysis import Analysis
+from fsdp_plan.cost import StepTime
+from fsdp_plan.graph import ModuleGraph
+from fsdp_plan.search import Candidate
+from fsdp_plan.sizes import format_bytes, format_gb
+
+
+def gather_module_rows(graph: ModuleGraph, analysis: Analysis, max_depth: int = 2) -> list[dict[str, Any]]:
+    """Per-module parameters, saved activations and FLOPs, down to ``max_depth``."""
+    rows = []
+    for fqn, info in graph.modules.items():
+        depth = 0 if fqn == "" else fqn.count(".") + 1
+        if depth > max_depth:
+            continue
+        comp = analysis.modules.get(fqn)
+        saved = sum(c.saved_bytes for f, c in analysis.modules.items()
+                    if f == fqn or fqn == "" or f.startswith(fqn + "."))
+        rows.append({
+            "module": fqn or "<root>", "class": info.class_name, "params": info.subtree_numel,
+            "param_bytes": info.subtree_numel * 4, "saved_activation_bytes": saved,
+            "fw_flops": comp.fw_flops if comp else 0.0, "bw_flops": comp.bw_flops if comp else 0.0,
+            "calls": comp.calls if comp else 0,
+        })
+    return rows
+
+
+def candidate_row(c: Candidate) -> dict[str, Any]:
+    """One candidate as a flat dict (shared by the table and JSON)."""
+    return {
+        "name": c.name, "fits": c.fits, "strategy": c.strategy,
+        "mesh": f"{c.replicate}x{c.shard}", "units": len(c.units),
+        "checkpointed_blocks": len(c.checkpointed),
+        "peak_bytes": c.memory.peak_bytes, "peak_phase": c.memory.phase,
+        "breakdown": c.memory.breakdown,
+        "step_time_s": c.time.step_s, "exposed_comm_s": c.time.exposed_comm_s,
+        "hidden_comm_s": c.time.hidden_comm_s, "collectives": c.collectives,
+    }
+
+
+def format_candidates(rows: list[dict[str, Any]]) -> str:
+    table = [[("* " if i == 0 and r["fits"] else "  ") + r["name"], "yes" if r["fits"] else "NO",
+              r["mesh"], r["units"], r["checkpointed_blocks"], format_gb(r["peak_bytes"]),
+              f"{r['step_time_s'] * 1e3:.2f}", f"{r['exposed_comm_s'] * 1e3:.2f}",
+              "/".join(str(r["collectives"][k]) for k in ("all_gather", "reduce_scatter", "all_reduce"))]
+             for i, r in enumerate(rows)]
+    return tabulate(table, headers=["plan", "fits", "mesh", "units", "AC blocks", "peak GB",
+                                    "step ms", "exposed ms", "AG/RS/AR"])
+
+
+def format_breakdown(breakdown: dict[str, int]) -> str:
+    rows = [[k, format_bytes(v)] for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1]) if v]
+    return tabulate(rows, headers=["at the peak", "bytes per rank"])
+
+
+def ascii_timeline(time: StepTime, width: int = 72) -> str:
+    """Two lanes (compute, communication) scaled to ``width``; the exposed tail is marked ``!``."""
+    end = max((e for _, _, _, e in time.spans), default=0.0) or 1.0
+    lanes = {"compute": [" "] * width, "comm": [" "] * width}
+    for lane, label, start, stop in time.spans:
+        a, b = int(start / end * (width - 1)), max(int(start / end * (width - 1)) + 1,
+                                                    int(stop / end * (width - 1)))
+        ch = "F" if label.startswith("FW") else "B" if label.startswith("BW") else \
+            "O" if label == "optimizer" else "g" if label.startswith("AG") else "r"
+        for x in range(a, min(b, width)):
+            lanes[lane][x] = ch
+    bw_end = end - time.optimizer_s - time.exposed_comm_s
+    marker = [" "] * width
+    a = int(bw_end / end * (width - 1))
+    for x in range(a, int((bw_end + time.exposed_comm_s) / end * (width - 1)) + 1):
+        if time.exposed_comm_s > 0 and x < width:
+            marker[x] = "!"
+    return "\n".join([
+        "compute |" + "".join(lanes["compute"]) + "|",
+        "comm    |" + "".join(lanes["comm"]) + "|",
+        "exposed |" + "".join(marker) + "|",
+        f"F forward, B backward, O optimizer, g all-gather, r reduce-scatter/all-reduce; "
+        f"step {time.step_s:.3f} s, exposed {time.exposed_comm_s:.3f} s, hidden "
+        f"{time.hidden_comm_s:.3f} s",
+    ])
+
+
+def chrome_trace(time: StepTime) -> str:
+    """The predicted timeline as Chrome/Perfetto trace JSON (one thread per stream)."""
+    tids = {"compute": 1, "comm": 2}
+    events = [{"name": label, "ph": "X", "pid": 0, "tid": tids[lane], "ts": start * 1e6,
+               "dur": (stop - start) * 1e6, "cat": "predicted"}
+              for lane, label, start, stop in time.spans]
+    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
+               for n, t in (("compute (predicted)", 1), ("communication (predicted)", 2))]
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})

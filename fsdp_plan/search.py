@@ -1,0 +1,317 @@
+"""The search: a pure function from the analysis and the budget to ranked, evaluated candidates.
+
+[Note: search space]
+For each strategy (full sharding, HSDP with the shard axis inside a node, grad-op, none),
+each unit layout (one unit per repeated block with the other parameterised top-level modules
+as their own units, or left in the root), the last block's ``reshard_after_forward``,
+forward prefetch depth 0-1 and backward prefetch depth 1-2, the memory model is monotone in
+the number of checkpointed blocks, so a binary search finds the fewest checkpointed blocks
+that fit; that is the fastest variant of the configuration. The winner is the fitting
+candidate with the lowest simulated step time. Standard recipes (torchtitan's one unit per
+block, FSDP1's size-based policy, root only) are evaluated with the same models for the report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_plan.analysis import Analysis
+from fsdp_plan.collectives import count_fsdp1, count_fsdp2
+from fsdp_plan.cost import Hardware, StepTime, UnitCost, collective_time, simulate_step
+from fsdp_plan.graph import ModuleGraph
+from fsdp_plan.memory import (
+    OPTIMIZER_STATES,
+    ActivationProfile,
+    MemoryEstimate,
+    Precision,
+    StepContext,
+    estimate_peak,
+)
+from fsdp_plan.timeline import TimelineComposer
+from fsdp_plan.units import UnitSpec, build_units, check_tied
+
+FSDP1_DEFAULT_MIN_PARAMS = 100_000_000
+
+
+@dataclass(kw_only=True)
+class SearchSettings:
+    """The user's constraints, fixed during the search."""
+
+    budget_bytes: int
+    headroom_bytes: int
+    world_size: int
+    gpus_per_node: int
+    strategy: str = "auto"
+    precision: Precision = field(default_factory=Precision)
+    optimizer: str = "adamw"
+    hardware: Hardware | None = None
+
+    @property
+    def limit_bytes(self) -> int:
+        return self.budget_bytes - self.headroom_bytes
+
+
+@dataclass(kw_only=True)
+class Candidate:
+    """One fully evaluated plan."""
+
+    name: str
+    strategy: str
+    replicate: int
+    shard: int
+    units: list[UnitSpec]
+    checkpointed: list[str]
+    forward_prefetch: int
+    backward_prefetch: int
+    memory: MemoryEstimate
+    time: StepTime
+    collectives: dict[str, int]
+    collectives_fsdp1: dict[str, int]
+    fits: bool
+
+
+class Evaluator:
+    """Evaluates candidates against one analysis; caches the per-``k`` activation profiles."""
+
+    def __init__(self, graph: ModuleGraph, analysis: Analysis, settings: SearchSettings) -> None:
+        self.graph = graph
+        self.analysis = analysis
+        self.settings = settings
+        self.composer = TimelineComposer(analysis, graph.blocks)
+        self._profiles: dict[int, ActivationProfile] = {}
+        self.exclusive_fw, self.exclusive_bw = _exclusive_flops(graph, analysis)
+
+    def profile(self, k: int) -> ActivationProfile:
+        if k not in self._profiles:
+            self._profiles[k] = ActivationProfile(self.composer.events(k))
+        return self._profiles[k]
+
+    def checkpoint_options(self) -> list[int]:
+        """Numbers of leading blocks that can be checkpointed."""
+        n = self.composer.max_checkpointed
+        if n == 0:
+            return [0]
+        return list(range(n + 1)) if self.composer.supports_partial() else [0, n]
+
+    def evaluate(self, *, name: str, strategy: str, replicate: int, shard: int,
+                 groups: list[list[str]], reshard: list[bool], root_reshard: bool, k: int,
+                 forward_prefetch: int, backward_prefetch: int) -> Candidate:
+        s = self.settings
+        units = build_units(self.graph, groups + [[""]], reshard + [root_reshard], shard)
+        ctx = StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
+                          buffer_bytes=self.graph.total_buffer_bytes,
+                          input_bytes=self.analysis.input_bytes)
+        profile = self.profile(k)
+        memory = estimate_peak(profile, units, ctx, forward_prefetch=forward_prefetch,
+                               backward_prefetch=backward_prefetch)
+        ran = [profile.windows(u).ran for u in units]
+        checkpointed = self.graph.blocks[:k]
+        time = self._time(units, shard, replicate, checkpointed, forward_prefetch, backward_prefetch)
+        return Candidate(
+            name=name, strategy=strategy, replicate=replicate, shard=shard, units=units,
+            checkpointed=checkpointed, forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch, memory=memory, time=time,
+            collectives=count_fsdp2(units, replicate=replicate, shard=shard, ran=ran),
+            collectives_fsdp1=count_fsdp1(units, strategy=strategy, replicate=replicate, ran=ran),
+            fits=memory.peak_bytes <= s.limit_bytes,
+        )
+
+    def _time(self, units: list[UnitSpec], shard: int, replicate: int, checkpointed: list[str],
+              forward_prefetch: int, backward_prefetch: int) -> StepTime:
+        s = self.settings
+        hw = s.hardware
+        assert hw is not None
+        rate = hw.peak_flops * hw.efficiency
+        p = s.precision
+        shard_crosses = shard > s.gpus_per_node
+        ckpt = set(checkpointed)
+        costs: list[UnitCost] = []
+        for u in units:
+            fw = sum(self.exclusive_fw.get(m, 0.0) for m in u.owned_modules)
+            bw = sum(self.exclusive_bw.get(m, 0.0) for m in u.owned_modules)
+            recompute = sum(self.exclusive_fw.get(m, 0.0) for m in u.owned_modules
+                            if any(m == b or m.startswith(b + ".") for b in ckpt))
+            unsharded = u.unsharded_numel(shard)
+            costs.append(UnitCost(
+                key=u.key or "<root>", fw_compute_s=fw / rate, bw_compute_s=(bw + recompute) / rate,
+                all_gather_s=collective_time(hw, unsharded * p.param_bytes, shard, shard_crosses)
+                if u.numel else 0.0,
+                reduce_scatter_s=collective_time(hw, unsharded * p.reduce_bytes, shard, shard_crosses,
+                                                 "reduce_scatter") if u.numel else 0.0,
+                all_reduce_s=collective_time(hw, u.shard_numel * p.reduce_bytes, replicate, True,
+                                             "all_reduce") if replicate > 1 and u.numel else 0.0,
+                regather=u.reshard_after_forward,
+            ))
+        # Forward order: the root gathers first, then units as they run.
+        profile_order = {u.key: i for i, u in enumerate(units)}
+        root = [c for c in costs if c.key == "<root>"]
+        ordered = root + [c for c in costs if c.key != "<root>"]
+        del profile_order
+        total_shard = sum(u.shard_numel for u in units)
+        states = OPTIMIZER_STATES.get(s.optimizer, 0)
+        optimizer_s = (total_shard * p.orig_bytes * (3 + 2 * states)) / hw.hbm_bandwidth
+        return simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
+                             backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
+
+
+def _exclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
+    """FLOPs of each module's own ops (inclusive minus its children's); the root takes the rest."""
+    fw: dict[str, float] = {}
+    bw: dict[str, float] = {}
+    for fqn, info in graph.modules.items():
+        comp = analysis.modules.get(fqn)
+        if comp is None:
+            continue
+        kids = [analysis.modules[c] for c in info.children if c in analysis.modules]
+        fw[fqn] = max(0.0, comp.fw_flops - sum(k.fw_flops for k in kids))
+        bw[fqn] = max(0.0, comp.bw_flops - sum(k.bw_flops for k in kids))
+    # The root's backward hook may not fire (its inputs need no gradient): give it the rest.
+    bw[""] = max(0.0, analysis.total_bw_flops - sum(v for k, v in bw.items() if k))
+    fw[""] = max(0.0, analysis.total_fw_flops - sum(v for k, v in fw.items() if k))
+    return fw, bw
+
+
+def block_layouts(graph: ModuleGraph) -> dict[str, list[list[str]]]:
+    """Unit layouts to try: blocks alone, or blocks plus other top-level parameter holders."""
+    blocks = graph.blocks
+    layouts: dict[str, list[list[str]]] = {}
+    if blocks:
+        layouts["per-block"] = [[b] for b in blocks]
+        extra = _top_level_units(graph)
+        if extra:
+            order = {fqn: i for i, fqn in enumerate(graph.modules)}
+            groups = [[b] for b in blocks] + extra
+            groups.sort(key=lambda g: order[g[0]])
+            layouts["per-block+top"] = groups
+    return {k: v for k, v in layouts.items() if check_tied(graph, v)}
+
+
+def _top_level_units(graph: ModuleGraph) -> list[list[str]]:
+    """Parameterised top-level modules outside the block stacks, tied ones grouped together."""
+    root = graph.modules[""]
+    block_set = set(graph.blocks)
+    containers = {b.rpartition(".")[0] for b in graph.blocks}
+    total = graph.total_numel or 1
+    singles = [c for c in root.children
+               if c not in block_set and c not in containers
+               and not any(b.startswith(c + ".") for b in block_set)
+               and graph.modules[c].subtree_numel >= 0.01 * total]
+    groups: list[list[str]] = []
+    for c in singles:
+        tied = next((g for g in graph.tied_groups if any(m == c or m.startswith(c + ".") for m in g)), None)
+        if tied:
+            members = sorted({s for s in singles if any(m == s or m.startswith(s + ".") for m in tied)})
+            if members not in groups:
+                groups.append(members)
+        else:
+            groups.append([c])
+    return groups
+
+
+def size_based_units(graph: ModuleGraph, min_num_params: int = FSDP1_DEFAULT_MIN_PARAMS) -> list[list[str]]:
+    """What FSDP1's ``size_based_auto_wrap_policy`` wraps: modules whose unwrapped subtree is big."""
+    wrapped: list[str] = []
+    remaining: dict[str, int] = {}
+    for fqn in reversed(list(graph.modules)):
+        info = graph.modules[fqn]
+        left = info.direct_numel + sum(remaining[c] for c in info.children)
+        if fqn and left >= min_num_params and info.children is not None:
+            wrapped.append(fqn)
+            left = 0
+        remaining[fqn] = left
+    order = {fqn: i for i, fqn in enumerate(graph.modules)}
+    # children first: deeper modules come later in named_modules order, so sort by depth desc
+    wrapped.sort(key=lambda f: (-f.count("."), order[f]))
+    return [[f] for f in wrapped]
+
+
+def strategies_for(settings: SearchSettings) -> list[tuple[str, int, int]]:
+    """(strategy, replicate, shard) options for the user's ``--strategy``."""
+    w, gpn = settings.world_size, settings.gpus_per_node
+    options = {
+        "full": ("full", 1, w),
+        "grad-op": ("grad-op", 1, w),
+        "none": ("none", w, 1),
+    }
+    if w > gpn and w % gpn == 0:
+        options["hybrid"] = ("hybrid", w // gpn, gpn)
+    if settings.strategy == "auto":
+        return list(options.values())
+    if settings.strategy == "hybrid" and "hybrid" not in options:
+        return [("hybrid", 1, w)]
+    return [options[settings.strategy]]
+
+
+def search(evaluator: Evaluator) -> list[Candidate]:
+    """Every configuration's fastest fitting variant (or its smallest peak), best first."""
+    settings = evaluator.settings
+    results: list[Candidate] = []
+    layouts = block_layouts(evaluator.graph) or {"root-only": []}
+    ks = evaluator.checkpoint_options()
+    for strategy, replicate, shard in strategies_for(settings):
+        for layout_name, groups in layouts.items():
+            n = len(groups)
+            last_block = max((i for i, g in enumerate(groups) if g[0] in evaluator.graph.blocks),
+                             default=None)
+            keep_options = [False, True] if last_block is not None and strategy != "grad-op" else [False]
+            for keep_last in keep_options:
+                reshard = [strategy not in ("grad-op",) for _ in range(n)]
+                if keep_last:
+                    reshard[last_block] = False
+                for fwp in (0, 1):
+                    for bwp in (1, 2):
+                        name = (f"{strategy} {layout_name}" + (" keep-last" if keep_last else "")
+                                + f" fwp{fwp} bwp{bwp}")
+
+                        def at(k: int) -> Candidate:
+                            return evaluator.evaluate(
+                                name=name + (f" ac{k}" if k else ""), strategy=strategy,
+                                replicate=replicate, shard=shard, groups=groups, reshard=reshard,
+                                root_reshard=False, k=k, forward_prefetch=fwp,
+                                backward_prefetch=bwp)
+                        results.append(_fewest_checkpointed(at, ks))
+    results.sort(key=lambda c: (not c.fits, round(c.time.step_s, 9) if c.fits else c.memory.peak_bytes,
+                                len(c.checkpointed), c.memory.peak_bytes))
+    return results
+
+
+def _fewest_checkpointed(at, ks: list[int]) -> Candidate:
+    """Binary search over the checkpointed-block count (peak falls as it grows)."""
+    first = at(ks[0])
+    if first.fits or len(ks) == 1:
+        return first
+    last = at(ks[-1])
+    if not last.fits:
+        return last
+    lo, hi = 0, len(ks) - 1  # ks[lo] does not fit, ks[hi] fits
+    best = last
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        cand = at(ks[mid])
+        if cand.fits:
+            hi, best = mid, cand
+        else:
+            lo = mid
+    return best
+
+
+def standard_recipes(evaluator: Evaluator) -> list[Candidate]:
+    """torchtitan's one unit per block, FSDP1's size-based default, and the root alone."""
+    s = evaluator.settings
+    graph = evaluator.graph
+    out: list[Candidate] = []
+    common = dict(strategy="full", replicate=1, shard=s.world_size, root_reshard=False, k=0,
+                  forward_prefetch=0, backward_prefetch=1)
+    if graph.blocks:
+        groups = [[b] for b in graph.blocks]
+        reshard = [True] * len(groups)
+        reshard[-1] = False
+        if check_tied(graph, groups):
+            out.append(evaluator.evaluate(name="recipe: torchtitan (unit per block)",
+                                          groups=groups, reshard=reshard, **common))
+    sized = size_based_units(graph)
+    if check_tied(graph, sized):
+        out.append(evaluator.evaluate(name="recipe: FSDP1 size_based (1e8)", groups=sized,
+                                      reshard=[True] * len(sized), **common))
+    out.append(evaluator.evaluate(name="recipe: root only", groups=[], reshard=[], **common))
+    return out
