@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the SPEC exit code (0 plan written, 2 bad input, 3 no plan fits)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, module = build_parser(argv)
-    args = parser.parse_args(argv[1:] if argv and argv[0] in VERBS else argv)
+    try:
+        args = parser.parse_args(argv[1:] if argv and argv[0] in VERBS else argv)
+    except SystemExit as e:  # usage errors (2) and --help (0), already printed
+        return int(e.code or 0)
     try:
         return int(module.run(args) or 0)
     except FsdpPlanError as e:

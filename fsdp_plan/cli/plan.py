@@ -182,6 +182,24 @@ def suggestions(smallest: Candidate, values: dict[str, Any], args: argparse.Name
     return "; ".join(tips)
 
 
+def check_by_measurement(plan: Plan, loaded, limit_bytes: int, progress) -> None:
+    """``--verify``: measure the chosen plan with FSDPMemTracker on the fake process group."""
+    from fsdp_plan.emit import load_policy_module, render_policy_module
+    from fsdp_plan.measure.memory import measure_peak
+    measured = measure_peak(loaded, plan, load_policy_module(render_policy_module(plan)))
+    predicted = plan.predicted["peak_bytes"]
+    plan.predicted["measured_peak_bytes"] = int(measured.peak_bytes)
+    if progress:
+        progress(f"verify: predicted peak {format_bytes(predicted)}, FSDPMemTracker measured "
+                 f"{format_bytes(measured.peak_bytes)} "
+                 f"({(predicted - measured.peak_bytes) / measured.peak_bytes:+.1%})")
+    if measured.peak_bytes > limit_bytes:
+        raise NoFeasiblePlan(f"the chosen plan measured {format_bytes(measured.peak_bytes)} under "
+                             f"FSDPMemTracker, above the limit {format_bytes(limit_bytes)}; nothing "
+                             "was written. Lower --mem's headroom use or add GPUs.",
+                             smallest_peak_bytes=measured.peak_bytes)
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     values = validate(args)
@@ -219,8 +237,7 @@ def run(args: argparse.Namespace) -> int:
             f"{suggestions(smallest, values, args)}.", smallest_peak_bytes=smallest.memory.peak_bytes)
     plan = to_plan(best, source, source_digest(source), graph.total_numel, values, args)
     if args.verify:
-        from fsdp_plan.cli.verify import verify_plan_measured
-        verify_plan_measured(plan, loaded)
+        check_by_measurement(plan, loaded, settings.limit_bytes, progress)
     rows = [candidate_row(c) for c in ranked[: args.top]] + [candidate_row(c) for c in recipes]
     if args.format == "json":
         print(json.dumps({"plan": plan.to_dict(), "candidates": rows,
