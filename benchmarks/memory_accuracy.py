@@ -1,0 +1,57 @@
+"""Predicted peak vs FSDPMemTracker for planned Llama shapes; prints one row per case.
+
+    python benchmarks/memory_accuracy.py
+Each case is planned with the CLI, then measured on the fake process group at the plan's
+world size through the generated ``apply_fully_shard`` (about 5-30 s per case on 2 cores).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+from fsdp_plan.cli.main import main
+from fsdp_plan.emit import load_policy_module, render_policy_module
+from fsdp_plan.load import ModelSource, load_model
+from fsdp_plan.measure.memory import measure_peak
+from fsdp_plan.plan import read_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+CASES = [
+    (["size=70b", "n_layers=4"], "1", "4096", "40GB", "64", []),
+    (["size=70b", "n_layers=6"], "1", "4096", "20GB", "64", []),
+    (["size=8b", "n_layers=4"], "2", "2048", "24GB", "8", []),
+    (["size=8b", "n_layers=4"], "1", "4096", "30GB", "16", ["--gpus-per-node", "8", "--strategy", "hybrid"]),
+]
+
+if __name__ == "__main__":
+    print(f"{'model':>24} {'b x s':>8} {'world':>5} {'budget':>7} {'predicted GB':>13} "
+          f"{'measured GB':>12} {'error':>7} {'AC':>3}")
+    for margs, batch, seq, mem, world, extra in CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "plan.yaml")
+            argv = [LLAMA, "--batch-size", batch, "--seq-len", seq, "--mem", mem,
+                    "--world-size", world, "--plan", path, "--format", "json", *extra]
+            for a in margs:
+                argv += ["--model-arg", a]
+            with open(os.devnull, "w") as devnull:
+                stdout, sys.stdout = sys.stdout, devnull
+                try:
+                    code = main(argv)
+                finally:
+                    sys.stdout = stdout
+            if code != 0:
+                print(f"{' '.join(margs):>24} exit {code}")
+                continue
+            plan = read_plan(path)
+            m = plan.model
+            loaded = load_model(ModelSource(source=m["source"], args=m["args"],
+                                            batch_size=m["batch_size"], seq_len=m["seq_len"]))
+            measured = measure_peak(loaded, plan, load_policy_module(render_policy_module(plan)))
+            pred = plan.predicted["peak_bytes"]
+            err = (pred - measured.peak_bytes) / measured.peak_bytes
+            print(f"{' '.join(margs):>24} {batch + 'x' + seq:>8} {world:>5} {mem:>7} "
+                  f"{pred / 1e9:13.2f} {measured.peak_bytes / 1e9:12.2f} {err:+7.1%} "
+                  f"{len(plan.activation_checkpointing):>3}")
