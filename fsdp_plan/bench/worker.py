@@ -42,11 +42,14 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     from fsdp_plan.measure.collectives import CollectiveCounter, init_worker_process_group
     from fsdp_plan.measure.profile import analyze_trace
 
+    ctx.report(phase="imported")
     device = init_worker_process_group(ctx.local_rank)
+    ctx.report(phase="process group up")
     loaded = load_model(ModelSource(**payload["source"]))
     policy = runtime.load_policy(payload["policy_source"])
     mesh = runtime.make_mesh(device.type, *payload["mesh"])
     model = runtime.build_real_model(loaded, device)
+    ctx.report(phase="model built")
     model = runtime.apply_plan(model, policy, mesh, fsdp_version=payload["fsdp_version"],
                                device=device)
     optimizer = runtime.make_optimizer(payload["optimizer"], model.parameters())

@@ -307,8 +307,8 @@ def _failure_message(failures: list[RankFailure]) -> str:
     if first.kind == "hang":
         head = (f"rank {first.rank} hung: {first.error}. All workers were killed.")
     else:
-        head = (f"rank {first.rank} failed at {_describe(first.last_progress)}: {first.error}. "
-                "All workers were killed.")
+        head = (f"rank {first.rank} failed (last progress: {_describe(first.last_progress)}): "
+                f"{first.error}. All workers were killed.")
     others = [f"rank {f.rank}: {f.error}" for f in failures[1:]]
     if others:
         head += " Then: " + "; ".join(others[:3]) + ("; ..." if len(others) > 3 else "") + "."
