@@ -1,0 +1,132 @@
+"""``fsdp-plan bench`` on CPU: real gloo workers, result files, faults and ``--compare``."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import hashlib
+import json
+import os
+import time
+
+import pytest
+
+from fsdp_plan.bench import results, session
+from fsdp_plan.errors import CheckFailed
+from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
+
+PREDICTED = {"collectives_per_step": {"all_gather": 9, "reduce_scatter": 5, "all_reduce": 0},
+             "peak_bytes": 4_000_000, "step_time_s": 0.05, "exposed_comm_s": 0.001}
+FAST = ["--nproc", "2", "--steps", "3", "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One real run on two gloo workers: (exit code, stdout, stderr, out folder, plan path)."""
+    folder = tmp_path_factory.mktemp("bench")
+    plan = plan_file(folder, tiny_llama_plan(world=2, predicted=PREDICTED))
+    out = str(folder / "results")
+    code, stdout, stderr = run_cli(["bench", plan, *FAST, "--out", out, "--timeout", "120"])
+    return code, stdout, stderr, out, plan
+
+
+def _only_result(out: str) -> str:
+    files = [f for f in glob.glob(os.path.join(out, "*.json")) if not f.endswith(".trace.json")]
+    assert len(files) == 1, files
+    return files[0]
+
+
+@pytest.mark.slow
+def test_bench_on_two_cpu_ranks_writes_a_result_matching_the_plan(bench_run):
+    code, stdout, stderr, out, _ = bench_run
+    assert code == 0, stderr
+    assert "step 6/6 (profile)" in stderr  # progress: 1 warm-up + count + 3 timed + profile
+    with open(_only_result(out)) as f:
+        result = json.load(f)
+    assert result["collectives"]["measured"] == PREDICTED["collectives_per_step"]
+    assert result["collectives"]["ranks_agree"]
+    assert result["run"]["nproc"] == 2 and result["run"]["torch"] and result["run"]["device_name"]
+    assert len(result["plan"]["hash"]) == 16 and "commit" in result["run"]["git"]
+    assert [len(r["steps_s"]) for r in result["step_time"]["per_rank"]] == [3, 3]
+    assert result["step_time"]["median_s"] > 0 and result["step_time"]["slowest_rank"] in (0, 1)
+    assert result["memory"]["peak_bytes"] > 0 and "FSDPMemTracker" in result["memory"]["source"]
+    # Every gloo collective of the profiled step is one gloo:* event: 9 + 5.
+    assert result["comm"]["rank0"]["num_comm_events"] == 14
+    comm = result["comm"]["rank0"]
+    assert comm["hidden_s"] + comm["exposed_s"] == pytest.approx(comm["comm_s"])
+    with open(os.path.join(out, result["trace"])) as f:
+        assert json.load(f)["traceEvents"]
+    assert "all_gather" in stdout and "exposed" in stdout
+
+
+def _file_state(path: str) -> tuple[str, float]:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest(), os.path.getmtime(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["crash", "hang"])
+def test_a_failing_worker_is_named_and_earlier_results_survive(tmp_path, monkeypatch, fault):
+    out = tmp_path / "results"
+    out.mkdir()
+    earlier = out / "earlier.json"
+    earlier.write_text('{"fsdp_plan_bench_version": 1, "kept": true}\n')
+    before = _file_state(str(earlier))
+    monkeypatch.setenv("FSDP_PLAN_BENCH_FAULT", f"{fault}:rank=1:step=3")
+    plan = plan_file(tmp_path, tiny_llama_plan(world=2, predicted=PREDICTED))
+    started = time.monotonic()
+    code, _, err = run_cli(["bench", plan, *FAST, "--out", str(out), "--timeout", "15"])
+    assert code == 1
+    if fault == "crash":
+        assert "rank 1 failed (last progress: count 2/6)" in err
+        assert "RuntimeError: injected fault: rank 1 crashed at step 3" in err
+    else:
+        assert "rank 1 hung: no progress for 15 s" in err and "maybe_inject_fault" in err
+        assert time.monotonic() - started < 60
+    assert "All workers were killed" in err
+    assert _file_state(str(earlier)) == before
+    assert sorted(os.listdir(out)) == ["earlier.json"]
+
+
+def _slower(result: dict, factor: float) -> dict:
+    new = copy.deepcopy(result)
+    for key in ("median_s", "p99_s"):
+        new["step_time"][key] *= factor
+    return new
+
+
+def test_compare_flags_a_slower_step_and_changed_counts(bench_run):
+    old = results.read_result(_only_result(bench_run[3]))
+    table, problems = results.compare(old, _slower(old, 1.5), threshold=0.10)
+    assert problems == ["step time median regressed +50.0% (threshold 10%)"]
+    assert "REGRESSED" in table and "step time median" in table
+    changed = copy.deepcopy(old)
+    changed["collectives"]["measured"]["all_gather"] += 1
+    table, problems = results.compare(old, changed, threshold=0.10)
+    assert problems == ["all_gather per step changed from 9 to 10"] and "CHANGED" in table
+    assert results.compare(old, _slower(old, 1.05), threshold=0.10)[1] == []
+
+
+def test_bench_exits_non_zero_when_compare_finds_a_regression(bench_run, tmp_path, capsys):
+    """The session's last stage on the real run's figures, against an older, faster result."""
+    code, _, _, out, plan = bench_run
+    with open(_only_result(out)) as f:
+        real = json.load(f)
+    ranks = [{"rank": r["rank"], "counts": real["collectives"]["measured"],
+              "step_times_s": r["steps_s"], "peak_bytes": real["memory"]["peak_bytes"],
+              "comm": real["comm"]["rank0"], "trace": None, "device": "cpu"}
+             for r in real["step_time"]["per_rank"]]
+    old_path = tmp_path / "old.json"
+    old_path.write_text(json.dumps(_slower(real, 1 / 1.5)))
+    parser = argparse.ArgumentParser()
+    session.add_run_arguments(parser)
+    args = parser.parse_args([plan, "--out", str(tmp_path / "new"), "--compare", str(old_path)])
+    prepared = session.prepare(args, nproc=2)
+    with pytest.raises(CheckFailed, match=r"step time median regressed \+50\.0%"):
+        session.finish(args, prepared, ranks)
+    assert "REGRESSED" in capsys.readouterr().out
+    assert len(glob.glob(str(tmp_path / "new" / "*.json"))) == 1  # the run is still recorded
+    old_path.write_text(json.dumps(real))
+    args = parser.parse_args([plan, "--out", str(tmp_path / "new"), "--compare", str(old_path)])
+    assert session.finish(args, session.prepare(args, nproc=2), ranks) == 0
