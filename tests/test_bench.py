@@ -11,10 +11,10 @@ import os
 import time
 
 import pytest
+from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.bench import results, session
 from fsdp_plan.errors import CheckFailed
-from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
 
 PREDICTED = {"collectives_per_step": {"all_gather": 9, "reduce_scatter": 5, "all_reduce": 0},
              "peak_bytes": 4_000_000, "step_time_s": 0.05, "exposed_comm_s": 0.001}
@@ -110,7 +110,7 @@ def test_compare_flags_a_slower_step_and_changed_counts(bench_run):
 
 def test_bench_exits_non_zero_when_compare_finds_a_regression(bench_run, tmp_path, capsys):
     """The session's last stage on the real run's figures, against an older, faster result."""
-    code, _, _, out, plan = bench_run
+    _, _, _, out, plan = bench_run
     with open(_only_result(out)) as f:
         real = json.load(f)
     ranks = [{"rank": r["rank"], "counts": real["collectives"]["measured"],

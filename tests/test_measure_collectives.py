@@ -13,10 +13,10 @@ forward either.
 from __future__ import annotations
 
 import pytest
+from test_measure_helpers import tiny_llama_plan
 
 from fsdp_plan.measure import collectives
 from fsdp_plan.measure.runtime import source_from_plan
-from test_measure_helpers import tiny_llama_plan
 
 pytestmark = pytest.mark.slow
 

@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from test_measure_helpers import LLAMA, tiny_llama_plan
 
 from fsdp_plan.errors import BadInput
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import fake_process_group, measure_peak
-from test_measure_helpers import LLAMA, tiny_llama_plan
 
 
 def _measure(plan):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import measure_peak
-from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
 
 
 @pytest.fixture(scope="module")
