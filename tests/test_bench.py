@@ -130,3 +130,16 @@ def test_bench_exits_non_zero_when_compare_finds_a_regression(bench_run, tmp_pat
     old_path.write_text(json.dumps(real))
     args = parser.parse_args([plan, "--out", str(tmp_path / "new"), "--compare", str(old_path)])
     assert session.finish(args, session.prepare(args, nproc=2), ranks) == 0
+
+
+def test_side_by_side_trace_starts_both_timelines_at_zero():
+    predicted = {"traceEvents": [{"name": "FW layers.0", "ph": "X", "pid": 0, "tid": 1,
+                                  "ts": 0.0, "dur": 5.0}]}
+    measured = {"traceEvents": [
+        {"name": "aten::mm", "ph": "X", "pid": 42, "tid": 1, "ts": 1000.0, "dur": 3.0},
+        {"name": "fsdp_plan.step", "ph": "X", "pid": 42, "tid": 1, "ts": 990.0, "dur": 20.0}]}
+    merged = results.side_by_side_trace(predicted, measured)["traceEvents"]
+    spans = {(e["pid"], e["name"]): e["ts"] for e in merged if e["ph"] == "X"}
+    assert spans == {("predicted", "FW layers.0"): 0.0, ("measured 42", "aten::mm"): 10.0,
+                     ("measured 42", "fsdp_plan.step"): 0.0}
+    assert any(e["ph"] == "M" and e["pid"] == "predicted" for e in merged)

@@ -85,7 +85,7 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
         "fsdp_plan_bench_version": RESULT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "plan": {"path": prepared.plan_path, "hash": plan_hash(plan.to_dict()),
-                 "world_size": plan.world_size,
+                 "world_size": plan.world_size, "gpu": plan.gpu,
                  "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard}},
         "model": dict(plan.model),
         "run": {"nproc": prepared.nproc, "mesh": {"replicate": prepared.mesh[0],
@@ -114,8 +114,10 @@ def result_filename(result: dict[str, Any]) -> str:
             f"{result['plan']['hash'][:8]}")
 
 
-def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None = None) -> str:
-    """Write ``<out>/<name>.json`` (and ``<name>.trace.json``) atomically; never overwrite."""
+def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None = None,
+                 predicted_trace: str | None = None) -> str:
+    """Write ``<out>/<name>.json`` (and ``<name>.trace.json``, and with ``predicted_trace``
+    ``<name>.side-by-side.trace.json``) atomically; never overwrite an earlier result."""
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, result_filename(result))
     n = 1
@@ -129,8 +131,36 @@ def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None
         shutil.copyfile(trace_from, tmp)
         os.replace(tmp, trace_path)
         result["trace"] = os.path.basename(trace_path)
+        if predicted_trace:
+            with open(predicted_trace) as f, open(trace_from) as g:
+                merged = side_by_side_trace(json.load(f), json.load(g))
+            atomic_write_text(name + ".side-by-side.trace.json", json.dumps(merged))
+            result["side_by_side_trace"] = os.path.basename(name + ".side-by-side.trace.json")
     atomic_write_text(name + ".json", json.dumps(result, indent=2, default=str) + "\n")
     return name + ".json"
+
+
+def side_by_side_trace(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+    """One Chrome/Perfetto trace holding the planner's predicted timeline (``--trace``) and the
+    measured step of rank 0, both starting at 0, as two named processes."""
+    def events(trace: dict[str, Any]) -> list[dict[str, Any]]:
+        return [e for e in trace.get("traceEvents", []) if isinstance(e, dict)]
+    measured_events = events(measured)
+    step = [e for e in measured_events if e.get("name") == "fsdp_plan.step" and "ts" in e]
+    origin = float(step[0]["ts"]) if step else min(
+        (float(e["ts"]) for e in measured_events if "ts" in e), default=0.0)
+    merged = []
+    for e in events(predicted):
+        merged.append({**e, "pid": "predicted"})
+    for e in measured_events:
+        if "ts" in e:
+            e = {**e, "ts": float(e["ts"]) - origin}
+        merged.append({**e, "pid": f"measured {e.get('pid', '')}".strip()})
+    merged += [{"name": "process_name", "ph": "M", "pid": "predicted",
+                "args": {"name": "predicted (fsdp-plan --trace)"}},
+               {"name": "process_sort_index", "ph": "M", "pid": "predicted",
+                "args": {"sort_index": 0}}]
+    return {"traceEvents": merged, "displayTimeUnit": "ms"}
 
 
 def read_result(path: str) -> dict[str, Any]:
@@ -205,10 +235,17 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
                                                      ""]),
              "", tabulate(rows, headers=["figure", "measured", "predicted"])]
     parts.append(f"memory: {mem.get('source')}")
+    if not str(run.get("device", "")).startswith("cuda"):
+        parts.append(f"note: predicted step time and exposed communication are for the plan's "
+                     f"GPU ({result['plan'].get('gpu', 'see the plan')}); gloo on CPU blocks "
+                     "the issuing thread while a collective runs, so a CPU run hides nothing and "
+                     "its times are not comparable. Counts and memory are.")
     for note in notes or []:
         parts.append(f"note: {note}")
     if result.get("trace"):
         parts.append(f"profiler trace (Chrome/Perfetto): {result['trace']}")
+    if result.get("side_by_side_trace"):
+        parts.append(f"predicted vs measured (open in Perfetto): {result['side_by_side_trace']}")
     return "\n".join(parts)
 
 

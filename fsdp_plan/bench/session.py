@@ -38,6 +38,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, default=0.10,
                         help="relative step-time / peak-memory regression that fails --compare "
                              "(default 0.10 = 10%%)")
+    parser.add_argument("--predicted-trace", metavar="TRACE.json", default=None,
+                        help="the planner's --trace output: also write one Perfetto trace with "
+                             "the predicted and the measured step side by side")
     parser.add_argument("--format", choices=("table", "json"), default="table")
 
 
@@ -91,6 +94,9 @@ def prepare(args: argparse.Namespace, *, nproc: int) -> Prepared:
     from fsdp_plan.bench.results import read_result
 
     old = read_result(args.compare) if args.compare else None
+    if args.predicted_trace and not os.path.isfile(args.predicted_trace):
+        raise BadInput(f"--predicted-trace {args.predicted_trace!r} does not exist; write it with "
+                       "fsdp-plan ... --trace FILE.")
     os.makedirs(args.out, exist_ok=True)
     if not os.access(args.out, os.W_OK):
         raise BadInput(f"--out {args.out!r} cannot be written; choose another folder.")
@@ -135,7 +141,8 @@ def finish(args: argparse.Namespace, prepared: Prepared, ranks: list[dict[str, A
     else:
         memory = _cpu_memory(prepared)
     result = results.build_result(prepared, ranks, memory)
-    path = results.write_result(result, args.out, trace_from=ranks[0]["trace"])
+    path = results.write_result(result, args.out, trace_from=ranks[0]["trace"],
+                                predicted_trace=args.predicted_trace)
     result["path"] = path
     problems = results.check_prediction(result)
     text = results.format_report(result, prepared.notes)

@@ -1,0 +1,82 @@
+"""The prepared GPU check: one short run that holds predictions against a real GPU.
+
+    python -m fsdp_plan.bench.gpu_check PLAN.yaml [PLAN.yaml ...] [--out benchmarks/results]
+
+For each plan: the CUDA allocator's steady-step peak of rank 0 at the plan's real world size
+(fake process group, real CUDA tensors; ``measure.allocator``), next to FSDPMemTracker's
+figure (``measure.memory``) and the planner's prediction; then one real NCCL benchmark at
+world 1 (``fsdp-plan bench --nproc 1``). Writes ``gpu-check-<device>-<time>.json`` with the
+device name. Needs a GPU; nothing in the tests runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from fsdp_plan.bench.results import device_name, git_commit, plan_hash
+from fsdp_plan.measure import runtime
+from fsdp_plan.plan import atomic_write_text, read_plan
+
+
+def check_plan(path: str) -> dict[str, Any]:
+    """Allocator peak vs FSDPMemTracker vs prediction for one plan."""
+    from fsdp_plan.measure.allocator import allocator_peak
+    from fsdp_plan.measure.memory import measure_peak
+
+    plan = read_plan(path)
+    loaded = runtime.load_planned_model(plan, None, path)
+    policy = runtime.load_policy(runtime.policy_source(plan))
+    gpu = allocator_peak(loaded, plan, policy)
+    tracker = measure_peak(loaded, plan, policy)
+    predicted = (plan.predicted or {}).get("peak_bytes")
+
+    def rel(a: int | None, b: int) -> float | None:
+        return None if a is None else round((a - b) / b, 4)
+    return {"plan": path, "plan_hash": plan_hash(plan.to_dict()), "model": plan.model,
+            "world_size": plan.world_size, "mesh": [plan.mesh.replicate, plan.mesh.shard],
+            "allocator_peak_bytes": gpu.peak_bytes, "allocator_reserved_peak_bytes":
+            gpu.reserved_peak_bytes, "allocator_step_start_bytes": gpu.step_start_bytes,
+            "tracker_peak_bytes": tracker.peak_bytes, "predicted_peak_bytes": predicted,
+            "tracker_vs_allocator": rel(tracker.peak_bytes, gpu.peak_bytes),
+            "predicted_vs_allocator": rel(predicted, gpu.peak_bytes),
+            "seconds": round(gpu.seconds + tracker.seconds, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.gpu_check")
+    parser.add_argument("plans", nargs="+", metavar="PLAN.yaml")
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--no-bench", action="store_true", help="skip the NCCL world-1 bench")
+    args = parser.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    checks = []
+    for path in args.plans:
+        print(f"gpu_check: allocator peak for {path}", file=sys.stderr, flush=True)
+        checks.append(check_plan(path))
+        print(json.dumps(checks[-1]), flush=True)
+    codes = []
+    if not args.no_bench:
+        from fsdp_plan.cli.main import main as cli
+        for path in args.plans:
+            codes.append(cli(["bench", path, "--nproc", "1", "--steps", "10", "--out", args.out]))
+    doc = {"device_name": device_name(), "torch": torch.__version__, "git": git_commit(),
+           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checks": checks,
+           "bench_exit_codes": codes}
+    stem = device_name().replace(" ", "-").replace("/", "-")
+    path = os.path.join(args.out, f"gpu-check-{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
+    print(f"gpu_check: wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
