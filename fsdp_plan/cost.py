@@ -14,6 +14,7 @@ where bubbles are the times compute waited for an all-gather.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from fsdp_plan.errors import BadInput
@@ -116,17 +117,27 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     spans: list[tuple[str, str, float, float]] = []
     comm_free = 0.0
     comm_busy: list[tuple[float, float]] = []
+    comm_ends: list[float] = []
 
     def issue(label: str, at: float, duration: float) -> float:
         nonlocal comm_free
         start = max(at, comm_free)
         comm_free = start + duration
         comm_busy.append((start, comm_free))
+        comm_ends.append(comm_free)
         spans.append(("comm", label, start, comm_free))
         return comm_free
 
     def overlap(start: float, end: float) -> float:
-        return sum(max(0.0, min(end, e) - max(start, s)) for s, e in comm_busy)
+        # comm_busy is sorted and disjoint (one stream): scan from the first busy span ending
+        # after ``start``.
+        total = 0.0
+        i = bisect.bisect_right(comm_ends, start)
+        while i < len(comm_busy) and comm_busy[i][0] < end:
+            s, e = comm_busy[i]
+            total += max(0.0, min(end, e) - max(start, s))
+            i += 1
+        return total
 
     def run_pass(order: list[UnitCost], phase: str, now: float, prefetch: int,
                  gathers: list[bool]) -> tuple[float, float, float]:

@@ -80,6 +80,18 @@ class Evaluator:
         self.composer = TimelineComposer(analysis, graph.blocks)
         self._profiles: dict[int, ActivationProfile] = {}
         self.exclusive_fw, self.exclusive_bw = _exclusive_flops(graph, analysis)
+        self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks if b in analysis.modules}
+        self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
+
+    def _unit_flops(self, unit: UnitSpec) -> tuple[float, float, frozenset[str]]:
+        """Forward and backward FLOPs of the modules a unit owns, and those modules."""
+        key = tuple(unit.owned_modules)
+        if key not in self._flops_cache:
+            self._flops_cache[key] = (
+                sum(self.exclusive_fw.get(m, 0.0) for m in unit.owned_modules),
+                sum(self.exclusive_bw.get(m, 0.0) for m in unit.owned_modules),
+                frozenset(unit.owned_modules))
+        return self._flops_cache[key]
 
     def profile(self, k: int) -> ActivationProfile:
         if k not in self._profiles:
@@ -124,13 +136,11 @@ class Evaluator:
         rate = hw.peak_flops * hw.efficiency
         p = s.precision
         shard_crosses = shard > s.gpus_per_node
-        ckpt = set(checkpointed)
         costs: list[UnitCost] = []
         for u in units:
-            fw = sum(self.exclusive_fw.get(m, 0.0) for m in u.owned_modules)
-            bw = sum(self.exclusive_bw.get(m, 0.0) for m in u.owned_modules)
-            recompute = sum(self.exclusive_fw.get(m, 0.0) for m in u.owned_modules
-                            if any(m == b or m.startswith(b + ".") for b in ckpt))
+            fw, bw, owned = self._unit_flops(u)
+            # A checkpointed block's forward runs again inside its unit's backward.
+            recompute = sum(self.block_fw.get(b, 0.0) for b in checkpointed if b in owned)
             unsharded = u.unsharded_numel(shard)
             costs.append(UnitCost(
                 key=u.key or "<root>", fw_compute_s=fw / rate, bw_compute_s=(bw + recompute) / rate,
@@ -143,10 +153,8 @@ class Evaluator:
                 regather=u.reshard_after_forward,
             ))
         # Forward order: the root gathers first, then units as they run.
-        profile_order = {u.key: i for i, u in enumerate(units)}
         root = [c for c in costs if c.key == "<root>"]
         ordered = root + [c for c in costs if c.key != "<root>"]
-        del profile_order
         total_shard = sum(u.shard_numel for u in units)
         states = OPTIMIZER_STATES.get(s.optimizer, 0)
         optimizer_s = (total_shard * p.orig_bytes * (3 + 2 * states)) / hw.hbm_bandwidth
@@ -195,7 +203,7 @@ def _top_level_units(graph: ModuleGraph) -> list[list[str]]:
     singles = [c for c in root.children
                if c not in block_set and c not in containers
                and not any(b.startswith(c + ".") for b in block_set)
-               and graph.modules[c].subtree_numel >= 0.01 * total]
+               and graph.modules[c].subtree_numel >= 0.001 * total]
     groups: list[list[str]] = []
     for c in singles:
         tied = next((g for g in graph.tied_groups if any(m == c or m.startswith(c + ".") for m in g)), None)
@@ -255,34 +263,51 @@ def search(evaluator: Evaluator) -> list[Candidate]:
                              default=None)
             keep_options = [False, True] if last_block is not None and strategy != "grad-op" else [False]
             for keep_last in keep_options:
-                reshard = [strategy not in ("grad-op",) for _ in range(n)]
+                reshard = [strategy != "grad-op" for _ in range(n)]
                 if keep_last:
                     reshard[last_block] = False
-                for fwp in (0, 1):
-                    for bwp in (1, 2):
-                        name = (f"{strategy} {layout_name}" + (" keep-last" if keep_last else "")
-                                + f" fwp{fwp} bwp{bwp}")
+                start = None  # index into ks where the least-memory variant first fits
+                # No prefetch beyond FSDP2's default needs the least memory: every other
+                # variant needs at least as many checkpointed blocks, so its search starts there.
+                for fwp, bwp in ((0, 1), (0, 2), (1, 1), (1, 2)):
+                    name = (f"{strategy} {layout_name}" + (" keep-last" if keep_last else "")
+                            + f" fwp{fwp} bwp{bwp}")
 
-                        def at(k: int) -> Candidate:
-                            return evaluator.evaluate(
-                                name=name + (f" ac{k}" if k else ""), strategy=strategy,
-                                replicate=replicate, shard=shard, groups=groups, reshard=reshard,
-                                root_reshard=False, k=k, forward_prefetch=fwp,
-                                backward_prefetch=bwp)
-                        results.append(_fewest_checkpointed(at, ks))
+                    def at(k: int, name=name, fwp=fwp, bwp=bwp) -> Candidate:
+                        return evaluator.evaluate(
+                            name=name + (f" ac{k}" if k else ""), strategy=strategy,
+                            replicate=replicate, shard=shard, groups=groups, reshard=reshard,
+                            root_reshard=False, k=k, forward_prefetch=fwp, backward_prefetch=bwp)
+                    best, fits_at = _fewest_checkpointed(at, ks, start)
+                    results.append(best)
+                    if fits_at is None and start is None:
+                        break  # the least-memory variant cannot fit: the others cannot either
+                    if start is None:
+                        start = fits_at
     results.sort(key=lambda c: (not c.fits, round(c.time.step_s, 9) if c.fits else c.memory.peak_bytes,
                                 len(c.checkpointed), c.memory.peak_bytes))
     return results
 
 
-def _fewest_checkpointed(at, ks: list[int]) -> Candidate:
-    """Binary search over the checkpointed-block count (peak falls as it grows)."""
+def _fewest_checkpointed(at, ks: list[int], start: int | None) -> tuple[Candidate, int | None]:
+    """The fewest checkpointed blocks that fit (the peak falls as more are checkpointed).
+
+    Binary search over ``ks``; with ``start`` (a lower bound from a variant needing less
+    memory) it steps up from there instead, which is one or two evaluations in practice.
+    Returns the candidate and the index in ``ks`` where it fits (None when nothing fits).
+    """
+    if start is not None:
+        for i in range(start, len(ks)):
+            cand = at(ks[i])
+            if cand.fits:
+                return cand, i
+        return cand, None
     first = at(ks[0])
     if first.fits or len(ks) == 1:
-        return first
+        return first, 0 if first.fits else None
     last = at(ks[-1])
     if not last.fits:
-        return last
+        return last, None
     lo, hi = 0, len(ks) - 1  # ks[lo] does not fit, ks[hi] fits
     best = last
     while hi - lo > 1:
@@ -292,7 +317,7 @@ def _fewest_checkpointed(at, ks: list[int]) -> Candidate:
             hi, best = mid, cand
         else:
             lo = mid
-    return best
+    return best, hi
 
 
 def standard_recipes(evaluator: Evaluator) -> list[Candidate]:
