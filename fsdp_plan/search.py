@@ -284,9 +284,20 @@ def search(evaluator: Evaluator) -> list[Candidate]:
                         break  # the least-memory variant cannot fit: the others cannot either
                     if start is None:
                         start = fits_at
-    results.sort(key=lambda c: (not c.fits, round(c.time.step_s, 9) if c.fits else c.memory.peak_bytes,
-                                len(c.checkpointed), c.memory.peak_bytes))
-    return results
+    return rank(results)
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fitting candidates by step time (then fewer checkpointed blocks, lower peak), then the rest
+    by peak."""
+    return sorted(candidates, key=lambda c: (
+        not c.fits, round(c.time.step_s, 9) if c.fits else c.memory.peak_bytes,
+        len(c.checkpointed), c.memory.peak_bytes))
+
+
+def choose(searched: list[Candidate], recipes: list[Candidate]) -> list[Candidate]:
+    """The search's ranking with any fitting recipe that beats it: never worse than a recipe."""
+    return rank(searched + [r for r in recipes if r.fits])
 
 
 def _fewest_checkpointed(at, ks: list[int], start: int | None) -> tuple[Candidate, int | None]:

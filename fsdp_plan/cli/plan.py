@@ -31,7 +31,7 @@ from fsdp_plan.report import (
     format_candidates,
     gather_module_rows,
 )
-from fsdp_plan.search import Candidate, Evaluator, SearchSettings, search, standard_recipes
+from fsdp_plan.search import Candidate, Evaluator, SearchSettings, choose, search, standard_recipes
 from fsdp_plan.sizes import format_bytes, parse_bytes
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -39,8 +39,8 @@ DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="model file (.py), package.module:attr, or (with "
-                        "--hf-config) omitted")
+    parser.add_argument("model", nargs="?", default=None, help="model file (.py), "
+                        "package.module:attr, or (with --hf-config) omitted")
     parser.add_argument("--mem", required=True, help="per-GPU memory budget: 70GB, 70GiB, 70000MB or bytes")
     parser.add_argument("--headroom", default=None,
                         help="memory kept free for the CUDA context, NCCL buffers and "
@@ -205,9 +205,14 @@ def run(args: argparse.Namespace) -> int:
     values = validate(args)
     if not args.model and not args.hf_config:
         raise BadInput("give a MODEL file (or --hf-config config.json).")
+    if args.model and args.hf_config:
+        raise BadInput(f"give either MODEL ({args.model!r}) or --hf-config ({args.hf_config!r}), "
+                       "not both: --hf-config builds the model from the config alone.")
     source = model_source(args)
     progress = (lambda m: sys.stderr.write(f"fsdp-plan: {m}\n")) if args.format == "table" else None
     loaded = load_model(source)
+    for note in loaded.notes if progress else ():
+        progress(f"note: {note}")
     graph = build_module_graph(loaded.model)
     if graph.total_numel == 0:
         raise BadInput(f"model {source.source!r} has no parameters; there is nothing to shard.")
@@ -223,8 +228,8 @@ def run(args: argparse.Namespace) -> int:
                               strategy=args.strategy, precision=precision, optimizer=args.optimizer,
                               hardware=values["hardware"])
     evaluator = Evaluator(graph, analysis, settings)
-    ranked = search(evaluator)
     recipes = standard_recipes(evaluator)
+    ranked = choose(search(evaluator), recipes)
     elapsed = time.perf_counter() - started
     best = ranked[0]
     if not best.fits:
@@ -236,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
             f"{format_bytes(smallest.memory.peak_bytes)} ({smallest.name}). To fit, try: "
             f"{suggestions(smallest, values, args)}.", smallest_peak_bytes=smallest.memory.peak_bytes)
     plan = to_plan(best, source, source_digest(source), graph.total_numel, values, args)
+    if loaded.notes:
+        plan.model["notes"] = list(loaded.notes)
     if args.verify:
         check_by_measurement(plan, loaded, settings.limit_bytes, progress)
     rows = [candidate_row(c) for c in ranked[: args.top]] + [candidate_row(c) for c in recipes]
