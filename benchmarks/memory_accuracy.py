@@ -1,6 +1,7 @@
 """Predicted peak vs FSDPMemTracker for planned Llama shapes; prints one row per case.
 
-    python benchmarks/memory_accuracy.py
+    python benchmarks/memory_accuracy.py          # quick: reduced-depth Llama shapes
+    python benchmarks/memory_accuracy.py --full   # the bundled examples at real shapes (~15 min)
 Each case is planned with the CLI, then measured on the fake process group at the plan's
 world size through the generated ``apply_fully_shard`` (about 5-30 s per case on 2 cores).
 """
@@ -19,20 +20,35 @@ from fsdp_plan.plan import read_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
-CASES = [
-    (["size=70b", "n_layers=4"], "1", "4096", "40GB", "64", []),
-    (["size=70b", "n_layers=6"], "1", "4096", "20GB", "64", []),
-    (["size=8b", "n_layers=4"], "2", "2048", "24GB", "8", []),
-    (["size=8b", "n_layers=4"], "1", "4096", "30GB", "16", ["--gpus-per-node", "8", "--strategy", "hybrid"]),
+GPT2 = os.path.join(ROOT, "examples", "gpt2.py")
+VIT = os.path.join(ROOT, "examples", "vit.py")
+HSDP = ["--gpus-per-node", "8", "--strategy", "hybrid"]
+# (model file, --model-arg values, batch, seq, budget, world size, extra flags)
+QUICK = [
+    (LLAMA, ["size=70b", "n_layers=4"], "1", "4096", "40GB", "64", []),
+    (LLAMA, ["size=70b", "n_layers=6"], "1", "4096", "20GB", "64", []),
+    (LLAMA, ["size=8b", "n_layers=4"], "2", "2048", "24GB", "8", []),
+    (LLAMA, ["size=8b", "n_layers=4"], "1", "4096", "30GB", "16", HSDP),
 ]
+# The bundled examples at their real shapes: three budgets, world sizes 8 and 64, and HSDP 2x8.
+FULL = [
+    (model, margs, batch, seq, mem, world, extra)
+    for model, margs, batch, seq in ((LLAMA, ["size=8b"], "1", "4096"),
+                                     (GPT2, ["size=xl"], "4", "1024"),
+                                     (VIT, ["size=huge"], "32", "1"))
+    for mem in ("24GB", "40GB", "80GB")
+    for world, extra in (("8", []), ("64", []), ("16", HSDP))
+]
+
 
 if __name__ == "__main__":
     print(f"{'model':>24} {'b x s':>8} {'world':>5} {'budget':>7} {'predicted GB':>13} "
           f"{'measured GB':>12} {'error':>7} {'AC':>3}")
-    for margs, batch, seq, mem, world, extra in CASES:
+    cases = FULL if "--full" in sys.argv else QUICK
+    for model, margs, batch, seq, mem, world, extra in cases:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "plan.yaml")
-            argv = [LLAMA, "--batch-size", batch, "--seq-len", seq, "--mem", mem,
+            argv = [model, "--batch-size", batch, "--seq-len", seq, "--mem", mem,
                     "--world-size", world, "--plan", path, "--format", "json", *extra]
             for a in margs:
                 argv += ["--model-arg", a]
@@ -43,7 +59,8 @@ if __name__ == "__main__":
                 finally:
                     sys.stdout = stdout
             if code != 0:
-                print(f"{' '.join(margs):>24} exit {code}")
+                print(f"{os.path.basename(model)} {' '.join(margs):>24} {batch + 'x' + seq:>8} "
+                      f"{world:>5} {mem:>7} exit {code} (no plan fits)")
                 continue
             plan = read_plan(path)
             m = plan.model
@@ -52,6 +69,6 @@ if __name__ == "__main__":
             measured = measure_peak(loaded, plan, load_policy_module(render_policy_module(plan)))
             pred = plan.predicted["peak_bytes"]
             err = (pred - measured.peak_bytes) / measured.peak_bytes
-            print(f"{' '.join(margs):>24} {batch + 'x' + seq:>8} {world:>5} {mem:>7} "
+            print(f"{os.path.basename(model)} {' '.join(margs):>24} {batch + 'x' + seq:>8} {world:>5} {mem:>7} "
                   f"{pred / 1e9:13.2f} {measured.peak_bytes / 1e9:12.2f} {err:+7.1%} "
                   f"{len(plan.activation_checkpointing):>3}")

@@ -21,6 +21,7 @@ from fsdp_plan.sizes import format_bytes, format_gb
 def gather_module_rows(graph: ModuleGraph, analysis: Analysis, max_depth: int = 2) -> list[dict[str, Any]]:
     """Per-module parameters, saved activations and FLOPs, down to ``max_depth``."""
     rows = []
+    fw_incl, bw_incl = _inclusive_flops(graph, analysis)
     for fqn, info in graph.modules.items():
         depth = 0 if fqn == "" else fqn.count(".") + 1
         if depth > max_depth:
@@ -31,10 +32,23 @@ def gather_module_rows(graph: ModuleGraph, analysis: Analysis, max_depth: int = 
         rows.append({
             "module": fqn or "<root>", "class": info.class_name, "params": info.subtree_numel,
             "param_bytes": info.subtree_numel * 4, "saved_activation_bytes": saved,
-            "fw_flops": comp.fw_flops if comp else 0.0, "bw_flops": comp.bw_flops if comp else 0.0,
+            "fw_flops": fw_incl[fqn], "bw_flops": bw_incl[fqn],
             "calls": comp.calls if comp else 0,
         })
     return rows
+
+
+def _inclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
+    """Module FLOPs; containers that are never called (``ModuleList``) sum their children."""
+    fw: dict[str, float] = {}
+    bw: dict[str, float] = {}
+    for fqn in reversed(list(graph.modules)):
+        comp = analysis.modules.get(fqn)
+        kids = graph.modules[fqn].children
+        fw[fqn] = comp.fw_flops if comp and comp.calls else sum(fw[c] for c in kids)
+        bw[fqn] = comp.bw_flops if comp and comp.bw_flops else sum(bw[c] for c in kids)
+    fw[""], bw[""] = analysis.total_fw_flops, analysis.total_bw_flops
+    return fw, bw
 
 
 def candidate_row(c: Candidate) -> dict[str, Any]:

@@ -1,0 +1,47 @@
+"""The plan command's outputs: report, JSON, trace, policy module and plan file agree."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import yaml
+
+from fsdp_plan.cli.main import main
+from fsdp_plan.emit import load_policy_module
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+ARGS = [LLAMA, "--model-arg", "size=tiny", "--seq-len", "64", "--batch-size", "2", "--mem", "3MB",
+        "--world-size", "8"]
+
+
+def test_table_report_shows_totals_choice_and_timeline(capsys):
+    assert main(ARGS) == 0
+    out = capsys.readouterr().out
+    assert "262,720" in out  # exact parameter count
+    assert "MB (" in out and "MiB)" in out  # decimal and binary units
+    assert "recipe: torchtitan" in out and "chosen:" in out
+    assert "compute |" in out and "comm    |" in out
+
+
+def test_json_trace_policy_and_plan_agree(tmp_path, capsys):
+    trace, plan_path, policy = tmp_path / "t.json", tmp_path / "p.yaml", tmp_path / "p.py"
+    assert main([*ARGS, "--format", "json", "--trace", str(trace), "--plan", str(plan_path),
+                 "-o", str(policy)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    plan = yaml.safe_load(plan_path.read_text())
+    assert report["plan"] == plan
+    assert load_policy_module(str(policy)).PLAN == plan
+    assert plan["model"]["params"] == 262720
+    assert plan["units"][-1]["modules"] == [""]
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["tid"] for e in events if e["ph"] == "X"}
+    assert lanes == {1, 2}
+    assert any(e["name"].startswith("AG ") for e in events)
+    assert report["candidates"][0]["peak_bytes"] == plan["predicted"]["peak_bytes"]
+
+
+def test_help_exits_zero(capsys):
+    assert main(["--help"]) == 0
+    assert "--mem" in capsys.readouterr().out
