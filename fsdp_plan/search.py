@@ -117,6 +117,9 @@ class Evaluator:
         memory = estimate_peak(profile, units, ctx, forward_prefetch=forward_prefetch,
                                backward_prefetch=backward_prefetch)
         ran = [profile.windows(u).ran for u in units]
+        # FSDP2 unshards a unit in its forward pre-hook: a unit that never runs forward
+        # (a container such as ModuleList) would leave its parameters sharded.
+        runnable = all(r or u.numel == 0 or u.modules == [""] for r, u in zip(ran, units))
         checkpointed = self.graph.blocks[:k]
         time = self._time(units, shard, replicate, checkpointed, forward_prefetch, backward_prefetch)
         return Candidate(
@@ -125,7 +128,7 @@ class Evaluator:
             backward_prefetch=backward_prefetch, memory=memory, time=time,
             collectives=count_fsdp2(units, replicate=replicate, shard=shard, ran=ran),
             collectives_fsdp1=count_fsdp1(units, strategy=strategy, replicate=replicate, ran=ran),
-            fits=memory.peak_bytes <= s.limit_bytes,
+            fits=runnable and memory.peak_bytes <= s.limit_bytes,
         )
 
     def _time(self, units: list[UnitSpec], shard: int, replicate: int, checkpointed: list[str],
@@ -223,7 +226,8 @@ def size_based_units(graph: ModuleGraph, min_num_params: int = FSDP1_DEFAULT_MIN
     for fqn in reversed(list(graph.modules)):
         info = graph.modules[fqn]
         left = info.direct_numel + sum(remaining[c] for c in info.children)
-        if fqn and left >= min_num_params and info.children is not None:
+        # FSDP1 never wraps containers (exclude_wrap_modules): their forward never runs.
+        if fqn and left >= min_num_params and info.class_name not in ("ModuleList", "ModuleDict"):
             wrapped.append(fqn)
             left = 0
         remaining[fqn] = left
