@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
+from test_measure_helpers import MIXED, plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import measure_peak
+from fsdp_plan.plan import Mesh, Plan, Unit
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +60,17 @@ def test_a_different_model_is_refused_before_measuring(tmp_path):
     plan.model["params"] = 12345
     code, _, err = run_cli(["verify", plan_file(tmp_path, plan)])
     assert code == 2 and "262,720 parameters" in err and "12,345" in err
+
+
+def test_a_dtype_mismatch_that_only_a_real_device_refuses_fails_the_dry_run(tmp_path):
+    """examples/mixed.py adds a float32 buffer to its activations; with the root as the only
+    unit nothing casts them back to bfloat16, and a real run stops in shared_proj's addmm."""
+    plan = Plan(model={"source": MIXED, "entry": "build_model", "args": {"size": "tiny"},
+                       "batch_size": 2, "seq_len": 16, "kind": "file"},
+                budget_bytes=10**9, world_size=2, mesh=Mesh(replicate=1, shard=2),
+                units=[Unit(modules=[""], reshard_after_forward=False)],
+                mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
+    code, _, err = run_cli(["verify", plan_file(tmp_path, plan)])
+    assert code == 1
+    assert "a real device would refuse this step: aten::addmm got bfloat16 and float32 in " \
+           "'shared_proj'" in err

@@ -78,6 +78,13 @@ def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float) -> dict[
         problems.append(f"measured peak {format_bytes(measured.peak_bytes)} differs from the "
                         f"predicted {format_bytes(predicted_peak)} by {rel:.1%} (tolerance "
                         f"{tolerance:.1%})")
+    if measured.dtype_mismatches:
+        more = len(measured.dtype_mismatches) - 1
+        problems.append(f"a real device would refuse this step: {measured.dtype_mismatches[0]}"
+                        + (f" (and {more} more)" if more else "") + "; fake kernels accept mixed "
+                        "dtypes, real ones do not: make that module a fully_shard unit (its "
+                        "inputs are then cast to param_dtype) or keep the model's float buffers "
+                        "in param_dtype")
     notes = list(measured.notes)
     if predicted_peak is None:
         notes.append("the plan has no predicted peak; only the budget was checked.")

@@ -35,6 +35,7 @@ from fsdp_plan.errors import BadInput
 from fsdp_plan.fake import materialize_fake, new_fake_mode
 from fsdp_plan.load import LoadedModel, rebuild_meta
 from fsdp_plan.measure import runtime
+from fsdp_plan.measure.dtypes import DtypeChecker, running_modules
 from fsdp_plan.plan import Plan
 
 _TOTAL = "Total"
@@ -56,12 +57,15 @@ class MeasuredMemory:
     mesh: tuple[int, int] = (1, 1)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    dtype_mismatches: list[str] = field(default_factory=list)
+    """Ops a real device would refuse (see ``dtypes.DtypeChecker``): the plan cannot run."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak_bytes, "breakdown": dict(self.breakdown),
                 "step_start_bytes": self.step_start_bytes, "module_peaks": dict(self.module_peaks),
                 "world_size": self.world_size, "mesh": list(self.mesh),
-                "seconds": round(self.seconds, 3), "notes": list(self.notes)}
+                "seconds": round(self.seconds, 3), "notes": list(self.notes),
+                "dtype_mismatches": list(self.dtype_mismatches)}
 
 
 @contextmanager
@@ -152,7 +156,8 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
                 runtime.finish_step(model, optimizer)
             tracker = FSDPMemTracker(model, optimizer)  # see [Note: the steady step]
             tracker.track_inputs(inputs)
-            with tracker:
+            checker = DtypeChecker(running_modules(getattr(tracker, "_mod_tracker", None)))
+            with tracker, checker:
                 step_start = _total(tracker.get_tracker_snapshot("current"))
                 runtime.forward_backward(model, loaded, inputs)
                 runtime.finish_step(model, optimizer)
@@ -166,4 +171,4 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     return MeasuredMemory(peak_bytes=int(peak), breakdown=breakdown, step_start_bytes=step_start,
                           module_peaks=module_peaks, world_size=plan.world_size,
                           mesh=(replicate, shard), seconds=time.perf_counter() - started,
-                          notes=notes)
+                          notes=notes, dtype_mismatches=checker.mismatches)

@@ -1,0 +1,62 @@
+"""Catch, in a fake-tensor dry run, the dtype mismatches a real device would refuse.
+
+Meta and fake kernels of ``mm``/``addmm``/``bmm``/convolution accept a float32 input with
+bfloat16 weights; CPU and CUDA kernels raise ``mat1 and mat2 must have the same dtype``. With
+FSDP2 mixed precision this happens when a float32 tensor that no ``fully_shard`` unit casts
+(a float32 buffer added to activations inside a unit, for instance) reaches a matmul whose
+weights were gathered in ``param_dtype``. Without this check ``verify`` would pass a plan that
+crashes on its first real step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+
+# Ops whose CPU/CUDA kernels require every floating-point operand to share one dtype.
+SAME_DTYPE_OPS = {
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten.mv.default, aten.addmv.default, aten.dot.default, aten.convolution.default,
+}
+
+
+class DtypeChecker(TorchDispatchMode):
+    """Records (does not raise) the first mismatches, with the modules running at the time."""
+
+    def __init__(self, where: Callable[[], str] | None = None, limit: int = 3) -> None:
+        super().__init__()
+        self.where = where
+        self.limit = limit
+        self.mismatches: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if any(t == DTensor for t in types):
+            return NotImplemented  # check the local ops DTensor desugars into
+        if func in SAME_DTYPE_OPS and len(self.mismatches) < self.limit:
+            flat, _ = tree_flatten((args, kwargs))
+            dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in flat
+                             if isinstance(t, torch.Tensor) and t.is_floating_point()})
+            if len(dtypes) > 1:
+                place = f" in {self.where()}" if self.where else ""
+                self.mismatches.append(f"{func.name()} got {' and '.join(dtypes)}{place}")
+        return func(*args, **kwargs)
+
+
+def running_modules(mod_tracker: Any) -> Callable[[], str]:
+    """The innermost module a ``ModTracker`` is in (its longest parent name), as a plan FQN."""
+    def where() -> str:
+        parents = [p for p in getattr(mod_tracker, "parents", ()) if p != "Global"]
+        if not parents:
+            return "the loss (outside the model)"
+        # Tracker names start with the root's class name (``FSDPLlama.layers.0``).
+        _, _, fqn = max(parents, key=len).partition(".")
+        return repr(fqn.replace("._checkpoint_wrapped_module", "")) if fqn else "the root"
+    return where
