@@ -57,6 +57,8 @@ class LoadedModel:
     make_inputs: Callable[[int, int], tuple[tuple[Any, ...], dict[str, Any]]]
     compute_loss: Callable[[Any], torch.Tensor]
     factory: Callable[..., nn.Module]
+    notes: list[str] = field(default_factory=list)
+    """Assumptions the planner made to build or trace the model (stated in the report and plan)."""
 
 
 def parse_model_args(pairs: list[str] | None) -> dict[str, Any]:
@@ -219,6 +221,9 @@ def _first_leaf(model: nn.Module) -> nn.Module | None:
 
 
 def _default_inputs_for(model: nn.Module, source: ModelSource):
+    from fsdp_plan.hf import hf_default_inputs, is_hf_model
+    if is_hf_model(model):
+        return hf_default_inputs(model, source.source)
     leaf = _first_leaf(model)
     if not isinstance(leaf, nn.Embedding):
         kind = type(leaf).__name__ if leaf is not None else "no parameterised layer"
@@ -277,13 +282,14 @@ def load_model(source: ModelSource) -> LoadedModel:
     else:
         factory, user_module = _resolve_factory(source)
     model = build_on_meta(factory, source)
+    notes = list(getattr(factory, "fsdp_plan_notes", None) or [])
     user_inputs = getattr(user_module, "example_inputs", None) if user_module else None
     user_loss = getattr(user_module, "loss_fn", None) if user_module else None
     make_inputs = (_wrap_example_inputs(user_inputs, source) if callable(user_inputs)
                    else _default_inputs_for(model, source))
     compute_loss = user_loss if callable(user_loss) else default_loss
     return LoadedModel(source=source, model=model, make_inputs=make_inputs,
-                       compute_loss=compute_loss, factory=factory)
+                       compute_loss=compute_loss, factory=factory, notes=notes)
 
 
 def rebuild_meta(loaded: LoadedModel) -> nn.Module:
