@@ -8,7 +8,8 @@ analysis (see analysis.py); and what FSDP2 keeps unsharded at that moment:
   ``d`` before it) starts forward, freed after its forward when it reshards, and gathered
   again for backward when the unit ahead of it in backward order starts (FSDP2's implicit
   backward prefetch), freed after its backward;
-- the all-gather's flat output and input copies for an instant while it is copied out;
+- the all-gather's flat output and input copies for an instant while it is copied out, and in
+  forward the flat output until the next unit's copy-out (the root's post-forward for the last);
 - a unit's unsharded gradients (``param_dtype``) during its backward;
 - the reduce-scatter input (``reduce_dtype``, padded unsharded size), which FSDP2 keeps until
   the next unit's reduce-scatter is issued (``reduce_scatter_max_input_buffers = 1``).
@@ -210,6 +211,15 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
         end = (w.fw_end, 0) if u.reshard_after_forward else (w.bw_end, 0)
         live.append((start, end, unsharded, "unsharded_params"))
         instants.append(((w.fw_start, 1), unsharded + u.shard_numel * p.param_bytes, "comm_buffers"))
+        # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
+        # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
+        # next all-gather); with one root unit that is the whole forward.
+        if pos + 1 < len(fw_order):
+            freed = (windows[fw_order[pos + 1]].fw_start, 1)
+        else:
+            root = [j for j in ran if units[j].modules == [""]]
+            freed = (windows[root[0]].fw_end if root else w.fw_end, 0)
+        live.append(((w.fw_start, 2), freed, unsharded, "comm_buffers"))
     bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
     # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
     # module hooks may report them the other way round: end each unit where the next begins.
