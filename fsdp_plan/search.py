@@ -194,6 +194,13 @@ def block_layouts(graph: ModuleGraph) -> dict[str, list[list[str]]]:
             groups = [[b] for b in blocks] + extra
             groups.sort(key=lambda g: order[g[0]])
             layouts["per-block+top"] = groups
+    else:
+        # No repeated blocks (a CNN, an MLP): wrap big subtrees, at a few granularities.
+        for parts in (4, 16, 64):
+            groups = size_based_units(graph, max(1, graph.total_numel // parts))
+            if groups and groups not in layouts.values():
+                layouts[f"size/{parts}"] = groups
+    layouts["root-only"] = []
     return {k: v for k, v in layouts.items() if check_tied(graph, v)}
 
 
@@ -258,7 +265,7 @@ def search(evaluator: Evaluator) -> list[Candidate]:
     """Every configuration's fastest fitting variant (or its smallest peak), best first."""
     settings = evaluator.settings
     results: list[Candidate] = []
-    layouts = block_layouts(evaluator.graph) or {"root-only": []}
+    layouts = block_layouts(evaluator.graph)
     ks = evaluator.checkpoint_options()
     for strategy, replicate, shard in strategies_for(settings):
         for layout_name, groups in layouts.items():
@@ -273,7 +280,8 @@ def search(evaluator: Evaluator) -> list[Candidate]:
                 start = None  # index into ks where the least-memory variant first fits
                 # No prefetch beyond FSDP2's default needs the least memory: every other
                 # variant needs at least as many checkpointed blocks, so its search starts there.
-                for fwp, bwp in ((0, 1), (0, 2), (1, 1), (1, 2)):
+                variants = ((0, 1), (0, 2), (1, 1), (1, 2)) if n > 1 else ((0, 1),)
+                for fwp, bwp in variants:
                     name = (f"{strategy} {layout_name}" + (" keep-last" if keep_last else "")
                             + f" fwp{fwp} bwp{bwp}")
 
