@@ -140,11 +140,16 @@ def _count_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, int]]:
     from fsdp_plan.measure import runtime
 
     device = init_worker_process_group(ctx.local_rank)
-    loaded = load_model(ModelSource(**payload["source"]))
-    source = loaded.source
+    models: dict[str, Any] = {}
     results = []
     for job in payload["jobs"]:
         ctx.report(phase="job", step=len(results) + 1, steps=len(payload["jobs"]))
+        source_dict = job.get("source") or payload["source"]
+        key = repr(sorted(source_dict.items()))
+        if key not in models:  # a job may name its own model (several models, one start-up)
+            models[key] = load_model(ModelSource(**source_dict))
+        loaded = models[key]
+        source = loaded.source
         policy = runtime.load_policy(job["policy_source"])
         replicate, shard = job["mesh"]
         mesh = runtime.make_mesh(device.type, replicate, shard)
@@ -171,7 +176,8 @@ def count_collectives_many(source: ModelSource, jobs: list[dict[str, Any]], *, n
     """Count several plans on one set of ``nproc`` workers (start-up is paid once).
 
     Each job is ``{"plan": plan_dict, "fsdp_version": 1|2, "mesh": (replicate, shard)}``
-    (``mesh`` defaults to ``(1, nproc)``; ``policy_source`` defaults to the rendered policy).
+    (``mesh`` defaults to ``(1, nproc)``; ``policy_source`` defaults to the rendered policy;
+    ``source``, a ``ModelSource``, replaces ``source`` for that job).
     Returns, per job, each rank's counts.
     """
     from fsdp_plan.measure import runtime
@@ -186,7 +192,8 @@ def count_collectives_many(source: ModelSource, jobs: list[dict[str, Any]], *, n
         text = job.get("policy_source") or runtime.policy_source(Plan.from_dict(plan))
         prepared.append({"policy_source": text, "mesh": list(mesh),
                          "fsdp_version": int(job.get("fsdp_version", 2)),
-                         "optimizer": plan.get("optimizer", "adamw")})
+                         "optimizer": plan.get("optimizer", "adamw"),
+                         "source": _source_dict(job["source"]) if job.get("source") else None})
     payload = {"source": _source_dict(source), "jobs": prepared}
     per_rank = launch("fsdp_plan.measure.collectives:_count_worker", payload, nproc=nproc,
                       timeout_s=timeout_s)
