@@ -76,14 +76,14 @@ def test_a_failing_worker_is_named_and_earlier_results_survive(tmp_path, monkeyp
     monkeypatch.setenv("FSDP_PLAN_BENCH_FAULT", f"{fault}:rank=1:step=3")
     plan = plan_file(tmp_path, tiny_llama_plan(world=2, predicted=PREDICTED))
     started = time.monotonic()
-    code, _, err = run_cli(["bench", plan, *FAST, "--out", str(out), "--timeout", "15"])
+    code, _, err = run_cli(["bench", plan, *FAST, "--out", str(out), "--timeout", "12"])
     assert code == 1
     if fault == "crash":
         assert "rank 1 failed (last progress: count 2/6)" in err
         assert "RuntimeError: injected fault: rank 1 crashed at step 3" in err
     else:
-        assert "rank 1 hung: no progress for 15 s" in err and "maybe_inject_fault" in err
-        assert time.monotonic() - started < 60
+        assert "rank 1 hung: no progress for 12 s" in err and "maybe_inject_fault" in err
+        assert time.monotonic() - started < 90
     assert "All workers were killed" in err
     assert _file_state(str(earlier)) == before
     assert sorted(os.listdir(out)) == ["earlier.json"]

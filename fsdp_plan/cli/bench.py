@@ -29,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local worker processes (default: the plan's world size)")
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds a worker may go without progress before it counts as hung "
-                             "(start-up included; default 300)")
+                             "(default 300; importing torch at start-up may take up to "
+                             "max(S, 180))")
 
 
 def default_nproc(world_size: int) -> int:

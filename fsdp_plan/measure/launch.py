@@ -12,7 +12,9 @@ parent polls them, so it needs no process group of its own and never blocks on a
   names the rank whose error came FIRST (a crash makes its peers fail in their next collective
   a moment later, and those secondary errors must not hide the cause).
 - A worker that dies without Python's help (signal, ``os._exit``) is reported by exit code.
-- A hang is a rank that has reported no progress for ``timeout_s`` seconds (start-up counts).
+- A hang is a rank that has reported no progress for ``timeout_s`` seconds. Before its first
+  report after imports, a rank gets ``max(timeout_s, startup_s)``: importing torch in N fresh
+  processes on a busy machine takes tens of seconds and says nothing while it does.
   Before killing, the parent asks every live worker for its Python stack (``faulthandler`` on
   SIGUSR1) and names the ranks with the least progress, with the frame each one is stuck in.
 """
@@ -168,10 +170,15 @@ def _stuck_frame(stack_text: str) -> str:
 class _Run:
     """The state of one launch: the processes, their folder and the failure analysis."""
 
-    def __init__(self, nproc: int, timeout_s: float, workdir: str) -> None:
+    def __init__(self, nproc: int, timeout_s: float, workdir: str, startup_s: float = 0.0) -> None:
         self.nproc, self.timeout_s, self.workdir = nproc, timeout_s, workdir
+        self.startup_s = max(timeout_s, startup_s)
         self.procs: list[Any] = []
         self.last_seen: dict[int, tuple[float, Any]] = {}
+
+    def allowed(self, progress: dict[str, Any]) -> float:
+        """Seconds of silence allowed after ``progress`` (more while still importing)."""
+        return self.startup_s if progress.get("phase", "started") == "started" else self.timeout_s
 
     def progress(self, rank: int) -> dict[str, Any]:
         return _read_json(os.path.join(self.workdir, f"rank{rank}.progress.json")) or {}
@@ -226,7 +233,7 @@ class _Run:
             prog = self.progress(rank)
             failures.append(RankFailure(
                 rank=rank, kind="hang", detail=stack, last_progress=prog,
-                error=f"no progress for {self.timeout_s:g} s after {_describe(prog)}; "
+                error=f"no progress for {self.allowed(prog):g} s after {_describe(prog)}; "
                       f"stuck at {_stuck_frame(stack)}"))
         failures.sort(key=lambda f: _progress_key(f.last_progress))
         return failures
@@ -246,19 +253,20 @@ def _progress_key(progress: dict[str, Any]) -> tuple[int, float]:
 
 
 def launch(target: str, payload: Any, *, nproc: int, timeout_s: float = 300.0,
-           on_progress: Callable[[int, dict[str, Any]], None] | None = None) -> list[Any]:
+           startup_s: float = 180.0, on_progress: Callable[[int, dict[str, Any]], None] | None = None) -> list[Any]:
     """Run ``target`` (``"package.module:function"``, called as ``fn(ctx, payload)``) on ``nproc``
     spawned workers; return each rank's (JSON) result in rank order.
 
     ``on_progress(rank, progress)`` is called whenever a rank reports something new.
     Raises ``WorkersFailed`` (exit code 1) naming the failing rank and its error when a worker
-    raises, dies, or reports no progress for ``timeout_s`` seconds; all workers are then killed.
+    raises, dies, or reports no progress for ``timeout_s`` seconds (``startup_s`` while it
+    imports, see [Note: failure detection]); all workers are then killed.
     """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="fsdp-plan-workers-") as workdir:
-        run = _Run(nproc, timeout_s, workdir)
+        run = _Run(nproc, timeout_s, workdir, startup_s)
         port = free_port()
         start = time.time()
         try:
@@ -284,7 +292,8 @@ def launch(target: str, payload: Any, *, nproc: int, timeout_s: float = 300.0,
                 if all(p.exitcode == 0 for p in run.procs):
                     break
                 silent = [r for r, p in enumerate(run.procs) if p.exitcode is None
-                          and now - run.last_seen.get(r, (None, start))[1] > timeout_s]
+                          and now - run.last_seen.get(r, (None, start))[1]
+                          > run.allowed(run.progress(r))]
                 if silent:
                     failures = run.hung()
                     run.kill_all()
