@@ -201,6 +201,12 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     # unit's copy-out of its all-gather, 2 the prefetch of the next unit's all-gather.
     # A live buffer is (start, end, bytes, category) with start/end = (event, sub-step),
     # present at instants start <= t < end and in the gap before event k when start < k <= end.
+    bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
+    # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
+    # module hooks may report them the other way round: end each unit where the next begins.
+    for here, nxt in zip(bw_sequence, bw_sequence[1:]):
+        if units[here].modules != [""] and windows[nxt].bw_start > windows[here].bw_start:
+            windows[here].bw_end = min(windows[here].bw_end, windows[nxt].bw_start)
     live: list[tuple[tuple[int, int], tuple[int, int], int, str]] = []
     instants: list[tuple[tuple[int, int], int, str]] = []
     for pos, i in enumerate(fw_order):
@@ -220,12 +226,6 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
             root = [j for j in ran if units[j].modules == [""]]
             freed = (windows[root[0]].fw_end if root else w.fw_end, 0)
         live.append(((w.fw_start, 2), freed, unsharded, "comm_buffers"))
-    bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
-    # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
-    # module hooks may report them the other way round: end each unit where the next begins.
-    for here, nxt in zip(bw_sequence, bw_sequence[1:]):
-        if units[here].modules != [""] and windows[nxt].bw_start > windows[here].bw_start:
-            windows[here].bw_end = min(windows[here].bw_end, windows[nxt].bw_start)
     for pos, i in enumerate(bw_sequence):
         u, w = units[i], windows[i]
         unsharded = u.unsharded_numel(shard) * p.param_bytes
