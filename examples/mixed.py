@@ -86,10 +86,11 @@ class Mixed(nn.Module):
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"mixed model takes at most {self.cfg.max_seq_len} tokens; "
                              f"got {seq_len}")
-        x = self.embed(tokens) * self.scale + self.pos_table[:seq_len]
+        # Buffers stay float32 under FSDP mixed precision: cast them to the compute dtype.
+        x = self.embed(tokens) * self.scale + self.pos_table[:seq_len].to(self.embed.weight.dtype)
         x = self.shared_proj(x)                                        # first use
         x = x + self.branches["narrow"](x) + self.branches["wide"](x)
-        x = self.norm(x - self.center)
+        x = self.norm(x - self.center.to(x.dtype))
         x = self.shared_proj(x)                                        # second use
         return self.head(x)
 

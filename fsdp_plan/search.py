@@ -83,6 +83,11 @@ class Evaluator:
         self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks if b in analysis.modules}
         self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
 
+    def _calls(self, units: list[UnitSpec]) -> list[int]:
+        """Forward calls of each unit's modules in one step (a shared module runs twice)."""
+        mods = self.analysis.modules
+        return [max([mods[m].calls for m in u.modules if m in mods] or [1]) for u in units]
+
     def _unit_flops(self, unit: UnitSpec) -> tuple[float, float, frozenset[str]]:
         """Forward and backward FLOPs of the modules a unit owns, and those modules."""
         key = tuple(unit.owned_modules)
@@ -126,8 +131,10 @@ class Evaluator:
             name=name, strategy=strategy, replicate=replicate, shard=shard, units=units,
             checkpointed=checkpointed, forward_prefetch=forward_prefetch,
             backward_prefetch=backward_prefetch, memory=memory, time=time,
-            collectives=count_fsdp2(units, replicate=replicate, shard=shard, ran=ran),
-            collectives_fsdp1=count_fsdp1(units, strategy=strategy, replicate=replicate, ran=ran),
+            collectives=count_fsdp2(units, replicate=replicate, shard=shard, ran=ran,
+                                    calls=self._calls(units)),
+            collectives_fsdp1=count_fsdp1(units, strategy=strategy, replicate=replicate, ran=ran,
+                                          calls=self._calls(units)),
             fits=runnable and memory.peak_bytes <= s.limit_bytes,
         )
 
@@ -307,9 +314,13 @@ def rank(candidates: list[Candidate]) -> list[Candidate]:
         len(c.checkpointed), c.memory.peak_bytes))
 
 
-def choose(searched: list[Candidate], recipes: list[Candidate]) -> list[Candidate]:
-    """The search's ranking with any fitting recipe that beats it: never worse than a recipe."""
-    return rank(searched + [r for r in recipes if r.fits])
+def choose(searched: list[Candidate], recipes: list[Candidate], strategy: str = "auto"
+           ) -> list[Candidate]:
+    """The search's ranking with any fitting recipe that beats it: never worse than a recipe.
+
+    Recipes use full sharding, so they compete only when the user allowed it."""
+    allowed = [r for r in recipes if r.fits and strategy in ("auto", r.strategy)]
+    return rank(searched + allowed)
 
 
 def _fewest_checkpointed(at, ks: list[int], start: int | None) -> tuple[Candidate, int | None]:

@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
                               hardware=values["hardware"])
     evaluator = Evaluator(graph, analysis, settings)
     recipes = standard_recipes(evaluator)
-    ranked = choose(search(evaluator), recipes)
+    ranked = choose(search(evaluator), recipes, args.strategy)
     elapsed = time.perf_counter() - started
     best = ranked[0]
     if not best.fits:
