@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
 VIT = os.path.join(ROOT, "examples", "vit.py")
 GPT2 = os.path.join(ROOT, "examples", "gpt2.py")
+MIXED = os.path.join(ROOT, "examples", "mixed.py")
 
 
 def plan_for(tmp_path, model: str, *extra: str) -> str:
@@ -52,6 +53,8 @@ CASES = [
     (LLAMA, ["--model-arg", "size=small", "--seq-len", "256", "--batch-size", "2"], "120MB", 16,
      ["--gpus-per-node", "4", "--strategy", "hybrid"]),
     (VIT, ["--model-arg", "size=tiny", "--batch-size", "4"], "2MB", 8, []),
+    (GPT2, ["--model-arg", "size=tiny", "--seq-len", "128", "--batch-size", "2"], "6MB", 4, []),
+    (MIXED, ["--seq-len", "32", "--batch-size", "2"], "6MB", 2, []),
 ]
 
 
