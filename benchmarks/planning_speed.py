@@ -20,7 +20,7 @@ CASES = [("8b", None, "80GB", 8), ("70b", 40, "80GB", 64), ("70b", None, "80GB",
 def one(size: str, layers: int | None, mem: str, world: int) -> tuple[float, float, int]:
     cmd = [sys.executable, "-c",
            "import sys,time,resource;from fsdp_plan.cli.main import main;t=time.perf_counter();"
-           f"c=main(sys.argv[1:]);print('T',time.perf_counter()-t,"
+           "c=main(sys.argv[1:]);print('T',time.perf_counter()-t,"
            "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,c)",
            os.path.join(ROOT, "examples", "llama.py"), "--model-arg", f"size={size}",
            "--mem", mem, "--world-size", str(world), "--format", "json"]

@@ -75,7 +75,7 @@ class Plan:
         return {key: raw[key] for key in order}
 
     @classmethod
-    def from_dict(cls, raw: Any, where: str = "plan") -> "Plan":
+    def from_dict(cls, raw: Any, where: str = "plan") -> Plan:
         """Validate a plan document (from YAML) and build the dataclasses."""
         if not isinstance(raw, dict):
             raise BadInput(f"{where} is not a fsdp-plan plan file (expected a YAML mapping).")

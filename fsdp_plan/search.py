@@ -14,6 +14,7 @@ block, FSDP1's size-based policy, root only) are evaluated with the same models 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 from fsdp_plan.analysis import Analysis
 from fsdp_plan.collectives import count_fsdp1, count_fsdp2
@@ -291,12 +292,10 @@ def search(evaluator: Evaluator) -> list[Candidate]:
                 for fwp, bwp in variants:
                     name = (f"{strategy} {layout_name}" + (" keep-last" if keep_last else "")
                             + f" fwp{fwp} bwp{bwp}")
-
-                    def at(k: int, name=name, fwp=fwp, bwp=bwp) -> Candidate:
-                        return evaluator.evaluate(
-                            name=name + (f" ac{k}" if k else ""), strategy=strategy,
-                            replicate=replicate, shard=shard, groups=groups, reshard=reshard,
-                            root_reshard=False, k=k, forward_prefetch=fwp, backward_prefetch=bwp)
+                    at = partial(_evaluate_with_k, evaluator, dict(
+                        name=name, strategy=strategy, replicate=replicate, shard=shard,
+                        groups=groups, reshard=list(reshard), root_reshard=False,
+                        forward_prefetch=fwp, backward_prefetch=bwp))
                     best, fits_at = _fewest_checkpointed(at, ks, start)
                     results.append(best)
                     if fits_at is None and start is None:
@@ -321,6 +320,11 @@ def choose(searched: list[Candidate], recipes: list[Candidate], strategy: str = 
     Recipes use full sharding, so they compete only when the user allowed it."""
     allowed = [r for r in recipes if r.fits and strategy in ("auto", r.strategy)]
     return rank(searched + allowed)
+
+
+def _evaluate_with_k(evaluator: Evaluator, config: dict, k: int) -> Candidate:
+    """One configuration with its first ``k`` blocks checkpointed."""
+    return evaluator.evaluate(**{**config, "name": config["name"] + (f" ac{k}" if k else "")}, k=k)
 
 
 def _fewest_checkpointed(at, ks: list[int], start: int | None) -> tuple[Candidate, int | None]:

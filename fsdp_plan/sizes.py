@@ -36,7 +36,7 @@ def parse_bytes(text: str | int, what: str = "--mem") -> int:
     return value
 
 
-def format_bytes(num_bytes: int | float) -> str:
+def format_bytes(num_bytes: float) -> str:
     """``61234567890`` -> ``61.23 GB (57.03 GiB)``: both units, as the report promises."""
     n = float(num_bytes)
     for dec, bin_, name, bname in ((1e12, 2**40, "TB", "TiB"), (1e9, 2**30, "GB", "GiB"),
@@ -46,6 +46,6 @@ def format_bytes(num_bytes: int | float) -> str:
     return f"{int(n)} B"
 
 
-def format_gb(num_bytes: int | float) -> str:
+def format_gb(num_bytes: float) -> str:
     """Compact decimal GB for table cells."""
     return f"{num_bytes / 1e9:.2f}"

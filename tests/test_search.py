@@ -11,7 +11,14 @@ from fsdp_plan.analysis import analyze
 from fsdp_plan.cost import hardware_for
 from fsdp_plan.graph import build_module_graph
 from fsdp_plan.load import ModelSource, load_model
-from fsdp_plan.search import Evaluator, SearchSettings, choose, search, size_based_units, standard_recipes
+from fsdp_plan.search import (
+    Evaluator,
+    SearchSettings,
+    choose,
+    search,
+    size_based_units,
+    standard_recipes,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
