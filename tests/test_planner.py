@@ -55,6 +55,11 @@ CASES = [
     (VIT, ["--model-arg", "size=tiny", "--batch-size", "4"], "2MB", 8, []),
     (GPT2, ["--model-arg", "size=tiny", "--seq-len", "128", "--batch-size", "2"], "6MB", 4, []),
     (MIXED, ["--seq-len", "32", "--batch-size", "2"], "6MB", 2, []),
+    # every strategy, optimizer and precision the command offers
+    (LLAMA, ["--model-arg", "size=tiny", "--seq-len", "64"], "8MB", 4, ["--strategy", "none"]),
+    (LLAMA, ["--model-arg", "size=tiny", "--seq-len", "64"], "8MB", 4, ["--strategy", "grad-op"]),
+    (LLAMA, ["--model-arg", "size=tiny", "--seq-len", "64"], "8MB", 4, ["--optimizer", "sgd"]),
+    (LLAMA, ["--model-arg", "size=tiny", "--seq-len", "64"], "8MB", 4, ["--param-dtype", "fp32"]),
 ]
 
 
