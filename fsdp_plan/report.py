@@ -64,13 +64,30 @@ def candidate_row(c: Candidate) -> dict[str, Any]:
     }
 
 
+_GROUPS = {
+    "states": ("sharded_params", "optimizer_states", "sharded_grads", "buffers", "inputs"),
+    "unsharded": ("unsharded_params", "unsharded_grads"),
+    "comm": ("comm_buffers", "optimizer_temporaries"),
+    "act": ("activations",),
+}
+
+
+def breakdown_summary(breakdown: dict[str, int]) -> str:
+    """``states 12.3 + unsharded 4.5 + comm 1.2 + act 40.1`` (GB): why a peak is what it is."""
+    parts = [f"{name} {sum(breakdown.get(k, 0) for k in keys) / 1e9:.2f}"
+             for name, keys in _GROUPS.items()]
+    return " + ".join(parts)
+
+
 def format_candidates(rows: list[dict[str, Any]]) -> str:
     table = [[("* " if i == 0 and r["fits"] else "  ") + r["name"], "yes" if r["fits"] else "NO",
               r["mesh"], r["units"], r["checkpointed_blocks"], format_gb(r["peak_bytes"]),
+              breakdown_summary(r["breakdown"]),
               f"{r['step_time_s'] * 1e3:.2f}", f"{r['exposed_comm_s'] * 1e3:.2f}",
               "/".join(str(r["collectives"][k]) for k in ("all_gather", "reduce_scatter", "all_reduce"))]
              for i, r in enumerate(rows)]
     return tabulate(table, headers=["plan", "fits", "mesh", "units", "AC blocks", "peak GB",
+                                    "peak = states + unsharded + comm + activations (GB)",
                                     "step ms", "exposed ms", "AG/RS/AR"])
 
 

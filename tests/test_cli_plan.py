@@ -45,3 +45,12 @@ def test_json_trace_policy_and_plan_agree(tmp_path, capsys):
 def test_help_exits_zero(capsys):
     assert main(["--help"]) == 0
     assert "--mem" in capsys.readouterr().out
+
+
+def test_verify_flag_measures_before_writing(tmp_path, capsys):
+    plan_path = tmp_path / "p.yaml"
+    assert main([*ARGS, "--verify", "--plan", str(plan_path)]) == 0
+    assert "FSDPMemTracker measured" in capsys.readouterr().err
+    plan = yaml.safe_load(plan_path.read_text())
+    measured, predicted = plan["predicted"]["measured_peak_bytes"], plan["predicted"]["peak_bytes"]
+    assert abs(predicted - measured) / measured <= 0.05
