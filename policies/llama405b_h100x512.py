@@ -3,7 +3,7 @@
 World size 512 on a mesh of 1 replicate x 512 shard ranks (strategy full);
 129 fully_shard units; 123 module(s) with activation checkpointing.
 Budget 80.0 GB (74.5 GiB) per GPU, headroom 8.0 GB (7.5 GiB);
-predicted peak 71.8 GB (66.9 GiB) per rank.
+predicted peak 70.2 GB (65.3 GiB) per rank.
 
 The exact plan is PLAN below; edit the plan and re-run fsdp-plan rather than this file.
 
@@ -579,7 +579,7 @@ PLAN = {'fsdp_plan_version': 1,
         'mixed_precision': {'param_dtype': 'bfloat16', 'reduce_dtype': 'float32'},
         'optimizer': 'adamw',
         'gpu': 'h100',
-        'predicted': {'peak_bytes': 71810289228,
+        'predicted': {'peak_bytes': 70166105676,
                       'collectives_per_step': {'all_gather': 256,
                                                'reduce_scatter': 129,
                                                'all_reduce': 0},
@@ -589,7 +589,7 @@ PLAN = {'fsdp_plan_version': 1,
                       'step_time_s': 80.907728,
                       'exposed_comm_s': 0.84656,
                       'hidden_comm_s': 80.019731,
-                      'peak_phase': 'backward (pre_bw layers.124.ffn_norm)',
+                      'peak_phase': 'backward (post_bw layers.124.ffn_norm)',
                       'breakdown': {'sharded_params': 3170795136,
                                     'optimizer_states': 6341594820,
                                     'buffers': 4194304,
@@ -598,7 +598,7 @@ PLAN = {'fsdp_plan_version': 1,
                                     'comm_buffers': 12750815232,
                                     'unsharded_grads': 5234524160,
                                     'sharded_grads': 41353472,
-                                    'activations': 25140723720},
+                                    'activations': 23496540168},
                       'units': [{'key': 'tok_embeddings',
                                  'params': 2101346304,
                                  'shard_numel': 4112384},

@@ -3,7 +3,7 @@
 World size 64 on a mesh of 1 replicate x 64 shard ranks (strategy full);
 81 fully_shard units; 60 module(s) with activation checkpointing.
 Budget 80.0 GB (74.5 GiB) per GPU, headroom 8.0 GB (7.5 GiB);
-predicted peak 71.9 GB (66.9 GiB) per rank.
+predicted peak 71.5 GB (66.6 GiB) per rank.
 
 The exact plan is PLAN below; edit the plan and re-run fsdp-plan rather than this file.
 
@@ -372,7 +372,7 @@ PLAN = {'fsdp_plan_version': 1,
         'mixed_precision': {'param_dtype': 'bfloat16', 'reduce_dtype': 'float32'},
         'optimizer': 'adamw',
         'gpu': 'h100',
-        'predicted': {'peak_bytes': 71861851476,
+        'predicted': {'peak_bytes': 71492752724,
                       'collectives_per_step': {'all_gather': 160,
                                                'reduce_scatter': 81,
                                                'all_reduce': 0},
@@ -382,16 +382,16 @@ PLAN = {'fsdp_plan_version': 1,
                       'step_time_s': 13.775339,
                       'exposed_comm_s': 0.360831,
                       'hidden_comm_s': 13.39112,
-                      'peak_phase': 'backward (pre_bw layers.78.ffn_norm)',
+                      'peak_phase': 'backward (post_bw layers.78.feed_forward.w1)',
                       'breakdown': {'sharded_params': 4409606656,
                                     'optimizer_states': 8819216204,
                                     'buffers': 4194304,
                                     'inputs': 32768,
                                     'unsharded_params': 9336635392,
                                     'comm_buffers': 3422617600,
-                                    'unsharded_grads': 3510648832,
+                                    'unsharded_grads': 2571124736,
                                     'sharded_grads': 53478400,
-                                    'activations': 42305421320},
+                                    'activations': 42875846664},
                       'units': [{'key': 'layers.0', 'params': 855654400, 'shard_numel': 13369600},
                                 {'key': 'layers.1', 'params': 855654400, 'shard_numel': 13369600},
                                 {'key': 'layers.2', 'params': 855654400, 'shard_numel': 13369600},
