@@ -34,8 +34,8 @@ QUICK = [
 FULL = [
     (model, margs, batch, seq, mem, world, extra)
     for model, margs, batch, seq in ((LLAMA, ["size=8b"], "1", "4096"),
-                                     (GPT2, ["size=xl"], "4", "1024"),
-                                     (VIT, ["size=huge"], "32", "1"))
+                                     (GPT2, ["size=xl"], "16", "1024"),
+                                     (VIT, ["size=huge"], "128", "1"))
     for mem in ("24GB", "40GB", "80GB")
     for world, extra in (("8", []), ("64", []), ("16", HSDP))
 ]
