@@ -99,13 +99,12 @@ class TimelineComposer:
             if start >= end:
                 continue
             base_level, base_flops = src[start].level, src[start].flops
-            if out:
-                # The piece's first event peak covers the gap since the previous event.
-                pass
             for e in src[start:end]:
+                # Re-base on the composite's running level; a piece's first peak covered the
+                # gap before it in its own pass, so it is at least the level it starts from.
+                peak = level + e.peak - base_level
                 out.append(Event(kind=e.kind, module=e.module, level=level + e.level - base_level,
-                                 peak=level + e.peak - base_level if e is not src[start] else
-                                 max(level, level + e.peak - base_level),
+                                 peak=max(level, peak) if e is src[start] else peak,
                                  flops=flops + e.flops - base_flops))
             nxt = src[end] if end < len(src) else src[end - 1]
             level += nxt.level - base_level
