@@ -16,6 +16,7 @@ builds an ``eager`` MoE model gets a ``BadInput`` naming the switch.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
@@ -78,8 +79,8 @@ def hf_factory(config_path: str) -> Callable[..., nn.Module]:
     Keyword arguments override config fields (``--model-arg num_hidden_layers=4``). The factory
     records what it assumed in its ``fsdp_plan_notes`` attribute (see [Note: mixture-of-experts routing]).
     """
-    transformers = _import_transformers("--hf-config")
     raw = read_hf_config(config_path)
+    transformers = _import_transformers("--hf-config")
     notes: list[str] = []
 
     def build(**overrides: Any) -> nn.Module:
@@ -163,6 +164,15 @@ def _vocab_size(model: nn.Module, config: Any) -> int | None:
     return getattr(embeddings, "num_embeddings", None)
 
 
+def _accepts(model: nn.Module, name: str) -> bool:
+    """Whether ``model.forward`` takes keyword ``name`` (or ``**kwargs``)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
 def hf_default_inputs(model: nn.Module, where: str) -> Callable[[int, int], tuple[tuple, dict]]:
     """``make_inputs(batch_size, seq_len)`` for a ``transformers`` model, as keyword inputs."""
     config = model.config
@@ -197,6 +207,9 @@ def hf_default_inputs(model: nn.Module, where: str) -> Callable[[int, int], tupl
                        "example_inputs(batch_size, seq_len) in a model file.")
     limit = _learned_position_limit(model, config)
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    # A training step keeps no KV cache; with one, a checkpointed block saves a different
+    # number of tensors when it is recomputed (the cache has grown) and checkpointing fails.
+    no_cache = {"use_cache": False} if _accepts(model, "use_cache") else {}
 
     def make_tokens(batch_size: int, seq_len: int) -> tuple[tuple, dict]:
         if limit is not None and seq_len > limit:
@@ -207,5 +220,5 @@ def hf_default_inputs(model: nn.Module, where: str) -> Callable[[int, int], tupl
         if encoder_decoder:
             # Teacher forcing: the decoder reads a sequence as long as the encoder's.
             kwargs["decoder_input_ids"] = torch.randint(0, vocab, (batch_size, seq_len))
-        return (), kwargs
+        return (), {**kwargs, **no_cache}
     return make_tokens

@@ -193,10 +193,17 @@ def build_on_meta(factory: Callable[..., nn.Module], source: ModelSource) -> nn.
     except TypeError as e:
         raise BadInput(f"{source.entry}({_fmt_args(source.args)}) failed: {e}. Check the "
                        "--model-arg names against the factory's parameters.") from e
+    except BadInput:
+        raise
     except Exception as e:
         meta_related = "meta" in str(e).lower() or "item" in str(e).lower() or isinstance(
             e, (NotImplementedError, RuntimeError))
         hint = " " + _META_HINTS if meta_related else ""
+        if isinstance(e, OSError):
+            hint = (" The constructor reads a file, but the planner needs only shapes: load "
+                    "weights after building (in the training script, after sharding), or skip "
+                    "the load when parameters are on the meta device (if "
+                    "next(self.parameters()).device.type != 'meta').")
         raise BadInput(f"building the model with {source.entry}({_fmt_args(source.args)}) raised "
                        f"{type(e).__name__}: {e}{_user_frame_hint(e, _file_of(source))}.{hint}") from e
     if not isinstance(model, nn.Module):
