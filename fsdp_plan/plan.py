@@ -142,6 +142,12 @@ def check_writable(path: str, what: str) -> None:
     """Fail early, before any work, when ``path`` cannot be written."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
+        probe = folder
+        while probe and not os.path.exists(probe) and os.path.dirname(probe) != probe:
+            probe = os.path.dirname(probe)
+        if os.path.exists(probe) and not os.path.isdir(probe):
+            raise BadInput(f"{what} {path!r}: {probe!r} is a file, not a folder; choose a path "
+                           "inside a folder.")
         raise BadInput(f"{what} {path!r}: the folder {folder!r} does not exist; create it or "
                        "choose another path.")
     if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
@@ -165,6 +171,11 @@ def read_plan(path: str) -> Plan:
             raw = yaml.safe_load(f)
     except FileNotFoundError as e:
         raise BadInput(f"plan file {path!r} does not exist.") from e
+    except yaml.constructor.ConstructorError as e:
+        raise BadInput(f"plan file {path!r} holds a YAML tag that fsdp-plan never constructs "
+                       f"({' '.join(str(e.problem).split())}); a plan is plain data (mappings, "
+                       "lists, strings, numbers). Re-run fsdp-plan to write it.") from e
     except (OSError, yaml.YAMLError) as e:
-        raise BadInput(f"plan file {path!r} cannot be read as YAML: {e}.") from e
+        raise BadInput(f"plan file {path!r} cannot be read as YAML: "
+                       f"{' '.join(str(e).split())}.") from e
     return Plan.from_dict(raw, where=f"plan file {path!r}")

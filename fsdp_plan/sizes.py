@@ -6,6 +6,7 @@ Inside the package every memory figure is an ``int`` number of bytes.
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from fsdp_plan.errors import BadInput
 
@@ -15,6 +16,8 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 }
+MAX_BYTES = 2**60
+"""Larger sizes are typing mistakes (and would overflow float arithmetic downstream)."""
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
@@ -30,9 +33,17 @@ def parse_bytes(text: str | int, what: str = "--mem") -> int:
                 f"{what} {text!r} is not a memory size: write a positive number with an optional "
                 "unit, e.g. 70GB (10^9 bytes), 70GiB (2^30 bytes), 70000MB or 75161927680."
             )
-        value = int(float(match.group(1)) * _UNITS[unit])
+        # Exact decimal arithmetic: float("4.35") * 10**9 is 4349999999.999999.
+        number = Decimal(match.group(1))
+        if number.adjusted() > 30:  # 1e999999999: too large, and never expanded into digits
+            value = MAX_BYTES + 1
+        else:
+            value = 0 if number.adjusted() < -30 else int(number * _UNITS[unit])
     if value <= 0:
         raise BadInput(f"{what} {text!r} must be larger than zero bytes, e.g. 80GB.")
+    if value > MAX_BYTES:
+        raise BadInput(f"{what} {text!r} is more than any GPU holds ({format_bytes(MAX_BYTES)}); "
+                       "give the memory of ONE GPU, e.g. 80GB.")
     return value
 
 
