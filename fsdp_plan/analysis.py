@@ -18,6 +18,7 @@ those segments (``Timeline`` per pass; see memory.py for the composition).
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -196,6 +197,8 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
 
     def post_fw(module: nn.Module, _inputs: Any, outputs: Any) -> None:
         fqn = names.get(id(module))
+        if fqn is not None and not failed_in and sys.exc_info()[0] is not None:
+            failed_in.append(fqn)  # hooks run on the way out of a raising forward: innermost first
         if fqn is not None and stack and stack[-1] == fqn:
             stack.pop()
             comp = modules.setdefault(fqn, ModuleCompute())
@@ -211,6 +214,7 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
         return t
 
     saved_seen: set[int] = set()
+    failed_in: list[str] = []
     hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.untrack(p.grad))
              for p in model.parameters() if p.requires_grad]
     tracker = ModTracker()
@@ -236,7 +240,8 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
         except BadInput:
             raise
         except Exception as e:
-            raise _explain_trace_failure(e, loaded) from e
+            where = failed_in[0] if failed_in else stack[-1] if stack else None
+            raise _explain_trace_failure(e, loaded, where, _shapes(args, kwargs)) from e
         finally:
             for h in hooks:
                 h.remove()
@@ -264,19 +269,53 @@ def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
                 comp.bw_flops += ev.flops - start
 
 
-def _explain_trace_failure(error: Exception, loaded: LoadedModel) -> BadInput:
+def _shapes(args: tuple, kwargs: dict) -> str:
+    """``[2, 16] int64, mask=[2, 16] bool``: what the model was fed, for error messages."""
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        return type(value).__name__
+    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
+
+
+def _explain_trace_failure(error: Exception, loaded: LoadedModel,
+                           module: str | None = None, given: str = "") -> BadInput:
     name = type(error).__name__
-    text = str(error).strip().splitlines()[0] if str(error).strip() else name
+    text = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else name
     if "DynamicOutputShape" in name or "data-dependent" in str(error).lower():
+        config = getattr(loaded.model, "config", None)
+        if getattr(config, "_experts_implementation", None) == "eager":
+            return BadInput(
+                f"the model's mixture-of-experts layers use transformers' eager experts loop, "
+                f"which routes tokens with data-dependent shapes ({name}: {text}) that fake "
+                "tensors cannot trace. Build it with the static grouped_mm implementation: pass "
+                "experts_implementation='grouped_mm' to its config, or call "
+                "model.set_experts_implementation('grouped_mm') in build_model (--hf-config "
+                "does this for you).")
         return BadInput(
             f"the model's forward uses data-dependent shapes ({name}: {text}), which fake tensors "
             "cannot trace, e.g. mixture-of-experts routing with nonzero(). Use a static-shape "
             "implementation (for transformers MoE models, the grouped_mm experts implementation) "
             "or route tokens with fixed capacity in example mode.")
+    inside = ""
+    if module:
+        kind = type(loaded.model.get_submodule(module)).__name__ if _has(loaded.model, module) else ""
+        inside = f" in module {module!r}" + (f" ({kind})" if kind else "")
+    elif module == "":
+        inside = " in the root module's forward"
     return BadInput(
         f"the model failed on its example inputs (batch {loaded.source.batch_size}, sequence "
-        f"{loaded.source.seq_len}) with {name}: {text}. Check example_inputs and --batch-size/"
-        "--seq-len against what the model's forward expects.")
+        f"{loaded.source.seq_len}{'; given ' + given if given else ''}){inside} with {name}: "
+        f"{text}. Check example_inputs and "
+        "--batch-size/--seq-len against what the model's forward expects.")
+
+
+def _has(model: nn.Module, fqn: str) -> bool:
+    try:
+        model.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
 
 
 def apply_checkpointing(model: nn.Module, fqns: list[str]) -> None:

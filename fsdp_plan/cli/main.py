@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 import traceback
 
@@ -50,6 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv[1:] if argv and argv[0] in VERBS else argv)
     except SystemExit as e:  # usage errors (2) and --help (0), already printed
         return int(e.code or 0)
+    # FakeTensorMode logs a whole traceback at ERROR level when a meta kernel rejects the
+    # model's inputs; the planner reports that error as one paragraph (--debug keeps the log).
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    if not args.debug:
+        fake_log.setLevel(logging.CRITICAL)
     try:
         return int(module.run(args) or 0)
     except FsdpPlanError as e:
@@ -60,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("fsdp-plan: interrupted; nothing was written.\n")
         return 130
+    finally:
+        fake_log.setLevel(level)
 
 
 def entry() -> None:
