@@ -147,6 +147,9 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
     for start, end, _, _ in live:
         points.update({(start[0], -1), start, (end[0], -1)})
     points.update(extra)
+    # The gap before an instant holds the activation peak since the previous boundary: without
+    # it, a backward-prefetch copy-out hides the peak of the gap just before it.
+    points.update((at[0], -1) for at in extra)
     ordered = sorted(pt for pt in points if pt[0] < n)
     current: dict[str, int] = {}
     best = MemoryEstimate(peak_bytes=-1, phase="", breakdown={})
