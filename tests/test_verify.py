@@ -62,10 +62,33 @@ def test_a_different_model_is_refused_before_measuring(tmp_path):
     assert code == 2 and "262,720 parameters" in err and "12,345" in err
 
 
+MISMATCHED_MODEL = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.register_buffer("offset", torch.zeros(16))   # float32, never cast
+        self.shared_proj = nn.Linear(16, 16)
+
+    def forward(self, tokens):
+        return self.shared_proj(self.embed(tokens) + self.offset)
+
+
+def build_model():
+    return Model()
+"""
+
+
 def test_a_dtype_mismatch_that_only_a_real_device_refuses_fails_the_dry_run(tmp_path):
-    """examples/mixed.py adds a float32 buffer to its activations; with the root as the only
-    unit nothing casts them back to bfloat16, and a real run stops in shared_proj's addmm."""
-    plan = Plan(model={"source": MIXED, "entry": "build_model", "args": {"size": "tiny"},
+    """A model adds a float32 buffer to its activations; under bfloat16 mixed precision nothing
+    casts them back, and a real run stops in shared_proj's addmm. Fake kernels accept it."""
+    model_file = tmp_path / "mismatched.py"
+    model_file.write_text(MISMATCHED_MODEL)
+    plan = Plan(model={"source": str(model_file), "entry": "build_model", "args": {},
                        "batch_size": 2, "seq_len": 16, "kind": "file"},
                 budget_bytes=10**9, world_size=2, mesh=Mesh(replicate=1, shard=2),
                 units=[Unit(modules=[""], reshard_after_forward=False)],
