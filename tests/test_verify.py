@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_measure_helpers import MIXED, plan_file, run_cli, tiny_llama_plan
+from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import measure_peak
