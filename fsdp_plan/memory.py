@@ -86,6 +86,7 @@ class ActivationProfile:
                                    len(events) - 1)
         self.forward_end = max(0, self.backward_start - 1)
         self._first: dict[tuple[str, str, bool], int] = {}
+        self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._last: dict[tuple[str, str, bool], int] = {}
         for i, e in enumerate(events):
             key = (e.kind, e.module, i >= self.backward_start)
@@ -104,6 +105,40 @@ class ActivationProfile:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
         return self._first.get((kind, module, kind.endswith("bw")), default)
 
+    def _backward_left(self, modules: tuple[str, ...], start: int, stop: int) -> int:
+        """Where backward has left a unit: see [Note: post-backward of shared inputs].
+
+        [Note: post-backward of shared inputs]
+        FSDP2 runs a unit's post-backward (reshard, reduce-scatter) once the gradients of the
+        unit's OWN uses of its inputs are ready. A module's post-backward hook waits for its
+        inputs' whole gradient instead, which comes late when an input is shared with modules
+        whose backward runs later (T5's encoder output and position bias feed every decoder
+        block). So a unit's backward ends at the first pre-backward of a module outside it
+        (and not around it) after the last pre-backward of a module inside it.
+        """
+        key = (modules, start, stop)
+        if key in self._left:
+            return self._left[key]
+
+        def inside(fqn: str) -> bool:
+            return any(fqn == m or fqn.startswith(m + ".") for m in modules)
+
+        def around(fqn: str) -> bool:
+            return fqn == "" or any(m.startswith(fqn + ".") for m in modules)
+
+        last_inside = start
+        for i in range(start, stop + 1):
+            if self.events[i].kind == "pre_bw" and inside(self.events[i].module):
+                last_inside = i
+        left = stop
+        for i in range(last_inside + 1, stop + 1):
+            ev = self.events[i]
+            if ev.kind == "pre_bw" and not inside(ev.module) and not around(ev.module):
+                left = i
+                break
+        self._left[key] = left
+        return left
+
     def windows(self, unit: UnitSpec) -> UnitWindows:
         """Where ``unit`` computes: its modules' first pre-forward to last post-forward, etc."""
         end = len(self.events) - 1
@@ -121,6 +156,8 @@ class ActivationProfile:
         # A unit whose inputs need no gradient (an embedding) gets its post-backward from
         # FSDP's end-of-backward callback.
         bw_end = max(bw_ends) if bw_ends and len(bw_ends) == len(bw_starts) else end
+        if bw_ends and len(bw_ends) == len(bw_starts):
+            bw_end = min(bw_end, self._backward_left(tuple(unit.modules), bw_start, bw_end))
         return UnitWindows(fw_start=fw_start, fw_end=fw_end, bw_start=bw_start,
                            bw_end=max(bw_end, bw_start))
 
