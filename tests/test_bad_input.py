@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -381,12 +382,12 @@ def test_bench_refuses_a_plan_made_for_another_model(tiny_llama_plan, capsys):
 
 def test_verify_refuses_a_plan_whose_model_code_changed(tiny_llama_plan, tmp_path, capsys):
     changed = tmp_path / "llama.py"
-    changed.write_text(open(LLAMA).read() + "\n# edited after planning\n")
+    changed.write_text(Path(LLAMA).read_text() + "\n# edited after planning\n")
     verify_fails(capsys, ["verify", tiny_llama_plan, str(changed)], "digest", "re-plan")
 
 
 def test_verify_refuses_a_plan_of_another_version(tiny_llama_plan, tmp_path, capsys):
-    raw = yaml.safe_load(open(tiny_llama_plan))
+    raw = yaml.safe_load(Path(tiny_llama_plan).read_text())
     raw["fsdp_plan_version"] = 7
     path = tmp_path / "v7.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -394,7 +395,7 @@ def test_verify_refuses_a_plan_of_another_version(tiny_llama_plan, tmp_path, cap
 
 
 def test_bench_refuses_a_plan_of_another_version(tiny_llama_plan, tmp_path, capsys):
-    raw = yaml.safe_load(open(tiny_llama_plan))
+    raw = yaml.safe_load(Path(tiny_llama_plan).read_text())
     raw["fsdp_plan_version"] = 0
     path = tmp_path / "v0.yaml"
     path.write_text(yaml.safe_dump(raw))
