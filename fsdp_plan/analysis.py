@@ -344,7 +344,10 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     if with_checkpointing and blocks:
         if progress:
             progress("analysing activation checkpointing")
-        ckpt, _, _ = _pass(loaded, param_dtype, blocks, blocks, exact)
+        try:
+            ckpt, _, _ = _pass(loaded, param_dtype, blocks, blocks, exact)
+        except BadInput:
+            ckpt = None  # checkpointing cannot be traced here: plan without it
     root = modules.get("", ModuleCompute())
     end = timeline.events[-1].flops if timeline.events else 0.0
     return Analysis(

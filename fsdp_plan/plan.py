@@ -138,6 +138,32 @@ def atomic_write_text(path: str, text: str) -> None:
         raise
 
 
+def atomic_write_all(files: list[tuple[str, str]]) -> None:
+    """Write every (path, text) through temporaries, renaming only once all are written.
+
+    A failure while writing (disk full, permissions) renames nothing, removes the temporaries,
+    leaves existing files as they were, and is reported as ``BadInput``."""
+    staged: list[tuple[str, str]] = []
+    try:
+        for path, text in files:
+            folder = os.path.dirname(os.path.abspath(path))
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
+            staged.append((tmp, path))
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    except OSError as e:
+        raise BadInput(f"writing {e.filename or 'an output file'!r} failed ({e.strerror or e}); "
+                       "nothing was written. Free space or choose another path.") from e
+    finally:
+        for tmp, _ in staged:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
 def check_writable(path: str, what: str) -> None:
     """Fail early, before any work, when ``path`` cannot be written."""
     folder = os.path.dirname(os.path.abspath(path))

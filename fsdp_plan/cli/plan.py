@@ -21,7 +21,7 @@ from fsdp_plan.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.graph import build_module_graph
 from fsdp_plan.load import ModelSource, load_model, parse_model_args, source_digest, source_kind
 from fsdp_plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, Precision
-from fsdp_plan.plan import Mesh, Plan, Unit, atomic_write_text, check_writable, plan_to_yaml
+from fsdp_plan.plan import Mesh, Plan, Unit, atomic_write_all, check_writable, plan_to_yaml
 from fsdp_plan.report import (
     ascii_timeline,
     candidate_row,
@@ -259,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
         outputs.append((args.plan, plan_to_yaml(plan)))
     if args.trace:
         outputs.append((args.trace, chrome_trace(best.time)))
-    for path, text in outputs:
-        atomic_write_text(path, text)
+    atomic_write_all(outputs)
+    for path, _ in outputs:
         if progress:
             progress(f"wrote {path}")
     return 0
