@@ -122,8 +122,8 @@ class Plan:
         return plan
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never half-written."""
+def _write_temporary(path: str, text: str) -> str:
+    """``text`` in a synced temporary file beside ``path``; returns the temporary's path."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
     try:
@@ -131,6 +131,16 @@ def atomic_write_text(path: str, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return tmp
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never half-written."""
+    tmp = _write_temporary(path, text)
+    try:
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -146,13 +156,7 @@ def atomic_write_all(files: list[tuple[str, str]]) -> None:
     staged: list[tuple[str, str]] = []
     try:
         for path, text in files:
-            folder = os.path.dirname(os.path.abspath(path))
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
-            staged.append((tmp, path))
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
+            staged.append((_write_temporary(path, text), path))
         for tmp, path in staged:
             os.replace(tmp, path)
     except OSError as e:
