@@ -88,7 +88,8 @@ def _same_block(events: list[Event], a: int, b: int, length: int) -> bool:
 
 def _expand_one(events: list[Event], modules: dict[str, ModuleCompute], stack: str, count: int
                 ) -> list[Event] | None:
-    name = (lambda i: f"{stack}.{i}" if stack else str(i))
+    def name(i: int) -> str:
+        return f"{stack}.{i}" if stack else str(i)
     b0, b1, b2 = name(0), name(1), name(2)
     f1, f2 = _index_of(events, "pre_fw", b1), _index_of(events, "pre_fw", b2)
     r1, r0 = _index_of(events, "pre_bw", b1), _index_of(events, "pre_bw", b0)

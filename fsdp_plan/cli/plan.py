@@ -123,7 +123,6 @@ def model_source(args: argparse.Namespace) -> ModelSource:
 def to_plan(best: Candidate, source: ModelSource, digest: str, numel: int, values: dict[str, Any],
             args: argparse.Namespace) -> Plan:
     """The SPEC plan document for the chosen candidate."""
-    keys = [u.key for u in best.units]
     block_units = [u.key for u in best.units if u.key]
     forward_prefetch = {}
     if best.forward_prefetch:
@@ -133,7 +132,6 @@ def to_plan(best: Candidate, source: ModelSource, digest: str, numel: int, value
         rev = list(reversed(block_units))
         backward_prefetch = {a: rev[i + 1: i + 1 + best.backward_prefetch]
                              for i, a in enumerate(rev) if rev[i + 1: i + 1 + best.backward_prefetch]}
-    del keys
     return Plan(
         model={"source": source.source, "entry": source.entry, "args": source.args,
                "batch_size": source.batch_size, "seq_len": source.seq_len, "params": numel,
