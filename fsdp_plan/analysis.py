@@ -21,7 +21,6 @@ from __future__ import annotations
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -31,62 +30,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
+from fsdp_plan.depth import expand_pass, reduce_depth
 from fsdp_plan.errors import BadInput
+from fsdp_plan.facts import Analysis, Event, ModuleCompute, Timeline, fill_flops
 from fsdp_plan.fake import materialize_fake, new_fake_mode
 from fsdp_plan.load import LoadedModel, rebuild_meta
 
 _WRAPPER_SEGMENTS = ("._checkpoint_wrapped_module", "._fsdp_wrapped_module")
-
-
-@dataclass(kw_only=True, slots=True)
-class Event:
-    """One module boundary in execution order."""
-
-    kind: str
-    """``pre_fw``, ``post_fw``, ``pre_bw`` or ``post_bw``."""
-    module: str
-    level: int
-    """Activation-side bytes alive at this boundary."""
-    peak: int
-    """Highest activation-side bytes since the previous boundary (>= both levels)."""
-    flops: float
-    """Cumulative FLOPs of the pass so far."""
-
-
-@dataclass(kw_only=True)
-class Timeline:
-    """The events of one analysis pass."""
-
-    events: list[Event]
-    checkpointed: list[str] = field(default_factory=list)
-    final_level: int = 0
-    """Activation-side bytes left after backward (should be ~0)."""
-    seconds: float = 0.0
-
-
-@dataclass(kw_only=True)
-class ModuleCompute:
-    """Per-module figures derived from a pass (inclusive of submodules)."""
-
-    fw_flops: float = 0.0
-    bw_flops: float = 0.0
-    saved_bytes: int = 0
-    """Bytes saved for backward by ops running directly in this module (not in children)."""
-    output_bytes: int = 0
-    calls: int = 0
-
-
-@dataclass(kw_only=True)
-class Analysis:
-    """What one micro-batch costs the unwrapped model: timeline, per-module compute, input bytes."""
-
-    timeline: Timeline
-    modules: dict[str, ModuleCompute]
-    input_bytes: int
-    param_dtype: str
-    total_fw_flops: float
-    total_bw_flops: float
-    checkpointed_timeline: Timeline | None = None
 
 
 def normalize_fqn(fqn: str) -> str:
@@ -252,23 +202,6 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
     return timeline, modules, input_bytes
 
 
-def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
-    """Forward/backward FLOPs per module from cumulative FLOPs at its first boundaries."""
-    open_at: dict[tuple[str, str], float] = {}
-    for ev in events:
-        if ev.kind in ("pre_fw", "pre_bw"):
-            open_at.setdefault((ev.module, ev.kind[-2:]), ev.flops)
-        elif ev.kind in ("post_fw", "post_bw"):
-            start = open_at.pop((ev.module, ev.kind[-2:]), None)
-            if start is None:
-                continue
-            comp = modules.setdefault(ev.module, ModuleCompute())
-            if ev.kind == "post_fw":
-                comp.fw_flops += ev.flops - start
-            else:
-                comp.bw_flops += ev.flops - start
-
-
 def _shapes(args: tuple, kwargs: dict) -> str:
     """``[2, 16] int64, mask=[2, 16] bool``: what the model was fed, for error messages."""
     def one(value: Any) -> str:
@@ -360,7 +293,6 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
 
 def _pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str],
           checkpoint: list[str] | None, exact: bool):
-    from fsdp_plan.depth import expand_pass, reduce_depth
     if not exact:
         model = rebuild_meta(loaded)
         cut = reduce_depth(model, blocks)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from fsdp_plan.analysis import Event, ModuleCompute, Timeline, fill_flops
+from fsdp_plan.facts import Event, ModuleCompute, Timeline, fill_flops
 
 KEEP = 3
 

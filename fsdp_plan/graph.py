@@ -1,59 +1,18 @@
 """The module graph: the module tree with parameter counts, tied parameters and repeated blocks.
 
-Built from a model on ``meta`` (nothing is allocated). The tree is a ``networkx.DiGraph``
-(parent -> child edges, FQN nodes, ``""`` the root) plus a plain ``ModuleInfo`` per module,
-which is what the rest of the pipeline reads.
+Built from a model on ``meta`` (nothing is allocated) as the plain ``ModuleGraph`` of
+facts.py (a ``ModuleInfo`` per module, ``""`` the root), which is what the rest of the
+pipeline reads.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 
-import networkx as nx
 import torch
 from torch import nn
 
-
-@dataclass(kw_only=True)
-class ModuleInfo:
-    """One module of the tree, with its own and its subtree's parameters."""
-
-    fqn: str
-    class_name: str
-    parent: str | None
-    children: list[str]
-    direct_numel: int
-    """Parameters registered directly on this module (tied ones counted at their first owner)."""
-    subtree_numel: int
-    direct_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
-    buffer_bytes: int = 0
-    """Buffers registered directly on this module."""
-    param_shapes: list[list[int]] = field(default_factory=list)
-    """Shapes of the parameters directly owned here (for FSDP's per-parameter padding)."""
-
-
-@dataclass(kw_only=True)
-class ModuleGraph:
-    """The model's module tree and the facts unit construction needs."""
-
-    modules: dict[str, ModuleInfo]
-    """Every module by FQN, in ``named_modules()`` order (parents before children)."""
-    tied_groups: list[list[str]]
-    """Module FQNs that share at least one parameter (FSDP needs each group in one unit)."""
-    blocks: list[str]
-    """The repeated blocks: children of one container with the same class, in order."""
-    total_numel: int
-    total_param_bytes: int
-    total_buffer_bytes: int
-    tree: nx.DiGraph = field(repr=False, compare=False, default_factory=nx.DiGraph)
-
-    def subtree(self, fqn: str) -> list[str]:
-        """``fqn`` and all its descendants."""
-        return [fqn, *nx.descendants(self.tree, fqn)]
-
-    def is_ancestor(self, ancestor: str, fqn: str) -> bool:
-        return ancestor == "" and fqn != "" or fqn.startswith(ancestor + ".") and ancestor != fqn
+from fsdp_plan.facts import ModuleGraph, ModuleInfo
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -63,7 +22,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def build_module_graph(model: nn.Module) -> ModuleGraph:
     """Walk ``model`` (on meta) once and describe its tree."""
     modules: dict[str, ModuleInfo] = {}
-    tree = nx.DiGraph()
     owner_of_param: dict[int, str] = {}
     users_of_param: dict[int, set[str]] = defaultdict(set)
     for fqn, module in model.named_modules(remove_duplicate=False):
@@ -87,12 +45,10 @@ def build_module_graph(model: nn.Module) -> ModuleGraph:
             direct_numel=numel, subtree_numel=0, direct_bytes_by_dtype=dict(by_dtype),
             buffer_bytes=buffers, param_shapes=shapes,
         )
-        tree.add_node(fqn)
         if parent is not None:
             parent = parent if parent in modules else _nearest_known(parent, modules)
             modules[fqn].parent = parent
             modules[parent].children.append(fqn)
-            tree.add_edge(parent, fqn)
     for fqn in reversed(list(modules)):
         info = modules[fqn]
         info.subtree_numel = info.direct_numel + sum(modules[c].subtree_numel for c in info.children)
@@ -105,7 +61,6 @@ def build_module_graph(model: nn.Module) -> ModuleGraph:
         total_numel=sum(m.direct_numel for m in modules.values()),
         total_param_bytes=sum(sum(m.direct_bytes_by_dtype.values()) for m in modules.values()),
         total_buffer_bytes=sum(m.buffer_bytes for m in modules.values()),
-        tree=tree,
     )
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fsdp_plan.analysis import Event
+from fsdp_plan.facts import Event
 from fsdp_plan.units import UnitSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}

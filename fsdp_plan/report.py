@@ -11,9 +11,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from fsdp_plan.analysis import Analysis
 from fsdp_plan.cost import StepTime
-from fsdp_plan.graph import ModuleGraph
+from fsdp_plan.facts import Analysis, ModuleGraph
 from fsdp_plan.search import Candidate
 from fsdp_plan.sizes import format_bytes, format_gb
 

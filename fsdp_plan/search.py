@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
-from fsdp_plan.analysis import Analysis
 from fsdp_plan.collectives import count_fsdp1, count_fsdp2
 from fsdp_plan.cost import Hardware, StepTime, UnitCost, collective_time, simulate_step
-from fsdp_plan.graph import ModuleGraph
+from fsdp_plan.facts import Analysis, ModuleGraph
 from fsdp_plan.memory import (
     OPTIMIZER_STATES,
     ActivationProfile,

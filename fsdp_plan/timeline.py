@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fsdp_plan.analysis import Analysis, Event, Timeline
+from fsdp_plan.facts import Analysis, Event, Timeline
 
 
 @dataclass(kw_only=True)

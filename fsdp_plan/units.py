@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fsdp_plan.graph import ModuleGraph
+from fsdp_plan.facts import ModuleGraph
 
 
 @dataclass(kw_only=True)

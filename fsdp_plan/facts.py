@@ -1,0 +1,165 @@
+"""What the planner knows about a model, as plain data: the module tree and one analysed step.
+
+[Note: model facts]
+``graph.py`` (module tree) and ``analysis.py`` (one fake forward + backward) are the only
+places that touch a live ``nn.Module``. What they produce is defined here, free of torch:
+``ModuleGraph`` / ``ModuleInfo`` and ``Analysis`` / ``Timeline`` / ``Event`` /
+``ModuleCompute``. The memory model, the step-time model, the collective rule and the search
+read only these, so they run (and are tested) on a JSON fixture without building a model.
+``ModelFacts`` bundles both with a JSON form (``to_json`` / ``from_json``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FACTS_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class ModuleInfo:
+    """One module of the tree, with its own and its subtree's parameters."""
+
+    fqn: str
+    class_name: str
+    parent: str | None
+    children: list[str]
+    direct_numel: int
+    """Parameters registered directly on this module (tied ones counted at their first owner)."""
+    subtree_numel: int
+    direct_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    buffer_bytes: int = 0
+    """Buffers registered directly on this module."""
+    param_shapes: list[list[int]] = field(default_factory=list)
+    """Shapes of the parameters directly owned here (for FSDP's per-parameter padding)."""
+
+
+@dataclass(kw_only=True)
+class ModuleGraph:
+    """The model's module tree and the facts unit construction needs."""
+
+    modules: dict[str, ModuleInfo]
+    """Every module by FQN, in ``named_modules()`` order (parents before children)."""
+    tied_groups: list[list[str]]
+    """Module FQNs that share at least one parameter (FSDP needs each group in one unit)."""
+    blocks: list[str]
+    """The repeated blocks: children of one container with the same class, in order."""
+    total_numel: int
+    total_param_bytes: int
+    total_buffer_bytes: int
+
+
+@dataclass(kw_only=True, slots=True)
+class Event:
+    """One module boundary in execution order."""
+
+    kind: str
+    """``pre_fw``, ``post_fw``, ``pre_bw``, ``post_bw`` or ``end``."""
+    module: str
+    level: int
+    """Activation-side bytes alive at this boundary."""
+    peak: int
+    """Highest activation-side bytes since the previous boundary (>= both levels)."""
+    flops: float
+    """Cumulative FLOPs of the pass so far."""
+
+
+@dataclass(kw_only=True)
+class Timeline:
+    """The events of one analysis pass."""
+
+    events: list[Event]
+    checkpointed: list[str] = field(default_factory=list)
+    final_level: int = 0
+    """Activation-side bytes left after backward (should be ~0)."""
+    seconds: float = 0.0
+
+
+@dataclass(kw_only=True)
+class ModuleCompute:
+    """Per-module figures derived from a pass (inclusive of submodules)."""
+
+    fw_flops: float = 0.0
+    bw_flops: float = 0.0
+    saved_bytes: int = 0
+    """Bytes saved for backward by ops running directly in this module (not in children)."""
+    output_bytes: int = 0
+    calls: int = 0
+
+
+@dataclass(kw_only=True)
+class Analysis:
+    """What one micro-batch costs the unwrapped model: timeline, per-module compute, input bytes."""
+
+    timeline: Timeline
+    modules: dict[str, ModuleCompute]
+    input_bytes: int
+    param_dtype: str
+    total_fw_flops: float
+    total_bw_flops: float
+    checkpointed_timeline: Timeline | None = None
+
+
+@dataclass(kw_only=True)
+class ModelFacts:
+    """The module graph and its analysis: everything the models and the search read."""
+
+    graph: ModuleGraph
+    analysis: Analysis
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"facts_version": FACTS_VERSION, "graph": asdict(self.graph),
+                "analysis": asdict(self.analysis)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelFacts:
+        if raw.get("facts_version") != FACTS_VERSION:
+            raise ValueError(f"model facts version {raw.get('facts_version')!r}; expected "
+                             f"{FACTS_VERSION}.")
+        g = raw["graph"]
+        graph = ModuleGraph(
+            modules={k: ModuleInfo(**v) for k, v in g["modules"].items()},
+            tied_groups=[list(t) for t in g["tied_groups"]], blocks=list(g["blocks"]),
+            total_numel=g["total_numel"], total_param_bytes=g["total_param_bytes"],
+            total_buffer_bytes=g["total_buffer_bytes"])
+        a = raw["analysis"]
+        ckpt = a.get("checkpointed_timeline")
+        analysis = Analysis(
+            timeline=_timeline(a["timeline"]),
+            modules={k: ModuleCompute(**v) for k, v in a["modules"].items()},
+            input_bytes=a["input_bytes"], param_dtype=a["param_dtype"],
+            total_fw_flops=a["total_fw_flops"], total_bw_flops=a["total_bw_flops"],
+            checkpointed_timeline=_timeline(ckpt) if ckpt else None)
+        return cls(graph=graph, analysis=analysis)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelFacts:
+        return cls.from_dict(json.loads(text))
+
+
+def _timeline(raw: dict[str, Any]) -> Timeline:
+    return Timeline(events=[Event(**e) for e in raw["events"]],
+                    checkpointed=list(raw.get("checkpointed", [])),
+                    final_level=raw.get("final_level", 0), seconds=raw.get("seconds", 0.0))
+
+
+def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
+    """Forward/backward FLOPs per module from cumulative FLOPs at its first boundaries."""
+    open_at: dict[tuple[str, str], float] = {}
+    for ev in events:
+        if ev.kind in ("pre_fw", "pre_bw"):
+            open_at.setdefault((ev.module, ev.kind[-2:]), ev.flops)
+        elif ev.kind in ("post_fw", "post_bw"):
+            start = open_at.pop((ev.module, ev.kind[-2:]), None)
+            if start is None:
+                continue
+            comp = modules.setdefault(ev.module, ModuleCompute())
+            if ev.kind == "post_fw":
+                comp.fw_flops += ev.flops - start
+            else:
+                comp.bw_flops += ev.flops - start
