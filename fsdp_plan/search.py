@@ -78,7 +78,7 @@ class Evaluator:
         self.analysis = analysis
         self.settings = settings
         self.composer = TimelineComposer(analysis, graph.blocks)
-        self._profiles: dict[int, ActivationProfile] = {}
+        self._profiles: dict[frozenset[int], ActivationProfile] = {}
         self.exclusive_fw, self.exclusive_bw = _exclusive_flops(graph, analysis)
         self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks if b in analysis.modules}
         self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
@@ -98,10 +98,11 @@ class Evaluator:
                 frozenset(unit.owned_modules))
         return self._flops_cache[key]
 
-    def profile(self, k: int) -> ActivationProfile:
-        if k not in self._profiles:
-            self._profiles[k] = ActivationProfile(self.composer.events(k))
-        return self._profiles[k]
+    def profile(self, checkpointed: frozenset[int]) -> ActivationProfile:
+        """The activation profile with the given block indices checkpointed."""
+        if checkpointed not in self._profiles:
+            self._profiles[checkpointed] = ActivationProfile(self.composer.events(checkpointed))
+        return self._profiles[checkpointed]
 
     def checkpoint_options(self) -> list[int]:
         """Numbers of leading blocks that can be checkpointed."""
@@ -111,21 +112,25 @@ class Evaluator:
         return list(range(n + 1)) if self.composer.supports_partial() else [0, n]
 
     def evaluate(self, *, name: str, strategy: str, replicate: int, shard: int,
-                 groups: list[list[str]], reshard: list[bool], root_reshard: bool, k: int,
-                 forward_prefetch: int, backward_prefetch: int) -> Candidate:
+                 groups: list[list[str]], reshard: list[bool], root_reshard: bool, k: int = 0,
+                 forward_prefetch: int, backward_prefetch: int,
+                 checkpoint: frozenset[int] | None = None) -> Candidate:
+        """One plan: ``groups`` (children first, root excluded), the first ``k`` blocks
+        checkpointed, or the block indices in ``checkpoint`` when given."""
         s = self.settings
+        which = frozenset(range(k)) if checkpoint is None else frozenset(checkpoint)
         units = build_units(self.graph, groups + [[""]], reshard + [root_reshard], shard)
         ctx = StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
                           buffer_bytes=self.graph.total_buffer_bytes,
                           input_bytes=self.analysis.input_bytes)
-        profile = self.profile(k)
+        profile = self.profile(which)
         memory = estimate_peak(profile, units, ctx, forward_prefetch=forward_prefetch,
                                backward_prefetch=backward_prefetch)
         ran = [profile.windows(u).ran for u in units]
         # FSDP2 unshards a unit in its forward pre-hook: a unit that never runs forward
         # (a container such as ModuleList) would leave its parameters sharded.
         runnable = all(r or u.numel == 0 or u.modules == [""] for r, u in zip(ran, units))
-        checkpointed = self.graph.blocks[:k]
+        checkpointed = [self.graph.blocks[i] for i in sorted(which)]
         time = self._time(units, shard, replicate, checkpointed, forward_prefetch, backward_prefetch)
         return Candidate(
             name=name, strategy=strategy, replicate=replicate, shard=shard, units=units,

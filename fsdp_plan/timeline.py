@@ -5,8 +5,9 @@ The analysis ran twice: no checkpointing, and every repeated block checkpointed.
 checkpoints the first ``k`` blocks takes each block's forward and backward segment from the
 pass that matches it and everything else (embedding, head, loss) from the plain pass; levels
 are re-based segment by segment, so the composite is what a run with exactly those blocks
-checkpointed records. Checkpointing the first blocks is the choice that frees the most memory
-earliest, and for identical blocks the peak depends only on how many are checkpointed.
+checkpointed records. The search checkpoints the first blocks (the choice that frees the most
+memory earliest; for identical blocks the peak depends only on how many are checkpointed); a
+plan written by hand may checkpoint any set of blocks, which composes the same way.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def find_segments(timeline: Timeline, blocks: list[str]) -> Segments | None:
 
 
 class TimelineComposer:
-    """Builds (and caches) the timeline for "the first ``k`` blocks checkpointed"."""
+    """Builds (and caches) the timeline for a set of checkpointed blocks (by index)."""
 
     def __init__(self, analysis: Analysis, blocks: list[str]) -> None:
         self.plain = analysis.timeline
@@ -64,9 +65,9 @@ class TimelineComposer:
         self.blocks = blocks
         self.plain_seg = find_segments(self.plain, blocks)
         self.ckpt_seg = find_segments(self.ckpt, blocks) if self.ckpt else None
-        self._cache: dict[int, list[Event]] = {0: self.plain.events}
+        self._cache: dict[frozenset[int], list[Event]] = {frozenset(): self.plain.events}
         if self.ckpt is not None:
-            self._cache[len(blocks)] = self.ckpt.events
+            self._cache[frozenset(range(len(blocks)))] = self.ckpt.events
 
     @property
     def max_checkpointed(self) -> int:
@@ -76,20 +77,22 @@ class TimelineComposer:
     def supports_partial(self) -> bool:
         return self.plain_seg is not None and self.ckpt_seg is not None
 
-    def events(self, k: int) -> list[Event]:
-        """The composite timeline with blocks ``0..k-1`` checkpointed."""
-        if k in self._cache:
-            return self._cache[k]
+    def events(self, checkpointed: int | frozenset[int]) -> list[Event]:
+        """The composite timeline with blocks ``0..k-1`` (an int ``k``) or the given block
+        indices (a frozenset) checkpointed."""
+        which = frozenset(range(checkpointed)) if isinstance(checkpointed, int) else checkpointed
+        if which in self._cache:
+            return self._cache[which]
         if not self.supports_partial():
             raise ValueError("partial checkpointing needs aligned block segments")
         p, c = self.plain_seg, self.ckpt_seg
         pieces: list[tuple[list[Event], int, int]] = [(self.plain.events, 0, p.prefix_end)]
         for i in range(len(self.blocks)):
-            src, seg = (self.ckpt.events, c) if i < k else (self.plain.events, p)
+            src, seg = (self.ckpt.events, c) if i in which else (self.plain.events, p)
             pieces.append((src, *seg.fw[i]))
         pieces.append((self.plain.events, *p.middle))
         for i in reversed(range(len(self.blocks))):
-            src, seg = (self.ckpt.events, c) if i < k else (self.plain.events, p)
+            src, seg = (self.ckpt.events, c) if i in which else (self.plain.events, p)
             pieces.append((src, *seg.bw[i]))
         pieces.append((self.plain.events, p.suffix_start, len(self.plain.events)))
         out: list[Event] = []
@@ -109,5 +112,5 @@ class TimelineComposer:
             nxt = src[end] if end < len(src) else src[end - 1]
             level += nxt.level - base_level
             flops += nxt.flops - base_flops
-        self._cache[k] = out
+        self._cache[which] = out
         return out
