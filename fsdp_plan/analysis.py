@@ -35,15 +35,10 @@ from fsdp_plan.errors import BadInput
 from fsdp_plan.facts import Analysis, Event, ModuleCompute, Timeline, fill_flops
 from fsdp_plan.fake import materialize_fake, new_fake_mode
 from fsdp_plan.load import LoadedModel, rebuild_meta
+from fsdp_plan.policy_runtime import plain_fqn
 
-_WRAPPER_SEGMENTS = ("._checkpoint_wrapped_module", "._fsdp_wrapped_module")
-
-
-def normalize_fqn(fqn: str) -> str:
-    """Drop wrapper segments so names match the user's module tree."""
-    for seg in _WRAPPER_SEGMENTS:
-        fqn = fqn.replace(seg, "")
-    return fqn
+# Drops the wrapper segments FSDP1 and checkpointing insert, as the emitted policy does.
+normalize_fqn = plain_fqn
 
 
 class _ActivationMeter(TorchDispatchMode):

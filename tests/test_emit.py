@@ -100,6 +100,55 @@ def test_imports_only_torch_and_stdlib() -> None:
     assert imported <= {"torch", "__future__", "weakref"}, imported
 
 
+def _statements(source: str) -> list[str]:
+    """The module's statements after its docstring, with ``PLAN``'s value left out."""
+    out = []
+    for node in ast.parse(source).body[1:]:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else (
+            node.target if isinstance(node, ast.AnnAssign) else None)
+        out.append("PLAN = ..." if isinstance(target, ast.Name) and target.id == "PLAN"
+                   else ast.dump(node))
+    return out
+
+
+def test_generated_code_is_the_runtime_module() -> None:
+    """The policy file runs policy_runtime.py's code, statement for statement (no drift)."""
+    from fsdp_plan import policy_runtime
+
+    runtime = Path(policy_runtime.__file__).read_text()
+    source = render_policy_module(make_plan())
+    assert _statements(source) == _statements(runtime)
+    assert _statements(source).count("PLAN = ...") == 1
+    # The text after the docstring is the runtime's, but for the one PLAN line.
+    runtime_code = runtime[runtime.index('"""', 3) + 3:].lstrip("\n")
+    head, _, tail = runtime_code.partition("PLAN: dict = {}\n")
+    assert source.index(head) < source.index("PLAN = {") < source.index(tail)
+    assert source.endswith(tail)
+
+
+def test_runtime_imported_from_the_package_does_nothing_plan_dependent() -> None:
+    from fsdp_plan import analysis, policy_runtime
+
+    assert policy_runtime.PLAN == {} and policy_runtime.FSDP1_UNITS == []
+    assert policy_runtime.FSDP_KWARGS == {} and policy_runtime.PARAM_DTYPE is None
+    assert analysis.normalize_fqn is policy_runtime.plain_fqn
+    assert policy_runtime.plain_fqn(
+        "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.attn"
+    ) == "layers.0.attn"
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "float32", "float64"])
+def test_dtype_names_resolve_to_torch_floating_dtypes(name: str) -> None:
+    plan = make_plan(param_dtype=name)
+    assert load_policy_module(render_policy_module(plan)).PARAM_DTYPE is getattr(torch, name)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8", "Tensor", "__class__", "float32.x", "cuda"])
+def test_other_dtype_names_are_refused(name: str) -> None:
+    with pytest.raises(ValueError, match=f"unknown dtype {name!r}"):
+        load_policy_module(render_policy_module(make_plan(param_dtype=name)))
+
+
 def test_docstring_states_the_plan() -> None:
     policy = load_policy_module(render_policy_module(make_plan(replicate=2, shard=4,
                                                                strategy="hybrid")))
@@ -420,7 +469,7 @@ def _fsdp1_worker(rank: int, world_size: int, port: int, source: str) -> None:
         block0.register_forward_pre_hook(lambda *a: calls.append(1))  # recompute stops early
         fsdp = FSDP(model, auto_wrap_policy=policy.auto_wrap_policy,
                     device_id=torch.device("cpu"), **policy.FSDP_KWARGS)
-        wrapped = [policy._plain_fqn(n) for n, m in fsdp.named_modules() if isinstance(m, FSDP)]
+        wrapped = [policy.plain_fqn(n) for n, m in fsdp.named_modules() if isinstance(m, FSDP)]
         assert sorted(wrapped) == sorted(policy.FSDP1_UNITS), wrapped
 
         def step_grads() -> tuple[float, list[torch.Tensor]]:

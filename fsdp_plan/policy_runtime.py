@@ -1,0 +1,284 @@
+"""The code of every generated policy module (SPEC section 4), as a real module.
+
+``fsdp_plan.emit`` writes a policy file as: a docstring describing the plan, then this file's
+text after its docstring, with the ``PLAN: dict = {}`` line below the marker replaced by
+``PLAN = <the plan as a Python literal>``. So this file must import only ``torch`` and the
+standard library, never ``fsdp_plan``: the generated file has to work without fsdp-plan
+installed. Because it is a real module, linters and type checkers read it, and the planner
+imports it for the one rule both sides share (``plain_fqn``).
+
+Imported from the package, ``PLAN`` is empty and nothing plan-dependent runs: the constants
+below keep their empty defaults and ``_configure()`` (at the end) does nothing.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    BackwardPrefetch,
+    MixedPrecision,
+    ShardingStrategy,
+)
+
+try:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch < 2.6 kept FSDP2 under _composable
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+# The plan: in a generated policy module, fsdp-plan writes it here as a literal.
+PLAN: dict = {}
+
+# Wrapper layers that FSDP1 and activation checkpointing insert into module FQNs; a plan
+# names modules without them.
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+_SHARDING_STRATEGIES = {
+    "full": ShardingStrategy.FULL_SHARD,
+    "hybrid": ShardingStrategy.HYBRID_SHARD,
+    "grad-op": ShardingStrategy.SHARD_GRAD_OP,
+    "none": ShardingStrategy.NO_SHARD,
+}
+_UNIT_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
+
+# Derived from PLAN by _configure() at the end of the module (empty while PLAN is).
+PARAM_DTYPE: torch.dtype | None = None
+REDUCE_DTYPE: torch.dtype | None = None
+FSDP1_UNITS: list[str] = []
+"""The modules FSDP1 wraps: every module of a grouped unit separately ("" is the root)."""
+FSDP_KWARGS: dict = {}
+
+
+def plain_fqn(name: str) -> str:
+    """A module FQN without the wrapper segments FSDP1 and checkpointing insert."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    """``torch.<name>`` for a canonical floating dtype name (``bfloat16``), None for None."""
+    if name is None:
+        return None
+    value = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(f"PLAN names the unknown dtype {name!r}; expected a floating dtype "
+                         "such as bfloat16, float16, float32 or float64.")
+    return value
+
+
+def _check_plan() -> None:
+    """Fail at import, naming the problem, when PLAN is not self-consistent."""
+    if PLAN["strategy"] not in _SHARDING_STRATEGIES:
+        raise ValueError(f"PLAN has the unknown strategy {PLAN['strategy']!r}.")
+    if not PLAN["units"] or any(not unit["modules"] for unit in PLAN["units"]):
+        raise ValueError("PLAN has no units, or a unit without modules.")
+    if "" in PLAN["activation_checkpointing"]:
+        raise ValueError("PLAN checkpoints the root module; only submodules can be wrapped.")
+    unit_keys = {unit["modules"][0] for unit in PLAN["units"]}
+    for kind in ("forward_prefetch", "backward_prefetch"):
+        for key, targets in PLAN[kind].items():
+            unknown = [name for name in [key, *targets] if name not in unit_keys]
+            if unknown:
+                raise ValueError(f"PLAN[{kind!r}] names {unknown!r}, which are not unit keys "
+                                 "(a unit's first module FQN).")
+    for unit in PLAN["units"]:
+        unknown = sorted(set(unit.get("mixed_precision") or {}) - set(_UNIT_PRECISION_KEYS))
+        if unknown:
+            raise ValueError(f"PLAN unit {unit['modules'][0]!r} has the unknown mixed_precision "
+                             f"keys {unknown!r}; expected {', '.join(_UNIT_PRECISION_KEYS)}.")
+        _unit_precision(unit)  # its dtype names must resolve
+
+
+def _unit_precision(unit: dict) -> dict:
+    """The unit's ``MixedPrecisionPolicy`` arguments: the plan's, overridden by the unit's own.
+
+    A unit kept in full precision (batch norm under bf16) records ``param_dtype: float32``
+    and ``output_dtype: bfloat16``: its inputs are cast up, its outputs back down, so the
+    modules around it keep computing in the plan's dtype (what FSDP1 does for batch norm).
+    """
+    override = unit.get("mixed_precision") or {}
+    return {
+        "param_dtype": _dtype(override.get("param_dtype", PLAN["mixed_precision"].get("param_dtype"))),
+        "reduce_dtype": _dtype(override.get("reduce_dtype",
+                                            PLAN["mixed_precision"].get("reduce_dtype"))),
+        "output_dtype": _dtype(override.get("output_dtype")),
+    }
+
+
+def fsdp1_kwargs(mesh: DeviceMesh | None = None) -> dict:
+    """``FSDP_KWARGS``, plus ``device_mesh`` when given (needed for hybrid sharding on CPU)."""
+    kwargs = dict(FSDP_KWARGS)
+    if mesh is not None:
+        kwargs["device_mesh"] = mesh
+    return kwargs
+
+
+def _find_modules(model: nn.Module, fqns: list, deepest: bool) -> dict:
+    """Map each plan FQN to ``(name in model, module)``.
+
+    Several modules share a plain FQN once wrappers are in place (``layers.0`` is the wrapper
+    and ``layers.0._checkpoint_wrapped_module`` the block). ``deepest=False`` picks the
+    outermost (what ``fully_shard`` is given), ``deepest=True`` the innermost (what
+    checkpointing wraps, inside an FSDP1 instance).
+    """
+    wanted = set(fqns)
+    found = {}
+    for name, module in model.named_modules():
+        fqn = plain_fqn(name)
+        if fqn in wanted and (deepest or fqn not in found):
+            found[fqn] = (name, module)
+    missing = sorted(wanted - set(found))
+    if missing:
+        raise ValueError(f"the model has no modules named {missing!r}; was this plan written "
+                         "for this model?")
+    return found
+
+
+def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
+    """Wrap each module in ``PLAN["activation_checkpointing"]`` with non-reentrant checkpointing.
+
+    Each module is replaced in its parent (``setattr`` works for ``nn.ModuleList`` and
+    ``nn.ModuleDict`` children too), so its forward is recomputed in backward. For FSDP2 call it
+    before ``fully_shard`` (``apply_fully_shard`` does); for FSDP1 call it after wrapping, when
+    the checkpoint wrapper goes inside the FSDP1 instance. Modules already wrapped are skipped.
+    """
+    found = _find_modules(model, PLAN["activation_checkpointing"], deepest=True)
+    # Resolve every parent before replacing anything: a nested target's parent must be the
+    # original module, not a wrapper put in place moments earlier.
+    replacements = []
+    for name, module in found.values():
+        parent_name, _, attr = name.rpartition(".")
+        if attr == "_checkpoint_wrapped_module":
+            continue
+        replacements.append((model.get_submodule(parent_name), attr, module))
+    for parent, attr, module in replacements:
+        setattr(parent, attr, checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    return model
+
+
+def build_device_mesh() -> DeviceMesh:
+    """The plan's mesh over all ranks: 2-D ``(replicate, shard)`` for HSDP, else 1-D.
+
+    Build it outside ``FakeTensorMode``: mesh construction reads real tensors.
+    """
+    replicate, shard = PLAN["mesh"]["replicate"], PLAN["mesh"]["shard"]
+    if dist.is_initialized() and dist.get_world_size() != replicate * shard:
+        raise ValueError(f"PLAN is for {replicate * shard} ranks but the process group has "
+                         f"{dist.get_world_size()}; pass apply_fully_shard a mesh of your own.")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if replicate > 1:
+        return init_device_mesh(device_type, (replicate, shard),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
+
+
+def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Apply the plan with FSDP2 and return ``model`` (changed in place).
+
+    Activation checkpointing first, then one ``fully_shard`` call per unit in plan order
+    (children first, root last) with the unit's ``reshard_after_forward`` and its
+    ``MixedPrecisionPolicy`` (the plan's, or the unit's own override), then explicit
+    forward/backward prefetch between units. The mesh and the unit names are checked before
+    the model is changed.
+    """
+    if mesh is None:
+        mesh = build_device_mesh()
+    _find_modules(model, FSDP1_UNITS, deepest=False)
+    apply_activation_checkpointing(model)
+    # Resolved again after checkpointing: a checkpointed unit is now its wrapper.
+    found = _find_modules(model, FSDP1_UNITS, deepest=False)
+    for unit in PLAN["units"]:
+        modules = [found[fqn][1] for fqn in unit["modules"]]
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                    reshard_after_forward=bool(unit["reshard_after_forward"]),
+                    mp_policy=MixedPrecisionPolicy(**_unit_precision(unit)))
+    # Modules of a grouped unit share one FSDP state, so the first one stands for the unit.
+    for key, targets in PLAN["forward_prefetch"].items():
+        found[key][1].set_modules_to_forward_prefetch([found[t][1] for t in targets])
+    for key, targets in PLAN["backward_prefetch"].items():
+        found[key][1].set_modules_to_backward_prefetch([found[t][1] for t in targets])
+    return model
+
+
+class _PlanWrapPolicy:
+    """FSDP1 auto-wrap policy that wraps exactly the plan's unit modules, found by FQN.
+
+    FSDP1 calls a policy with ``(module, recurse, nonwrapped_numel)`` and no name. It asks
+    about the root first (``recurse=True``), so on a module it does not know the policy maps
+    every module below it to its FQN; weak references make a later model with reused object
+    ids start afresh instead of reading stale names.
+    """
+
+    def __init__(self, fqns: list) -> None:
+        self._wanted = frozenset(fqn for fqn in fqns if fqn != "")
+        self._fqns: dict = {}  # id(module) -> (weakref to module, plain FQN)
+
+    def _fqn_of(self, module: nn.Module) -> str | None:
+        entry = self._fqns.get(id(module))
+        if entry is None or entry[0]() is not module:
+            return None
+        return entry[1]
+
+    def _learn(self, root: nn.Module) -> None:
+        self._fqns = {}
+        seen = set()
+        for name, module in root.named_modules():
+            fqn = plain_fqn(name)
+            if fqn not in seen:  # the outermost module of a plain FQN, as in apply_fully_shard
+                seen.add(fqn)
+                self._fqns[id(module)] = (weakref.ref(module), fqn)
+
+    def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        if recurse:
+            if self._fqn_of(module) is None:
+                self._learn(module)
+            return True
+        return self._fqn_of(module) in self._wanted
+
+
+auto_wrap_policy = _PlanWrapPolicy([])
+
+
+def _fsdp1_mixed_precision() -> MixedPrecision | None:
+    """FSDP1's ``MixedPrecision`` for the plan.
+
+    FSDP1 wraps every ``_BatchNorm`` separately in full precision by default
+    (``_module_classes_to_ignore``); the plan lists those modules as units of their own
+    whenever it computes below float32, so FSDP1 wraps the plan's units either way. Without a
+    lower param dtype the plan has no such units, so FSDP1 is told not to add them.
+    """
+    if PARAM_DTYPE is None and REDUCE_DTYPE is None:
+        return None
+    if PARAM_DTYPE is None or PARAM_DTYPE.itemsize >= 4:
+        return MixedPrecision(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE,
+                              buffer_dtype=None, _module_classes_to_ignore=())
+    return MixedPrecision(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE, buffer_dtype=None)
+
+
+def _configure() -> None:
+    """Check PLAN and derive the module-level constants from it (nothing when PLAN is empty)."""
+    global PARAM_DTYPE, REDUCE_DTYPE, auto_wrap_policy
+    if not PLAN:
+        return
+    _check_plan()
+    PARAM_DTYPE = _dtype(PLAN["mixed_precision"].get("param_dtype"))
+    REDUCE_DTYPE = _dtype(PLAN["mixed_precision"].get("reduce_dtype"))
+    FSDP1_UNITS[:] = [fqn for unit in PLAN["units"] for fqn in unit["modules"]]
+    FSDP_KWARGS.update({
+        "sharding_strategy": _SHARDING_STRATEGIES[PLAN["strategy"]],
+        "backward_prefetch": (BackwardPrefetch.BACKWARD_PRE
+                              if any(PLAN["backward_prefetch"].values()) else None),
+        "forward_prefetch": any(PLAN["forward_prefetch"].values()),
+        "limit_all_gathers": True,
+        "mixed_precision": _fsdp1_mixed_precision(),
+    })
+    auto_wrap_policy = _PlanWrapPolicy(FSDP1_UNITS)
+
+
+_configure()
