@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import json
 import os
 import sys
 import traceback
@@ -21,32 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 
 from fsdp_plan.errors import BadInput
-
-
-@dataclass(kw_only=True)
-class ModelSource:
-    """Where the model comes from and how it is fed; serialised into the plan file's ``model`` key."""
-
-    source: str
-    """A path to a ``.py`` file, ``package.module:attr``, or a Hugging Face ``config.json``."""
-    entry: str = "build_model"
-    """The factory's name inside a model file."""
-    args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the factory (``--model-arg k=v``)."""
-    batch_size: int = 1
-    seq_len: int = 4096
-    kind: str = "file"
-    """``file``, ``import`` (``package.module:attr``) or ``hf-config``."""
-
-    def __post_init__(self) -> None:
-        if self.batch_size <= 0:
-            raise BadInput(f"--batch-size must be a positive integer, got {self.batch_size}.")
-        if self.seq_len <= 0:
-            raise BadInput(f"--seq-len must be a positive integer, got {self.seq_len}.")
+from fsdp_plan.source import (  # noqa: F401  (re-exported: callers import these from load)
+    ModelSource,
+    parse_model_args,
+    source_digest,
+    source_kind,
+)
 
 
 @dataclass
@@ -60,53 +42,6 @@ class LoadedModel:
     factory: Callable[..., nn.Module]
     notes: list[str] = field(default_factory=list)
     """Assumptions the planner made to build or trace the model (stated in the report and plan)."""
-
-
-def parse_model_args(pairs: list[str] | None) -> dict[str, Any]:
-    """``["size=70b", "n_layers=4"]`` -> ``{"size": "70b", "n_layers": 4}`` (values as YAML scalars)."""
-    parsed: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        key = key.strip()
-        if not sep or not key.isidentifier():
-            raise BadInput(
-                f"--model-arg {pair!r} is not KEY=VALUE with KEY a Python identifier; "
-                "write it like --model-arg size=70b."
-            )
-        try:
-            parsed[key] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError:
-            parsed[key] = value
-        if isinstance(parsed[key], (dict, list)) or parsed[key] is None and value.strip():
-            parsed[key] = value
-    return parsed
-
-
-def source_kind(source: str) -> str:
-    """Tell a model file from ``package.module:attr`` and from a Hugging Face config."""
-    if source.endswith(".json"):
-        return "hf-config"
-    if source.endswith(".py") or os.sep in source or not _looks_importable(source):
-        return "file"
-    return "import"
-
-
-def _looks_importable(source: str) -> bool:
-    module, _, attr = source.partition(":")
-    return bool(attr) and all(part.isidentifier() for part in module.split(".")) and attr.isidentifier()
-
-
-def source_digest(source: ModelSource) -> str:
-    """A short hash of the model's code (the file's bytes, or the import path) and its arguments."""
-    h = hashlib.sha256()
-    if source.kind in ("file", "hf-config") and os.path.isfile(source.source):
-        with open(source.source, "rb") as f:
-            h.update(f.read())
-    else:
-        h.update(source.source.encode())
-    h.update(json.dumps(source.args, sort_keys=True, default=str).encode())
-    h.update(source.entry.encode())
-    return h.hexdigest()[:16]
 
 
 def _user_frame_hint(error: BaseException, path: str | None) -> str:

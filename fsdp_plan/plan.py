@@ -1,23 +1,22 @@
-"""The plan: SPEC section 3 as dataclasses, written to YAML atomically and read back with ``safe_load``.
+"""The plan: SPEC section 3 as dataclasses, written to YAML atomically and read back as data.
 
 ``Plan.to_dict()`` is exactly the YAML document (and the emitted module's ``PLAN``);
-``Plan.from_dict()`` validates a document read from disk before anything uses it.
+``Plan.from_dict()`` validates a document read from disk (``fsdp_plan.plan_check``) before
+anything uses it.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import yaml
 
-from fsdp_plan.errors import BadInput
+from fsdp_plan.outputs import atomic_write_all, atomic_write_text, check_writable  # noqa: F401
+from fsdp_plan.plan_check import check_plan_document, read_plan_document
 
 PLAN_VERSION = 1
 Strategy = Literal["full", "hybrid", "grad-op", "none"]
-STRATEGIES: tuple[str, ...] = ("full", "hybrid", "grad-op", "none")
 
 
 @dataclass(kw_only=True)
@@ -76,114 +75,26 @@ class Plan:
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "plan") -> Plan:
-        """Validate a plan document (from YAML) and build the dataclasses."""
-        if not isinstance(raw, dict):
-            raise BadInput(f"{where} is not a fsdp-plan plan file (expected a YAML mapping).")
-        version = raw.get("fsdp_plan_version")
-        if version != PLAN_VERSION:
-            raise BadInput(f"{where} has fsdp_plan_version {version!r}; this fsdp-plan reads "
-                           f"version {PLAN_VERSION}. Re-run fsdp-plan to write a current plan.")
-        missing = [k for k in ("model", "budget_bytes", "world_size", "mesh", "units") if k not in raw]
-        if missing:
-            raise BadInput(f"{where} lacks the keys {', '.join(missing)}; it is not a complete plan.")
-        try:
-            units = [Unit(modules=[str(m) for m in u["modules"]],
-                          reshard_after_forward=bool(u.get("reshard_after_forward", True)))
-                     for u in raw["units"]]
-            mesh = Mesh(replicate=int(raw["mesh"].get("replicate", 1)),
-                        shard=int(raw["mesh"].get("shard", raw["world_size"])))
-            plan = cls(
-                model=dict(raw["model"]),
-                budget_bytes=int(raw["budget_bytes"]),
-                headroom_bytes=int(raw.get("headroom_bytes", 0)),
-                world_size=int(raw["world_size"]),
-                mesh=mesh,
-                strategy=str(raw.get("strategy", "full")),
-                units=units,
-                activation_checkpointing=[str(m) for m in raw.get("activation_checkpointing") or []],
-                forward_prefetch={str(k): [str(x) for x in v]
-                                  for k, v in (raw.get("forward_prefetch") or {}).items()},
-                backward_prefetch={str(k): [str(x) for x in v]
-                                   for k, v in (raw.get("backward_prefetch") or {}).items()},
-                mixed_precision=dict(raw.get("mixed_precision") or {}),
-                optimizer=str(raw.get("optimizer", "adamw")),
-                gpu=str(raw.get("gpu", "h100")),
-                predicted=dict(raw.get("predicted") or {}),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise BadInput(f"{where} is malformed ({type(e).__name__}: {e}); re-run fsdp-plan to "
-                           "write it again.") from e
-        if mesh.world_size != plan.world_size:
-            raise BadInput(f"{where}: mesh {mesh.replicate}x{mesh.shard} does not multiply to "
-                           f"world_size {plan.world_size}.")
-        if plan.strategy not in STRATEGIES:
-            raise BadInput(f"{where}: unknown strategy {plan.strategy!r}; expected one of "
-                           f"{', '.join(STRATEGIES)}.")
-        return plan
-
-
-def _write_temporary(path: str, text: str) -> str:
-    """``text`` in a synced temporary file beside ``path``; returns the temporary's path."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return tmp
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: never half-written."""
-    tmp = _write_temporary(path, text)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_all(files: list[tuple[str, str]]) -> None:
-    """Write every (path, text) through temporaries, renaming only once all are written.
-
-    A failure while writing (disk full, permissions) renames nothing, removes the temporaries,
-    leaves existing files as they were, and is reported as ``BadInput``."""
-    staged: list[tuple[str, str]] = []
-    try:
-        for path, text in files:
-            staged.append((_write_temporary(path, text), path))
-        for tmp, path in staged:
-            os.replace(tmp, path)
-    except OSError as e:
-        raise BadInput(f"writing {e.filename or 'an output file'!r} failed ({e.strerror or e}); "
-                       "nothing was written. Free space or choose another path.") from e
-    finally:
-        for tmp, _ in staged:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-
-def check_writable(path: str, what: str) -> None:
-    """Fail early, before any work, when ``path`` cannot be written."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        probe = folder
-        while probe and not os.path.exists(probe) and os.path.dirname(probe) != probe:
-            probe = os.path.dirname(probe)
-        if os.path.exists(probe) and not os.path.isdir(probe):
-            raise BadInput(f"{what} {path!r}: {probe!r} is a file, not a folder; choose a path "
-                           "inside a folder.")
-        raise BadInput(f"{what} {path!r}: the folder {folder!r} does not exist; create it or "
-                       "choose another path.")
-    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise BadInput(f"{what} {path!r} cannot be written (permission denied); choose another path.")
-    if os.path.isdir(path):
-        raise BadInput(f"{what} {path!r} is a folder; give a file path.")
+        """Validate a plan document (see ``fsdp_plan.plan_check``) and build the dataclasses."""
+        checked = check_plan_document(raw, where)
+        return cls(
+            model=checked["model"],
+            budget_bytes=checked["budget_bytes"],
+            headroom_bytes=checked["headroom_bytes"],
+            world_size=checked["world_size"],
+            mesh=Mesh(replicate=checked["replicate"], shard=checked["shard"]),
+            strategy=checked["strategy"],
+            units=[Unit(modules=modules, reshard_after_forward=reshard)
+                   for modules, reshard in checked["units"]],
+            activation_checkpointing=checked["activation_checkpointing"],
+            forward_prefetch=checked["forward_prefetch"],
+            backward_prefetch=checked["backward_prefetch"],
+            mixed_precision=checked["mixed_precision"],
+            optimizer=checked["optimizer"],
+            gpu=checked["gpu"],
+            predicted=checked["predicted"],
+            fsdp_plan_version=checked["fsdp_plan_version"],
+        )
 
 
 def plan_to_yaml(plan: Plan) -> str:
@@ -195,17 +106,6 @@ def write_plan(plan: Plan, path: str) -> None:
 
 
 def read_plan(path: str) -> Plan:
-    """Read a plan file with ``yaml.safe_load`` only, then validate it."""
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f)
-    except FileNotFoundError as e:
-        raise BadInput(f"plan file {path!r} does not exist.") from e
-    except yaml.constructor.ConstructorError as e:
-        raise BadInput(f"plan file {path!r} holds a YAML tag that fsdp-plan never constructs "
-                       f"({' '.join(str(e.problem).split())}); a plan is plain data (mappings, "
-                       "lists, strings, numbers). Re-run fsdp-plan to write it.") from e
-    except (OSError, yaml.YAMLError) as e:
-        raise BadInput(f"plan file {path!r} cannot be read as YAML: "
-                       f"{' '.join(str(e).split())}.") from e
-    return Plan.from_dict(raw, where=f"plan file {path!r}")
+    """Read a plan file as untrusted data (size, encoding, tags and aliases are checked before
+    anything is built; ``yaml.CSafeLoader`` only), then validate every field."""
+    return Plan.from_dict(read_plan_document(path), where=f"plan file {path!r}")

@@ -59,7 +59,7 @@ def test_verify_flag_measures_before_writing(tmp_path, capsys):
 def test_a_failed_write_leaves_no_output_and_no_traceback(tmp_path, capsys, monkeypatch):
     """Disk full while writing the second output: nothing is renamed into place, the existing
     plan file is untouched, no temporary is left, and the message has no traceback."""
-    import fsdp_plan.plan as plan_module
+    import fsdp_plan.outputs as plan_module
     plan_path, policy = tmp_path / "p.yaml", tmp_path / "p.py"
     plan_path.write_text("keep me\n")
     real_fsync = plan_module.os.fsync
@@ -75,6 +75,6 @@ def test_a_failed_write_leaves_no_output_and_no_traceback(tmp_path, capsys, monk
     code = main([*ARGS, "--plan", str(plan_path), "-o", str(policy)])
     assert code == 2
     err = capsys.readouterr().err
-    assert "No space left" in err and "Traceback" not in err
+    assert "disk is full" in err and str(plan_path) in err and "Traceback" not in err
     assert plan_path.read_text() == "keep me\n"
     assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]
