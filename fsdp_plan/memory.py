@@ -22,11 +22,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fsdp_plan.errors import BadInput
 from fsdp_plan.facts import Event
 from fsdp_plan.units import UnitSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+"""Bytes per element of the floating dtypes a plan may name (canonical torch names)."""
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                 "float": "float32", "fp64": "float64", "double": "float64"}
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "none": 0}
+"""Optimizer states per parameter, each the size of the fp32 shard (AdamW: exp_avg, exp_avg_sq)."""
+
+
+def canonical_dtype(name: str, what: str = "dtype") -> str:
+    """``bf16`` -> ``bfloat16``; ``BadInput`` naming ``what`` for anything not a float dtype."""
+    key = str(name).lower().removeprefix("torch.")
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise BadInput(f"{what} {name!r} is not a floating dtype fsdp-plan knows; use one of "
+                       "bf16, fp16, fp32 (or bfloat16, float16, float32, float64).")
+    return key
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -1,0 +1,393 @@
+"""The library API: plan a model for a budget, or predict a plan as written, from Python.
+
+Every front end calls these (the ``fsdp-plan`` command, ``benchmarks/``,
+``policies/regenerate.py``, the GPU check); the command line only parses and prints.
+
+Example usage::
+
+    from fsdp_plan.api import PlanRequest, make_plan
+    from fsdp_plan.source import ModelSource
+
+    result = make_plan(PlanRequest(
+        source=ModelSource(source="examples/llama.py", args={"size": "8b"}, seq_len=4096),
+        budget_bytes=80 * 10**9, world_size=8))
+    result.write(policy="policies/llama8b.py", plan="policies/llama8b.yaml")
+
+    facts = analyze_model(source, param_dtype="bfloat16").facts   # one fake step (torch)
+    prediction = predict(read_plan("policies/llama8b.yaml"), facts)  # pure, no torch
+
+``analyze_model`` is the only step that builds a model (on ``meta``, under fake tensors);
+``plan_from_facts`` and ``predict`` are pure functions over ``ModelFacts`` (facts.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fsdp_plan.cost import Hardware, hardware_for
+from fsdp_plan.errors import BadInput, NoFeasiblePlan
+from fsdp_plan.facts import ModelFacts
+from fsdp_plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, Precision, canonical_dtype
+from fsdp_plan.plan import Mesh, Plan, Unit
+from fsdp_plan.search import (
+    Candidate,
+    Evaluator,
+    SearchSettings,
+    choose,
+    search,
+    standard_recipes,
+)
+from fsdp_plan.sizes import format_bytes
+from fsdp_plan.source import ModelSource
+
+if TYPE_CHECKING:
+    from fsdp_plan.load import LoadedModel
+
+Progress = Callable[[str], None]
+
+
+@dataclass(kw_only=True)
+class PlanRequest:
+    """What the user asks for: a model, a per-GPU budget, the cluster and the training setup."""
+
+    source: ModelSource
+    budget_bytes: int
+    """Per-GPU memory budget in bytes (``--mem``)."""
+    headroom_bytes: int | None = None
+    """Kept free for the CUDA context, communication buffers and fragmentation; default 10%."""
+    world_size: int = 8
+    gpus_per_node: int = 8
+    strategy: str = "auto"
+    """``auto``, ``full``, ``hybrid``, ``grad-op`` or ``none``."""
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    optimizer: str = "adamw"
+    hardware: Hardware = field(default_factory=lambda: hardware_for("h100"))
+    exact_analysis: bool = False
+    """Analyse every block instead of three per stack (depth.py)."""
+
+    def __post_init__(self) -> None:
+        self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
+        self.reduce_dtype = canonical_dtype(self.reduce_dtype, "reduce_dtype")
+        if self.headroom_bytes is None:
+            self.headroom_bytes = self.budget_bytes // 10
+        if not 0 <= self.headroom_bytes < self.budget_bytes:
+            raise BadInput(f"headroom {format_bytes(self.headroom_bytes)} must be at least 0 and "
+                           f"leave part of the budget {format_bytes(self.budget_bytes)}.")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise BadInput(f"optimizer {self.optimizer!r} is not one of "
+                           f"{', '.join(OPTIMIZER_STATES)}.")
+
+    @property
+    def limit_bytes(self) -> int:
+        """The peak a plan may reach: budget minus headroom."""
+        return self.budget_bytes - int(self.headroom_bytes or 0)
+
+    def settings(self) -> SearchSettings:
+        return SearchSettings(budget_bytes=self.budget_bytes,
+                              headroom_bytes=int(self.headroom_bytes or 0),
+                              world_size=self.world_size, gpus_per_node=self.gpus_per_node,
+                              strategy=self.strategy, precision=precision_of(
+                                  self.param_dtype, self.reduce_dtype),
+                              optimizer=self.optimizer, hardware=self.hardware)
+
+
+@dataclass(kw_only=True)
+class Analyzed:
+    """A model built on ``meta`` and its facts (the one step that needs torch)."""
+
+    loaded: LoadedModel
+    facts: ModelFacts
+    digest: str
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class PlanResult:
+    """The chosen plan, every candidate behind the choice, and what they were computed from."""
+
+    plan: Plan
+    best: Candidate
+    ranked: list[Candidate]
+    """The search's candidates, best first (fitting ones by step time)."""
+    recipes: list[Candidate]
+    """Standard recipes (torchtitan, FSDP1 size-based, root only) on the same models."""
+    facts: ModelFacts
+    seconds: float
+    loaded: LoadedModel | None = None
+    """The model on ``meta`` when ``make_plan`` built it (``--verify`` measures it)."""
+
+    def policy_source(self) -> str:
+        """The generated policy module (SPEC section 4)."""
+        from fsdp_plan.emit import render_policy_module
+        return render_policy_module(self.plan)
+
+    def plan_yaml(self) -> str:
+        from fsdp_plan.plan import plan_to_yaml
+        return plan_to_yaml(self.plan)
+
+    def trace_json(self) -> str:
+        """The predicted step as a Chrome trace."""
+        from fsdp_plan.report import chrome_trace
+        return chrome_trace(self.best.time)
+
+    def write(self, *, policy: str | None = None, plan: str | None = None,
+              trace: str | None = None) -> list[str]:
+        """Write the chosen outputs all-or-nothing; returns the paths written."""
+        from fsdp_plan.outputs import atomic_write_all
+        outputs = [(path, render()) for path, render in ((policy, self.policy_source),
+                                                         (plan, self.plan_yaml),
+                                                         (trace, self.trace_json)) if path]
+        atomic_write_all(outputs)
+        return [path for path, _ in outputs]
+
+
+def precision_of(param_dtype: str, reduce_dtype: str) -> Precision:
+    """Element sizes for the plan's mixed precision (parameters are stored in fp32)."""
+    return Precision(orig_bytes=4, param_bytes=DTYPE_BYTES[canonical_dtype(param_dtype)],
+                     reduce_bytes=DTYPE_BYTES[canonical_dtype(reduce_dtype)])
+
+
+def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: bool = False,
+                  progress: Progress | None = None) -> Analyzed:
+    """Build the model on ``meta`` and run the fake forward + backward (analysis.py)."""
+    import torch
+
+    from fsdp_plan.analysis import analyze
+    from fsdp_plan.graph import build_module_graph
+    from fsdp_plan.load import load_model
+    from fsdp_plan.source import source_digest
+
+    loaded = load_model(source)
+    graph = build_module_graph(loaded.model)
+    if graph.total_numel == 0:
+        raise BadInput(f"model {source.source!r} has no parameters; there is nothing to shard.")
+    if progress:
+        for note in loaded.notes:
+            progress(f"note: {note}")
+        progress(f"analysing {graph.total_numel:,} parameters, batch {source.batch_size} x "
+                 f"sequence {source.seq_len}")
+    with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the report (--format json)
+        analysis = analyze(loaded, param_dtype=getattr(torch, canonical_dtype(param_dtype)),
+                           blocks=graph.blocks, exact=exact, progress=progress)
+    return Analyzed(loaded=loaded, facts=ModelFacts(graph=graph, analysis=analysis),
+                    digest=source_digest(source), notes=list(loaded.notes))
+
+
+def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
+    """Analyse the model, search, and return the fastest plan that fits (``NoFeasiblePlan`` if
+    none does)."""
+    started = time.perf_counter()
+    analyzed = analyze_model(request.source, param_dtype=request.param_dtype,
+                             exact=request.exact_analysis, progress=progress)
+    result = plan_from_facts(analyzed.facts, request, digest=analyzed.digest,
+                             notes=analyzed.notes)
+    result.seconds = time.perf_counter() - started
+    result.loaded = analyzed.loaded
+    return result
+
+
+def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = "",
+                    notes: list[str] | None = None) -> PlanResult:
+    """The search over ``facts``: a pure function (no model, no torch)."""
+    started = time.perf_counter()
+    evaluator = Evaluator(facts.graph, facts.analysis, request.settings())
+    recipes = standard_recipes(evaluator)
+    ranked = choose(search(evaluator), recipes, request.strategy)
+    best = ranked[0]
+    if not best.fits:
+        smallest = min(ranked + recipes, key=lambda c: c.memory.peak_bytes)
+        raise NoFeasiblePlan(
+            f"no plan fits --mem {format_bytes(request.budget_bytes)} minus headroom "
+            f"{format_bytes(int(request.headroom_bytes or 0))} (limit "
+            f"{format_bytes(request.limit_bytes)}) at world size {request.world_size}: the "
+            f"smallest peak any plan reached is {format_bytes(smallest.memory.peak_bytes)} "
+            f"({smallest.name}). To fit, try: {suggestions(smallest, request)}.",
+            smallest_peak_bytes=smallest.memory.peak_bytes)
+    plan = to_plan(best, request, numel=facts.graph.total_numel, digest=digest)
+    if notes:
+        plan.model["notes"] = list(notes)
+    return PlanResult(plan=plan, best=best, ranked=ranked, recipes=recipes, facts=facts,
+                      seconds=time.perf_counter() - started)
+
+
+def suggestions(smallest: Candidate, request: PlanRequest) -> str:
+    """What would make the smallest plan fit, most effective first."""
+    limit = request.limit_bytes
+    states = smallest.memory.breakdown.get("sharded_params", 0) + smallest.memory.breakdown.get(
+        "optimizer_states", 0)
+    tips = []
+    if states > limit:
+        need = int(request.world_size * states / max(limit, 1)) + 1
+        tips.append(f"more GPUs (the sharded parameters and optimizer states alone take "
+                    f"{format_bytes(states)} per rank; about {need} GPUs would hold them)")
+    else:
+        tips.append("more GPUs (--world-size) to shard the model states further")
+    if request.source.batch_size > 1:
+        tips.append("a smaller --batch-size (with gradient accumulation)")
+    tips.append("a shorter --seq-len")
+    tips.append("CPU offload of parameters and optimizer states (FSDP2 CPUOffloadPolicy)")
+    if not smallest.checkpointed:
+        tips.append("activation checkpointing inside blocks")
+    return "; ".join(tips)
+
+
+def prefetch_maps(unit_keys: list[str], forward_depth: int, backward_depth: int
+                  ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The plan's explicit prefetch lists for prefetch depths over the non-root units.
+
+    Forward depth 1 makes each unit prefetch the next; backward depth 1 is FSDP2's implicit
+    prefetch (no lists); depth ``d > 1`` lists the ``d`` units before it in backward order."""
+    keys = [k for k in unit_keys if k]
+    forward = {}
+    if forward_depth:
+        forward = {a: keys[i + 1: i + 1 + forward_depth] for i, a in enumerate(keys)
+                   if keys[i + 1: i + 1 + forward_depth]}
+    backward = {}
+    if backward_depth > 1:
+        rev = list(reversed(keys))
+        backward = {a: rev[i + 1: i + 1 + backward_depth] for i, a in enumerate(rev)
+                    if rev[i + 1: i + 1 + backward_depth]}
+    return forward, backward
+
+
+def prefetch_depths(plan: Plan) -> tuple[int, int]:
+    """The prefetch depths whose lists (``prefetch_maps``) equal the plan's, or ``BadInput``."""
+    keys = [u.key for u in plan.units]
+    for fwd in range(4):
+        for bwd in range(1, 5):
+            if prefetch_maps(keys, fwd, bwd) == (plan.forward_prefetch, plan.backward_prefetch):
+                return fwd, bwd
+    raise BadInput("the plan's forward_prefetch/backward_prefetch lists are not a uniform depth "
+                   "(each unit prefetching the next d units in forward, or the d before it in "
+                   "backward); fsdp-plan predicts such uniform prefetch only. Write the lists as "
+                   "fsdp-plan does, or leave them empty.")
+
+
+def predicted_block(candidate: Candidate) -> dict[str, Any]:
+    """The plan file's ``predicted`` mapping for an evaluated candidate (SPEC section 3)."""
+    return {
+        "peak_bytes": int(candidate.memory.peak_bytes),
+        "collectives_per_step": candidate.collectives,
+        "collectives_per_step_fsdp1": candidate.collectives_fsdp1,
+        "step_time_s": round(candidate.time.step_s, 6),
+        "exposed_comm_s": round(candidate.time.exposed_comm_s, 6),
+        "hidden_comm_s": round(candidate.time.hidden_comm_s, 6),
+        "peak_phase": candidate.memory.phase,
+        "breakdown": {k: int(v) for k, v in candidate.memory.breakdown.items()},
+        "units": [{"key": u.key, "params": u.numel, "shard_numel": u.shard_numel}
+                  for u in candidate.units],
+    }
+
+
+def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str) -> Plan:
+    """The SPEC plan document for an evaluated candidate."""
+    forward, backward = prefetch_maps([u.key for u in best.units], best.forward_prefetch,
+                                      best.backward_prefetch)
+    return Plan(
+        model={**request.source.to_plan_dict(), "params": numel, "digest": digest},
+        budget_bytes=request.budget_bytes, headroom_bytes=int(request.headroom_bytes or 0),
+        world_size=request.world_size, mesh=Mesh(replicate=best.replicate, shard=best.shard),
+        strategy=best.strategy,
+        units=[Unit(modules=u.modules, reshard_after_forward=u.reshard_after_forward)
+               for u in best.units],
+        activation_checkpointing=list(best.checkpointed),
+        forward_prefetch=forward, backward_prefetch=backward,
+        mixed_precision={"param_dtype": request.param_dtype,
+                         "reduce_dtype": request.reduce_dtype},
+        optimizer=request.optimizer, gpu=request.hardware.name,
+        predicted=predicted_block(best),
+    )
+
+
+@dataclass(kw_only=True)
+class Prediction:
+    """What the models say about one plan as written."""
+
+    candidate: Candidate
+    predicted: dict[str, Any]
+    """The ``predicted`` mapping the planner would write for this plan."""
+    limit_bytes: int
+    fits: bool
+
+
+def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
+            gpus_per_node: int = 8) -> Prediction:
+    """Memory, collectives and step time of ``plan`` exactly as written (no search).
+
+    A pure function over the model's facts: the plan's units, ``reshard_after_forward``,
+    checkpointed blocks, prefetch depths, mesh, mixed precision and optimizer are evaluated
+    with the same memory model, collective rule and step-time model the search uses."""
+    graph = facts.graph
+    hardware = hardware or hardware_for(plan.gpu if plan.gpu else "h100")
+    units = list(plan.units)
+    if not units or units[-1].modules != [""]:
+        raise BadInput("the plan's last unit must be the root (modules: [\"\"]); FSDP2 needs the "
+                       "root to be a unit.")
+    missing = sorted({m for u in units for m in u.modules if m not in graph.modules}
+                     | {m for m in plan.activation_checkpointing if m not in graph.modules})
+    if missing:
+        raise BadInput(f"the plan names modules the model does not have: {missing[:5]}"
+                       + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                       + "; was it written for this model?")
+    block_index = {b: i for i, b in enumerate(graph.blocks)}
+    not_blocks = [m for m in plan.activation_checkpointing if m not in block_index]
+    if not_blocks:
+        raise BadInput(f"the plan checkpoints {not_blocks[:3]}, which are not repeated blocks "
+                       f"({_block_example(graph.blocks)}); fsdp-plan models activation "
+                       "checkpointing of whole repeated blocks only.")
+    checkpoint = frozenset(block_index[m] for m in plan.activation_checkpointing)
+    if checkpoint and facts.analysis.checkpointed_timeline is None:
+        raise BadInput("the plan checkpoints blocks, but this model's blocks could not be traced "
+                       "with checkpointing, so their memory cannot be predicted.")
+    forward_depth, backward_depth = prefetch_depths(plan)
+    mp = plan.mixed_precision or {}
+    settings = SearchSettings(
+        budget_bytes=plan.budget_bytes, headroom_bytes=plan.headroom_bytes,
+        world_size=plan.world_size, gpus_per_node=gpus_per_node, strategy=plan.strategy,
+        precision=precision_of(mp.get("param_dtype") or "float32",
+                               mp.get("reduce_dtype") or mp.get("param_dtype") or "float32"),
+        optimizer=plan.optimizer, hardware=hardware)
+    evaluator = Evaluator(graph, facts.analysis, settings)
+    candidate = evaluator.evaluate(
+        name="plan as written", strategy=plan.strategy, replicate=plan.mesh.replicate,
+        shard=plan.mesh.shard, groups=[list(u.modules) for u in units[:-1]],
+        reshard=[u.reshard_after_forward for u in units[:-1]],
+        root_reshard=units[-1].reshard_after_forward, checkpoint=checkpoint,
+        forward_prefetch=forward_depth, backward_prefetch=backward_depth)
+    return Prediction(candidate=candidate, predicted=predicted_block(candidate),
+                      limit_bytes=settings.limit_bytes, fits=candidate.fits)
+
+
+def _block_example(blocks: list[str]) -> str:
+    if not blocks:
+        return "this model has none"
+    return f"{blocks[0]} ... {blocks[-1]}" if len(blocks) > 1 else blocks[0]
+
+
+def verify_by_measurement(result: PlanResult, loaded: LoadedModel,
+                          progress: Progress | None = None) -> int:
+    """Measure the chosen plan with FSDPMemTracker on the fake process group (``--verify``);
+    records the figure in the plan and raises ``NoFeasiblePlan`` when it is over the limit."""
+    from fsdp_plan.emit import load_policy_module
+    from fsdp_plan.measure.memory import measure_peak
+    plan = result.plan
+    measured = measure_peak(loaded, plan, load_policy_module(result.policy_source()))
+    predicted = plan.predicted["peak_bytes"]
+    plan.predicted["measured_peak_bytes"] = int(measured.peak_bytes)
+    if progress:
+        progress(f"verify: predicted peak {format_bytes(predicted)}, FSDPMemTracker measured "
+                 f"{format_bytes(measured.peak_bytes)} "
+                 f"({(predicted - measured.peak_bytes) / measured.peak_bytes:+.1%})")
+    limit = plan.budget_bytes - plan.headroom_bytes
+    if measured.peak_bytes > limit:
+        raise NoFeasiblePlan(f"the chosen plan measured {format_bytes(measured.peak_bytes)} under "
+                             f"FSDPMemTracker, above the limit {format_bytes(limit)}; nothing "
+                             "was written. Raise --headroom or add GPUs.",
+                             smallest_peak_bytes=measured.peak_bytes)
+    return int(measured.peak_bytes)
