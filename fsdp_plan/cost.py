@@ -15,6 +15,7 @@ where bubbles are the times compute waited for an all-gather.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from fsdp_plan.errors import BadInput
@@ -50,22 +51,90 @@ GPUS: dict[str, Hardware] = {
 }
 
 
-def hardware_for(name: str, overrides: dict[str, float] | None = None) -> Hardware:
-    """The preset ``name`` with any field replaced from ``overrides``."""
-    key = name.lower()
+# field -> (lowest, lowest allowed?, highest, unit, example): what a hardware file may set.
+# The bounds are generous (several times today's largest GPU) and only catch typing mistakes
+# and unit slips (GB/s written as 40 instead of 40e9 would still pass; 0, negatives, NaN and
+# infinities never do, because they turn into divisions by zero or NaN step times).
+_HARDWARE_RANGES: dict[str, tuple[float, bool, float, str, str]] = {
+    "peak_flops": (0.0, False, 1e18, "FLOP/s (dense bf16)", "989e12"),
+    "efficiency": (0.0, False, 1.0, "share of peak, a fraction", "0.5"),
+    "hbm_bandwidth": (0.0, False, 1e15, "bytes/s", "3.35e12"),
+    "intra_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU", "360e9"),
+    "inter_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU", "40e9"),
+    "collective_latency_s": (0.0, True, 10.0, "seconds", "20e-6"),
+    "launch_overhead_s": (0.0, True, 10.0, "seconds", "10e-6"),
+    "contention": (0.0, True, 10.0, "fractional compute slowdown", "0.1"),
+}
+
+
+def _hardware_value(key: str, value: object, where: str) -> float:
+    """One numeric hardware field, checked against ``_HARDWARE_RANGES``."""
+    low, low_ok, high, unit, example = _HARDWARE_RANGES[key]
+    expected = (f"a number {'>=' if low_ok else '>'} {low:g} and <= {high:g} in {unit}, "
+                f"e.g. {key}: {example}")
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:  # YAML 1.1 reads 989e12 (no dot) as a string
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None:
+        raise BadInput(f"{where}: {key} is {value!r} ({type(value).__name__}); expected {expected}.")
+    if math.isnan(number) or number > high or number < low or (number == low and not low_ok):
+        raise BadInput(f"{where}: {key} {value!r} is out of range; expected {expected}.")
+    return number
+
+
+def hardware_for(name: str, overrides: dict[str, object] | None = None,
+                 where: str = "hardware file") -> Hardware:
+    """The preset ``name`` with any field replaced from ``overrides`` (a hardware file's mapping).
+
+    Every override is checked: a known field, a finite number in its range (units in
+    ``_HARDWARE_RANGES``); ``name`` is text."""
+    key = str(name).lower()
     if key not in GPUS:
         raise BadInput(f"unknown --gpu {name!r}; choose one of {', '.join(GPUS)}, or describe "
                        "the GPU in a hardware YAML file with --hardware.")
     hw = GPUS[key]
-    if overrides:
-        fields = {f: getattr(hw, f) for f in hw.__dataclass_fields__}
-        unknown = set(overrides) - set(fields)
-        if unknown:
-            raise BadInput(f"hardware file sets unknown fields {sorted(unknown)}; known: "
-                           f"{', '.join(sorted(fields))}.")
-        fields.update({k: float(v) if k != "name" else v for k, v in overrides.items()})
-        hw = Hardware(**fields)
-    return hw
+    if overrides is None:
+        return hw
+    if not isinstance(overrides, dict):
+        raise BadInput(f"{where} must hold a mapping of field: value (e.g. peak_flops: 989e12), "
+                       f"got {type(overrides).__name__}.")
+    fields = {f: getattr(hw, f) for f in hw.__dataclass_fields__}
+    unknown = sorted(str(k) for k in overrides if k not in fields)
+    if unknown:
+        raise BadInput(f"{where} sets unknown fields {', '.join(unknown)}; known fields: "
+                       f"{', '.join(sorted(fields))}.")
+    for field_name, value in overrides.items():
+        if field_name == "name":
+            if not isinstance(value, str) or not value.strip():
+                raise BadInput(f"{where}: name is {value!r}; expected a GPU name as text.")
+            fields["name"] = value
+        else:
+            fields[field_name] = _hardware_value(field_name, value, where)
+    return Hardware(**fields)
+
+
+def read_hardware_file(path: str) -> dict[str, object]:
+    """The mapping in a ``--hardware`` YAML file (read with ``safe_load``); checked by ``hardware_for``."""
+    import yaml
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"--hardware {path!r} cannot be read: {getattr(e, 'strerror', None) or e}."
+                       ) from e
+    except yaml.YAMLError as e:
+        raise BadInput(f"--hardware {path!r} is not valid YAML: {' '.join(str(e).split())}.") from e
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadInput(f"--hardware {path!r} must hold a mapping of field: value (e.g. "
+                       f"peak_flops: 989e12), got {type(raw).__name__}.")
+    return raw
 
 
 def collective_time(hw: Hardware, nbytes: float, group: int, crosses_nodes: bool,

@@ -8,14 +8,16 @@ Every failure becomes a ``BadInput`` whose message names the problem and the fix
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,19 +46,67 @@ class LoadedModel:
     """Assumptions the planner made to build or trace the model (stated in the report and plan)."""
 
 
-def _user_frame_hint(error: BaseException, path: str | None) -> str:
-    """The line of the user's file where ``error`` came from, for a one-paragraph message."""
-    if isinstance(error, SyntaxError):
-        line = (error.text or "").strip()
-        return f" (line {error.lineno}: {line!r})" if error.lineno else ""
+# [Note: calling user code]
+# Every call into the user's code (importing the model file or the factory's module,
+# build_model, example_inputs, loss_fn, and the model's forward during analysis) runs inside
+# ``user_code_output_to_stderr``: its print() output goes to stderr, so ``--format json``
+# keeps stdout a single JSON document, and a sys.exit() in it becomes a BadInput naming the
+# call and the line instead of ending the planner with the user's exit code and nothing said.
+# KeyboardInterrupt is left alone: Ctrl-C still stops the planner (exit 130).
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+@contextlib.contextmanager
+def user_code_output_to_stderr(what: str = "the model's forward",
+                               path: str | None = None) -> Iterator[None]:
+    """Run user code with ``sys.stdout`` sent to ``sys.stderr`` and ``sys.exit()`` refused.
+
+    ``what`` names the call for the message (``build_model(size='tiny')``); ``path`` is the
+    user's file, whose innermost line the message shows."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    except SystemExit as e:
+        raise BadInput(f"{what} called sys.exit({e.code!r}){_user_frame_hint(e, path)}; the "
+                       "planner runs this code to read the model's shapes and cannot go on. Remove "
+                       "the exit (guard script code with `if __name__ == \"__main__\":`).") from e
+
+
+def _user_frames(error: BaseException, path: str | None) -> list[traceback.FrameSummary]:
+    """Traceback frames of ``error`` in the user's code: in ``path`` if given, else outside
+    fsdp-plan and torch; all frames when none qualify."""
     frames = traceback.extract_tb(error.__traceback__)
     if path:
         real = os.path.realpath(path)
-        frames = [f for f in frames if os.path.realpath(f.filename) == real] or frames
+        mine = [f for f in frames if os.path.realpath(f.filename) == real]
+    else:
+        mine = [f for f in frames if not os.path.abspath(f.filename).startswith(
+            (_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)) and not f.filename.startswith("<")]
+    return mine or frames
+
+
+def _show_path(filename: str) -> str:
+    """A frame's file as the user would type it: relative to the working folder when inside it."""
+    try:
+        rel = os.path.relpath(filename)
+    except ValueError:
+        return filename
+    return filename if rel.startswith(os.pardir) else rel
+
+
+def _user_frame_hint(error: BaseException, path: str | None) -> str:
+    """`` (at model.py line 12: 'x = y.item()')``: the innermost line of the user's code where
+    ``error`` came from, for a one-paragraph message."""
+    if isinstance(error, SyntaxError):
+        line = (error.text or "").strip()
+        return f" (line {error.lineno}: {line!r})" if error.lineno else ""
+    frames = _user_frames(error, path)
     if not frames:
         return ""
     last = frames[-1]
-    return f" (at {os.path.basename(last.filename)} line {last.lineno}: {(last.line or '').strip()!r})"
+    return f" (at {_show_path(last.filename)} line {last.lineno}: {(last.line or '').strip()!r})"
 
 
 def import_model_file(path: str) -> types.ModuleType:
@@ -77,7 +127,11 @@ def import_model_file(path: str) -> types.ModuleType:
     if added:
         sys.path.insert(0, folder)
     try:
-        spec.loader.exec_module(module)
+        with user_code_output_to_stderr(f"importing model file {path!r}", path):
+            spec.loader.exec_module(module)
+    except BadInput:
+        sys.modules.pop(name, None)
+        raise
     except SyntaxError as e:
         sys.modules.pop(name, None)
         raise BadInput(f"model file {path!r} has a syntax error: {e.msg}{_user_frame_hint(e, path)}. "
@@ -97,7 +151,10 @@ def _resolve_factory(source: ModelSource) -> tuple[Callable[..., nn.Module], typ
     if source.kind == "import":
         module_name, _, attr = source.source.partition(":")
         try:
-            module = importlib.import_module(module_name)
+            with user_code_output_to_stderr(f"importing {module_name!r}"):
+                module = importlib.import_module(module_name)
+        except BadInput:
+            raise
         except Exception as e:
             raise BadInput(f"cannot import {module_name!r} for model {source.source!r}: "
                            f"{type(e).__name__}: {e}. Check the package is installed and on PYTHONPATH.") from e
@@ -121,30 +178,100 @@ _META_HINTS = (
 )
 
 
+def _factory_name(source: ModelSource) -> str:
+    """How the message names the factory: ``build_model`` or ``package.module:attr``."""
+    return source.source if source.kind == "import" else source.entry
+
+
+def _call_text(source: ModelSource) -> str:
+    return f"{_factory_name(source)}({_fmt_args(source.args)})"
+
+
+def _factory_file(factory: Callable[..., Any], source: ModelSource) -> str | None:
+    """The file that defines the factory: the model file, or the module of an importable one."""
+    if source.kind == "file":
+        return source.source
+    try:
+        return inspect.getsourcefile(inspect.unwrap(factory))
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_arguments(factory: Callable[..., Any], source: ModelSource) -> None:
+    """Refuse --model-arg names the factory does not take, and required arguments none gives.
+
+    Checked against the signature before calling, so a TypeError raised inside the factory is
+    never mistaken for a wrong --model-arg."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # builtins without a signature: the call itself will tell
+        return
+    try:
+        signature.bind(**source.args)
+    except TypeError as e:
+        params = [n for n, p in signature.parameters.items()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        accepted = f"it accepts {', '.join(params)}" if params else "it takes no keyword arguments"
+        missing = [n for n, p in signature.parameters.items()
+                   if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY,
+                                                          p.POSITIONAL_ONLY)
+                   and n not in source.args]
+        extra = [k for k in source.args if k not in params]
+        name = _factory_name(source)
+        if extra and not any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values()):
+            raise BadInput(f"--model-arg {', '.join(extra)}: {name}() has no such parameter "
+                           f"({e}); {accepted}. Check the --model-arg names.") from e
+        if source.kind == "import" and missing:
+            raise BadInput(f"MODEL {name!r} needs the argument(s) {', '.join(missing)} that no "
+                           f"--model-arg gives ({e}); MODEL must be package.module:factory where "
+                           "factory(**kwargs) returns a torch.nn.Module.") from e
+        raise BadInput(f"{name}() cannot be called with {_fmt_args(source.args) or 'no arguments'}"
+                       f" ({e}); {accepted}. Give its required arguments with --model-arg "
+                       "KEY=VALUE.") from e
+
+
+def _raised_by_the_call(error: BaseException) -> bool:
+    """True when ``error`` came from calling the factory itself (wrong keywords: Python raised
+    it while binding arguments, so the traceback has no frame inside the factory)."""
+    frames = list(traceback.walk_tb(error.__traceback__))
+    return bool(frames) and frames[-1][0].f_code is build_on_meta.__code__
+
+
 def build_on_meta(factory: Callable[..., nn.Module], source: ModelSource) -> nn.Module:
     """Call the factory under ``torch.device('meta')`` and check it returned an ``nn.Module``."""
+    _check_arguments(factory, source)
+    path = _factory_file(factory, source)
+    call = _call_text(source)
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), user_code_output_to_stderr(call, path):
             model = factory(**source.args)
-    except TypeError as e:
-        raise BadInput(f"{source.entry}({_fmt_args(source.args)}) failed: {e}. Check the "
-                       "--model-arg names against the factory's parameters.") from e
     except BadInput:
         raise
     except Exception as e:
-        meta_related = "meta" in str(e).lower() or "item" in str(e).lower() or isinstance(
-            e, (NotImplementedError, RuntimeError))
-        hint = " " + _META_HINTS if meta_related else ""
-        if isinstance(e, OSError):
-            hint = (" The constructor reads a file, but the planner needs only shapes: load "
-                    "weights after building (in the training script, after sharding), or skip "
-                    "the load when parameters are on the meta device (if "
-                    "next(self.parameters()).device.type != 'meta').")
-        raise BadInput(f"building the model with {source.entry}({_fmt_args(source.args)}) raised "
-                       f"{type(e).__name__}: {e}{_user_frame_hint(e, _file_of(source))}.{hint}") from e
+        raise _build_failed(e, source, call, path) from e
     if not isinstance(model, nn.Module):
-        raise BadInput(f"{source.entry}(...) returned {type(model).__name__}, not a torch.nn.Module.")
+        raise BadInput(f"{call} returned {type(model).__name__}, not a torch.nn.Module; MODEL "
+                       "must name a factory that builds the model (build_model(**kwargs) -> "
+                       "nn.Module).")
     return model
+
+
+def _build_failed(error: Exception, source: ModelSource, call: str, path: str | None) -> BadInput:
+    """The message for an exception raised while building: the cause and the user's line."""
+    if isinstance(error, TypeError) and _raised_by_the_call(error):
+        return BadInput(f"{call} failed: {error}. Check the --model-arg names against the "
+                        "factory's parameters.")
+    text = str(error).lower()
+    hint = ""
+    if "meta" in text or "item" in text or isinstance(error, (NotImplementedError, RuntimeError)):
+        hint = " " + _META_HINTS
+    if isinstance(error, OSError):
+        hint = (" The constructor reads a file, but the planner needs only shapes: load "
+                "weights after building (in the training script, after sharding), or skip "
+                "the load when parameters are on the meta device (if "
+                "next(self.parameters()).device.type != 'meta').")
+    return BadInput(f"building the model with {call} raised {type(error).__name__}: {error}"
+                    f"{_user_frame_hint(error, path)}.{hint}")
 
 
 def _file_of(source: ModelSource) -> str | None:
@@ -182,12 +309,18 @@ def _default_inputs_for(model: nn.Module, source: ModelSource):
 
 
 def _wrap_example_inputs(fn: Callable[..., Any], source: ModelSource):
+    path = _file_of(source)
+
     def make(batch_size: int, seq_len: int):
+        call = f"example_inputs({batch_size}, {seq_len})"
         try:
-            value = fn(batch_size, seq_len)
+            with user_code_output_to_stderr(f"{call} in {source.source!r}", path):
+                value = fn(batch_size, seq_len)
+        except BadInput:
+            raise
         except Exception as e:
-            raise BadInput(f"example_inputs({batch_size}, {seq_len}) in {source.source!r} raised "
-                           f"{type(e).__name__}: {e}{_user_frame_hint(e, _file_of(source))}.") from e
+            raise BadInput(f"{call} in {source.source!r} raised "
+                           f"{type(e).__name__}: {e}{_user_frame_hint(e, path)}.") from e
         if isinstance(value, dict):
             return (), dict(value)
         if isinstance(value, torch.Tensor):
@@ -197,6 +330,41 @@ def _wrap_example_inputs(fn: Callable[..., Any], source: ModelSource):
         raise BadInput(f"example_inputs must return a tuple of tensors or a dict of keyword inputs, "
                        f"got {type(value).__name__}.")
     return make
+
+
+def _wrap_loss_fn(fn: Callable[[Any], torch.Tensor], source: ModelSource
+                  ) -> Callable[[Any], torch.Tensor]:
+    """The user's ``loss_fn`` with its output sent to stderr and sys.exit() refused; other
+    exceptions pass through (the analysis names the module and inputs)."""
+    path = _file_of(source)
+
+    def compute_loss(output: Any) -> torch.Tensor:
+        with user_code_output_to_stderr(f"loss_fn(output) in {source.source!r}", path):
+            return fn(output)
+    compute_loss.__wrapped__ = fn  # type: ignore[attr-defined]
+    return compute_loss
+
+
+def check_parameter_shapes(model: nn.Module, source: ModelSource) -> None:
+    """Refuse 0-d (scalar) and empty parameters: FSDP2 ``fully_shard`` shards every parameter
+    on dim 0 and raises on a scalar, so such a plan would crash in the training script."""
+    scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
+    empty = [n for n, p in model.named_parameters() if p.dim() > 0 and p.numel() == 0]
+    if not scalars and not empty:
+        return
+    def listed(names: list[str]) -> str:
+        shown = ", ".join(repr(n) for n in names[:8])
+        return shown + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    parts = []
+    if scalars:
+        parts.append(f"0-dimensional (scalar) parameters {listed(scalars)}: FSDP2 fully_shard "
+                     "shards every parameter on dim 0 and cannot shard a scalar. Give them shape "
+                     "[1] (nn.Parameter(torch.tensor([2.0])) instead of torch.tensor(2.0)) and "
+                     "index [0] where they are used")
+    if empty:
+        parts.append(f"parameters with no elements {listed(empty)}: remove them, give them at "
+                     "least one element, or register them as buffers")
+    raise BadInput(f"model {source.source!r} has " + "; and ".join(parts) + ".")
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -225,12 +393,13 @@ def load_model(source: ModelSource) -> LoadedModel:
     else:
         factory, user_module = _resolve_factory(source)
     model = build_on_meta(factory, source)
+    check_parameter_shapes(model, source)
     notes = list(getattr(factory, "fsdp_plan_notes", None) or [])
     user_inputs = getattr(user_module, "example_inputs", None) if user_module else None
     user_loss = getattr(user_module, "loss_fn", None) if user_module else None
     make_inputs = (_wrap_example_inputs(user_inputs, source) if callable(user_inputs)
                    else _default_inputs_for(model, source))
-    compute_loss = user_loss if callable(user_loss) else default_loss
+    compute_loss = _wrap_loss_fn(user_loss, source) if callable(user_loss) else default_loss
     return LoadedModel(source=source, model=model, make_inputs=make_inputs,
                        compute_loss=compute_loss, factory=factory, notes=notes)
 

@@ -21,8 +21,10 @@ MAX_BYTES = 2**60
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
-def parse_bytes(text: str | int, what: str = "--mem") -> int:
-    """``70GB`` -> 70*10**9, ``70GiB`` -> 70*2**30, ``70000MB``, or plain bytes; must be > 0."""
+def parse_bytes(text: str | int, what: str = "--mem", *, allow_zero: bool = False) -> int:
+    """``70GB`` -> 70*10**9, ``70GiB`` -> 70*2**30, ``70000MB``, or plain bytes.
+
+    Must be > 0, or >= 0 with ``allow_zero`` (``--headroom 0`` plans right up to the limit)."""
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
@@ -39,7 +41,7 @@ def parse_bytes(text: str | int, what: str = "--mem") -> int:
             value = MAX_BYTES + 1
         else:
             value = 0 if number.adjusted() < -30 else int(number * _UNITS[unit])
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise BadInput(f"{what} {text!r} must be larger than zero bytes, e.g. 80GB.")
     if value > MAX_BYTES:
         raise BadInput(f"{what} {text!r} is more than any GPU holds ({format_bytes(MAX_BYTES)}); "

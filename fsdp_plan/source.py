@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,6 +171,34 @@ def source_kind(source: str) -> str:
     if source.endswith(".py") or os.sep in source or not _looks_importable(source):
         return "file"
     return "import"
+
+
+def model_input_files(model: str | None, hf_config: str | None) -> list[tuple[str, str]]:
+    """``(flag, path)`` of the files the model is read from, for ``outputs.check_outputs``.
+
+    For ``package.module:attr`` the module's file is found on ``sys.path`` without importing
+    anything (importing runs user code, which must wait until every input is checked)."""
+    files: list[tuple[str, str]] = []
+    if hf_config:
+        files.append(("--hf-config", hf_config))
+    if model:
+        if source_kind(model) == "import":
+            found = _module_file(model.partition(":")[0])
+            if found:
+                files.append((f"module of MODEL {model}", found))
+        else:
+            files.append(("MODEL", model))
+    return files
+
+
+def _module_file(module: str) -> str | None:
+    parts = module.split(".")
+    for entry in sys.path:
+        base = os.path.join(entry or os.getcwd(), *parts)
+        for candidate in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(candidate):
+                return candidate
+    return None
 
 
 def _looks_importable(source: str) -> bool:
