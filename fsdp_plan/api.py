@@ -156,14 +156,21 @@ def precision_of(param_dtype: str, reduce_dtype: str) -> Precision:
 def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: bool = False,
                   progress: Progress | None = None) -> Analyzed:
     """Build the model on ``meta`` and run the fake forward + backward (analysis.py)."""
+    from fsdp_plan.load import load_model
+    return analyze_loaded(load_model(source), param_dtype=param_dtype, exact=exact,
+                          progress=progress)
+
+
+def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact: bool = False,
+                   progress: Progress | None = None) -> Analyzed:
+    """``analyze_model`` for a model already loaded (verify and predict load it to check it)."""
     import torch
 
     from fsdp_plan.analysis import analyze
     from fsdp_plan.graph import build_module_graph
-    from fsdp_plan.load import load_model
     from fsdp_plan.source import source_digest
 
-    loaded = load_model(source)
+    source = loaded.source
     graph = build_module_graph(loaded.model)
     if graph.total_numel == 0:
         raise BadInput(f"model {source.source!r} has no parameters; there is nothing to shard.")

@@ -3,19 +3,32 @@
     fsdp-plan MODEL --mem 70GB [...]        plan (the default verb)
     fsdp-plan verify PLAN.yaml [MODEL]      dry run on the fake process group
     fsdp-plan bench  PLAN.yaml [MODEL]      real run: counts, time, memory
+
+[Note: exit codes] SPEC 2: 0 success, 2 bad input, 3 no plan fits, 1 a check failed. Every
+error reaches the user as one paragraph on stderr, never a Python traceback (``--debug``
+shows it). fsdp-plan's own errors (``fsdp_plan.errors``) carry their code. Of the rest,
+what the machine or the input caused is exit 2: a file or device operation that failed
+(``OSError``), memory exhausted (``MemoryError``), nesting too deep (``RecursionError``), and
+``sys.exit`` called by the user's model code. Anything else is a bug, in fsdp-plan or in code
+it ran: exit 1, as Python's own uncaught-exception exit, with "internal error ... rerun with
+--debug and report it".
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import logging
+import os
 import sys
 import traceback
 
-from fsdp_plan.errors import EXIT_BAD_INPUT, FsdpPlanError
+from fsdp_plan.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError
 
-VERBS = {"verify": "fsdp_plan.cli.verify", "bench": "fsdp_plan.cli.bench"}
+VERBS = {"verify": "fsdp_plan.cli.verify", "bench": "fsdp_plan.cli.bench",
+         "predict": "fsdp_plan.cli.predict"}
 PLAN_VERB = "fsdp_plan.cli.plan"
 
 
@@ -28,45 +41,121 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+def verb_summary(module_name: str) -> str:
+    """The first line of a verb module's docstring, read without importing the module."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+        with open(spec.origin, encoding="utf-8") as f:  # type: ignore[union-attr]
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+    except (ImportError, OSError, SyntaxError, ValueError, AttributeError, TypeError):
+        return "(unavailable)"
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def verbs_help() -> str:
+    """The verbs block of ``fsdp-plan --help``: every verb in ``VERBS`` with its one-line summary."""
+    width = max(len(v) for v in VERBS)
+    lines = [f"  {verb:<{width}}  {verb_summary(module)}" for verb, module in VERBS.items()]
+    return ("verbs (fsdp-plan VERB --help shows each one's options):\n" + "\n".join(lines)
+            + "\n\nexit codes: 0 success, 1 a check failed (or an internal error), 2 bad "
+              "input, 3 no plan fits.")
+
+
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object]:
     """The parser and command module for ``argv`` (verb first, or the plan verb)."""
     if argv and argv[0] in VERBS:
         module = importlib.import_module(VERBS[argv[0]])
         prog = f"fsdp-plan {argv[0]}"
+        extra = {}
     else:
         module = importlib.import_module(PLAN_VERB)
         prog = "fsdp-plan"
-    parser = _Parser(prog=prog, description=(module.__doc__ or "").strip().splitlines()[0])
+        extra = {"epilog": verbs_help(), "formatter_class": argparse.RawDescriptionHelpFormatter,
+                 "usage": f"{prog} MODEL --mem BUDGET [options]\n       {prog} VERB ... "
+                          f"(VERB: {', '.join(VERBS)})"}
+    parser = _Parser(prog=prog, description=(module.__doc__ or "").strip().splitlines()[0],
+                     **extra)
     parser.add_argument("--debug", action="store_true",
                         help="show Python tracebacks for errors (for bug reports)")
     module.add_arguments(parser)
     return parser, module
 
 
+def _one_line(text: str, limit: int = 600) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _innermost_frame(error: BaseException) -> str:
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (at {os.path.basename(last.filename)} line {last.lineno})"
+
+
+def describe_unexpected(error: BaseException) -> tuple[str, int]:
+    """The one-paragraph message and exit code for an error that is not fsdp-plan's own
+    (see [Note: exit codes])."""
+    detail = _one_line(error) or "no message"
+    code = EXIT_BAD_INPUT
+    if isinstance(error, MemoryError):
+        message = ("ran out of host memory (MemoryError); the model, its inputs or the plan need "
+                   "more memory than this machine has. Try a smaller model argument, batch or "
+                   "world size.")
+    elif isinstance(error, RecursionError):
+        message = (f"Python's recursion limit was reached ({detail}){_innermost_frame(error)}; "
+                   "the model or an input nests too deeply to be walked.")
+    elif isinstance(error, OSError):
+        name = f" {error.filename!r}" if getattr(error, "filename", None) else ""
+        message = (f"a file or device operation failed: {error.strerror or detail}{name} "
+                   f"({type(error).__name__}). Check the path, its permissions and the free space.")
+    else:
+        code = EXIT_CHECK_FAILED
+        message = (f"internal error: {type(error).__name__}: {detail}{_innermost_frame(error)}. "
+                   "This is a bug in fsdp-plan or in code it ran (your model's, if the place "
+                   "above is in your file); rerun with --debug and report it.")
+    return message, code
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command; returns the SPEC exit code (0 plan written, 2 bad input, 3 no plan fits)."""
+    """Run the command; returns the SPEC exit code (0 ok, 1 check failed, 2 bad input, 3 no
+    plan fits). Nothing but ``KeyboardInterrupt``'s 130 and those codes leaves this function."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser, module = build_parser(argv)
-    try:
-        args = parser.parse_args(argv[1:] if argv and argv[0] in VERBS else argv)
-    except SystemExit as e:  # usage errors (2) and --help (0), already printed
-        return int(e.code or 0)
+    debug = "--debug" in argv
     # FakeTensorMode logs a whole traceback at ERROR level when a meta kernel rejects the
     # model's inputs; the planner reports that error as one paragraph (--debug keeps the log).
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
     level = fake_log.level
-    if not args.debug:
-        fake_log.setLevel(logging.CRITICAL)
     try:
-        return int(module.run(args) or 0)
+        parser, module = build_parser(argv)
+        try:
+            args = parser.parse_args(argv[1:] if argv and argv[0] in VERBS else argv)
+        except SystemExit as e:  # usage errors (2) and --help (0), already printed
+            return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+        debug = args.debug
+        if not debug:
+            fake_log.setLevel(logging.CRITICAL)
+        try:
+            return int(module.run(args) or 0)
+        except SystemExit as e:  # sys.exit() in the user's model code: not a result of ours
+            raise FsdpPlanError(f"the run was stopped by sys.exit({e.code!r}), called by the "
+                                "model's code or a library it uses; nothing was written. Remove "
+                                "the call (a model file is imported, not run as a script).") from e
     except FsdpPlanError as e:
-        if args.debug:
+        if debug:
             traceback.print_exc()
         sys.stderr.write(f"fsdp-plan: {e}\n")
         return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("fsdp-plan: interrupted; nothing was written.\n")
         return 130
+    except Exception as e:  # noqa: BLE001 - every other error, see [Note: exit codes]
+        if debug:
+            traceback.print_exc()
+        message, code = describe_unexpected(e)
+        sys.stderr.write(f"fsdp-plan: {message}\n")
+        return code
     finally:
         fake_log.setLevel(level)
 

@@ -48,10 +48,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("table", "json"), default="table")
 
 
-def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float) -> dict[str, Any]:
-    """Everything the report shows and the checks decide, as plain data."""
-    predicted = plan.predicted or {}
+def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float,
+                fresh: dict[str, Any] | None = None, fresh_note: str | None = None
+                ) -> dict[str, Any]:
+    """Everything the report shows and the checks decide, as plain data.
+
+    ``fresh`` is the prediction of the plan as it is now (``api.predict``); the measurement is
+    held against it, and against the plan file's stored prediction only when there is none
+    (``fresh_note`` says why)."""
+    stored = plan.predicted or {}
+    predicted = fresh if fresh is not None else stored
     predicted_peak = predicted.get("peak_bytes")
+    stored_peak = stored.get("peak_bytes")
     limit = plan.budget_bytes - plan.headroom_bytes
     measured_by_key: dict[str, int] = {}
     for category, value in measured.breakdown.items():
@@ -86,12 +94,20 @@ def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float) -> dict[
                         "inputs are then cast to param_dtype) or keep the model's float buffers "
                         "in param_dtype")
     notes = list(measured.notes)
+    if fresh_note:
+        notes.append(fresh_note)
     if predicted_peak is None:
         notes.append("the plan has no predicted peak; only the budget was checked.")
+    elif fresh is not None and isinstance(stored_peak, int) and stored_peak != predicted_peak:
+        notes.append(f"the plan file's stored peak {format_bytes(stored_peak)} is not what the "
+                     f"plan predicts now ({format_bytes(predicted_peak)}): it was edited, or "
+                     "fsdp-plan's model changed since; the measurement is held against the "
+                     "prediction of the plan as it is now.")
     return {"model": plan.model.get("source"), "world_size": plan.world_size,
             "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard},
             "budget_bytes": plan.budget_bytes, "headroom_bytes": plan.headroom_bytes,
             "limit_bytes": limit, "predicted_peak_bytes": predicted_peak,
+            "stored_peak_bytes": stored_peak, "fresh_prediction": fresh is not None,
             "measured_peak_bytes": measured.peak_bytes, "relative_error": rel,
             "tolerance": tolerance, "components": components, "units": units,
             "measured": measured.to_dict(), "notes": notes, "problems": problems,
@@ -141,9 +157,10 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"--tolerance is a fraction (0.05 = 5%), got {args.tolerance}.")
     plan = read_plan(args.plan)
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
+    fresh, fresh_note = fresh_prediction(plan, loaded)
     policy = runtime.load_policy(runtime.policy_source(plan))
     measured = measure_peak(loaded, plan, policy)
-    data = gather_data(plan, measured, args.tolerance)
+    data = gather_data(plan, measured, args.tolerance, fresh, fresh_note)
     if args.format == "json":
         print(json.dumps(data, indent=2))
     else:
@@ -151,3 +168,15 @@ def run(args: argparse.Namespace) -> int:
     if not data["ok"]:
         raise CheckFailed("; ".join(data["problems"]) + ".")
     return 0
+
+
+def fresh_prediction(plan: Plan, loaded) -> tuple[dict[str, Any] | None, str | None]:
+    """The plan's prediction as it is now, or None and the reason it cannot be predicted."""
+    from fsdp_plan.api import analyze_loaded, predict
+    try:
+        analyzed = analyze_loaded(loaded, param_dtype=plan.mixed_precision.get("param_dtype")
+                                  or "float32")
+        return predict(plan, analyzed.facts).predicted, None
+    except BadInput as e:
+        return None, (f"the plan cannot be predicted as written ({e}); the measurement is held "
+                      "against the plan file's stored prediction.")

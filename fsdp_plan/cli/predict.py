@@ -1,0 +1,108 @@
+"""Predict memory, collectives and step time of a plan file as written, without a search.
+
+    fsdp-plan predict PLAN.yaml [MODEL] [--gpu h100 | --hardware HW.yaml] [--gpus-per-node 8]
+                      [--format table|json]
+
+"Will my current config fit, and how fast is it?": write the setup you run today as a plan
+file (for example torchtitan's one unit per block with every block checkpointed) and predict
+it with the same memory model, collective rule and step-time model the planner searches with.
+Exit 0 when the plan fits its ``budget_bytes - headroom_bytes``, 3 when it does not (the
+prediction is printed either way), 2 for an invalid plan or model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from fsdp_plan.errors import NoFeasiblePlan
+from fsdp_plan.plan import Plan, read_plan
+from fsdp_plan.sizes import format_bytes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN.yaml", help="a plan file, written by fsdp-plan or "
+                        "by hand (SPEC section 3)")
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="the model file (default: the source recorded in the plan)")
+    parser.add_argument("--gpu", default=None,
+                        help="GPU preset for the step time (default: the plan's gpu key)")
+    parser.add_argument("--hardware", default=None, metavar="HW.yaml",
+                        help="YAML file overriding the preset's figures")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="GPUs per node, for which collectives cross nodes (default: the "
+                        "plan's gpus_per_node key, else 8)")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def gather_data(plan: Plan, predicted: dict[str, Any], limit_bytes: int, fits: bool
+                ) -> dict[str, Any]:
+    """The prediction beside what the plan file stored, as plain data."""
+    stored = plan.predicted or {}
+    return {"plan": {"world_size": plan.world_size,
+                     "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard},
+                     "strategy": plan.strategy, "units": len(plan.units),
+                     "checkpointed": len(plan.activation_checkpointing)},
+            "budget_bytes": plan.budget_bytes, "headroom_bytes": plan.headroom_bytes,
+            "limit_bytes": limit_bytes, "fits": fits, "predicted": predicted,
+            "stored_predicted": {k: stored[k] for k in ("peak_bytes", "step_time_s",
+                                                        "exposed_comm_s", "collectives_per_step")
+                                 if k in stored}}
+
+
+def format_report(data: dict[str, Any]) -> str:
+    p, stored = data["predicted"], data["stored_predicted"]
+    mesh = data["plan"]["mesh"]
+    counts = p["collectives_per_step"]
+
+    def was(key: str, text) -> str:
+        return f" (plan file says {text(stored[key])})" if key in stored and stored[key] != p[
+            key] else ""
+
+    lines = [
+        (f"plan: {data['plan']['units']} units, {data['plan']['checkpointed']} checkpointed "
+        f"modules, mesh {mesh['replicate']}x{mesh['shard']} ({data['plan']['strategy']}), "
+        f"world size {data['plan']['world_size']}"),
+        f"peak {format_bytes(p['peak_bytes'])} per rank at {p['peak_phase']}"
+        + was("peak_bytes", format_bytes),
+        f"limit {format_bytes(data['limit_bytes'])} (budget {format_bytes(data['budget_bytes'])}"
+        f" - headroom {format_bytes(data['headroom_bytes'])}): "
+        + ("fits" if data["fits"] else "DOES NOT FIT"),
+        (f"collectives per step: all_gather {counts['all_gather']}, reduce_scatter "
+        f"{counts['reduce_scatter']}, all_reduce {counts['all_reduce']}"),
+        f"step {p['step_time_s']:.4f} s" + was("step_time_s", lambda v: f"{v:.4f} s")
+        + f", exposed communication {p['exposed_comm_s']:.4f} s",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fsdp_plan.api import analyze_model, predict
+    from fsdp_plan.cost import hardware_for
+    from fsdp_plan.measure import runtime
+
+    plan = read_plan(args.plan)
+    hardware = hardware_for(args.gpu or plan.gpu or "h100", _read_hardware(args.hardware))
+    gpus_per_node = args.gpus_per_node or int(plan.predicted.get("gpus_per_node", 0) or 8)
+    source = runtime.source_from_plan(plan, args.model, args.plan)
+    analyzed = analyze_model(source, param_dtype=plan.mixed_precision.get("param_dtype")
+                             or "float32")
+    runtime.check_model_matches(plan, analyzed.loaded)
+    prediction = predict(plan, analyzed.facts, hardware=hardware, gpus_per_node=gpus_per_node)
+    data = gather_data(plan, prediction.predicted, prediction.limit_bytes, prediction.fits)
+    print(json.dumps(data, indent=2) if args.format == "json" else format_report(data))
+    if not prediction.fits:
+        raise NoFeasiblePlan(f"the plan as written peaks at "
+                             f"{format_bytes(prediction.predicted['peak_bytes'])} per rank, above "
+                             f"its limit {format_bytes(prediction.limit_bytes)}; run fsdp-plan on "
+                             "the model to find one that fits.",
+                             smallest_peak_bytes=prediction.predicted["peak_bytes"])
+    return 0
+
+
+def _read_hardware(path: str | None) -> dict[str, Any] | None:
+    if not path:
+        return None
+    from fsdp_plan.cost import read_hardware_file
+    return read_hardware_file(path)
