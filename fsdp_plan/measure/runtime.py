@@ -8,6 +8,7 @@ never in how the plan was applied.
 
 from __future__ import annotations
 
+import difflib
 import os
 import types
 from typing import Any
@@ -16,35 +17,56 @@ import torch
 from torch import nn
 
 from fsdp_plan.errors import BadInput
-from fsdp_plan.load import LoadedModel, ModelSource, load_model, source_digest
+from fsdp_plan.load import LoadedModel, ModelSource, load_model, source_digest, source_kind
 from fsdp_plan.plan import Plan
+from fsdp_plan.plan_check import resolve_candidates
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 
 
 def source_from_plan(plan: Plan, model_path: str | None = None,
                      plan_path: str | None = None) -> ModelSource:
-    """The ``ModelSource`` recorded in ``plan.model``; ``model_path`` replaces its source.
+    """The ``ModelSource`` to rebuild the planned model from, before anything is imported.
 
-    A relative source that does not exist from the working folder is looked up next to the
-    plan file, so a plan committed beside its model keeps working from elsewhere.
+    ``model_path`` (the command line's MODEL) is the authority when given: a model file,
+    ``package.module:attr`` or a config, as for planning. Otherwise the plan's ``model`` is
+    used, and a plan is data: it may name a model file (``.py``) or a Hugging Face config
+    (``.json``) that exists as a regular file, but never a module to import (``kind: import``
+    would run whatever the plan names). A relative path is looked up next to the plan file
+    first, then in the working folder, then in the plan folder's parents
+    (``plan_check.resolve_candidates``).
     """
     raw = plan.model
-    if "source" not in raw and model_path is None:
-        raise BadInput("the plan's model key has no source; pass the model file as MODEL.")
-    source = model_path or str(raw["source"])
-    kind = str(raw.get("kind") or "file")
+    entry = str(raw.get("entry") or "build_model")
+    common: dict[str, Any] = {"entry": entry, "args": dict(raw.get("args") or {}),
+                              "batch_size": int(raw.get("batch_size", 1)),
+                              "seq_len": int(raw.get("seq_len", 4096))}
     if model_path is not None:
-        from fsdp_plan.load import source_kind
-        kind = source_kind(model_path)
-    if (kind != "import" and not os.path.isabs(source) and not os.path.exists(source)
-            and plan_path is not None):
-        beside = os.path.join(os.path.dirname(os.path.abspath(plan_path)), source)
-        if os.path.exists(beside):
-            source = beside
-    return ModelSource(source=source, entry=str(raw.get("entry") or "build_model"),
-                       args=dict(raw.get("args") or {}), batch_size=int(raw.get("batch_size", 1)),
-                       seq_len=int(raw.get("seq_len", 4096)), kind=kind)
+        return ModelSource(source=model_path, kind=source_kind(model_path), **common)
+    source = str(raw["source"])
+    kind = str(raw.get("kind") or source_kind(source))
+    if kind == "import":
+        raise BadInput(f"the plan names the model {source!r} as a module to import (kind: "
+                       "import); fsdp-plan does not import what a plan file names, since that "
+                       "would run code the plan chose. If you trust it, give it on the command "
+                       f"line as MODEL, after the plan: fsdp-plan verify PLAN.yaml {source}.")
+    suffix = ".json" if kind == "hf-config" else ".py"
+    what = "Hugging Face config" if kind == "hf-config" else "model file"
+    if not source.endswith(suffix):
+        raise BadInput(f"the plan's model.source {source!r} (kind: {kind}) is not a {suffix} "
+                       f"path; a plan names a model file (.py) or a Hugging Face config (.json). "
+                       "Fix model.source, or give the model on the command line as MODEL, after "
+                       "the plan.")
+    candidates = resolve_candidates(source, plan_path)
+    for candidate in candidates:
+        if os.path.isfile(candidate):
+            return ModelSource(source=candidate, kind=kind, **common)
+    looked = ", ".join(repr(c) for c in candidates[:3]) + (" and the folders above" if
+                                                           len(candidates) > 3 else "")
+    raise BadInput(f"the plan's {what} {source!r} was not found as a file (looked at {looked}); "
+                   "pass it as the optional MODEL argument after the plan (fsdp-plan verify "
+                   f"PLAN.yaml path/to/{os.path.basename(source)}), or fix model.source (a "
+                   "relative path is read from the plan file's folder).")
 
 
 def count_params(model: nn.Module) -> int:
@@ -53,18 +75,41 @@ def count_params(model: nn.Module) -> int:
 
 
 def check_model_matches(plan: Plan, loaded: LoadedModel) -> None:
-    """Refuse to measure a model other than the planned one (parameter count and code digest)."""
+    """Refuse to measure a model other than the planned one: parameter count, the module names
+    the plan shards and checkpoints, then the code digest (all before anything is applied)."""
     expected = plan.model.get("params")
     actual = count_params(loaded.model)
     if expected is not None and int(expected) != actual:
         raise BadInput(f"the model has {actual:,} parameters but the plan was made for "
                        f"{int(expected):,}; re-plan it (fsdp-plan {loaded.source.source} ...) or "
                        "pass the model file the plan was made for.")
+    check_module_names(plan, loaded.model)
     digest = plan.model.get("digest")
     if digest and digest != source_digest(loaded.source):
         raise BadInput(f"the model code or arguments changed since the plan was made (digest "
                        f"{source_digest(loaded.source)} != {digest} in the plan); re-plan it so "
                        "the plan matches the model.")
+
+
+def check_module_names(plan: Plan, model: nn.Module) -> None:
+    """Every unit module and checkpointed module is a module of ``model``; says which are not."""
+    names = {fqn for fqn, _ in model.named_modules()}
+    named = [(f"units[{i}].modules[{k}]", fqn) for i, unit in enumerate(plan.units)
+             for k, fqn in enumerate(unit.modules)]
+    named += [(f"activation_checkpointing[{i}]", fqn)
+              for i, fqn in enumerate(plan.activation_checkpointing)]
+    missing = [(path, fqn) for path, fqn in named if fqn not in names]
+    if not missing:
+        return
+    shown = ", ".join(f"{path} {fqn!r}" for path, fqn in missing[:5])
+    if len(missing) > 5:
+        shown += f" and {len(missing) - 5} more"
+    close = difflib.get_close_matches(missing[0][1], sorted(names - {""}), n=3)
+    hint = (f" (did you mean {', '.join(repr(c) for c in close)}?)" if close
+            else f" (its modules include {', '.join(repr(n) for n in sorted(names - {''})[:3])})")
+    raise BadInput(f"the plan names modules the model does not have: {shown}{hint}. Unit and "
+                   "checkpointed modules are FQNs as model.named_modules() spells them; fix "
+                   "them in the plan, re-plan, or pass the model the plan was made for as MODEL.")
 
 
 def load_planned_model(plan: Plan, model_path: str | None = None,

@@ -1,0 +1,703 @@
+"""Read and validate a plan document (SPEC sections 3 and 6) in one place, before anything runs.
+
+A plan file is data that may come from anyone, so it is read like untrusted input:
+
+- ``read_plan_document`` refuses files over ``MAX_PLAN_BYTES`` before parsing, non-UTF-8 or
+  binary text, YAML tags, recursive aliases, nesting deeper than ``MAX_DEPTH``, anchors that
+  expand to more than ``MAX_NODES`` nodes (the "billion laughs") and duplicate keys; then it
+  builds plain Python data with ``yaml.CSafeLoader`` (``SafeLoader`` without libyaml).
+- ``check_plan_document`` checks every field the tools use: types (a bool is not an int; int
+  fields refuse ``1.5``, ``.nan``, ``.inf`` and strings), ranges, the unit structure (children
+  first, root last, each module in one unit), prefetch targets, the mesh against the world
+  size and strategy, dtypes, the optimizer and the model recipe. It returns the normalised
+  values ``Plan.from_dict`` builds its dataclasses from.
+
+Every refusal is a ``BadInput`` (exit 2) naming the field path (``units[3].modules[0]``) and
+the fix, written for someone editing the plan file. Whether the named modules exist is
+checked later, once the model is built (``fsdp_plan.measure.runtime.check_model_matches``).
+
+Unknown top-level keys are accepted (SPEC 3: others may add keys) and dropped: nothing reads
+them, so they cannot change what is applied. Version-2 fields that no part of fsdp-plan
+applies yet (offload, DDP, gradient accumulation, selective checkpointing) are refused rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any
+
+import yaml
+
+from fsdp_plan.errors import BadInput
+
+PLAN_VERSIONS = (1, 2)
+STRATEGIES = ("full", "hybrid", "grad-op", "none")
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+MODEL_KINDS = ("file", "import", "hf-config")
+# The dtype names the generated policy module maps to torch dtypes (emit._DTYPES).
+DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32", "float64", "fp64")
+CHECKPOINT_MODES = ("full", "selective")
+
+MAX_PLAN_BYTES = 16 * 2**20
+"""A plan for a 405B model is about 30 kB; a file this large is not a plan and parsing it
+would only cost time and memory."""
+MAX_NODES = 1_000_000
+"""YAML nodes after expanding aliases; bounds the work any consumer of the document does."""
+MAX_DEPTH = 64
+"""Nesting depth; a plan needs 4, and deeper documents would exhaust the parser's stack."""
+MAX_WORLD_SIZE = 2**20
+MAX_BYTES = 2**60
+# The same bounds as the command line's --batch-size and --seq-len (fsdp_plan.source): far past
+# any real micro-batch or context, and batch * seq stays well inside int64 element counts.
+MAX_BATCH_SIZE = 2**24
+MAX_SEQ_LEN = 2**26
+MAX_TOKENS = 2**32
+MAX_NAME_CHARS = 4096
+
+_MESH_KEYS = ("replicate", "shard")
+_UNIT_KEYS = ("modules", "reshard_after_forward")
+_PRECISION_KEYS = ("param_dtype", "reduce_dtype")
+
+
+# --- reading ------------------------------------------------------------------------------
+
+def _loader() -> type:
+    return getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
+
+
+def read_plan_document(path: str) -> Any:
+    """The plan file's YAML as plain data; every way a file can fail to be a plan is a ``BadInput``."""
+    where = f"plan file {path!r}"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_PLAN_BYTES + 1)
+    except FileNotFoundError as e:
+        raise BadInput(f"{where} does not exist; give the path of a plan written by "
+                       "fsdp-plan --plan.") from e
+    except IsADirectoryError as e:
+        raise BadInput(f"{where} is a folder; give the path of a plan file.") from e
+    except OSError as e:
+        raise BadInput(f"{where} cannot be read ({e.strerror or e}).") from e
+    if len(data) > MAX_PLAN_BYTES:
+        raise BadInput(f"{where} is larger than {MAX_PLAN_BYTES // 2**20} MiB; a plan for a 405B "
+                       "model is about 30 kB, so this is not a plan file (it was not parsed).")
+    return parse_plan_text(data, where)
+
+
+def parse_plan_text(data: bytes, where: str = "plan") -> Any:
+    """Decode and parse a plan document held in memory (see ``read_plan_document``)."""
+    if b"\0" in data:
+        raise BadInput(f"{where} holds binary data (NUL bytes); a plan is a YAML text file.")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{where} is not UTF-8 text (byte {e.start} is not valid UTF-8); a plan "
+                       "is a YAML text file written by fsdp-plan --plan.") from e
+    loader = _loader()
+    try:
+        _scan(text, loader, where)
+        raw = yaml.load(text, Loader=loader)  # a safe loader; tags were refused
+    except BadInput:
+        raise
+    except yaml.constructor.ConstructorError as e:
+        raise BadInput(f"{where} holds a value fsdp-plan never constructs "
+                       f"({' '.join(str(e.problem).split())}); a plan is plain data (mappings, "
+                       "lists, strings, numbers).") from e
+    except yaml.YAMLError as e:
+        raise BadInput(f"{where} cannot be read as YAML: {' '.join(str(e).split())}.") from e
+    except (ValueError, OverflowError, RecursionError, MemoryError) as e:
+        raise BadInput(f"{where} holds a value YAML cannot turn into data "
+                       f"({type(e).__name__}: {_clip(str(e))}).") from e
+    if raw is None:
+        raise BadInput(f"{where} is empty; write a plan with fsdp-plan --plan.")
+    return raw
+
+
+def _scan(text: str, loader: type, where: str) -> None:
+    """Walk the YAML events (no recursion, no objects built) and refuse what a plan never holds:
+    tags, recursive aliases, deep nesting, alias bombs and duplicate mapping keys."""
+    sizes: dict[str, int] = {}
+    open_anchors: list[str] = []
+    # Frames of open collections: [anchor, expanded size, is_mapping, keys seen, items seen].
+    stack: list[list[Any]] = []
+    total = 0
+
+    def line(event: Any) -> str:
+        mark = getattr(event, "start_mark", None)
+        return f"line {mark.line + 1}" if mark is not None else "somewhere"
+
+    def add(size: int, event: Any) -> None:
+        nonlocal total
+        if stack:
+            stack[-1][1] += size
+            stack[-1][4] += 1
+            if stack[-1][1] > MAX_NODES:
+                raise BadInput(f"{where} expands to more than {MAX_NODES:,} values at {line(event)} "
+                               "(anchors and aliases repeating each other); a plan is a few "
+                               "thousand values, so it was not read further.")
+        else:
+            total += size
+            if total > MAX_NODES:
+                raise BadInput(f"{where} holds more than {MAX_NODES:,} values; it is not a plan.")
+
+    for event in yaml.parse(text, Loader=loader):
+        if isinstance(event, yaml.NodeEvent):
+            tag = getattr(event, "tag", None)
+            if tag is not None:
+                raise BadInput(f"{where} holds a YAML tag ({_clip(tag)}) at {line(event)}; a plan "
+                               "is plain data (mappings, lists, strings, numbers) and fsdp-plan "
+                               "constructs no tagged values. Remove the tag.")
+            in_mapping_key = bool(stack) and stack[-1][2] and stack[-1][4] % 2 == 0
+            if in_mapping_key and not isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
+                raise BadInput(f"{where} has a list or mapping used as a mapping key at "
+                               f"{line(event)}; keys are plain names.")
+            if in_mapping_key and isinstance(event, yaml.ScalarEvent):
+                keys = stack[-1][3]
+                if event.value in keys:
+                    raise BadInput(f"{where} has the key {_clip(event.value)!r} twice in one "
+                                   f"mapping (at {line(event)}); YAML would keep only the last. "
+                                   "Remove one of them.")
+                keys.add(event.value)
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor in open_anchors:
+                raise BadInput(f"{where} has a recursive alias *{_clip(event.anchor)} at "
+                               f"{line(event)} (a value that contains itself); a plan is a tree "
+                               "of plain values.")
+            if event.anchor not in sizes:
+                raise BadInput(f"{where} uses the alias *{_clip(event.anchor)} at {line(event)} "
+                               "before any anchor of that name.")
+            add(sizes[event.anchor], event)
+        elif isinstance(event, yaml.ScalarEvent):
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+            add(1, event)
+        elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            if len(stack) >= MAX_DEPTH:
+                raise BadInput(f"{where} nests lists or mappings more than {MAX_DEPTH} deep (at "
+                               f"{line(event)}); a plan nests 4 deep.")
+            if event.anchor is not None:
+                open_anchors.append(event.anchor)
+            stack.append([event.anchor, 1, isinstance(event, yaml.MappingStartEvent), set(), 0])
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            anchor, size, _, _, _ = stack.pop()
+            if anchor is not None:
+                open_anchors.remove(anchor)
+                sizes[anchor] = size
+            add(size, event)
+
+
+# --- describing values in messages ------------------------------------------------------------
+
+def _clip(text: str, limit: int = 60) -> str:
+    text = str(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def show(value: Any) -> str:
+    """A short, safe description of a value read from the plan (never a huge repr)."""
+    if value is None:
+        return "null (empty)"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, int):
+        if value.bit_length() > 128:
+            return f"a {value.bit_length()}-bit number"
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ".nan (not a number)"
+        if math.isinf(value):
+            return ("" if value > 0 else "-") + ".inf (infinity)"
+        return f"{value!r} (a decimal number)"
+    if isinstance(value, str):
+        return f"{_clip(value)!r} (a string)"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"a value of type {type(value).__name__}"
+
+
+def name_of(value: Any) -> str:
+    """A module or key name as it appears in messages: quoted, clipped."""
+    return repr(_clip(value)) if isinstance(value, str) else show(value)
+
+
+class _Checker:
+    """Raises ``BadInput("<where>: <path> <problem>; <fix>.")`` for one plan document."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, path: str, problem: str, fix: str) -> BadInput:
+        return BadInput(f"{self.where}: {path} {problem}; {fix}.")
+
+    def mapping(self, value: Any, path: str, fix: str, *, optional: bool = False) -> dict:
+        if value is None and optional:
+            return {}
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a mapping (key: value), got {show(value)}", fix)
+        for key in value:
+            if not isinstance(key, str):
+                raise self.fail(path, f"has the key {show(key)}; keys are names (strings)", fix)
+        return value
+
+    def sequence(self, value: Any, path: str, fix: str, *, optional: bool = False) -> list:
+        if value is None and optional:
+            return []
+        if not isinstance(value, list):
+            raise self.fail(path, f"must be a list, got {show(value)}", fix)
+        return value
+
+    def keys(self, value: dict, path: str, allowed: tuple[str, ...]) -> None:
+        unknown = [k for k in value if k not in allowed]
+        if unknown:
+            raise self.fail(f"{path}.{unknown[0]}", "is not a key fsdp-plan knows here",
+                            f"{path} takes only {', '.join(allowed)} (check the spelling)")
+
+    def integer(self, value: Any, path: str, low: int, high: int, what: str) -> int:
+        """A whole number in ``[low, high]``; ``what`` says what it counts and why the bounds."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(path, f"must be a whole number, got {show(value)}", what)
+        if not low <= value <= high:
+            raise self.fail(path, f"is {show(value)}, outside {low}..{high}", what)
+        return value
+
+    def number(self, value: Any, path: str, what: str) -> float | int:
+        """A finite, non-negative int or float."""
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or isinstance(value, float) and not math.isfinite(value) or value < 0):
+            raise self.fail(path, f"must be a finite number >= 0, got {show(value)}", what)
+        return value
+
+    def string(self, value: Any, path: str, fix: str, *, allow_empty: bool = False) -> str:
+        if not isinstance(value, str):
+            raise self.fail(path, f"must be a string, got {show(value)}", fix)
+        if not value and not allow_empty:
+            raise self.fail(path, "is empty", fix)
+        if len(value) > MAX_NAME_CHARS or "\0" in value:
+            raise self.fail(path, f"is not a name (longer than {MAX_NAME_CHARS} characters or "
+                            "holding a NUL)", fix)
+        return value
+
+    def choice(self, value: Any, path: str, choices: tuple[str, ...], fix: str) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise self.fail(path, f"is {show(value)}, not one of {', '.join(choices)}", fix)
+        return value
+
+    def fqn(self, value: Any, path: str, *, root: bool) -> str:
+        """A module FQN as ``named_modules()`` spells it (``""`` only where the root may be)."""
+        fix = ("name a module by its dotted path as model.named_modules() spells it, e.g. "
+               "'layers.0'" + ("; the root is ''" if root else ""))
+        name = self.string(value, path, fix, allow_empty=True)
+        if name == "" and not root:
+            raise self.fail(path, "names the root module ''", "the root cannot be listed here; "
+                            "name submodules only")
+        if name and (name.startswith(".") or name.endswith(".") or ".." in name):
+            raise self.fail(path, f"is {name_of(name)}, not a dotted module path", fix)
+        return name
+
+
+def _ancestors(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))] if fqn else []
+
+
+def _walk_plain(check: _Checker, raw: Any) -> None:
+    """Refuse values that are not YAML plain data: cycles, too deep, too many, odd types.
+
+    Shared sub-values are visited each time they appear (as every consumer would), so the count
+    bounds the work of anything that walks the document."""
+    count = 0
+    stack: list[tuple[Any, str, int, tuple[int, ...]]] = [(raw, "", 0, ())]
+    while stack:
+        value, path, depth, parents = stack.pop()
+        count += 1
+        if count > MAX_NODES:
+            raise check.fail("the document", f"holds more than {MAX_NODES:,} values",
+                             "a plan holds a few thousand; write it again with fsdp-plan --plan")
+        if depth > MAX_DEPTH:
+            raise check.fail(path or "the document", f"nests more than {MAX_DEPTH} levels deep",
+                             "a plan nests 4 deep; flatten it")
+        if isinstance(value, (dict, list)):
+            if id(value) in parents:
+                raise check.fail(path or "the document", "contains itself (a recursive alias)",
+                                 "a plan is a tree of plain values; remove the alias")
+            inner = (*parents, id(value))
+            if isinstance(value, dict):
+                items = [((f"{path}.{k}" if path else k) if isinstance(k, str)
+                          else f"{path}[{show(k)}]", v) for k, v in value.items()]
+            else:
+                items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+            stack.extend((v, p, depth + 1, inner) for p, v in items)
+        elif not isinstance(value, (str, int, float, bool)) and value is not None:
+            import datetime
+            if not isinstance(value, (datetime.date, datetime.datetime)):
+                raise check.fail(path, f"is {show(value)}", "a plan holds only mappings, lists, "
+                                 "strings, numbers, booleans and null")
+
+
+def _plain_arg(check: _Checker, value: Any, path: str) -> Any:
+    """A model argument: a scalar, or a list/mapping of them (as ``--model-arg`` and YAML give)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise check.fail(path, f"is {show(value)}", "a model argument is a finite number; quote "
+                         "it to pass text")
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, list):
+        return [_plain_arg(check, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: _plain_arg(check, v, f"{path}.{k}")
+                for k, v in check.mapping(value, path, "use names as keys").items()}
+    raise check.fail(path, f"is {show(value)}", "model arguments are strings, numbers, booleans, "
+                     "null, or lists and mappings of them")
+
+
+# --- the checks, section by section -----------------------------------------------------------
+
+def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
+    """Validate a plan document; returns the values ``Plan.from_dict`` stores (plain data)."""
+    check = _Checker(where)
+    if not isinstance(raw, dict):
+        raise BadInput(f"{where} is not a fsdp-plan plan file (expected a YAML mapping of keys "
+                       f"such as fsdp_plan_version, model and units, got {show(raw)}).")
+    _walk_plain(check, raw)
+    version = raw.get("fsdp_plan_version")
+    if isinstance(version, bool) or version not in PLAN_VERSIONS:
+        if version is None:
+            raise BadInput(f"{where} has no fsdp_plan_version key; it is not a fsdp-plan plan "
+                           "file. Write one with fsdp-plan MODEL ... --plan PLAN.yaml.")
+        raise BadInput(f"{where} has fsdp_plan_version {show(version)}; this fsdp-plan reads "
+                       "version 1 and version 2 plans. Re-run fsdp-plan to write a current plan.")
+    missing = [k for k in ("model", "budget_bytes", "world_size", "mesh", "units") if k not in raw]
+    if missing:
+        raise BadInput(f"{where} lacks the keys {', '.join(missing)}; it is not a complete plan "
+                       "(SPEC 3 lists them). Re-run fsdp-plan --plan to write one.")
+    out: dict[str, Any] = {"fsdp_plan_version": version}
+    out["model"] = _check_model(check, raw["model"])
+    out.update(_check_budget(check, raw))
+    out.update(_check_mesh(check, raw))
+    out["units"] = _check_units(check, raw["units"])
+    out["strategy"] = _check_strategy(check, raw, out["replicate"], out["shard"], out["units"])
+    out["activation_checkpointing"], selective = _check_checkpointing(check, raw, version)
+    keys = {modules[0] for modules, _ in out["units"]}
+    for kind in ("forward_prefetch", "backward_prefetch"):
+        out[kind] = _check_prefetch(check, raw.get(kind), kind, keys)
+    out["mixed_precision"] = _check_precision(check, raw.get("mixed_precision"))
+    out["optimizer"] = check.choice(raw.get("optimizer", "adamw"), "optimizer", OPTIMIZERS,
+                                    "set optimizer to the one the training script uses")
+    gpu = raw.get("gpu", "h100")
+    out["gpu"] = check.string(gpu, "gpu", "name the GPU the plan was made for, e.g. h100")
+    out["predicted"] = _check_predicted(check, raw.get("predicted"))
+    _refuse_unapplied(check, raw, selective)
+    return out
+
+
+def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
+    fix = ("model records how to rebuild the planned model: {source: path/to/model.py, entry: "
+           "build_model, args: {...}, batch_size: 1, seq_len: 4096}")
+    model = check.mapping(value, "model", fix)
+    if "source" not in model:
+        raise check.fail("model", "has no source", "add source: path/to/model.py (the model "
+                         "file the plan was made for), or pass the model as MODEL")
+    check.string(model["source"], "model.source", "give the model file's path, e.g. "
+                 "examples/llama.py")
+    entry = model.get("entry", "build_model")
+    if not isinstance(entry, str) or not entry.isidentifier():
+        raise check.fail("model.entry", f"is {show(entry)}, not a Python function name",
+                         "name the factory function in the model file, e.g. build_model")
+    if "kind" in model and model["kind"] is not None:
+        check.choice(model["kind"], "model.kind", MODEL_KINDS,
+                     "file for a .py model file, hf-config for a config.json")
+    args = check.mapping(model.get("args"), "model.args", "write the factory's keyword "
+                         "arguments as a mapping, e.g. args: {size: 70b}", optional=True)
+    for key in args:
+        if not key.isidentifier():
+            raise check.fail(f"model.args.{_clip(key)}", "is not a Python keyword-argument name",
+                             "use identifiers such as size or n_layers")
+    _plain_arg(check, args, "model.args")
+    batch = check.integer(model.get("batch_size", 1), "model.batch_size", 1, MAX_BATCH_SIZE,
+                          f"batch_size is the samples in one micro-batch: a whole number from 1 "
+                          f"to {MAX_BATCH_SIZE}, e.g. batch_size: 1")
+    seq = check.integer(model.get("seq_len", 4096), "model.seq_len", 1, MAX_SEQ_LEN,
+                        f"seq_len is the tokens per sample: a whole number from 1 to "
+                        f"{MAX_SEQ_LEN}, e.g. seq_len: 4096")
+    if batch * seq > MAX_TOKENS:
+        raise check.fail("model.batch_size", f"{batch} x model.seq_len {seq} is {batch * seq:,} "
+                         f"tokens per micro-batch, more than {MAX_TOKENS:,}",
+                         "no GPU holds such a micro-batch; lower batch_size or seq_len")
+    if model.get("params") is not None:
+        check.integer(model["params"], "model.params", 0, MAX_BYTES,
+                      "params is the planned model's parameter count; remove it to skip the check")
+    if model.get("digest") is not None:
+        check.string(model["digest"], "model.digest", "digest is written by fsdp-plan; remove it "
+                     "to skip the model-code check")
+    for i, note in enumerate(check.sequence(model.get("notes"), "model.notes",
+                                            "notes is a list of strings", optional=True)):
+        check.string(note, f"model.notes[{i}]", "notes is a list of strings", allow_empty=True)
+    if model.get("grad_accum_steps") not in (None, 1):
+        raise check.fail("model.grad_accum_steps", f"is {show(model['grad_accum_steps'])}",
+                         "this fsdp-plan cannot apply gradient accumulation yet; remove it or "
+                         "set it to 1")
+    return copy.deepcopy(model)
+
+
+def _check_budget(check: _Checker, raw: dict) -> dict[str, Any]:
+    budget = check.integer(raw["budget_bytes"], "budget_bytes", 1, MAX_BYTES,
+                           "budget_bytes is the per-GPU memory budget in bytes: a whole number "
+                           "from 1 to 2**60 (more than any GPU holds), e.g. 80000000000")
+    headroom = check.integer(raw.get("headroom_bytes", 0), "headroom_bytes", 0, budget - 1,
+                             "headroom_bytes is the part of budget_bytes kept free: a whole "
+                             "number of bytes from 0 to budget_bytes - 1")
+    world = check.integer(raw["world_size"], "world_size", 1, MAX_WORLD_SIZE,
+                          f"world_size is the number of GPUs the plan is for: a whole number from "
+                          f"1 to {MAX_WORLD_SIZE} (2**20); verify simulates that many ranks in "
+                          "one process and no real cluster has more than a million GPUs")
+    return {"budget_bytes": budget, "headroom_bytes": headroom, "world_size": world}
+
+
+def _check_mesh(check: _Checker, raw: dict) -> dict[str, Any]:
+    fix = "mesh is {replicate: R, shard: S} with R * S = world_size (replicate: 1 is plain FSDP)"
+    mesh = check.mapping(raw["mesh"], "mesh", fix)
+    check.keys(mesh, "mesh", _MESH_KEYS)
+    world = raw["world_size"]
+    replicate = check.integer(mesh.get("replicate", 1), "mesh.replicate", 1, MAX_WORLD_SIZE, fix)
+    shard = check.integer(mesh.get("shard", world), "mesh.shard", 1, MAX_WORLD_SIZE, fix)
+    if replicate * shard != world:
+        raise check.fail("mesh", f"is {replicate}x{shard} = {replicate * shard} ranks but "
+                         f"world_size is {world}", fix)
+    return {"replicate": replicate, "shard": shard}
+
+
+def _check_units(check: _Checker, value: Any) -> list[tuple[list[str], bool]]:
+    fix = ("units is the list of fully_shard calls, children first and the root last, e.g. "
+           "[{modules: [layers.0], reshard_after_forward: true}, {modules: [''], "
+           "reshard_after_forward: false}]")
+    units = check.sequence(value, "units", fix)
+    if not units:
+        raise check.fail("units", "is empty", fix)
+    owner: dict[str, int] = {}
+    out = []
+    for i, unit in enumerate(units):
+        path = f"units[{i}]"
+        check.mapping(unit, path, fix)
+        check.keys(unit, path, _UNIT_KEYS)
+        if "modules" not in unit:
+            raise check.fail(path, "has no modules", "give each unit modules: [FQN, ...]")
+        modules = check.sequence(unit["modules"], f"{path}.modules",
+                                 "list the module FQNs of this fully_shard call, e.g. [layers.0]")
+        if not modules:
+            raise check.fail(f"{path}.modules", "is empty", "a unit shards at least one module; "
+                             "remove the unit or name its modules")
+        for k, name in enumerate(modules):
+            mpath = f"{path}.modules[{k}]"
+            check.fqn(name, mpath, root=True)
+            if name in owner:
+                where = "this unit" if owner[name] == i else f"units[{owner[name]}]"
+                raise check.fail(mpath, f"{name_of(name)} is already in {where}",
+                                 "each module belongs to one unit; remove the repeat")
+            if name == "" and (i != len(units) - 1 or len(modules) != 1):
+                raise check.fail(mpath, "is the root module ''", "the root is a unit of its "
+                                 "own, {modules: ['']}, and comes last (children first, root last)")
+            for parent in _ancestors(name):
+                if parent in owner:
+                    raise check.fail(mpath, f"{name_of(name)} comes after its parent "
+                                     f"{name_of(parent)} "
+                                     f"(units[{owner[parent]}])", "list children before their "
+                                     "parents (children first, root last)")
+            owner[name] = i
+        reshard = unit.get("reshard_after_forward", True)
+        if not isinstance(reshard, bool):
+            raise check.fail(f"{path}.reshard_after_forward", f"must be true or false, got "
+                             f"{show(reshard)}", "write true (free parameters after forward) or "
+                             "false (keep them for backward)")
+        out.append((list(modules), reshard))
+    if "" not in owner:
+        raise check.fail(f"units[{len(units) - 1}]", "is not the root unit {modules: ['']}",
+                         "end units with the root, {modules: [''], reshard_after_forward: "
+                         "false}: fully_shard is applied to the root last")
+    return out
+
+
+def _check_strategy(check: _Checker, raw: dict, replicate: int, shard: int,
+                    units: list[tuple[list[str], bool]]) -> str:
+    """``strategy`` against the mesh and resharding, accepting what the planner writes
+    (``search.strategies_for``: full and grad-op shard over all ranks, none replicates, hybrid
+    may have one replica when the world fits in a node); absent, it follows from the mesh."""
+    if "strategy" not in raw or raw["strategy"] is None:
+        return "hybrid" if replicate > 1 and shard > 1 else "none" if shard == 1 < replicate \
+            else "full"
+    if raw["strategy"] == "ddp":
+        raise check.fail("strategy", "is ddp", "this fsdp-plan cannot apply DDP plans yet; plan "
+                         "with --strategy full, hybrid, grad-op or none")
+    strategy = check.choice(raw["strategy"], "strategy", STRATEGIES,
+                            "full (FULL_SHARD), hybrid (HSDP), grad-op (SHARD_GRAD_OP) or none")
+    if strategy in ("full", "grad-op") and replicate != 1:
+        raise check.fail("strategy", f"is {strategy} but mesh.replicate is {replicate}",
+                         f"{strategy} shards over all ranks (mesh.replicate: 1); for replicated "
+                         "shard groups write strategy: hybrid")
+    if strategy == "none" and shard != 1:
+        raise check.fail("strategy", f"is none but mesh.shard is {shard}", "none replicates "
+                         "every parameter: write mesh {replicate: world_size, shard: 1}, or "
+                         "another strategy")
+    if strategy == "grad-op":
+        resharding = [i for i, (_, reshard) in enumerate(units) if reshard]
+        if resharding:
+            raise check.fail(f"units[{resharding[0]}].reshard_after_forward", "is true under "
+                             "strategy grad-op", "grad-op (SHARD_GRAD_OP) keeps parameters "
+                             "gathered from forward to backward: set every unit's "
+                             "reshard_after_forward to false, or write strategy: full")
+    return strategy
+
+
+def _check_checkpointing(check: _Checker, raw: dict, version: int) -> tuple[list[str], list[str]]:
+    """The checkpointed FQNs (as the runtime applies them) and those asking for selective mode."""
+    value = raw.get("activation_checkpointing")
+    path = "activation_checkpointing"
+    if isinstance(value, dict):
+        if version < 2:
+            raise check.fail(path, "is a mapping", "a mapping {FQN: full | selective} needs "
+                             "fsdp_plan_version: 2; in version 1 list the FQNs")
+        check.mapping(value, path, "map module FQNs to full or selective")
+        selective = []
+        for name, mode in value.items():
+            check.fqn(name, f"{path}[{_clip(name)!r}]", root=False)
+            check.choice(mode, f"{path}[{_clip(name)!r}]", CHECKPOINT_MODES,
+                         "full recomputes the whole forward, selective saves the selective_ops")
+            if mode == "selective":
+                selective.append(name)
+        names = list(value)
+    else:
+        names = check.sequence(value, path, "list the module FQNs whose forward is recomputed "
+                               "in backward ([] for none)", optional=True)
+        seen: set[str] = set()
+        for i, name in enumerate(names):
+            check.fqn(name, f"{path}[{i}]", root=False)
+            if name in seen:
+                raise check.fail(f"{path}[{i}]", f"{name_of(name)} is listed twice",
+                                 "list each checkpointed module once")
+            seen.add(name)
+        selective = []
+    ops = raw.get("selective_ops")
+    for i, op in enumerate(check.sequence(ops, "selective_ops", "list op names such as "
+                                          "aten.mm.default", optional=True)):
+        name = check.string(op, f"selective_ops[{i}]", "an op name such as aten.mm.default")
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise check.fail(f"selective_ops[{i}]", f"is {show(name)}, not an op name",
+                             "write it as torch.ops spells it, e.g. aten.mm.default")
+    return list(names), selective
+
+
+def _check_prefetch(check: _Checker, value: Any, kind: str, keys: set[str]) -> dict[str, list[str]]:
+    fix = (f"{kind} maps a unit key (a unit's first module) to the unit keys it prefetches, "
+           "e.g. {layers.0: [layers.1]}")
+    mapping = check.mapping(value, kind, fix, optional=True)
+    out = {}
+    for key, targets in mapping.items():
+        kpath = f"{kind}[{_clip(key)!r}]"
+        if key not in keys:
+            raise check.fail(kpath, f"names {name_of(key)}, which is not a unit key", fix)
+        targets = check.sequence(targets, kpath, fix)
+        seen: set[str] = set()
+        for i, target in enumerate(targets):
+            tpath = f"{kpath}[{i}]"
+            if not isinstance(target, str) or target not in keys:
+                raise check.fail(tpath, f"is {name_of(target)}, which is not a unit key", fix)
+            if target == key:
+                raise check.fail(tpath, "is the unit itself", "a unit never prefetches itself; "
+                                 "remove it")
+            if target in seen:
+                raise check.fail(tpath, f"{name_of(target)} is listed twice", "list it once")
+            seen.add(target)
+        out[key] = list(targets)
+    return out
+
+
+def _check_precision(check: _Checker, value: Any) -> dict[str, str | None]:
+    fix = "mixed_precision is {param_dtype: bfloat16, reduce_dtype: float32} (null keeps fp32)"
+    mapping = check.mapping(value, "mixed_precision", fix, optional=True)
+    check.keys(mapping, "mixed_precision", _PRECISION_KEYS)
+    out: dict[str, str | None] = {}
+    for key, dtype in mapping.items():
+        if dtype is not None:
+            check.choice(dtype, f"mixed_precision.{key}", DTYPE_NAMES,
+                         "FSDP casts to floating dtypes only: use bfloat16, float16 or float32, "
+                         "or null to keep the parameters' dtype")
+        out[key] = dtype
+    return out
+
+
+def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
+    """Only the numbers verify and bench read are checked; the rest is the planner's report."""
+    fix = "predicted is what the planner wrote; re-plan to get it back, or remove the key"
+    predicted = check.mapping(value, "predicted", fix, optional=True)
+    if predicted.get("peak_bytes") is not None:
+        check.integer(predicted["peak_bytes"], "predicted.peak_bytes", 0, MAX_BYTES,
+                      "peak_bytes is a whole number of bytes >= 0")
+    for key in ("step_time_s", "exposed_comm_s", "hidden_comm_s", "comm_tail_s"):
+        if predicted.get(key) is not None:
+            check.number(predicted[key], f"predicted.{key}", "write seconds as a number")
+    for key in ("collectives_per_step", "collectives_per_step_fsdp1"):
+        counts = check.mapping(predicted.get(key), f"predicted.{key}", fix, optional=True)
+        for name, count in counts.items():
+            check.integer(count, f"predicted.{key}.{_clip(name)}", 0, 2**40,
+                          "a collective count is a whole number >= 0")
+    breakdown = check.mapping(predicted.get("breakdown"), "predicted.breakdown", fix, optional=True)
+    for name, size in breakdown.items():
+        check.number(size, f"predicted.breakdown.{_clip(name)}", "write bytes as a number")
+    units = check.sequence(predicted.get("units"), "predicted.units", fix, optional=True)
+    for i, unit in enumerate(units):
+        unit = check.mapping(unit, f"predicted.units[{i}]", fix)
+        if "key" in unit:
+            check.fqn(unit["key"], f"predicted.units[{i}].key", root=True)
+    return copy.deepcopy(predicted)
+
+
+def _refuse_unapplied(check: _Checker, raw: dict, selective: list[str]) -> None:
+    """Version-2 features nothing in this fsdp-plan applies: refused, never silently ignored."""
+    offload = raw.get("offload")
+    if offload is not None:
+        mapping = check.mapping(offload, "offload", "offload is {params: bool, optimizer: bool}")
+        check.keys(mapping, "offload", ("params", "optimizer"))
+        for key, flag in mapping.items():
+            if not isinstance(flag, bool):
+                raise check.fail(f"offload.{key}", f"must be true or false, got {show(flag)}",
+                                 "write true or false")
+        if any(mapping.values()):
+            raise check.fail("offload", "asks for CPU offload", "this fsdp-plan cannot apply "
+                             "CPU offload yet; remove offload (or set both to false)")
+    if raw.get("ddp") is not None:
+        raise check.fail("ddp", "is present", "this fsdp-plan cannot apply DDP plans yet; "
+                         "remove the ddp key")
+    steps = raw.get("grad_accum_steps")
+    if steps is not None:
+        check.integer(steps, "grad_accum_steps", 1, 2**20, "grad_accum_steps counts "
+                      "micro-batches per optimizer step: a whole number >= 1")
+        if steps > 1:
+            raise check.fail("grad_accum_steps", f"is {steps}", "this fsdp-plan cannot apply "
+                             "gradient accumulation yet; remove it or set it to 1")
+    if selective:
+        raise check.fail(f"activation_checkpointing[{_clip(selective[0])!r}]", "is selective",
+                         "this fsdp-plan cannot apply selective checkpointing yet; write full "
+                         "for that module (or drop it)")
+
+
+def resolve_candidates(source: str, plan_path: str | None) -> list[str]:
+    """Where a relative model path in a plan is looked for, in order: the plan file's folder,
+    the working folder (plans written before this rule), then the plan folder's parents (a plan
+    written into ``policies/`` from the project root records paths from the root)."""
+    if os.path.isabs(source):
+        return [source]
+    found = []
+    if plan_path is not None:
+        found.append(os.path.join(os.path.dirname(os.path.abspath(plan_path)), source))
+    found.append(os.path.abspath(source))
+    if plan_path is not None:
+        folder = os.path.dirname(os.path.abspath(plan_path))
+        while os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)
+            found.append(os.path.join(folder, source))
+    return list(dict.fromkeys(os.path.normpath(p) for p in found))
