@@ -161,6 +161,10 @@ def check_writable(path: str, what: str) -> None:
     try:
         fd, tmp = _create_temporary(folder)
     except OSError as e:
+        if e.errno in (errno.ENOENT, errno.EOPNOTSUPP, errno.EINVAL):  # the folder exists
+            raise BadInput(f"{what} {path!r} cannot be written (the folder {folder!r} does not "
+                           f"accept new files: {e.strerror or e}); nothing was planned. To fix, "
+                           "choose a path in an ordinary folder.") from e
         raise write_failed(path, e, what, written="nothing was planned") from e
     os.close(fd)
     os.unlink(tmp)

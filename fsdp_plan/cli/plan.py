@@ -11,42 +11,81 @@ import json
 import sys
 from typing import Any
 
-import yaml
-
-from fsdp_plan.cost import hardware_for
+from fsdp_plan.cost import GPUS, hardware_for, read_hardware_file
 from fsdp_plan.errors import BadInput
 from fsdp_plan.memory import OPTIMIZER_STATES, canonical_dtype
-from fsdp_plan.outputs import check_writable
+from fsdp_plan.outputs import check_outputs, check_writable
 from fsdp_plan.sizes import format_bytes, parse_bytes
-from fsdp_plan.source import ModelSource, parse_model_args, source_kind
+from fsdp_plan.source import (
+    MAX_BATCH_SIZE,
+    MAX_SEQ_LEN,
+    ModelSource,
+    check_count,
+    model_input_files,
+    parse_model_args,
+    source_kind,
+)
 
 # Nothing above imports torch: every flag is checked before the ~6 s torch import (run()).
 
+# Upper bounds on counts: anything larger is a typing mistake, caught before any work.
+MAX_WORLD_SIZE = 2**20
+"""1,048,576 GPUs. FSDP's device mesh and this planner's per-rank model describe real clusters
+(the largest run today have ~10^5 GPUs); a larger count would only overflow later arithmetic."""
+MAX_GPUS_PER_NODE = 1024
+"""GPUs sharing one node's fast links (8 on DGX/HGX, 72 in an NVL72 rack)."""
+MAX_TOP = 1000
+"""Alternatives printed in the report."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None, help="model file (.py), "
-                        "package.module:attr, or (with --hf-config) omitted")
-    parser.add_argument("--mem", required=True, help="per-GPU memory budget: 70GB, 70GiB, 70000MB or bytes")
+    parser.add_argument("model", nargs="?", default=None, help="model file (.py) defining "
+                        "build_model(**kwargs), or package.module:attr; omit with --hf-config")
+    parser.add_argument("--mem", required=True, help="per-GPU memory budget: 70GB (10^9 bytes), "
+                        "70GiB (2^30 bytes), 70000MB or plain bytes (required)")
     parser.add_argument("--headroom", default=None,
-                        help="memory kept free for the CUDA context, NCCL buffers and "
-                        "fragmentation (default 10%% of --mem)")
-    parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--entry", default="build_model")
-    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--hf-config", default=None, help="build a transformers model from config.json")
-    parser.add_argument("--batch-size", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--strategy", default="auto", choices=["auto", "full", "hybrid", "grad-op", "none"])
-    parser.add_argument("--param-dtype", default="bf16")
-    parser.add_argument("--reduce-dtype", default="fp32")
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES))
-    parser.add_argument("--gpu", default="h100")
-    parser.add_argument("--hardware", default=None, help="YAML file overriding GPU/link figures")
-    parser.add_argument("-o", "--output", default=None, help="write the policy module here")
-    parser.add_argument("--plan", default=None, help="write the plan YAML here")
-    parser.add_argument("--trace", default=None, help="write the predicted timeline (Chrome trace)")
-    parser.add_argument("--format", default="table", choices=["table", "json"])
-    parser.add_argument("--top", type=int, default=5, help="alternatives shown in the report")
+                        help="bytes kept free for the CUDA context, NCCL buffers and "
+                        "fragmentation, same units as --mem; 0 plans up to the limit "
+                        "(default: 10%% of --mem)")
+    parser.add_argument("--world-size", type=int, default=8,
+                        help=f"GPUs in the whole job, 1..{MAX_WORLD_SIZE:,} (default: %(default)s)")
+    parser.add_argument("--gpus-per-node", type=int, default=8,
+                        help=f"GPUs per node, 1..{MAX_GPUS_PER_NODE} (default: %(default)s)")
+    parser.add_argument("--entry", default="build_model",
+                        help="name of the factory function in the model file (default: %(default)s)")
+    parser.add_argument("--model-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument for the factory, value read as a YAML scalar "
+                        "(int, float, bool, null/~, else text); repeatable")
+    parser.add_argument("--hf-config", default=None, help="build a Hugging Face transformers "
+                        "model from this config.json on the meta device (nothing downloaded)")
+    parser.add_argument("--batch-size", type=int, default=1,
+                        help=f"samples per micro-batch per GPU, 1..{MAX_BATCH_SIZE:,} "
+                        "(default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=4096,
+                        help=f"tokens per sample, 1..{MAX_SEQ_LEN:,} (default: %(default)s)")
+    parser.add_argument("--strategy", default="auto", choices=["auto", "full", "hybrid", "grad-op", "none"],
+                        help="sharding strategy; auto picks the best that fits (default: %(default)s)")
+    parser.add_argument("--param-dtype", default="bf16",
+                        help="mixed-precision parameter dtype: bf16, fp16 or fp32 (default: %(default)s)")
+    parser.add_argument("--reduce-dtype", default="fp32",
+                        help="gradient reduction dtype: bf16, fp16 or fp32 (default: %(default)s)")
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES),
+                        help="optimizer whose states are counted (default: %(default)s)")
+    parser.add_argument("--gpu", default="h100", help=f"GPU preset for the time model: "
+                        f"{', '.join(GPUS)} (default: %(default)s)")
+    parser.add_argument("--hardware", default=None, metavar="HW.yaml",
+                        help="YAML file overriding the preset's fields (peak_flops in FLOP/s, "
+                        "bandwidths in bytes/s, latencies in seconds)")
+    parser.add_argument("-o", "--output", default=None, metavar="POLICY.py",
+                        help="write the policy module (.py) here (default: not written)")
+    parser.add_argument("--plan", default=None, metavar="PLAN.yaml",
+                        help="write the plan YAML here (default: not written)")
+    parser.add_argument("--trace", default=None, metavar="TRACE.json",
+                        help="write the predicted timeline as a Chrome trace (default: not written)")
+    parser.add_argument("--format", default="table", choices=["table", "json"],
+                        help="report on stdout as a table or one JSON document (default: %(default)s)")
+    parser.add_argument("--top", type=int, default=5,
+                        help=f"alternatives shown in the report, 0..{MAX_TOP} (default: %(default)s)")
     parser.add_argument("--verify", action="store_true",
                         help="measure the chosen plan with FSDPMemTracker before writing")
     parser.add_argument("--exact-analysis", action="store_true",
@@ -58,41 +97,49 @@ def _dtype(name: str, flag: str) -> str:
 
 
 def validate(args: argparse.Namespace) -> dict[str, Any]:
-    """Check every input before any work; returns parsed values."""
+    """Check every input before any work (nothing imported from torch, no user code run);
+    returns parsed values."""
     budget = parse_bytes(args.mem, "--mem")
-    headroom = parse_bytes(args.headroom, "--headroom") if args.headroom else budget // 10
+    headroom = (parse_bytes(args.headroom, "--headroom", allow_zero=True)
+                if args.headroom is not None else budget // 10)
     if headroom >= budget:
         raise BadInput(f"--headroom {format_bytes(headroom)} leaves nothing of --mem {format_bytes(budget)}.")
-    if args.world_size <= 0:
-        raise BadInput(f"--world-size must be a positive number of GPUs, got {args.world_size}.")
-    if args.gpus_per_node <= 0:
-        raise BadInput(f"--gpus-per-node must be positive, got {args.gpus_per_node}.")
+    check_count(args.world_size, "--world-size", MAX_WORLD_SIZE,
+                "GPUs in the whole job; FSDP's device mesh and this planner's per-rank model "
+                "describe real clusters, and no cluster is larger")
+    check_count(args.gpus_per_node, "--gpus-per-node", MAX_GPUS_PER_NODE,
+                "GPUs sharing one node's fast links: 8 on DGX/HGX, 72 in an NVL72 rack")
+    check_count(args.batch_size, "--batch-size", MAX_BATCH_SIZE,
+                "samples per micro-batch on one GPU; larger is a typing mistake")
+    check_count(args.seq_len, "--seq-len", MAX_SEQ_LEN,
+                "tokens per sample, beyond any model's context; larger is a typing mistake")
+    if isinstance(args.top, bool) or not isinstance(args.top, int) or not 0 <= args.top <= MAX_TOP:
+        raise BadInput(f"--top {args.top} is outside 0..{MAX_TOP} (alternatives shown in the report).")
     if args.world_size > args.gpus_per_node and args.world_size % args.gpus_per_node:
         raise BadInput(f"--world-size {args.world_size} is not a multiple of --gpus-per-node "
                        f"{args.gpus_per_node}; nodes must be full (e.g. --world-size "
                        f"{args.world_size // args.gpus_per_node * args.gpus_per_node or args.gpus_per_node}).")
-    overrides = None
-    if args.hardware:
-        try:
-            with open(args.hardware) as f:
-                overrides = yaml.safe_load(f) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise BadInput(f"--hardware {args.hardware!r} cannot be read as YAML: {e}.") from e
-        if not isinstance(overrides, dict):
-            raise BadInput(f"--hardware {args.hardware!r} must hold a mapping of field: value.")
-    hardware = hardware_for(args.gpu, overrides)
+    if not args.entry.isidentifier():
+        raise BadInput(f"--entry {args.entry!r} is not a Python function name.")
+    parse_model_args(args.model_arg)  # refuses .nan/.inf and malformed pairs before any work
+    outputs = [("-o", args.output), ("--plan", args.plan), ("--trace", args.trace)]
+    check_outputs([*model_input_files(args.model, args.hf_config), ("--hardware", args.hardware)],
+                  outputs)
+    overrides = read_hardware_file(args.hardware) if args.hardware else None
+    hardware = hardware_for(args.gpu, overrides, where=f"--hardware {args.hardware!r}")
     param_dtype = _dtype(args.param_dtype, "--param-dtype")
     reduce_dtype = _dtype(args.reduce_dtype, "--reduce-dtype")
-    for path, what in ((args.output, "-o"), (args.plan, "--plan"), (args.trace, "--trace")):
-        if path:
-            check_writable(path, what)
     if args.output and not args.output.endswith(".py"):
         raise BadInput(f"-o {args.output!r} must name a .py file (the generated policy module).")
-    return dict(budget=budget, headroom=headroom, hardware=hardware, param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype)
+    for what, path in outputs:
+        if path is not None:
+            check_writable(path, what)
+    return {"budget": budget, "headroom": headroom, "hardware": hardware,
+            "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
 
 
 def model_source(args: argparse.Namespace) -> ModelSource:
+    """The model's source as the plan file records it (validated: see ``ModelSource``)."""
     if args.hf_config:
         return ModelSource(source=args.hf_config, entry="from_config", kind="hf-config",
                            args=parse_model_args(args.model_arg), batch_size=args.batch_size,
@@ -119,9 +166,11 @@ def run(args: argparse.Namespace) -> int:
         world_size=args.world_size, gpus_per_node=args.gpus_per_node, strategy=args.strategy,
         param_dtype=values["param_dtype"], reduce_dtype=values["reduce_dtype"],
         optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis)
-    result = make_plan(request, progress)
-    if args.verify and result.loaded is not None:
-        verify_by_measurement(result, result.loaded, progress)
+    from fsdp_plan.load import user_code_output_to_stderr  # the model's print()s stay off stdout
+    with user_code_output_to_stderr():
+        result = make_plan(request, progress)
+        if args.verify and result.loaded is not None:
+            verify_by_measurement(result, result.loaded, progress)
     rows = ([candidate_row(c) for c in result.ranked[: args.top]]
             + [candidate_row(c) for c in result.recipes])
     if args.format == "json":
