@@ -28,17 +28,46 @@ from torch import nn
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
 
 from fsdp_plan.depth import expand_pass, reduce_depth
 from fsdp_plan.errors import BadInput
 from fsdp_plan.facts import Analysis, Event, ModuleCompute, Timeline, fill_flops
 from fsdp_plan.fake import materialize_fake, new_fake_mode
-from fsdp_plan.load import LoadedModel, rebuild_meta
+from fsdp_plan.graph import keeps_full_precision
+from fsdp_plan.load import LoadedModel, rebuild_meta, user_code_location
+from fsdp_plan.measure.dtypes import DtypeChecker, running_modules
 from fsdp_plan.policy_runtime import plain_fqn
 
 # Drops the wrapper segments FSDP1 and checkpointing insert, as the emitted policy does.
 normalize_fqn = plain_fqn
+
+
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *_args, out_shape=None,
+                         **_kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *_args,
+                                  out_shape=None, **_kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+CPU_ATTENTION_FLOP_RULES = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        _cpu_attention_backward_flops,
+}
+"""FLOP rules for the CPU flash-attention kernels, which ``flop_registry`` lacks: on CPU (and
+so under fake CPU tensors) SDPA takes them, and without a rule attention counted 0 FLOPs.
+Pass as ``FlopCounterMode(custom_mapping=...)`` to count the same on real tensors."""
+_FLOP_RULES = {**flop_registry,
+               **{op: shape_wrapper(rule) for op, rule in CPU_ATTENTION_FLOP_RULES.items()}}
 
 
 class _ActivationMeter(TorchDispatchMode):
@@ -83,7 +112,7 @@ class _ActivationMeter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         tree_map_only(torch.Tensor, self.track, out)
-        count = flop_registry.get(func._overloadpacket)
+        count = _FLOP_RULES.get(func._overloadpacket)
         if count is not None:
             self.flops += count(*args, **kwargs, out_val=out)
         return out
@@ -114,11 +143,18 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
     materialize_fake(model, fake_mode)
     if checkpoint:
         apply_checkpointing(model, checkpoint)
+    # Batch norm stays float32, its inputs cast up and outputs back, as the plan applies it.
+    full = [m for m in model.modules() if keeps_full_precision(m)] if (
+        param_dtype is not None and param_dtype.itemsize < 4) else []
+    kept = {id(p) for m in full for p in m.parameters(recurse=False)}
     if param_dtype is not None:
         with fake_mode:
             for p in model.parameters():
-                if p.is_floating_point():
+                if p.is_floating_point() and id(p) not in kept:
                     p.data = p.data.to(param_dtype)
+    casts = [h for m in full for h in (
+        m.register_forward_pre_hook(lambda _m, a: _cast_floating(a, torch.float32)),
+        m.register_forward_hook(lambda _m, _a, out: _cast_floating(out, param_dtype)))]
     param_storages = {id(p.untyped_storage()) for p in model.parameters()}
     param_storages |= {id(b.untyped_storage()) for b in model.buffers()}
     meter = _ActivationMeter(set(param_storages))
@@ -171,8 +207,10 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
             args, kwargs = _cast_floating(args, param_dtype), _cast_floating(kwargs, param_dtype)
         input_bytes = _bytes_of((args, kwargs))
         try:
-            with tracker, meter, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            checker = DtypeChecker(running_modules(tracker))  # fake kernels accept mixed dtypes
+            with tracker, meter, checker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 output = model(*args, **kwargs)
+                checker.raise_if_mismatched()
                 loss = loaded.compute_loss(output)
                 del output
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -188,7 +226,7 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
             where = failed_in[0] if failed_in else stack[-1] if stack else None
             raise _explain_trace_failure(e, loaded, where, _shapes(args, kwargs)) from e
         finally:
-            for h in hooks:
+            for h in hooks + casts:
                 h.remove()
             tracker.clear_user_hooks()
     fill_flops(events, modules)
@@ -231,9 +269,15 @@ def _explain_trace_failure(error: Exception, loaded: LoadedModel,
         inside = f" in module {module!r}" + (f" ({kind})" if kind else "")
     elif module == "":
         inside = " in the root module's forward"
+    at = user_code_location(error, loaded)  # the user's file and line, when the error is theirs
+    if "_local_scalar_dense" in text or "DataDependentOutput" in name:
+        return BadInput(
+            f"the model reads a tensor's value{inside}{at} ({name}: {text}): .item(), .tolist(), "
+            "int()/float()/bool() of a tensor and `if tensor:` need real values, and planning runs "
+            "on fake tensors, which have none. Compute the value from shapes or the config.")
     return BadInput(
         f"the model failed on its example inputs (batch {loaded.source.batch_size}, sequence "
-        f"{loaded.source.seq_len}{'; given ' + given if given else ''}){inside} with {name}: "
+        f"{loaded.source.seq_len}{'; given ' + given if given else ''}){inside}{at} with {name}: "
         f"{text}. Check example_inputs and "
         "--batch-size/--seq-len against what the model's forward expects.")
 

@@ -141,8 +141,6 @@ def expand_pass(timeline: Timeline, modules: dict[str, ModuleCompute], input_byt
         if expanded is None:
             return None
         events = expanded
-    for comp in modules.values():
-        comp.fw_flops = comp.bw_flops = 0.0
     fill_flops(events, modules)
     return (Timeline(events=events, checkpointed=timeline.checkpointed,
                      final_level=timeline.final_level, seconds=timeline.seconds),

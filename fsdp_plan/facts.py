@@ -34,6 +34,9 @@ class ModuleInfo:
     """Buffers registered directly on this module."""
     param_shapes: list[list[int]] = field(default_factory=list)
     """Shapes of the parameters directly owned here (for FSDP's per-parameter padding)."""
+    keeps_full_precision: bool = False
+    """Batch norm with parameters: FSDP must keep it in float32 when the plan computes in a
+    lower dtype (its weights meet float32 running statistics), so it is a unit of its own."""
 
 
 @dataclass(kw_only=True)
@@ -79,10 +82,15 @@ class Timeline:
 
 @dataclass(kw_only=True)
 class ModuleCompute:
-    """Per-module figures derived from a pass (inclusive of submodules)."""
+    """Per-module figures derived from a pass (see [Note: FLOP attribution])."""
 
     fw_flops: float = 0.0
+    """Forward FLOPs of this module and its submodules."""
     bw_flops: float = 0.0
+    """Backward FLOPs of this module and its submodules."""
+    own_fw_flops: float = 0.0
+    """Forward FLOPs of ops that ran in this module and in none of its submodules."""
+    own_bw_flops: float = 0.0
     saved_bytes: int = 0
     """Bytes saved for backward by ops running directly in this module (not in children)."""
     output_bytes: int = 0
@@ -149,17 +157,62 @@ def _timeline(raw: dict[str, Any]) -> Timeline:
 
 
 def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
-    """Forward/backward FLOPs per module from cumulative FLOPs at its first boundaries."""
-    open_at: dict[tuple[str, str], float] = {}
-    for ev in events:
+    """Forward/backward FLOPs per module, each op counted once (see [Note: FLOP attribution]).
+
+    [Note: FLOP attribution]
+    The FLOPs between two boundaries belong to the innermost module open at the first of
+    them: in forward the last pre-forward not yet closed by its post-forward; in backward the
+    last pre-backward not yet closed by its post-backward (a module's backward ops run right
+    after its pre-backward hook) that has no open submodule (a module and its last submodule
+    share an output, and the outer pre-backward hook fires second). Backward windows are not nested: a module's post-backward
+    waits for its input's whole gradient, so siblings that share an input (q, k and v
+    projections) close together after all of them ran, and their windows overlap. Measuring
+    each module over its own window would count q's backward in k's and v's too (the tiny
+    Llama's units summed to 1.4x the model's backward FLOPs). Each op's FLOPs go to one
+    module (``own_*``); a module's inclusive figure adds those of its FQN descendants, so the
+    units of any plan add up to the model. FLOPs outside every module (the loss) are the root's.
+    """
+    for comp in modules.values():
+        comp.fw_flops = comp.bw_flops = comp.own_fw_flops = comp.own_bw_flops = 0.0
+    open_modules: list[str] = []
+    in_backward = False
+    for ev, nxt in zip(events, events[1:]):
         if ev.kind in ("pre_fw", "pre_bw"):
-            open_at.setdefault((ev.module, ev.kind[-2:]), ev.flops)
-        elif ev.kind in ("post_fw", "post_bw"):
-            start = open_at.pop((ev.module, ev.kind[-2:]), None)
-            if start is None:
-                continue
-            comp = modules.setdefault(ev.module, ModuleCompute())
-            if ev.kind == "post_fw":
-                comp.fw_flops += ev.flops - start
-            else:
-                comp.bw_flops += ev.flops - start
+            open_modules.append(ev.module)
+            in_backward = in_backward or ev.kind == "pre_bw"
+        elif ev.kind in ("post_fw", "post_bw") and ev.module in open_modules:
+            del open_modules[len(open_modules) - 1 - open_modules[::-1].index(ev.module)]
+        delta = nxt.flops - ev.flops
+        if not delta or not open_modules:
+            continue
+        owner = _innermost(open_modules)
+        comp = modules.setdefault(owner, ModuleCompute())
+        if in_backward:
+            comp.own_bw_flops += delta
+        else:
+            comp.own_fw_flops += delta
+        for fqn in _self_and_ancestors(owner):
+            if fqn in modules:
+                if in_backward:
+                    modules[fqn].bw_flops += delta
+                else:
+                    modules[fqn].fw_flops += delta
+
+
+def _innermost(open_modules: list[str]) -> str:
+    """The most recently opened module with no open submodule."""
+    for i in range(len(open_modules) - 1, -1, -1):
+        fqn = open_modules[i]
+        prefix = fqn + "." if fqn else ""
+        if not any(o != fqn and o.startswith(prefix) for o in open_modules):
+            return fqn
+    return open_modules[-1]
+
+
+def _self_and_ancestors(fqn: str) -> list[str]:
+    """``a.b.c`` -> ``["a.b.c", "a.b", "a", ""]``."""
+    out = [fqn]
+    while fqn:
+        fqn = fqn.rpartition(".")[0]
+        out.append(fqn)
+    return out

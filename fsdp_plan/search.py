@@ -28,7 +28,7 @@ from fsdp_plan.memory import (
     estimate_peak,
 )
 from fsdp_plan.timeline import TimelineComposer
-from fsdp_plan.units import UnitSpec, build_units, check_tied
+from fsdp_plan.units import UnitSpec, build_units, check_tied, with_full_precision_units
 
 FSDP1_DEFAULT_MIN_PARAMS = 100_000_000
 
@@ -178,19 +178,12 @@ class Evaluator:
 
 
 def _exclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
-    """FLOPs of each module's own ops (inclusive minus its children's); the root takes the rest."""
-    fw: dict[str, float] = {}
-    bw: dict[str, float] = {}
-    for fqn, info in graph.modules.items():
-        comp = analysis.modules.get(fqn)
-        if comp is None:
-            continue
-        kids = [analysis.modules[c] for c in info.children if c in analysis.modules]
-        fw[fqn] = max(0.0, comp.fw_flops - sum(k.fw_flops for k in kids))
-        bw[fqn] = max(0.0, comp.bw_flops - sum(k.bw_flops for k in kids))
-    # The root's backward hook may not fire (its inputs need no gradient): give it the rest.
-    bw[""] = max(0.0, analysis.total_bw_flops - sum(v for k, v in bw.items() if k))
-    fw[""] = max(0.0, analysis.total_fw_flops - sum(v for k, v in fw.items() if k))
+    """FLOPs of each module's own ops ([Note: FLOP attribution]); the root takes the rest."""
+    fw = {m: c.own_fw_flops for m, c in analysis.modules.items() if m and m in graph.modules}
+    bw = {m: c.own_bw_flops for m, c in analysis.modules.items() if m and m in graph.modules}
+    # Ops outside every module (the loss) and the root's own ops: the root's unit runs them.
+    fw[""] = max(0.0, analysis.total_fw_flops - sum(fw.values()))
+    bw[""] = max(0.0, analysis.total_bw_flops - sum(bw.values()))
     return fw, bw
 
 
@@ -213,7 +206,9 @@ def block_layouts(graph: ModuleGraph) -> dict[str, list[list[str]]]:
             if groups and groups not in layouts.values():
                 layouts[f"size/{parts}"] = groups
     layouts["root-only"] = []
-    return {k: v for k, v in layouts.items() if check_tied(graph, v)}
+    # Batch norm is a unit of its own in every layout: [Note: batch norm in full precision].
+    return {k: with_full_precision_units(graph, v) for k, v in layouts.items()
+            if check_tied(graph, v)}
 
 
 def _top_level_units(graph: ModuleGraph) -> list[list[str]]:
@@ -369,16 +364,21 @@ def standard_recipes(evaluator: Evaluator) -> list[Candidate]:
     out: list[Candidate] = []
     common = dict(strategy="full", replicate=1, shard=s.world_size, root_reshard=False, k=0,
                   forward_prefetch=0, backward_prefetch=1)
+    # Each recipe with batch norm as units of its own, as FSDP1's mixed precision wraps it
+    # ([Note: batch norm in full precision]): without them a bf16 recipe would not run.
     if graph.blocks:
-        groups = [[b] for b in graph.blocks]
+        blocks = [[b] for b in graph.blocks]
+        groups = with_full_precision_units(graph, blocks)
         reshard = [True] * len(groups)
-        reshard[-1] = False
+        reshard[groups.index(blocks[-1])] = False
         if check_tied(graph, groups):
             out.append(evaluator.evaluate(name="recipe: torchtitan (unit per block)",
                                           groups=groups, reshard=reshard, **common))
-    sized = size_based_units(graph)
+    sized = with_full_precision_units(graph, size_based_units(graph))
     if check_tied(graph, sized):
         out.append(evaluator.evaluate(name="recipe: FSDP1 size_based (1e8)", groups=sized,
                                       reshard=[True] * len(sized), **common))
-    out.append(evaluator.evaluate(name="recipe: root only", groups=[], reshard=[], **common))
+    alone = with_full_precision_units(graph, [])
+    out.append(evaluator.evaluate(name="recipe: root only", groups=alone,
+                                  reshard=[True] * len(alone), **common))
     return out

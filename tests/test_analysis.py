@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_plan.analysis import analyze
+from fsdp_plan.analysis import CPU_ATTENTION_FLOP_RULES, analyze
 from fsdp_plan.graph import build_module_graph
 from fsdp_plan.load import ModelSource, load_model
 
@@ -50,7 +50,7 @@ def test_flops_match_flop_counter_on_real_tensors(name):
     analysis = analyze(lm, param_dtype=None, blocks=graph.blocks, with_checkpointing=False)
     model = real_model(lm)
     args, kwargs = lm.make_inputs(2, 32)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=CPU_ATTENTION_FLOP_RULES) as counter:
         lm.compute_loss(model(*args, **kwargs)).backward()
     total = analysis.total_fw_flops + analysis.total_bw_flops
     assert total == pytest.approx(counter.get_total_flops(), rel=1e-6)
@@ -105,3 +105,44 @@ def test_depth_reduction_matches_full_analysis():
     assert [(e.kind, e.module, e.level, e.peak) for e in fast.timeline.events] == \
         [(e.kind, e.module, e.level, e.peak) for e in full.timeline.events]
     assert fast.total_fw_flops == full.total_fw_flops
+
+
+def _unit_flops_add_up(lm) -> None:
+    from fsdp_plan.cost import hardware_for
+    from fsdp_plan.search import Evaluator, SearchSettings, block_layouts
+    graph = build_module_graph(lm.model)
+    analysis = analyze(lm, param_dtype=None, blocks=graph.blocks, with_checkpointing=False)
+    assert sum(c.own_fw_flops for c in analysis.modules.values()) == pytest.approx(
+        analysis.total_fw_flops, rel=1e-9)
+    ev = Evaluator(graph, analysis, SearchSettings(budget_bytes=10**12, headroom_bytes=0,
+                                                   world_size=2, gpus_per_node=8,
+                                                   hardware=hardware_for("h100")))
+    for name, groups in block_layouts(graph).items():
+        cand = ev.evaluate(name=name, strategy="full", replicate=1, shard=2, groups=groups,
+                           reshard=[True] * len(groups), root_reshard=False,
+                           forward_prefetch=0, backward_prefetch=1)
+        fw = sum(ev._unit_flops(u)[0] for u in cand.units)
+        bw = sum(ev._unit_flops(u)[1] for u in cand.units)
+        assert fw == pytest.approx(analysis.total_fw_flops, rel=1e-9), name
+        assert bw == pytest.approx(analysis.total_bw_flops, rel=1e-9), name
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "vit", "mixed", "resnet"])
+def test_unit_flops_add_up_to_the_models_flops(name):
+    """Issue 12: every op counted in exactly one unit, for every layout the search tries."""
+    path = os.path.join(ROOT, "examples", f"{name}.py")
+    if not os.path.exists(path):
+        pytest.skip(f"examples/{name}.py not bundled")
+    _unit_flops_add_up(load_model(ModelSource(source=path, args={"size": "tiny"}, batch_size=2,
+                                              seq_len=32)))
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", ["llama", "gpt2", "t5", "vit", "bert", "mixtral"])
+def test_unit_flops_add_up_on_hugging_face_models(name):
+    """A Hugging Face decoder's blocks sit under ``model.layers`` inside ``LlamaModel``: the
+    container never runs forward, which once counted every block again in its parent."""
+    pytest.importorskip("transformers")
+    path = os.path.join(ROOT, "examples", "hf", f"{name}.json")
+    _unit_flops_add_up(load_model(ModelSource(source=path, kind="hf-config", batch_size=2,
+                                              seq_len=16)))
