@@ -57,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check needs a CUDA GPU.", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
+    from fsdp_plan.bench.inputs import check_out_folder
+    from fsdp_plan.errors import BadInput
+    try:
+        check_out_folder(args.out)  # checked now, created only when the result is written
+    except BadInput as e:
+        print(f"gpu_check: {e}", file=sys.stderr)
+        return 2
     checks = []
     for path in args.plans:
         print(f"gpu_check: allocator peak for {path}", file=sys.stderr, flush=True)
@@ -73,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
            "bench_exit_codes": codes}
     stem = device_name().replace(" ", "-").replace("/", "-")
     path = os.path.join(args.out, f"gpu-check-{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(args.out, exist_ok=True)
     atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
     print(f"gpu_check: wrote {path}", file=sys.stderr)
     return 0

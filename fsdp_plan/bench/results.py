@@ -12,7 +12,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import time
@@ -22,7 +21,7 @@ import torch
 from tabulate import tabulate
 
 from fsdp_plan.errors import BadInput
-from fsdp_plan.plan import atomic_write_text
+from fsdp_plan.plan import atomic_write_all
 from fsdp_plan.sizes import format_bytes
 
 RESULT_VERSION = 1
@@ -84,7 +83,8 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
     return {
         "fsdp_plan_bench_version": RESULT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "plan": {"path": prepared.plan_path, "hash": plan_hash(plan.to_dict()),
+        "plan": {"path": prepared.plan_path, "abspath": os.path.abspath(prepared.plan_path),
+                 "hash": plan_hash(plan.to_dict()),
                  "world_size": plan.world_size, "gpu": plan.gpu,
                  "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard}},
         "model": dict(plan.model),
@@ -115,28 +115,34 @@ def result_filename(result: dict[str, Any]) -> str:
 
 
 def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None = None,
-                 predicted_trace: str | None = None) -> str:
-    """Write ``<out>/<name>.json`` (and ``<name>.trace.json``, and with ``predicted_trace``
-    ``<name>.side-by-side.trace.json``) atomically; never overwrite an earlier result."""
-    os.makedirs(out_dir, exist_ok=True)
+                 predicted_trace: dict[str, Any] | None = None) -> str:
+    """Write ``<out>/<name>.json``, with ``<name>.trace.json`` (rank 0's profiler trace) and,
+    given the planner's ``predicted_trace``, ``<name>.side-by-side.trace.json``: all of them
+    or none (temporaries renamed together), never over an earlier result. ``out_dir`` is
+    created here, once the run is done. A write failure is ``BadInput`` naming the path."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise BadInput(f"--out {out_dir!r} cannot be created ({e.strerror or e}); nothing was "
+                       "written.") from e
     base = os.path.join(out_dir, result_filename(result))
     n = 1
     name = base
     while os.path.exists(name + ".json"):
         n += 1
         name = f"{base}-{n}"
+    files = []
     if trace_from and os.path.exists(trace_from):
-        trace_path = name + ".trace.json"
-        tmp = trace_path + ".tmp"
-        shutil.copyfile(trace_from, tmp)
-        os.replace(tmp, trace_path)
-        result["trace"] = os.path.basename(trace_path)
-        if predicted_trace:
-            with open(predicted_trace) as f, open(trace_from) as g:
-                merged = side_by_side_trace(json.load(f), json.load(g))
-            atomic_write_text(name + ".side-by-side.trace.json", json.dumps(merged))
+        with open(trace_from, encoding="utf-8") as f:
+            measured_text = f.read()
+        files.append((name + ".trace.json", measured_text))
+        result["trace"] = os.path.basename(name + ".trace.json")
+        if predicted_trace is not None:
+            merged = side_by_side_trace(predicted_trace, json.loads(measured_text))
+            files.append((name + ".side-by-side.trace.json", json.dumps(merged)))
             result["side_by_side_trace"] = os.path.basename(name + ".side-by-side.trace.json")
-    atomic_write_text(name + ".json", json.dumps(result, indent=2, default=str) + "\n")
+    files.append((name + ".json", json.dumps(result, indent=2, default=str) + "\n"))
+    atomic_write_all(files)
     return name + ".json"
 
 
@@ -163,18 +169,89 @@ def side_by_side_trace(predicted: dict[str, Any], measured: dict[str, Any]) -> d
     return {"traceEvents": merged, "displayTimeUnit": "ms"}
 
 
+_FIELD_KINDS = {
+    "text": "a string",
+    "mapping": "an object",
+    "counts": "an object of collective counts (non-negative integers)",
+    "seconds": "a non-negative number of seconds",
+    "seconds or null": "a non-negative number of seconds, or null",
+    "bytes or null": "a non-negative integer of bytes, or null",
+}
+_REQUIRED_FIELDS = (
+    ("plan.hash", "text"), ("run", "mapping"), ("collectives.measured", "counts"),
+    ("step_time.median_s", "seconds"), ("step_time.p99_s", "seconds"), ("memory", "mapping"),
+    ("comm.rank0", "mapping"),
+)
+"""What ``compare`` and the report read from an old result (``--compare``)."""
+_OPTIONAL_FIELDS = (("memory.peak_bytes", "bytes or null"),
+                    ("comm.rank0.exposed_s", "seconds or null"))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fits(kind: str, value: Any) -> bool:
+    if kind.endswith(" or null") and value is None:
+        return True
+    if kind == "text":
+        return isinstance(value, str)
+    if kind == "mapping":
+        return isinstance(value, dict)
+    if kind == "counts":
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for k, v in value.items())
+    if kind.startswith("seconds"):
+        return _is_number(value) and value >= 0
+    if kind.startswith("bytes"):
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    raise ValueError(kind)
+
+
+_MISSING = object()
+
+
+def _field(doc: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(doc, dict) or part not in doc:
+            return _MISSING
+        doc = doc[part]
+    return doc
+
+
+def check_result(result: Any, where: str) -> None:
+    """Refuse a result document that lacks a field ``compare`` reads, or holds a wrong type."""
+    fix = "pass a .json result written by fsdp-plan bench (not its .trace.json)."
+    if not isinstance(result, dict) or result.get("fsdp_plan_bench_version") != RESULT_VERSION:
+        raise BadInput(f"{where} is not an fsdp-plan bench result (fsdp_plan_bench_version "
+                       f"{RESULT_VERSION}); {fix}")
+    for dotted, kind in _REQUIRED_FIELDS + _OPTIONAL_FIELDS:
+        value = _field(result, dotted)
+        if value is _MISSING:
+            if (dotted, kind) in _OPTIONAL_FIELDS:
+                continue
+            raise BadInput(f"{where} lacks the field {dotted} ({_FIELD_KINDS[kind]}), so it is "
+                           f"not a complete fsdp-plan bench result; {fix}")
+        if not _fits(kind, value):
+            shown = repr(value)
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise BadInput(f"{where}: the field {dotted} is {shown}, not {_FIELD_KINDS[kind]}; "
+                           f"{fix}")
+
+
 def read_result(path: str) -> dict[str, Any]:
-    """A result file written by ``write_result`` (for ``--compare``)."""
+    """A result file written by ``write_result``, checked field by field (for ``--compare``,
+    before any worker starts)."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             result = json.load(f)
     except FileNotFoundError as e:
         raise BadInput(f"--compare {path!r} does not exist.") from e
     except (OSError, ValueError) as e:
-        raise BadInput(f"--compare {path!r} is not a readable JSON result: {e}.") from e
-    if not isinstance(result, dict) or result.get("fsdp_plan_bench_version") != RESULT_VERSION:
-        raise BadInput(f"--compare {path!r} is not an fsdp-plan bench result (version "
-                       f"{RESULT_VERSION}).")
+        raise BadInput(f"--compare {path!r} is not a readable JSON result: "
+                       f"{' '.join(str(e).split())}.") from e
+    check_result(result, f"--compare {path!r}")
     return result
 
 

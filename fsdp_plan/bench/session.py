@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_plan.bench import inputs
 from fsdp_plan.errors import BadInput, CheckFailed
 from fsdp_plan.load import LoadedModel
 from fsdp_plan.measure import runtime
+from fsdp_plan.measure.worker_setup import source_payload
 from fsdp_plan.plan import Plan, read_plan
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
@@ -57,6 +60,9 @@ class Prepared:
     payload: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     old_result: dict[str, Any] | None = None
+    """``--compare``'s result, read and checked."""
+    predicted_trace: dict[str, Any] | None = None
+    """``--predicted-trace``, read and checked."""
 
 
 def run_mesh(plan: Plan, nproc: int) -> tuple[tuple[int, int], list[str]]:
@@ -84,37 +90,36 @@ def run_mesh(plan: Plan, nproc: int) -> tuple[tuple[int, int], list[str]]:
 
 
 def prepare(args: argparse.Namespace, *, nproc: int) -> Prepared:
-    """Read and check everything before any worker starts (bad input fails fast, exit 2)."""
-    if args.steps < 1 or args.warmup < 0:
-        raise BadInput(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}.")
-    if nproc < 1:
-        raise BadInput(f"--nproc must be at least 1, got {nproc}.")
-    if not 0 < args.threshold < 10:
-        raise BadInput(f"--threshold is a fraction (0.10 = 10%), got {args.threshold}.")
+    """Read and check every input before any worker starts (bad input fails fast, exit 2):
+    numbers, the plan and its model, ``--compare``, ``--predicted-trace`` and ``--out``.
+    Creates nothing but the run's private trace folder, last (the caller removes it)."""
     from fsdp_plan.bench.results import read_result
 
+    inputs.check_run_numbers(args)
+    if nproc < 1:
+        raise BadInput(f"--nproc must be at least 1, got {nproc}.")
     old = read_result(args.compare) if args.compare else None
-    if args.predicted_trace and not os.path.isfile(args.predicted_trace):
-        raise BadInput(f"--predicted-trace {args.predicted_trace!r} does not exist; write it with "
-                       "fsdp-plan ... --trace FILE.")
-    os.makedirs(args.out, exist_ok=True)
-    if not os.access(args.out, os.W_OK):
-        raise BadInput(f"--out {args.out!r} cannot be written; choose another folder.")
+    predicted_trace = (inputs.read_predicted_trace(args.predicted_trace)
+                       if args.predicted_trace else None)
+    inputs.check_out_folder(args.out)
     plan = read_plan(args.plan)
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     mesh, notes = run_mesh(plan, nproc)
     fsdp_version = 1 if args.fsdp1 else 2
     payload = {
-        "source": {"source": loaded.source.source, "entry": loaded.source.entry,
-                   "args": dict(loaded.source.args), "batch_size": loaded.source.batch_size,
-                   "seq_len": loaded.source.seq_len, "kind": loaded.source.kind},
+        "source": source_payload(loaded.source),
         "policy_source": runtime.policy_source(plan), "mesh": list(mesh),
         "fsdp_version": fsdp_version, "optimizer": plan.optimizer,
         "warmup": args.warmup, "steps": args.steps,
-        "trace_dir": tempfile.mkdtemp(prefix="fsdp-plan-traces-"),
     }
-    return Prepared(plan=plan, plan_path=args.plan, loaded=loaded, nproc=nproc, mesh=mesh,
-                    fsdp_version=fsdp_version, payload=payload, notes=notes, old_result=old)
+    payload["trace_dir"] = tempfile.mkdtemp(prefix="fsdp-plan-traces-")
+    try:
+        return Prepared(plan=plan, plan_path=args.plan, loaded=loaded, nproc=nproc, mesh=mesh,
+                        fsdp_version=fsdp_version, payload=payload, notes=notes, old_result=old,
+                        predicted_trace=predicted_trace)
+    except BaseException:  # a signal right here: the caller never sees the folder
+        shutil.rmtree(payload["trace_dir"], ignore_errors=True)
+        raise
 
 
 def _cpu_memory(prepared: Prepared) -> dict[str, Any]:
@@ -141,22 +146,33 @@ def finish(args: argparse.Namespace, prepared: Prepared, ranks: list[dict[str, A
     else:
         memory = _cpu_memory(prepared)
     result = results.build_result(prepared, ranks, memory)
-    path = results.write_result(result, args.out, trace_from=ranks[0]["trace"],
-                                predicted_trace=args.predicted_trace)
-    result["path"] = path
     problems = results.check_prediction(result)
-    text = results.format_report(result, prepared.notes)
-    compare_problems: list[str] = []
+    compare_table, compare_problems = "", []
     if prepared.old_result is not None:
-        table, compare_problems = results.compare(prepared.old_result, result, args.threshold)
-        text += "\n\n" + table
-    if args.format == "json":
-        import json
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print(text)
+        compare_table, compare_problems = results.compare(prepared.old_result, result,
+                                                          args.threshold)
+    try:
+        path = results.write_result(result, args.out, trace_from=ranks[0]["trace"],
+                                    predicted_trace=prepared.predicted_trace)
+    except BadInput as e:  # the run is done: show its figures before saying they were not saved
+        _print_report(args, result, prepared, compare_table)
+        raise BadInput(f"{e} The figures above were measured but not saved.") from e
+    result["path"] = path
+    _print_report(args, result, prepared, compare_table)
     failures = problems + compare_problems
     if failures:
         raise CheckFailed("; ".join(failures) + f". The result was still written to {path}.")
     print(f"result written to {path}", file=sys.stderr)
     return 0
+
+
+def _print_report(args: argparse.Namespace, result: dict[str, Any], prepared: Prepared,
+                  compare_table: str) -> None:
+    from fsdp_plan.bench import results
+
+    if args.format == "json":
+        import json
+        print(json.dumps(result, indent=2, default=str))
+        return
+    text = results.format_report(result, prepared.notes)
+    print(text + ("\n\n" + compare_table if compare_table else ""))

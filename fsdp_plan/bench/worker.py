@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from fsdp_plan.measure.launch import WorkerContext, context_from_env, maybe_inject_fault
+from fsdp_plan.measure.launch import (
+    Terminated,
+    WorkerContext,
+    context_from_env,
+    maybe_inject_fault,
+    stop_on_signals,
+)
 
 
 def _sync(device: torch.device) -> None:
@@ -39,23 +45,19 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
 
     from fsdp_plan.load import ModelSource, load_model
     from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.collectives import CollectiveCounter, init_worker_process_group
+    from fsdp_plan.measure.collectives import CollectiveCounter
     from fsdp_plan.measure.profile import analyze_trace
+    from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
 
     ctx.report(phase="imported")
     device = init_worker_process_group(ctx.local_rank)
     ctx.report(phase="process group up")
-    loaded = load_model(ModelSource(**payload["source"]))
-    policy = runtime.load_policy(payload["policy_source"])
-    mesh = runtime.make_mesh(device.type, *payload["mesh"])
-    model = runtime.build_real_model(loaded, device)
+    worker = build_planned_worker(load_model(ModelSource(**payload["source"])), device,
+                                  policy_source=payload["policy_source"], mesh=payload["mesh"],
+                                  fsdp_version=payload["fsdp_version"],
+                                  optimizer=payload["optimizer"], rank=ctx.rank)
     ctx.report(phase="model built")
-    model = runtime.apply_plan(model, policy, mesh, fsdp_version=payload["fsdp_version"],
-                               device=device)
-    optimizer = runtime.make_optimizer(payload["optimizer"], model.parameters())
-    torch.manual_seed(1 + ctx.rank)
-    src = loaded.source
-    inputs = runtime.to_device(loaded.make_inputs(src.batch_size, src.seq_len), device)
+    model, optimizer, loaded, inputs = worker.model, worker.optimizer, worker.loaded, worker.inputs
 
     warmup, steps = int(payload["warmup"]), int(payload["steps"])
     total = warmup + steps + 2
@@ -130,13 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     ctx = context_from_env()
     prepared = None
     try:
-        prepared = session.prepare(args, nproc=ctx.world_size)
-        per_rank = bench_rank(ctx, prepared.payload)
-        if ctx.rank != 0:
-            return 0
-        return session.finish(args, prepared, per_rank["ranks"])
+        with stop_on_signals():  # torchrun ends its workers with SIGTERM
+            prepared = session.prepare(args, nproc=ctx.world_size)
+            per_rank = bench_rank(ctx, prepared.payload)
+            if ctx.rank != 0:
+                return 0
+            return session.finish(args, prepared, per_rank["ranks"])
     except FsdpPlanError as e:
         sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}\n")
+        return e.exit_code
+    except Terminated as e:
+        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}.\n")
         return e.exit_code
     finally:
         if prepared is not None:

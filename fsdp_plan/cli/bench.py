@@ -18,8 +18,9 @@ import sys
 from typing import Any
 
 from fsdp_plan.bench import session
+from fsdp_plan.bench.inputs import check_nproc, check_run_numbers, check_timeout
 from fsdp_plan.errors import BadInput
-from fsdp_plan.measure.launch import WorkersFailed, launch
+from fsdp_plan.measure.launch import Terminated, WorkersFailed, launch, stop_on_signals
 from fsdp_plan.plan import read_plan
 
 
@@ -66,19 +67,32 @@ def _progress_printer(total_ranks: int):
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.timeout <= 0:
-        raise BadInput(f"--timeout must be a positive number of seconds, got {args.timeout}.")
-    nproc = args.nproc if args.nproc is not None else default_nproc(read_plan(args.plan).world_size)
-    prepared = session.prepare(args, nproc=nproc)
-    trace_dir = prepared.payload["trace_dir"]
+    """Check every input, launch the workers, write the result; SIGTERM/SIGHUP (like Ctrl-C)
+    end the workers and remove the temporaries before exiting with 128 + the signal."""
+    prepared = None
     try:
-        try:
-            results = launch("fsdp_plan.bench.worker:bench_rank", prepared.payload, nproc=nproc,
-                             timeout_s=args.timeout, on_progress=_progress_printer(nproc))
-        except WorkersFailed as e:
-            if getattr(args, "debug", False) and e.failures:
-                sys.stderr.write(e.failures[0].detail + "\n")
-            raise
-        return session.finish(args, prepared, results[0]["ranks"])
+        with stop_on_signals():
+            check_timeout(args.timeout)
+            check_run_numbers(args)
+            if args.nproc is not None:
+                check_nproc(args.nproc)
+                nproc = args.nproc
+            else:
+                nproc = default_nproc(read_plan(args.plan).world_size)
+            prepared = session.prepare(args, nproc=nproc)
+            try:
+                results = launch("fsdp_plan.bench.worker:bench_rank", prepared.payload,
+                                 nproc=nproc, timeout_s=args.timeout,
+                                 on_progress=_progress_printer(nproc))
+            except WorkersFailed as e:
+                if getattr(args, "debug", False) and e.failures:
+                    sys.stderr.write(e.failures[0].detail + "\n")
+                raise
+            return session.finish(args, prepared, results[0]["ranks"])
+    except Terminated as e:
+        sys.stderr.write(f"fsdp-plan bench: {e}; the workers were ended and the temporary "
+                         "files removed.\n")
+        return e.exit_code
     finally:
-        shutil.rmtree(trace_dir, ignore_errors=True)
+        if prepared is not None:
+            shutil.rmtree(prepared.payload["trace_dir"], ignore_errors=True)

@@ -114,30 +114,13 @@ class CollectiveCounter(CommDebugMode):
         return normalise_counts(self.get_comm_counts())
 
 
-def _device_for(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
-def init_worker_process_group(local_rank: int) -> torch.device:
-    """Initialise the default process group from the environment: NCCL on GPUs, gloo on CPU."""
-    import torch.distributed as dist
-    torch.set_num_threads(1)  # N workers share the cores; oversubscription only adds noise
-    device = _device_for(local_rank)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=(
-            device if device.type == "cuda" else None))
-    return device
-
-
 def _count_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, int]]:
     """Worker target: for each job, apply the plan, warm up one step, count the next fwd+bwd."""
     import torch.distributed as dist
 
     from fsdp_plan.load import load_model
     from fsdp_plan.measure import runtime
+    from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
 
     device = init_worker_process_group(ctx.local_rank)
     models: dict[str, Any] = {}
@@ -148,24 +131,17 @@ def _count_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, int]]:
         key = repr(sorted(source_dict.items()))
         if key not in models:  # a job may name its own model (several models, one start-up)
             models[key] = load_model(ModelSource(**source_dict))
-        loaded = models[key]
-        source = loaded.source
-        policy = runtime.load_policy(job["policy_source"])
-        replicate, shard = job["mesh"]
-        mesh = runtime.make_mesh(device.type, replicate, shard)
-        model = runtime.build_real_model(loaded, device)
-        model = runtime.apply_plan(model, policy, mesh, fsdp_version=job["fsdp_version"],
-                                   device=device)
-        optimizer = runtime.make_optimizer(job.get("optimizer", "adamw"), model.parameters())
-        torch.manual_seed(1 + ctx.rank)
-        inputs = runtime.to_device(loaded.make_inputs(source.batch_size, source.seq_len), device)
-        runtime.forward_backward(model, loaded, inputs)  # warm-up: lazy init, first-step state
-        runtime.finish_step(model, optimizer)
+        worker = build_planned_worker(models[key], device, policy_source=job["policy_source"],
+                                      mesh=job["mesh"], fsdp_version=job["fsdp_version"],
+                                      optimizer=job.get("optimizer", "adamw"), rank=ctx.rank)
+        # warm-up: lazy initialisation and first-step state, then count the next fwd+bwd
+        runtime.forward_backward(worker.model, worker.loaded, worker.inputs)
+        runtime.finish_step(worker.model, worker.optimizer)
         with CollectiveCounter() as counter:
-            runtime.forward_backward(model, loaded, inputs)
-        runtime.finish_step(model, optimizer)
+            runtime.forward_backward(worker.model, worker.loaded, worker.inputs)
+        runtime.finish_step(worker.model, worker.optimizer)
         results.append(counter.counts())
-        del model, optimizer
+        del worker
     dist.barrier()
     dist.destroy_process_group()
     return results
@@ -181,6 +157,7 @@ def count_collectives_many(source: ModelSource, jobs: list[dict[str, Any]], *, n
     Returns, per job, each rank's counts.
     """
     from fsdp_plan.measure import runtime
+    from fsdp_plan.measure.worker_setup import source_payload
     from fsdp_plan.plan import Plan
 
     prepared = []
@@ -193,8 +170,8 @@ def count_collectives_many(source: ModelSource, jobs: list[dict[str, Any]], *, n
         prepared.append({"policy_source": text, "mesh": list(mesh),
                          "fsdp_version": int(job.get("fsdp_version", 2)),
                          "optimizer": plan.get("optimizer", "adamw"),
-                         "source": _source_dict(job["source"]) if job.get("source") else None})
-    payload = {"source": _source_dict(source), "jobs": prepared}
+                         "source": source_payload(job["source"]) if job.get("source") else None})
+    payload = {"source": source_payload(source), "jobs": prepared}
     per_rank = launch("fsdp_plan.measure.collectives:_count_worker", payload, nproc=nproc,
                       timeout_s=timeout_s)
     return [[rank_result[i] for rank_result in per_rank] for i in range(len(jobs))]
@@ -215,7 +192,3 @@ def count_collectives(source: ModelSource, plan_dict: dict[str, Any], *, nproc: 
         raise ValueError(f"ranks issued different collectives: {ranks}")
     return ranks[0]
 
-
-def _source_dict(source: ModelSource) -> dict[str, Any]:
-    return {"source": source.source, "entry": source.entry, "args": dict(source.args),
-            "batch_size": source.batch_size, "seq_len": source.seq_len, "kind": source.kind}

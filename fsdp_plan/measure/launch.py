@@ -17,19 +17,31 @@ parent polls them, so it needs no process group of its own and never blocks on a
   processes on a busy machine takes tens of seconds and says nothing while it does.
   Before killing, the parent asks every live worker for its Python stack (``faulthandler`` on
   SIGUSR1) and names the ranks with the least progress, with the frame each one is stuck in.
+
+[Note: stopping]
+- Each worker leads its own process group, so ending a worker ends whatever it started too
+  (``os.killpg``), and asks the kernel to kill it when its parent dies
+  (``PR_SET_PDEATHSIG``): a launcher killed with SIGKILL leaves no worker training on.
+- ``stop_on_signals()`` turns SIGTERM and SIGHUP into ``Terminated`` (as Python turns SIGINT
+  into ``KeyboardInterrupt``), so ``launch`` kills its workers and every ``finally`` and
+  ``with`` removes its temporary folder before the command exits with 128 + the signal.
+  Further signals are ignored while that cleanup runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +96,49 @@ class WorkerContext:
         _atomic_json(os.path.join(self.workdir, f"rank{self.rank}.progress.json"), progress)
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived (see [Note: stopping]); a ``BaseException`` so that no
+    ``except Exception`` in library code swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(f"stopped by {self.name}")
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal``, what a shell reports for a process the signal ended (143, 129)."""
+        return 128 + self.signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def stop_on_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
+    """Raise ``Terminated`` in the main thread on ``signals`` while the block runs; later
+    signals (and SIGINT) are ignored once one arrived, so cleanup is not cut short. Handlers
+    are restored on exit. Does nothing outside the main thread (signals go to it alone)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    watched = (*signals, signal.SIGINT)
+
+    def handler(signum: int, frame: object) -> None:
+        for sig in watched:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Terminated(signum)
+
+    previous = {sig: signal.getsignal(sig) for sig in watched}
+    for sig in signals:
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
+
+
 def context_from_env() -> WorkerContext:
     """The context of a worker started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
     return WorkerContext(rank=int(os.environ.get("RANK", "0")),
@@ -131,10 +186,26 @@ def _read_json(path: str) -> Any:
         return None
 
 
-def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, workdir: str) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Lead a process group of our own and be killed when the launcher dies (Linux)."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the launcher died before the line above took effect
+        os._exit(1)
+
+
+def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, workdir: str,
+                parent_pid: int | None = None) -> None:
     """Entry point of each spawned worker: environment, stack dumps on SIGUSR1, run, report."""
     import faulthandler
 
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = WorkerContext(rank=rank, world_size=nproc, local_rank=rank, workdir=workdir)
@@ -174,6 +245,7 @@ class _Run:
         self.nproc, self.timeout_s, self.workdir = nproc, timeout_s, workdir
         self.startup_s = max(timeout_s, startup_s)
         self.procs: list[Any] = []
+        self.killed: set[int] = set()
         self.last_seen: dict[int, tuple[float, Any]] = {}
 
     def allowed(self, progress: dict[str, Any]) -> float:
@@ -184,13 +256,16 @@ class _Run:
         return _read_json(os.path.join(self.workdir, f"rank{rank}.progress.json")) or {}
 
     def kill_all(self) -> None:
-        """End every live worker by its pid (SIGKILL), then reap it."""
+        """End every live worker and its process group (SIGKILL), then reap it."""
         for p in self.procs:
-            if p.exitcode is None and p.pid is not None:
-                try:
-                    os.kill(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            if p.pid is None or p.pid in self.killed:
+                continue
+            self.killed.add(p.pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)  # the worker leads its group: see [Note: stopping]
+            if p.exitcode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)  # not yet its own group leader
         for p in self.procs:
             p.join(timeout=10)
 
@@ -271,7 +346,8 @@ def launch(target: str, payload: Any, *, nproc: int, timeout_s: float = 300.0,
         start = time.time()
         try:
             for rank in range(nproc):
-                p = ctx.Process(target=_child_main, args=(rank, nproc, port, target, payload, workdir),
+                p = ctx.Process(target=_child_main, args=(rank, nproc, port, target, payload,
+                                                          workdir, os.getpid()),
                                 daemon=True, name=f"fsdp-plan-rank{rank}")
                 p.start()
                 run.procs.append(p)
