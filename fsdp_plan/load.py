@@ -109,6 +109,24 @@ def _user_frame_hint(error: BaseException, path: str | None) -> str:
     return f" (at {_show_path(last.filename)} line {last.lineno}: {(last.line or '').strip()!r})"
 
 
+def user_code_location(error: BaseException, loaded: LoadedModel) -> str:
+    """`` (at model.py line 9: 'scale = x.max().item()')``: where in the user's code an error
+    raised while running the model (forward, loss) came from; ``""`` when no frame is theirs."""
+    path = _file_of(loaded.source)
+    if path is None:
+        try:
+            path = inspect.getsourcefile(type(loaded.model))
+        except (TypeError, OSError):
+            path = None
+    frames = traceback.extract_tb(error.__traceback__)
+    if path and not any(os.path.realpath(f.filename) == os.path.realpath(path) for f in frames):
+        path = None  # fall back to frames outside fsdp-plan and torch
+    if not path and not any(not os.path.abspath(f.filename).startswith(
+            (_PACKAGE_DIR + os.sep, _TORCH_DIR + os.sep)) for f in frames):
+        return ""
+    return _user_frame_hint(error, path)
+
+
 def import_model_file(path: str) -> types.ModuleType:
     """Import the user's model file under a private module name."""
     if not os.path.exists(path):

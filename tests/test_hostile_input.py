@@ -434,3 +434,26 @@ def test_help_shows_units_defaults_and_presets(capsys):
                    "h100, h200, a100, b200", "(default: 4096)", "FLOP/s", "--model-arg",
                    "(default: bf16)", "(default: table)"):
         assert needle in text, needle
+
+
+def test_item_in_forward_is_named_with_its_line_not_blamed_on_inputs(tmp_path, capsys):
+    model = write(tmp_path, "model.py", SMALL.replace(
+        "def build_model():",
+        "class Net(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        scale = x.abs().max().item()\n"
+        "        return super().forward(x) / scale\n\n"
+        "def build_model():\n    return Net(8, 2)\n\ndef unused():"))
+    err = fails(capsys, [model, "--mem", "1GB"], 2, ".item()", "fake tensors",
+                "model.py line 6", "scale = x.abs().max().item()")
+    assert "--batch-size" not in err and "example_inputs" not in err
+
+
+def test_error_in_forward_names_the_users_line(tmp_path, capsys):
+    model = write(tmp_path, "model.py", SMALL.replace(
+        "def build_model():",
+        "class Net(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        return super().forward(x).view(3, 5, 7)\n\n"
+        "def build_model():\n    return Net(8, 2)\n\ndef unused():"))
+    fails(capsys, [model, "--mem", "1GB"], 2, "model.py line 6", ".view(3, 5, 7)")
