@@ -11,12 +11,19 @@ from collections import Counter, defaultdict
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from fsdp_plan.facts import ModuleGraph, ModuleInfo
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def keeps_full_precision(module: nn.Module) -> bool:
+    """Batch norm with parameters: a float32 unit of its own under a lower param dtype
+    ([Note: batch norm in full precision] in units.py)."""
+    return isinstance(module, _BatchNorm) and any(True for _ in module.parameters(recurse=False))
 
 
 def build_module_graph(model: nn.Module) -> ModuleGraph:
@@ -44,6 +51,7 @@ def build_module_graph(model: nn.Module) -> ModuleGraph:
             fqn=fqn, class_name=type(module).__name__, parent=parent, children=[],
             direct_numel=numel, subtree_numel=0, direct_bytes_by_dtype=dict(by_dtype),
             buffer_bytes=buffers, param_shapes=shapes,
+            keeps_full_precision=keeps_full_precision(module),
         )
         if parent is not None:
             parent = parent if parent in modules else _nearest_known(parent, modules)

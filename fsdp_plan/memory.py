@@ -52,6 +52,13 @@ class Precision:
     param_bytes: int = 2
     reduce_bytes: int = 4
 
+    def unit_param_bytes(self, unit: UnitSpec) -> int:
+        """The unit's gathered parameters and unsharded gradients: ``param_bytes``, or the
+        stored ``orig_bytes`` for batch norm kept in full precision (see units.py)."""
+        if unit.full_precision and self.param_bytes < self.orig_bytes:
+            return self.orig_bytes
+        return self.param_bytes
+
 
 @dataclass(kw_only=True)
 class StepContext:
@@ -266,12 +273,12 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     instants: list[tuple[tuple[int, int], int, str]] = []
     for pos, i in enumerate(fw_order):
         u, w = units[i], windows[i]
-        unsharded = u.unsharded_numel(shard) * p.param_bytes
+        unsharded = u.unsharded_numel(shard) * p.unit_param_bytes(u)
         gather_at = windows[fw_order[max(0, pos - forward_prefetch)]].fw_start
         start = (gather_at, 2 if gather_at < w.fw_start else 1)
         end = (w.fw_end, 0) if u.reshard_after_forward else (w.bw_end, 0)
         live.append((start, end, unsharded, "unsharded_params"))
-        instants.append(((w.fw_start, 1), unsharded + u.shard_numel * p.param_bytes, "comm_buffers"))
+        instants.append(((w.fw_start, 1), unsharded + u.shard_numel * p.unit_param_bytes(u), "comm_buffers"))
         # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
         # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
         # next all-gather); with one root unit that is the whole forward.
@@ -283,19 +290,19 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
         live.append(((w.fw_start, 2), freed, unsharded, "comm_buffers"))
     for pos, i in enumerate(bw_sequence):
         u, w = units[i], windows[i]
-        unsharded = u.unsharded_numel(shard) * p.param_bytes
+        unsharded = u.unsharded_numel(shard) * p.unit_param_bytes(u)
         if u.reshard_after_forward:
             gather_at = min(windows[bw_sequence[max(0, pos - backward_prefetch)]].bw_start, w.bw_start)
             start = (gather_at, 2 if gather_at < w.bw_start else 1)
             live.append((start, (w.bw_end, 0), unsharded, "unsharded_params"))
-            instants.append(((w.bw_start, 1), unsharded + u.shard_numel * p.param_bytes,
+            instants.append(((w.bw_start, 1), unsharded + u.shard_numel * p.unit_param_bytes(u),
                              "comm_buffers"))
         for fqn, numel in u.param_modules:
             # Until the module's backward ends, the analysis timeline already holds its weight
             # gradients (they stay activation-side until their post-accumulate-grad hook), so
             # counting them from pre-backward counted them twice: a tied embedding +9% on BERT.
             made_at = min(max(profile.first_event("post_bw", fqn, w.bw_start), w.bw_start), w.bw_end)
-            live.append(((made_at, 1), (w.bw_end, 0), numel * p.param_bytes, "unsharded_grads"))
+            live.append(((made_at, 1), (w.bw_end, 0), numel * p.unit_param_bytes(u), "unsharded_grads"))
     last = len(profile.events) - 1
     bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
     grads_at: list[tuple[int, int]] = []
@@ -305,7 +312,7 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
         nxt = windows[bw_order[pos + 1]].bw_end if pos + 1 < len(bw_order) else last + 1
         live.append(((w.bw_end, 0), (nxt, 0), rs_input, "comm_buffers"))
         # The reduce-scatter input is filled while the unsharded gradients still exist.
-        instants.append(((w.bw_end, 0), u.numel * p.param_bytes, "unsharded_grads"))
+        instants.append(((w.bw_end, 0), u.numel * p.unit_param_bytes(u), "unsharded_grads"))
         grads_at.append((w.bw_end, u.shard_numel * p.orig_bytes))
     best = _sweep(profile, live, instants, grads_at, static)
     optimizer_step = static_total + total_shard * p.orig_bytes + (

@@ -29,6 +29,9 @@ class UnitSpec:
     owned_modules: list[str] = field(default_factory=list)
     param_modules: list[tuple[str, int]] = field(default_factory=list)
     """(module FQN, parameters registered directly on it) for owned modules with parameters."""
+    full_precision: bool = False
+    """Batch norm kept in float32 (see [Note: batch norm in full precision]): gathered, computed
+    and given gradients in float32 whatever the plan's ``param_dtype``."""
 
     @property
     def key(self) -> str:
@@ -58,7 +61,9 @@ def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool]
     if not groups or groups[-1] != [""]:
         groups.append([""])
         reshard.append(False)
-    units = [UnitSpec(modules=g, reshard_after_forward=r) for g, r in zip(groups, reshard)]
+    units = [UnitSpec(modules=g, reshard_after_forward=r,
+                      full_precision=all(graph.modules[m].keeps_full_precision for m in g))
+             for g, r in zip(groups, reshard)]
     unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
     for fqn, info in graph.modules.items():
         unit = units[owner_unit(fqn, unit_of_module)]
@@ -80,3 +85,40 @@ def check_tied(graph: ModuleGraph, groups: list[list[str]]) -> bool:
     unit_of_module.setdefault("", len(groups))
     return all(len({owner_unit(m, unit_of_module) for m in tied}) == 1
                for tied in graph.tied_groups)
+
+
+def with_full_precision_units(graph: ModuleGraph, groups: list[list[str]]) -> list[list[str]]:
+    """``groups`` with every batch norm that has parameters as a unit of its own.
+
+    [Note: batch norm in full precision]
+    Batch norm's weights meet float32 running statistics, so a step with them gathered in
+    bf16 fails (``expected scalar type BFloat16 but found Float``). FSDP1's ``MixedPrecision``
+    wraps every ``_BatchNorm`` separately without mixed precision by default; FSDP2 has no
+    such default, so the plan lists each one as a unit whose ``mixed_precision`` is
+    ``param_dtype: float32`` with ``output_dtype`` the plan's dtype: inputs are cast up, the
+    output back down, and the convolution after it sees the dtype it expects (checked with
+    gloo on torch 2.13: casting up without casting back fails in that convolution). Each such
+    unit goes just before the first unit that contains it (children first), else in module
+    order, so the list stays in execution order. A batch norm already grouped with other
+    modules (tied parameters) is left where it is.
+    """
+    listed = {m for g in groups for m in g}
+    order = {fqn: i for i, fqn in enumerate(graph.modules)}
+    out = [list(g) for g in groups]
+    for fqn, info in graph.modules.items():
+        if not info.keeps_full_precision or fqn in listed:
+            continue
+        at = next((i for i, g in enumerate(out)
+                   if any(m and fqn.startswith(m + ".") for m in g)), None)
+        if at is None:
+            at = next((i for i, g in enumerate(out) if order[g[0]] > order[fqn]), len(out))
+        out.insert(at, [fqn])
+    return out
+
+
+def unit_mixed_precision(unit: UnitSpec, param_dtype: str | None) -> dict[str, str] | None:
+    """The plan's per-unit ``mixed_precision`` override: float32 for a full-precision unit when
+    the plan computes in a lower dtype (output cast back to it), else None (the plan's own)."""
+    if not unit.full_precision or param_dtype in (None, "float32", "float64"):
+        return None
+    return {"param_dtype": "float32", "output_dtype": param_dtype}
