@@ -27,6 +27,23 @@ SAME_DTYPE_OPS = {
 }
 
 
+# Batch norm (input, weight, bias, running_mean, running_var, ...): CPU and CUDA kernels need
+# weight, bias and running statistics in one dtype, and an input in another dtype only when
+# those are float32 ("expected scalar type BFloat16 but found Float" when bf16 weights meet
+# float32 running statistics: FSDP2 gathered a batch norm in bf16). Fake kernels accept both.
+BATCH_NORM_OPS = {aten.native_batch_norm.default, aten._native_batch_norm_legit.default,
+                  aten._native_batch_norm_legit_no_training.default, aten.cudnn_batch_norm.default}
+
+
+def _batch_norm_dtypes(args: tuple) -> list[str] | None:
+    """The clashing dtypes of a batch norm call (input first), or None when it would run."""
+    tensors = [t for t in args[:5] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    params = {t.dtype for t in tensors[1:]}
+    if not tensors or (len(params) <= 1 and params <= {tensors[0].dtype, torch.float32}):
+        return None
+    return sorted({str(t.dtype).removeprefix("torch.") for t in tensors})
+
+
 class DtypeChecker(TorchDispatchMode):
     """Records (does not raise) the first mismatches, with the modules running at the time."""
 
@@ -47,6 +64,14 @@ class DtypeChecker(TorchDispatchMode):
             if len(dtypes) > 1:
                 place = f" in {self.where()}" if self.where else ""
                 self.mismatches.append(f"{func.name()} got {' and '.join(dtypes)}{place}")
+        if func in BATCH_NORM_OPS and len(self.mismatches) < self.limit:
+            dtypes = _batch_norm_dtypes(tuple(args))
+            if dtypes:
+                place = f" in {self.where()}" if self.where else ""
+                self.mismatches.append(
+                    f"{func.name()} got {' and '.join(dtypes)}{place} (batch norm weights must "
+                    "match their float32 running statistics: re-plan, so that each batch norm is "
+                    "a float32 unit of its own)")
         return func(*args, **kwargs)
 
 
