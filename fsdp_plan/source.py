@@ -135,6 +135,8 @@ def parse_model_arg_value(key: str, value: str) -> Any:
         raise BadInput(f"--model-arg {key}={value} reads as {parsed!r}, which is not a usable "
                        "model argument; give a finite number, or quote it as text "
                        f"(--model-arg {key}='\"{value}\"').")
+    if isinstance(parsed, int | float) and not isinstance(parsed, bool) and ":" in value:
+        return value  # YAML 1.1 sexagesimal: 1:30 would read as 90
     if parsed is None or isinstance(parsed, bool | int | float | str):
         return parsed
     return value

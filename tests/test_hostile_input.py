@@ -63,6 +63,7 @@ def fails(capsys, argv: list[str], code: int, *needles: str) -> str:
     captured = capsys.readouterr()
     assert got == code, captured.err
     assert "Traceback" not in captured.err, captured.err
+    assert captured.out == "", captured.out  # no report, and no print() of the model's
     for needle in needles:
         assert needle in captured.err, captured.err
     return captured.err
@@ -367,10 +368,11 @@ def test_model_arg_values_are_plain_scalars():
     from fsdp_plan.source import parse_model_args
     parsed = parse_model_args(["when=2020-01-01", "b=!!binary aGVsbG8=", "t=!custom x",
                                "n=~", "n2=null", "n3=NULL", "e=", "nl=a\nb", "i=4", "f=1.5",
-                               "yes=true", "s=70b", "lst=[1, 2]", "q='quoted'"])
+                               "yes=true", "s=70b", "lst=[1, 2]", "q='quoted'", "t2=1:30"])
     assert parsed == {"when": "2020-01-01", "b": "!!binary aGVsbG8=", "t": "!custom x",
                       "n": None, "n2": None, "n3": None, "e": "", "nl": "a\nb", "i": 4,
-                      "f": 1.5, "yes": True, "s": "70b", "lst": "[1, 2]", "q": "quoted"}
+                      "f": 1.5, "yes": True, "s": "70b", "lst": "[1, 2]", "q": "quoted",
+                      "t2": "1:30"}
 
 
 @pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", ".NaN"])
@@ -457,3 +459,19 @@ def test_error_in_forward_names_the_users_line(tmp_path, capsys):
         "        return super().forward(x).view(3, 5, 7)\n\n"
         "def build_model():\n    return Net(8, 2)\n\ndef unused():"))
     fails(capsys, [model, "--mem", "1GB"], 2, "model.py line 6", ".view(3, 5, 7)")
+
+
+def test_importable_factory_module_is_an_input_and_its_exit_is_refused(tmp_path, capsys,
+                                                                      monkeypatch):
+    write(tmp_path, "hostile_factory_mod.py",
+          "import sys\nprint('imported')\n\ndef make(**kwargs):\n    sys.exit(4)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = snapshot(tmp_path)
+    fails(capsys, ["hostile_factory_mod:make", "--mem", "1GB",
+                   "-o", str(tmp_path / "hostile_factory_mod.py")], 2,
+          "module of MODEL hostile_factory_mod:make", "replace an input")
+    assert snapshot(tmp_path) == before
+    err = fails(capsys, ["hostile_factory_mod:make", "--mem", "1GB"], 2,
+                "hostile_factory_mod:make() called sys.exit(4)", "hostile_factory_mod.py line 5")
+    assert "imported" in err  # the module's print went to stderr (fails() checks stdout)
+    monkeypatch.delitem(sys.modules, "hostile_factory_mod", raising=False)
