@@ -254,7 +254,7 @@ def test_int64_inputs_to_a_linear_fail_planning(tmp_path, capsys):
     model = write(tmp_path, "model.py", SMALL.replace("torch.randn(batch_size, 8)",
                                                       "torch.randint(0, 5, (batch_size, 8))"))
     fails(capsys, [model, "--mem", "1GB", "--plan", str(tmp_path / "p.yaml")], 2,
-          "mixes dtypes", "int64", "'0'", "nn.Embedding")
+          "mixes dtypes", "int64", "addmm", "'0'", "nn.Embedding")
     assert sorted(os.listdir(tmp_path)) == ["model.py"]
 
 

@@ -59,8 +59,10 @@ class DtypeChecker(TorchDispatchMode):
             return NotImplemented  # check the local ops DTensor desugars into
         if func in SAME_DTYPE_OPS and len(self.mismatches) < self.limit:
             flat, _ = tree_flatten((args, kwargs))
+            # Integer operands count too: int64 token ids fed to nn.Linear pass on fake tensors
+            # and fail on a real device the same way.
             dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in flat
-                             if isinstance(t, torch.Tensor) and t.is_floating_point()})
+                             if isinstance(t, torch.Tensor)})
             if len(dtypes) > 1:
                 place = f" in {self.where()}" if self.where else ""
                 self.mismatches.append(f"{func.name()} got {' and '.join(dtypes)}{place}")
@@ -73,6 +75,20 @@ class DtypeChecker(TorchDispatchMode):
                     "match their float32 running statistics: re-plan, so that each batch norm is "
                     "a float32 unit of its own)")
         return func(*args, **kwargs)
+
+    def raise_if_mismatched(self) -> None:
+        """``BadInput`` naming the ops, modules and dtypes when any mismatch was recorded."""
+        if not self.mismatches:
+            return
+        from fsdp_plan.errors import BadInput
+        raise BadInput(
+            f"the model's forward mixes dtypes in ops whose real kernels need one dtype "
+            f"({'; '.join(self.mismatches)}), which a real GPU or CPU refuses (\"expected mat1 "
+            "and mat2 to have the same dtype\")"
+            " although fake tensors let it pass. Feed integer ids through an nn.Embedding (or "
+            ".to(weight.dtype) them) before a Linear, and cast float32 buffers to the parameters' "
+            "dtype where they meet the weights (FSDP mixed precision casts parameters, not buffers)."
+        )
 
 
 def running_modules(mod_tracker: Any) -> Callable[[], str]:
