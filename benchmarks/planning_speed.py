@@ -1,45 +1,79 @@
-"""Time analysis + search of the Llama 3 70b and 405b shapes; print wall time and peak RSS.
+"""Planning time (analysis + search) and peak RSS of large shapes and of many small modules.
 
-    python benchmarks/planning_speed.py            # 70b and 405b, batch 1, seq 4096, world 64
-Also prints an 8b figure and a 70b run with half the layers, to show time against depth.
+    python benchmarks/planning_speed.py            # every case, each in a fresh process
+    python benchmarks/planning_speed.py --quick    # 70b and the 10,000-module model only
+
+Each case runs ``fsdp_plan.api.make_plan`` in its own Python process (so RSS and the torch
+import are per case) and prints wall time inside the process, CPU time, the number of
+candidates the search evaluated and how many per second, and peak RSS. On a busy machine
+compare CPU seconds, not wall seconds.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import resource
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CASES = [("8b", None, "80GB", 8), ("70b", 40, "80GB", 64), ("70b", None, "80GB", 64),
-         ("405b", None, "80GB", 128)]
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+MANY = os.path.join(ROOT, "benchmarks", "models", "many_modules.py")
+# (label, model file, model args, memory budget bytes, world size, seq len)
+CASES = [
+    ("llama 8b", LLAMA, {"size": "8b"}, 80 * 10**9, 8, 4096),
+    ("llama 70b", LLAMA, {"size": "70b"}, 80 * 10**9, 64, 4096),
+    ("llama 405b", LLAMA, {"size": "405b"}, 80 * 10**9, 128, 4096),
+    ("2,006 modules", MANY, {"n": 667}, 10**9, 8, 8),
+    ("10,006 modules", MANY, {"n": 3333}, 10**9, 8, 8),
+]
+QUICK = ("llama 70b", "10,006 modules")
+
+_CHILD = """
+import json, resource, sys, time
+from fsdp_plan.api import PlanRequest, make_plan
+from fsdp_plan.search import Evaluator
+from fsdp_plan.source import ModelSource
+spec = json.loads(sys.argv[1])
+count = [0]
+evaluate = Evaluator.evaluate
+def counting(self, **kw):
+    count[0] += 1
+    return evaluate(self, **kw)
+Evaluator.evaluate = counting
+started, cpu = time.perf_counter(), time.process_time()
+result = make_plan(PlanRequest(source=ModelSource(source=spec["model"], args=spec["args"],
+                                                  seq_len=spec["seq"]),
+                               budget_bytes=spec["budget"], world_size=spec["world"]))
+print(json.dumps({"wall_s": time.perf_counter() - started, "cpu_s": time.process_time() - cpu,
+                  "search_s": result.search_seconds, "candidates": count[0],
+                  "modules": len(result.facts.graph.modules),
+                  "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
 
 
-def one(size: str, layers: int | None, mem: str, world: int) -> tuple[float, float, int]:
-    cmd = [sys.executable, "-c",
-           "import sys,time,resource;from fsdp_plan.cli.main import main;t=time.perf_counter();"
-           "c=main(sys.argv[1:]);print('T',time.perf_counter()-t,"
-           "resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,c)",
-           os.path.join(ROOT, "examples", "llama.py"), "--model-arg", f"size={size}",
-           "--mem", mem, "--world-size", str(world), "--format", "json"]
-    if layers:
-        cmd[-2:-2] = ["--model-arg", f"n_layers={layers}"]
-    start = time.perf_counter()
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=False)
-    wall = time.perf_counter() - start
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("T ")]
-    if not line:
+def one(model: str, args: dict, budget: int, world: int, seq: int) -> dict:
+    spec = json.dumps({"model": model, "args": args, "budget": budget, "world": world,
+                       "seq": seq})
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", _CHILD, spec], capture_output=True, text=True,
+                         cwd=ROOT, check=False)
+    if out.returncode != 0:
         raise SystemExit(out.stderr[-2000:])
-    _, inner, rss_kb, code = line[-1].split()
-    return wall, float(inner), int(rss_kb) * 1024 if code in ("0", "3") else -1
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    data["process_s"] = time.perf_counter() - started
+    return data
 
 
 if __name__ == "__main__":
-    print(f"{'shape':>14} {'world':>5} {'plan s':>8} {'process s':>10} {'peak RSS GiB':>13}")
-    for size, layers, mem, world in CASES:
-        wall, inner, rss = one(size, layers, mem, world)
-        name = size + (f" ({layers} layers)" if layers else "")
-        print(f"{name:>14} {world:>5} {inner:8.1f} {wall:10.1f} {rss / 2**30:13.2f}")
-    del resource
+    quick = "--quick" in sys.argv
+    print(f"{'case':>15} {'modules':>8} {'plan s':>7} {'cpu s':>6} {'process s':>9} "
+          f"{'candidates':>10} {'cand/s':>7} {'RSS GiB':>8}")
+    for label, model, args, budget, world, seq in CASES:
+        if quick and label not in QUICK:
+            continue
+        r = one(model, args, budget, world, seq)
+        print(f"{label:>15} {r['modules']:>8,} {r['wall_s']:7.1f} {r['cpu_s']:6.1f} "
+              f"{r['process_s']:9.1f} {r['candidates']:>10} "
+              f"{r['candidates'] / max(r['search_s'], 1e-9):7.0f} {r['rss_bytes'] / 2**30:8.2f}")

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
-from fsdp_plan.depth import expand_pass, reduce_depth
+from fsdp_plan.depth import expand_pass, reduced_copy
 from fsdp_plan.errors import BadInput
 from fsdp_plan.facts import Analysis, Event, ModuleCompute, Timeline, fill_flops
 from fsdp_plan.fake import materialize_fake, new_fake_mode
@@ -333,9 +333,9 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
 def _pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str],
           checkpoint: list[str] | None, exact: bool):
     if not exact:
-        model = rebuild_meta(loaded)
-        cut = reduce_depth(model, blocks)
-        if cut is not None:
+        reduced = reduced_copy(loaded.model, blocks)
+        if reduced is not None:
+            model, cut = reduced
             kept = [b for b in (checkpoint or []) if b in cut.kept_blocks]
             try:
                 result = run_pass(loaded, param_dtype=param_dtype, checkpoint=kept, model=model)

@@ -119,6 +119,8 @@ class PlanResult:
     """Standard recipes (torchtitan, FSDP1 size-based, root only) on the same models."""
     facts: ModelFacts
     seconds: float
+    """Planning time: analysis and search (``make_plan``), or the search alone."""
+    search_seconds: float = 0.0
     loaded: LoadedModel | None = None
     """The model on ``meta`` when ``make_plan`` built it (``--verify`` measures it)."""
 
@@ -192,6 +194,10 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
     started = time.perf_counter()
     analyzed = analyze_model(request.source, param_dtype=request.param_dtype,
                              exact=request.exact_analysis, progress=progress)
+    if progress:
+        graph = analyzed.facts.graph
+        progress(f"searching units, prefetch and checkpointing over {len(graph.modules):,} "
+                 f"modules ({len(graph.blocks)} repeated blocks)")
     result = plan_from_facts(analyzed.facts, request, digest=analyzed.digest,
                              notes=analyzed.notes)
     result.seconds = time.perf_counter() - started
@@ -219,8 +225,9 @@ def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = ""
     plan = to_plan(best, request, numel=facts.graph.total_numel, digest=digest)
     if notes:
         plan.model["notes"] = list(notes)
+    seconds = time.perf_counter() - started
     return PlanResult(plan=plan, best=best, ranked=ranked, recipes=recipes, facts=facts,
-                      seconds=time.perf_counter() - started)
+                      seconds=seconds, search_seconds=seconds)
 
 
 def suggestions(smallest: Candidate, request: PlanRequest) -> str:

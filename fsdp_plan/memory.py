@@ -20,6 +20,7 @@ walks only the unit boundaries and reads activation maxima between them from a s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from fsdp_plan.errors import BadInput
@@ -110,6 +111,7 @@ class ActivationProfile:
         self._first: dict[tuple[str, str, bool], int] = {}
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._last: dict[tuple[str, str, bool], int] = {}
+        self._windows: dict[tuple[str, ...], UnitWindows] = {}
         for i, e in enumerate(events):
             key = (e.kind, e.module, i >= self.backward_start)
             self._first.setdefault(key, i)
@@ -162,7 +164,16 @@ class ActivationProfile:
         return left
 
     def windows(self, unit: UnitSpec) -> UnitWindows:
-        """Where ``unit`` computes: its modules' first pre-forward to last post-forward, etc."""
+        """Where ``unit`` computes: its modules' first pre-forward to last post-forward, etc.
+
+        A fresh copy each call (``estimate_peak`` adjusts it); cached by the unit's modules,
+        since the search evaluates the same units under many prefetch and strategy choices."""
+        key = tuple(unit.modules)
+        if key not in self._windows:
+            self._windows[key] = self._find_windows(unit)
+        return dataclasses.replace(self._windows[key])
+
+    def _find_windows(self, unit: UnitSpec) -> UnitWindows:
         end = len(self.events) - 1
         if unit.modules == [""]:
             fw_end = self._last.get(("post_fw", "", False), self.forward_end)
@@ -210,33 +221,41 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
     # it, a backward-prefetch copy-out hides the peak of the gap just before it.
     points.update((at[0], -1) for at in extra)
     ordered = sorted(pt for pt in points if pt[0] < n)
-    current: dict[str, int] = {}
-    best = MemoryEstimate(peak_bytes=-1, phase="", breakdown={})
-    base = sum(static.values())
-    prev_event, d = -1, 0
-    for point in ordered:
-        while d < len(deltas) and deltas[d][0] <= point:
-            current[deltas[d][2]] = current.get(deltas[d][2], 0) + deltas[d][1]
-            d += 1
+
+    def activation_at(point: tuple[int, int], prev_event: int) -> int:
+        # the gap ending at an event holds the highest activation since the last boundary
         event, sub = point
-        if sub == -1:  # the gap ending at ``event``: highest activation since the last boundary
-            act = profile.max_peak(prev_event + 1, event)
-            added = ()
-        else:
-            act = profile.levels[event]
-            added = extra.get(point, ())
-        prev_event = max(prev_event, event)
-        total = base + act + sum(current.values()) + sum(b for b, _ in added)
-        if total > best.peak_bytes:
-            parts = {**static, **{k: v for k, v in current.items() if v}}
-            for nbytes, cat in added:
-                parts[cat] = parts.get(cat, 0) + nbytes
-            parts["activations"] = act
-            ev = profile.events[event]
-            phase = "forward" if event <= profile.forward_end else "backward"
-            best = MemoryEstimate(peak_bytes=total, breakdown=parts,
-                                  phase=f"{phase} ({ev.kind} {ev.module or '<root>'})")
-    return best
+        return profile.max_peak(prev_event + 1, event) if sub == -1 else profile.levels[event]
+
+    # One pass for the totals (the search calls this thousands of times), then the breakdown
+    # at the winning point only.
+    base = sum(static.values())
+    best_total, best_at, best_prev = -1, 0, -1
+    running, prev_event, d = 0, -1, 0
+    for i, point in enumerate(ordered):
+        while d < len(deltas) and deltas[d][0] <= point:
+            running += deltas[d][1]
+            d += 1
+        added = sum(b for b, _ in extra.get(point, ())) if point[1] != -1 else 0
+        total = base + activation_at(point, prev_event) + running + added
+        if total > best_total:
+            best_total, best_at, best_prev = total, i, prev_event
+        prev_event = max(prev_event, point[0])
+    point = ordered[best_at]
+    parts = dict(static)
+    for at, nbytes, cat in deltas:
+        if at > point:
+            break
+        parts[cat] = parts.get(cat, 0) + nbytes
+    parts = {k: v for k, v in parts.items() if v or k in static}
+    if point[1] != -1:
+        for nbytes, cat in extra.get(point, ()):
+            parts[cat] = parts.get(cat, 0) + nbytes
+    parts["activations"] = activation_at(point, best_prev)
+    ev = profile.events[point[0]]
+    phase = "forward" if point[0] <= profile.forward_end else "backward"
+    return MemoryEstimate(peak_bytes=best_total, breakdown=parts,
+                          phase=f"{phase} ({ev.kind} {ev.module or '<root>'})")
 
 
 def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,

@@ -21,13 +21,13 @@ def gather_module_rows(graph: ModuleGraph, analysis: Analysis, max_depth: int = 
     """Per-module parameters, saved activations and FLOPs, down to ``max_depth``."""
     rows = []
     fw_incl, bw_incl = _inclusive_flops(graph, analysis)
+    saved_incl = _inclusive_saved_bytes(graph, analysis)
     for fqn, info in graph.modules.items():
         depth = 0 if fqn == "" else fqn.count(".") + 1
         if depth > max_depth:
             continue
         comp = analysis.modules.get(fqn)
-        saved = sum(c.saved_bytes for f, c in analysis.modules.items()
-                    if f == fqn or fqn == "" or f.startswith(fqn + "."))
+        saved = saved_incl[fqn]
         rows.append({
             "module": fqn or "<root>", "class": info.class_name, "params": info.subtree_numel,
             "param_bytes": info.subtree_numel * 4, "saved_activation_bytes": saved,
@@ -35,6 +35,18 @@ def gather_module_rows(graph: ModuleGraph, analysis: Analysis, max_depth: int = 
             "calls": comp.calls if comp else 0,
         })
     return rows
+
+
+def _inclusive_saved_bytes(graph: ModuleGraph, analysis: Analysis) -> dict[str, int]:
+    """Bytes saved for backward by each module and its submodules (one pass, children first)."""
+    saved: dict[str, int] = {}
+    for fqn in reversed(list(graph.modules)):
+        comp = analysis.modules.get(fqn)
+        saved[fqn] = (comp.saved_bytes if comp else 0) + sum(
+            saved[c] for c in graph.modules[fqn].children)
+    # Ops outside every module (the loss) save their tensors in the root's name.
+    saved[""] = sum(c.saved_bytes for c in analysis.modules.values())
+    return saved
 
 
 def _inclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:

@@ -12,6 +12,7 @@ plan written by hand may checkpoint any set of blocks, which composes the same w
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 from fsdp_plan.facts import Analysis, Event, Timeline
@@ -28,16 +29,25 @@ class Segments:
     suffix_start: int
 
 
-def _first(events: list[Event], kind: str, module: str, start: int = 0) -> int | None:
-    for i in range(start, len(events)):
-        if events[i].kind == kind and events[i].module == module:
-            return i
-    return None
+def _first(index: dict[tuple[str, str], list[int]], kind: str, module: str,
+           start: int = 0) -> int | None:
+    """The first event ``kind`` of ``module`` at or after ``start`` (``index`` from
+    ``_positions``), by bisection: a linear scan per block was quadratic in the depth."""
+    positions = index.get((kind, module), [])
+    at = bisect.bisect_left(positions, start)
+    return positions[at] if at < len(positions) else None
+
+
+def _positions(events: list[Event]) -> dict[tuple[str, str], list[int]]:
+    index: dict[tuple[str, str], list[int]] = {}
+    for i, e in enumerate(events):
+        index.setdefault((e.kind, e.module), []).append(i)
+    return index
 
 
 def find_segments(timeline: Timeline, blocks: list[str]) -> Segments | None:
     """Split ``timeline`` at the blocks' first pre-forward and pre-backward events."""
-    ev = timeline.events
+    ev = _positions(timeline.events)
     fw_starts = [_first(ev, "pre_fw", b) for b in blocks]
     bw_starts = [_first(ev, "pre_bw", b) for b in blocks]
     if not blocks or None in fw_starts or None in bw_starts:
