@@ -135,6 +135,9 @@ def check_writable(path: str, what: str) -> None:
     everything (``/proc``, read-only mounts, root on NFS), a real create does."""
     if not path:
         raise BadInput(f"{what} needs a file path, got an empty string.")
+    if path.endswith((os.sep, "/")) or os.path.basename(path) in (".", ".."):
+        raise BadInput(f"{what} {path!r} names a folder; give a file path inside it "
+                       f"(e.g. {os.path.join(path.rstrip('/' + os.sep) or '.', 'plan.yaml')!r}).")
     target = _target(path)
     folder = os.path.dirname(target)
     if not os.path.isdir(folder):

@@ -200,6 +200,13 @@ def test_a_long_legal_file_name_is_writable(tmp_path):
         check_writable(str(tmp_path / ("p" * 300 + ".py")), "-o")
 
 
+def test_output_path_with_a_trailing_slash_is_refused(tmp_path, capsys):
+    model = write(tmp_path, "model.py", MARKED)
+    fails(capsys, [model, "--mem", "80GB", "--plan", str(tmp_path / "newdir") + "/"], 2,
+          "names a folder", "plan.yaml")
+    assert sorted(os.listdir(tmp_path)) == ["model.py"]
+
+
 def test_output_that_is_a_device_is_refused(capsys, tmp_path):
     model = write(tmp_path, "model.py", MARKED)
     fails(capsys, [model, "--mem", "80GB", "--trace", "/dev/null"], 2, "not a regular file")
