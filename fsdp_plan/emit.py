@@ -28,6 +28,10 @@ whitelist (no quotes, no backslashes). Numbers in the docstring are formatted fr
 - A 2-D mesh ``(W, 1)`` (strategy ``none``) is HSDP with one-rank shard groups: each rank
   holds full parameters, FSDP2 issues no all-gather and no reduce-scatter, and one gradient
   all-reduce per unit per backward (pure replication, like DDP).
+- A unit's ``MixedPrecisionPolicy`` casts its forward inputs to its ``param_dtype``
+  (``cast_forward_inputs``) and its outputs to ``output_dtype``: a batch norm unit with
+  ``param_dtype=float32, output_dtype=bfloat16`` runs in float32 between bf16 convolutions,
+  which is what FSDP1's default ``_module_classes_to_ignore`` hooks do (checked on gloo).
 - FSDP1's ``_recursive_wrap`` asks the policy about the root first (``recurse=True``) and never
   asks ``recurse=False`` about the root (``only_wrap_children``); the policy learns FQNs there.
 """
@@ -193,6 +197,9 @@ FSDP2 (``fully_shard``), after ``torch.distributed.init_process_group(...)``::
 
     model = apply_fully_shard(model)                 # AC, units, prefetch, mixed precision
     model = apply_fully_shard(model, mesh=my_mesh)   # with your own (replicate, shard) mesh
+
+A unit may carry its own ``mixed_precision`` (each batch norm is a float32 unit under bf16:
+its weights meet float32 running statistics); ``apply_fully_shard`` applies it to that unit.
 
 ``apply_fully_shard`` builds the plan's mesh when none is given: 1-D ``(shard,)`` when
 replicate is 1, else 2-D ``(replicate, shard)`` named ("replicate", "shard") for HSDP.
