@@ -1,8 +1,8 @@
 """The plan: SPEC section 3 as dataclasses, written to YAML atomically and read back as data.
 
 ``Plan.to_dict()`` is exactly the YAML document (and the emitted module's ``PLAN``);
-``Plan.from_dict()`` validates a document read from disk (``fsdp_plan.plan_check``) before
-anything uses it.
+``read_plan`` reads a plan file as untrusted data (``fsdp_plan.plan_read``) and
+``Plan.from_dict()`` validates it (``fsdp_plan.plan_check``) before anything uses it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any, Literal
 import yaml
 
 from fsdp_plan.outputs import atomic_write_all, atomic_write_text, check_writable  # noqa: F401
-from fsdp_plan.plan_check import check_plan_document, read_plan_document
+from fsdp_plan.plan_check import check_plan_document
+from fsdp_plan.plan_read import read_plan_document
 
 PLAN_VERSION = 1
 Strategy = Literal["full", "hybrid", "grad-op", "none"]
@@ -26,6 +27,9 @@ class Unit:
     modules: list[str]
     """Module FQNs given to one ``fully_shard`` call (``""`` is the root)."""
     reshard_after_forward: bool = True
+    mixed_precision: dict[str, str | None] | None = None
+    """This unit's own ``MixedPrecisionPolicy`` dtypes (``param_dtype``, ``reduce_dtype``,
+    ``output_dtype``) over the plan's; None (not written) uses the plan's."""
 
     @property
     def key(self) -> str:
@@ -68,6 +72,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """The YAML document, keys in SPEC order first."""
         raw = asdict(self)
+        raw["units"] = [{k: v for k, v in unit.items() if k != "mixed_precision" or v is not None}
+                        for unit in raw["units"]]
         order = ["fsdp_plan_version", "model", "budget_bytes", "headroom_bytes", "world_size",
                  "mesh", "strategy", "units", "activation_checkpointing", "forward_prefetch",
                  "backward_prefetch", "mixed_precision", "optimizer", "gpu", "predicted"]
@@ -84,8 +90,8 @@ class Plan:
             world_size=checked["world_size"],
             mesh=Mesh(replicate=checked["replicate"], shard=checked["shard"]),
             strategy=checked["strategy"],
-            units=[Unit(modules=modules, reshard_after_forward=reshard)
-                   for modules, reshard in checked["units"]],
+            units=[Unit(modules=modules, reshard_after_forward=reshard, mixed_precision=precision)
+                   for modules, reshard, precision in checked["units"]],
             activation_checkpointing=checked["activation_checkpointing"],
             forward_prefetch=checked["forward_prefetch"],
             backward_prefetch=checked["backward_prefetch"],

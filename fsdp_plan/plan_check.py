@@ -1,16 +1,11 @@
-"""Read and validate a plan document (SPEC sections 3 and 6) in one place, before anything runs.
+"""Validate a plan document (SPEC sections 3 and 6) in one place, before anything runs.
 
-A plan file is data that may come from anyone, so it is read like untrusted input:
-
-- ``read_plan_document`` refuses files over ``MAX_PLAN_BYTES`` before parsing, non-UTF-8 or
-  binary text, YAML tags, recursive aliases, nesting deeper than ``MAX_DEPTH``, anchors that
-  expand to more than ``MAX_NODES`` nodes (the "billion laughs") and duplicate keys; then it
-  builds plain Python data with ``yaml.CSafeLoader`` (``SafeLoader`` without libyaml).
-- ``check_plan_document`` checks every field the tools use: types (a bool is not an int; int
-  fields refuse ``1.5``, ``.nan``, ``.inf`` and strings), ranges, the unit structure (children
-  first, root last, each module in one unit), prefetch targets, the mesh against the world
-  size and strategy, dtypes, the optimizer and the model recipe. It returns the normalised
-  values ``Plan.from_dict`` builds its dataclasses from.
+A plan file is data that may come from anyone: ``fsdp_plan.plan_read`` reads it (size,
+encoding, tags, aliases), then ``check_plan_document`` checks every field the tools use:
+types (a bool is not an int; int fields refuse ``1.5``, ``.nan``, ``.inf`` and strings),
+ranges, the unit structure (children first, root last, each module in one unit), prefetch
+targets, the mesh against the world size and strategy, dtypes, the optimizer and the model
+recipe. It returns the normalised values ``Plan.from_dict`` builds its dataclasses from.
 
 Every refusal is a ``BadInput`` (exit 2) naming the field path (``units[3].modules[0]``) and
 the fix, written for someone editing the plan file. Whether the named modules exist is
@@ -25,13 +20,12 @@ than silently ignored.
 from __future__ import annotations
 
 import copy
+import datetime
 import math
-import os
 from typing import Any
 
-import yaml
-
 from fsdp_plan.errors import BadInput
+from fsdp_plan.plan_read import MAX_DEPTH, MAX_NODES, clip
 
 PLAN_VERSIONS = (1, 2)
 STRATEGIES = ("full", "hybrid", "grad-op", "none")
@@ -41,13 +35,6 @@ MODEL_KINDS = ("file", "import", "hf-config")
 DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32", "float64", "fp64")
 CHECKPOINT_MODES = ("full", "selective")
 
-MAX_PLAN_BYTES = 16 * 2**20
-"""A plan for a 405B model is about 30 kB; a file this large is not a plan and parsing it
-would only cost time and memory."""
-MAX_NODES = 1_000_000
-"""YAML nodes after expanding aliases; bounds the work any consumer of the document does."""
-MAX_DEPTH = 64
-"""Nesting depth; a plan needs 4, and deeper documents would exhaust the parser's stack."""
 MAX_WORLD_SIZE = 2**20
 MAX_BYTES = 2**60
 # The same bounds as the command line's --batch-size and --seq-len (fsdp_plan.source): far past
@@ -57,144 +44,17 @@ MAX_SEQ_LEN = 2**26
 MAX_TOKENS = 2**32
 MAX_NAME_CHARS = 4096
 
+KEPT_AS_WRITTEN = ("model", "predicted")
+"""Sections the plan keeps beyond the fields checked one by one (the model's extra keys, the
+planner's report); they reach the policy module's ``PLAN`` literal, so they must be exact
+Python literals too. Unknown top-level keys are accepted (SPEC 3) and dropped."""
 _MESH_KEYS = ("replicate", "shard")
-_UNIT_KEYS = ("modules", "reshard_after_forward")
+_UNIT_KEYS = ("modules", "reshard_after_forward", "mixed_precision")
 _PRECISION_KEYS = ("param_dtype", "reduce_dtype")
-
-
-# --- reading ------------------------------------------------------------------------------
-
-def _loader() -> type:
-    return getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
-
-
-def read_plan_document(path: str) -> Any:
-    """The plan file's YAML as plain data; every way a file can fail to be a plan is a ``BadInput``."""
-    where = f"plan file {path!r}"
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_PLAN_BYTES + 1)
-    except FileNotFoundError as e:
-        raise BadInput(f"{where} does not exist; give the path of a plan written by "
-                       "fsdp-plan --plan.") from e
-    except IsADirectoryError as e:
-        raise BadInput(f"{where} is a folder; give the path of a plan file.") from e
-    except OSError as e:
-        raise BadInput(f"{where} cannot be read ({e.strerror or e}).") from e
-    if len(data) > MAX_PLAN_BYTES:
-        raise BadInput(f"{where} is larger than {MAX_PLAN_BYTES // 2**20} MiB; a plan for a 405B "
-                       "model is about 30 kB, so this is not a plan file (it was not parsed).")
-    return parse_plan_text(data, where)
-
-
-def parse_plan_text(data: bytes, where: str = "plan") -> Any:
-    """Decode and parse a plan document held in memory (see ``read_plan_document``)."""
-    if b"\0" in data:
-        raise BadInput(f"{where} holds binary data (NUL bytes); a plan is a YAML text file.")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise BadInput(f"{where} is not UTF-8 text (byte {e.start} is not valid UTF-8); a plan "
-                       "is a YAML text file written by fsdp-plan --plan.") from e
-    loader = _loader()
-    try:
-        _scan(text, loader, where)
-        raw = yaml.load(text, Loader=loader)  # a safe loader; tags were refused
-    except BadInput:
-        raise
-    except yaml.constructor.ConstructorError as e:
-        raise BadInput(f"{where} holds a value fsdp-plan never constructs "
-                       f"({' '.join(str(e.problem).split())}); a plan is plain data (mappings, "
-                       "lists, strings, numbers).") from e
-    except yaml.YAMLError as e:
-        raise BadInput(f"{where} cannot be read as YAML: {' '.join(str(e).split())}.") from e
-    except (ValueError, OverflowError, RecursionError, MemoryError) as e:
-        raise BadInput(f"{where} holds a value YAML cannot turn into data "
-                       f"({type(e).__name__}: {_clip(str(e))}).") from e
-    if raw is None:
-        raise BadInput(f"{where} is empty; write a plan with fsdp-plan --plan.")
-    return raw
-
-
-def _scan(text: str, loader: type, where: str) -> None:
-    """Walk the YAML events (no recursion, no objects built) and refuse what a plan never holds:
-    tags, recursive aliases, deep nesting, alias bombs and duplicate mapping keys."""
-    sizes: dict[str, int] = {}
-    open_anchors: list[str] = []
-    # Frames of open collections: [anchor, expanded size, is_mapping, keys seen, items seen].
-    stack: list[list[Any]] = []
-    total = 0
-
-    def line(event: Any) -> str:
-        mark = getattr(event, "start_mark", None)
-        return f"line {mark.line + 1}" if mark is not None else "somewhere"
-
-    def add(size: int, event: Any) -> None:
-        nonlocal total
-        if stack:
-            stack[-1][1] += size
-            stack[-1][4] += 1
-            if stack[-1][1] > MAX_NODES:
-                raise BadInput(f"{where} expands to more than {MAX_NODES:,} values at {line(event)} "
-                               "(anchors and aliases repeating each other); a plan is a few "
-                               "thousand values, so it was not read further.")
-        else:
-            total += size
-            if total > MAX_NODES:
-                raise BadInput(f"{where} holds more than {MAX_NODES:,} values; it is not a plan.")
-
-    for event in yaml.parse(text, Loader=loader):
-        if isinstance(event, yaml.NodeEvent):
-            tag = getattr(event, "tag", None)
-            if tag is not None:
-                raise BadInput(f"{where} holds a YAML tag ({_clip(tag)}) at {line(event)}; a plan "
-                               "is plain data (mappings, lists, strings, numbers) and fsdp-plan "
-                               "constructs no tagged values. Remove the tag.")
-            in_mapping_key = bool(stack) and stack[-1][2] and stack[-1][4] % 2 == 0
-            if in_mapping_key and not isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
-                raise BadInput(f"{where} has a list or mapping used as a mapping key at "
-                               f"{line(event)}; keys are plain names.")
-            if in_mapping_key and isinstance(event, yaml.ScalarEvent):
-                keys = stack[-1][3]
-                if event.value in keys:
-                    raise BadInput(f"{where} has the key {_clip(event.value)!r} twice in one "
-                                   f"mapping (at {line(event)}); YAML would keep only the last. "
-                                   "Remove one of them.")
-                keys.add(event.value)
-        if isinstance(event, yaml.AliasEvent):
-            if event.anchor in open_anchors:
-                raise BadInput(f"{where} has a recursive alias *{_clip(event.anchor)} at "
-                               f"{line(event)} (a value that contains itself); a plan is a tree "
-                               "of plain values.")
-            if event.anchor not in sizes:
-                raise BadInput(f"{where} uses the alias *{_clip(event.anchor)} at {line(event)} "
-                               "before any anchor of that name.")
-            add(sizes[event.anchor], event)
-        elif isinstance(event, yaml.ScalarEvent):
-            if event.anchor is not None:
-                sizes[event.anchor] = 1
-            add(1, event)
-        elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-            if len(stack) >= MAX_DEPTH:
-                raise BadInput(f"{where} nests lists or mappings more than {MAX_DEPTH} deep (at "
-                               f"{line(event)}); a plan nests 4 deep.")
-            if event.anchor is not None:
-                open_anchors.append(event.anchor)
-            stack.append([event.anchor, 1, isinstance(event, yaml.MappingStartEvent), set(), 0])
-        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-            anchor, size, _, _, _ = stack.pop()
-            if anchor is not None:
-                open_anchors.remove(anchor)
-                sizes[anchor] = size
-            add(size, event)
+_UNIT_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
 
 
 # --- describing values in messages ------------------------------------------------------------
-
-def _clip(text: str, limit: int = 60) -> str:
-    text = str(text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
 
 def show(value: Any) -> str:
     """A short, safe description of a value read from the plan (never a huge repr)."""
@@ -213,7 +73,7 @@ def show(value: Any) -> str:
             return ("" if value > 0 else "-") + ".inf (infinity)"
         return f"{value!r} (a decimal number)"
     if isinstance(value, str):
-        return f"{_clip(value)!r} (a string)"
+        return f"{clip(value)!r} (a string)"
     if isinstance(value, dict):
         return "a mapping"
     if isinstance(value, list):
@@ -223,7 +83,7 @@ def show(value: Any) -> str:
 
 def name_of(value: Any) -> str:
     """A module or key name as it appears in messages: quoted, clipped."""
-    return repr(_clip(value)) if isinstance(value, str) else show(value)
+    return repr(clip(value)) if isinstance(value, str) else show(value)
 
 
 class _Checker:
@@ -306,15 +166,28 @@ def _ancestors(fqn: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))] if fqn else []
 
 
+def _is_unicode(text: str) -> bool:
+    """False for strings holding lone surrogates (YAML's "\\ud800" escapes): they cannot be
+    printed or written as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _walk_plain(check: _Checker, raw: Any) -> None:
     """Refuse values that are not YAML plain data: cycles, too deep, too many, odd types.
 
-    Shared sub-values are visited each time they appear (as every consumer would), so the count
-    bounds the work of anything that walks the document."""
+    In ``KEPT_AS_WRITTEN`` numbers must also be finite, dates are refused and mapping keys
+    are strings; the other sections have their own checks, and unknown keys, which are
+    dropped, only need to be plain. Shared sub-values are visited each
+    time they appear (as every consumer would), so the count bounds the work of anything that
+    walks the document."""
     count = 0
-    stack: list[tuple[Any, str, int, tuple[int, ...]]] = [(raw, "", 0, ())]
+    stack: list[tuple[Any, str, int, tuple[int, ...], bool]] = [(raw, "", 0, (), False)]
     while stack:
-        value, path, depth, parents = stack.pop()
+        value, path, depth, parents, kept = stack.pop()
         count += 1
         if count > MAX_NODES:
             raise check.fail("the document", f"holds more than {MAX_NODES:,} values",
@@ -327,17 +200,33 @@ def _walk_plain(check: _Checker, raw: Any) -> None:
                 raise check.fail(path or "the document", "contains itself (a recursive alias)",
                                  "a plan is a tree of plain values; remove the alias")
             inner = (*parents, id(value))
-            if isinstance(value, dict):
-                items = [((f"{path}.{k}" if path else k) if isinstance(k, str)
-                          else f"{path}[{show(k)}]", v) for k, v in value.items()]
-            else:
-                items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
-            stack.extend((v, p, depth + 1, inner) for p, v in items)
+            if isinstance(value, list):
+                stack.extend((v, f"{path}[{i}]", depth + 1, inner, kept)
+                             for i, v in enumerate(value))
+                continue
+            for key, item in value.items():
+                if isinstance(key, str) and not _is_unicode(key):
+                    raise check.fail(path, f"has a key that is not valid Unicode ({clip(key)!a})",
+                                     "remove the \\ud800-style escape")
+                if not isinstance(key, str):
+                    if kept:
+                        raise check.fail(path, f"has the key {show(key)}",
+                                         "keys in a plan are names (strings); quote it")
+                    item_path = f"{path}[{show(key)}]"
+                else:
+                    item_path = f"{path}.{key}" if path else key
+                stack.append((item, item_path, depth + 1, inner,
+                              kept or (depth == 0 and key in KEPT_AS_WRITTEN)))
+        elif isinstance(value, str) and not _is_unicode(value):
+            raise check.fail(path, f"is not valid Unicode text ({clip(value)!a})",
+                             "remove the \\ud800-style escape (a lone surrogate)")
+        elif isinstance(value, float) and kept and not math.isfinite(value):
+            raise check.fail(path, f"is {show(value)}", "a plan holds finite numbers only")
+        elif isinstance(value, (datetime.date, datetime.datetime)) and not kept:
+            continue
         elif not isinstance(value, (str, int, float, bool)) and value is not None:
-            import datetime
-            if not isinstance(value, (datetime.date, datetime.datetime)):
-                raise check.fail(path, f"is {show(value)}", "a plan holds only mappings, lists, "
-                                 "strings, numbers, booleans and null")
+            raise check.fail(path, f"is {show(value)}", "a plan holds only mappings, lists, "
+                             "strings, numbers, booleans and null (quote dates)")
 
 
 def _plain_arg(check: _Checker, value: Any, path: str) -> Any:
@@ -383,7 +272,7 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     out["units"] = _check_units(check, raw["units"])
     out["strategy"] = _check_strategy(check, raw, out["replicate"], out["shard"], out["units"])
     out["activation_checkpointing"], selective = _check_checkpointing(check, raw, version)
-    keys = {modules[0] for modules, _ in out["units"]}
+    keys = {unit[0][0] for unit in out["units"]}
     for kind in ("forward_prefetch", "backward_prefetch"):
         out[kind] = _check_prefetch(check, raw.get(kind), kind, keys)
     out["mixed_precision"] = _check_precision(check, raw.get("mixed_precision"))
@@ -416,7 +305,7 @@ def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
                          "arguments as a mapping, e.g. args: {size: 70b}", optional=True)
     for key in args:
         if not key.isidentifier():
-            raise check.fail(f"model.args.{_clip(key)}", "is not a Python keyword-argument name",
+            raise check.fail(f"model.args.{clip(key)}", "is not a Python keyword-argument name",
                              "use identifiers such as size or n_layers")
     _plain_arg(check, args, "model.args")
     batch = check.integer(model.get("batch_size", 1), "model.batch_size", 1, MAX_BATCH_SIZE,
@@ -472,7 +361,8 @@ def _check_mesh(check: _Checker, raw: dict) -> dict[str, Any]:
     return {"replicate": replicate, "shard": shard}
 
 
-def _check_units(check: _Checker, value: Any) -> list[tuple[list[str], bool]]:
+def _check_units(check: _Checker, value: Any
+                 ) -> list[tuple[list[str], bool, dict[str, str | None] | None]]:
     fix = ("units is the list of fully_shard calls, children first and the root last, e.g. "
            "[{modules: [layers.0], reshard_after_forward: true}, {modules: [''], "
            "reshard_after_forward: false}]")
@@ -514,7 +404,11 @@ def _check_units(check: _Checker, value: Any) -> list[tuple[list[str], bool]]:
             raise check.fail(f"{path}.reshard_after_forward", f"must be true or false, got "
                              f"{show(reshard)}", "write true (free parameters after forward) or "
                              "false (keep them for backward)")
-        out.append((list(modules), reshard))
+        precision = None
+        if unit.get("mixed_precision") is not None:
+            precision = _check_precision(check, unit["mixed_precision"],
+                                         f"{path}.mixed_precision", _UNIT_PRECISION_KEYS)
+        out.append((list(modules), reshard, precision))
     if "" not in owner:
         raise check.fail(f"units[{len(units) - 1}]", "is not the root unit {modules: ['']}",
                          "end units with the root, {modules: [''], reshard_after_forward: "
@@ -523,7 +417,7 @@ def _check_units(check: _Checker, value: Any) -> list[tuple[list[str], bool]]:
 
 
 def _check_strategy(check: _Checker, raw: dict, replicate: int, shard: int,
-                    units: list[tuple[list[str], bool]]) -> str:
+                    units: list[tuple[list[str], bool, Any]]) -> str:
     """``strategy`` against the mesh and resharding, accepting what the planner writes
     (``search.strategies_for``: full and grad-op shard over all ranks, none replicates, hybrid
     may have one replica when the world fits in a node); absent, it follows from the mesh."""
@@ -544,7 +438,7 @@ def _check_strategy(check: _Checker, raw: dict, replicate: int, shard: int,
                          "every parameter: write mesh {replicate: world_size, shard: 1}, or "
                          "another strategy")
     if strategy == "grad-op":
-        resharding = [i for i, (_, reshard) in enumerate(units) if reshard]
+        resharding = [i for i, (_, reshard, _) in enumerate(units) if reshard]
         if resharding:
             raise check.fail(f"units[{resharding[0]}].reshard_after_forward", "is true under "
                              "strategy grad-op", "grad-op (SHARD_GRAD_OP) keeps parameters "
@@ -564,8 +458,8 @@ def _check_checkpointing(check: _Checker, raw: dict, version: int) -> tuple[list
         check.mapping(value, path, "map module FQNs to full or selective")
         selective = []
         for name, mode in value.items():
-            check.fqn(name, f"{path}[{_clip(name)!r}]", root=False)
-            check.choice(mode, f"{path}[{_clip(name)!r}]", CHECKPOINT_MODES,
+            check.fqn(name, f"{path}[{clip(name)!r}]", root=False)
+            check.choice(mode, f"{path}[{clip(name)!r}]", CHECKPOINT_MODES,
                          "full recomputes the whole forward, selective saves the selective_ops")
             if mode == "selective":
                 selective.append(name)
@@ -597,7 +491,7 @@ def _check_prefetch(check: _Checker, value: Any, kind: str, keys: set[str]) -> d
     mapping = check.mapping(value, kind, fix, optional=True)
     out = {}
     for key, targets in mapping.items():
-        kpath = f"{kind}[{_clip(key)!r}]"
+        kpath = f"{kind}[{clip(key)!r}]"
         if key not in keys:
             raise check.fail(kpath, f"names {name_of(key)}, which is not a unit key", fix)
         targets = check.sequence(targets, kpath, fix)
@@ -616,14 +510,16 @@ def _check_prefetch(check: _Checker, value: Any, kind: str, keys: set[str]) -> d
     return out
 
 
-def _check_precision(check: _Checker, value: Any) -> dict[str, str | None]:
+def _check_precision(check: _Checker, value: Any, path: str = "mixed_precision",
+                     keys: tuple[str, ...] = _PRECISION_KEYS) -> dict[str, str | None]:
+    """The plan's ``mixed_precision`` (or a unit's own, which may also set ``output_dtype``)."""
     fix = "mixed_precision is {param_dtype: bfloat16, reduce_dtype: float32} (null keeps fp32)"
-    mapping = check.mapping(value, "mixed_precision", fix, optional=True)
-    check.keys(mapping, "mixed_precision", _PRECISION_KEYS)
+    mapping = check.mapping(value, path, fix, optional=True)
+    check.keys(mapping, path, keys)
     out: dict[str, str | None] = {}
     for key, dtype in mapping.items():
         if dtype is not None:
-            check.choice(dtype, f"mixed_precision.{key}", DTYPE_NAMES,
+            check.choice(dtype, f"{path}.{key}", DTYPE_NAMES,
                          "FSDP casts to floating dtypes only: use bfloat16, float16 or float32, "
                          "or null to keep the parameters' dtype")
         out[key] = dtype
@@ -643,11 +539,11 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
     for key in ("collectives_per_step", "collectives_per_step_fsdp1"):
         counts = check.mapping(predicted.get(key), f"predicted.{key}", fix, optional=True)
         for name, count in counts.items():
-            check.integer(count, f"predicted.{key}.{_clip(name)}", 0, 2**40,
+            check.integer(count, f"predicted.{key}.{clip(name)}", 0, 2**40,
                           "a collective count is a whole number >= 0")
     breakdown = check.mapping(predicted.get("breakdown"), "predicted.breakdown", fix, optional=True)
     for name, size in breakdown.items():
-        check.number(size, f"predicted.breakdown.{_clip(name)}", "write bytes as a number")
+        check.number(size, f"predicted.breakdown.{clip(name)}", "write bytes as a number")
     units = check.sequence(predicted.get("units"), "predicted.units", fix, optional=True)
     for i, unit in enumerate(units):
         unit = check.mapping(unit, f"predicted.units[{i}]", fix)
@@ -680,24 +576,6 @@ def _refuse_unapplied(check: _Checker, raw: dict, selective: list[str]) -> None:
             raise check.fail("grad_accum_steps", f"is {steps}", "this fsdp-plan cannot apply "
                              "gradient accumulation yet; remove it or set it to 1")
     if selective:
-        raise check.fail(f"activation_checkpointing[{_clip(selective[0])!r}]", "is selective",
+        raise check.fail(f"activation_checkpointing[{clip(selective[0])!r}]", "is selective",
                          "this fsdp-plan cannot apply selective checkpointing yet; write full "
                          "for that module (or drop it)")
-
-
-def resolve_candidates(source: str, plan_path: str | None) -> list[str]:
-    """Where a relative model path in a plan is looked for, in order: the plan file's folder,
-    the working folder (plans written before this rule), then the plan folder's parents (a plan
-    written into ``policies/`` from the project root records paths from the root)."""
-    if os.path.isabs(source):
-        return [source]
-    found = []
-    if plan_path is not None:
-        found.append(os.path.join(os.path.dirname(os.path.abspath(plan_path)), source))
-    found.append(os.path.abspath(source))
-    if plan_path is not None:
-        folder = os.path.dirname(os.path.abspath(plan_path))
-        while os.path.dirname(folder) != folder:
-            folder = os.path.dirname(folder)
-            found.append(os.path.join(folder, source))
-    return list(dict.fromkeys(os.path.normpath(p) for p in found))

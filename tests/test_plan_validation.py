@@ -12,6 +12,7 @@ exception into a one-paragraph message.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import tempfile
 import time
@@ -25,7 +26,8 @@ from fsdp_plan.cli.main import VERBS, main
 from fsdp_plan.errors import BadInput
 from fsdp_plan.measure.runtime import source_from_plan
 from fsdp_plan.plan import Plan, read_plan
-from fsdp_plan.plan_check import MAX_PLAN_BYTES, check_plan_document, parse_plan_text
+from fsdp_plan.plan_check import check_plan_document
+from fsdp_plan.plan_read import MAX_PLAN_BYTES, parse_plan_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -186,6 +188,10 @@ CASES = {
                             ["units[0].modules[0]", "must be a string"]),
     "reshard not a bool": (lambda d: d["units"][0].update(reshard_after_forward="yes"),
                            ["units[0].reshard_after_forward", "true or false"]),
+    "unit precision int8": (lambda d: d["units"][0].update(mixed_precision={"param_dtype": "int8"}),
+                            ["units[0].mixed_precision.param_dtype", "'int8'"]),
+    "unit precision typo": (lambda d: d["units"][0].update(mixed_precision={"out_dtype": "bf16"}),
+                            ["units[0].mixed_precision.out_dtype", "output_dtype"]),
     "unit key typo": (lambda d: d["units"][0].update(reshard_after_foward=False),
                       ["units[0].reshard_after_foward", "not a key"]),
     "predicted peak negative": (lambda d: d["predicted"].update(peak_bytes=-1),
@@ -206,6 +212,11 @@ CASES = {
         lambda d: d.update(activation_checkpointing={"layers.0": "full"}),
         ["activation_checkpointing is a mapping", "fsdp_plan_version: 2"]),
     "model without source": (lambda d: d["model"].pop("source"), ["model has no source"]),
+    "infinite number the policy would hold": (lambda d: d["model"].update(extra=float("inf")),
+                                              ["model.extra", "finite numbers only"]),
+    "nan in the report": (lambda d: d["predicted"].update(peak_phase=float("nan")),
+                          ["predicted.peak_phase", "finite numbers only"]),
+    "number as a key": (lambda d: d["predicted"].update({1: 2}), ["predicted has the key 1"]),
 }
 
 
@@ -238,6 +249,10 @@ RAW_CASES = {
     "duplicate key": (b"fsdp_plan_version: 1\nworld_size: 8\nworld_size: 1\n",
                       ["'world_size' twice", "line 3"]),
     "not YAML": (b"fsdp_plan_version: 1\nmodel: {source: [}\n", ["cannot be read as YAML"]),
+    "date in the model": (b"fsdp_plan_version: 1\nmodel: {source: x.py, made: 2024-01-01}\n",
+                          ["model.made", "quote dates"]),
+    "lone surrogate": (b'fsdp_plan_version: 1\nmodel: {source: "x\\ud800.py"}\n',
+                       ["cannot be read as YAML", "Unicode"]),
     "huge integer": (b"fsdp_plan_version: 1\nbudget_bytes: " + b"9" * 5000 + b"\n",
                      ["cannot turn into data"]),
 }
@@ -373,11 +388,21 @@ def test_version_2_simple_forms_are_read(base_doc):
     doc = edit(base_doc, lambda d: d.update(
         fsdp_plan_version=2, activation_checkpointing={"layers.0": "full", "layers.1": "full"},
         selective_ops=["aten.mm.default"], offload={"params": False, "optimizer": False},
-        grad_accum_steps=1, something_new={"added": "by another tool"}))
+        grad_accum_steps=1, something_new={"added": "by another tool", 7: float("nan")},
+        created=datetime.date(2026, 11, 29)))
     plan = Plan.from_dict(doc)
     assert plan.fsdp_plan_version == 2
     assert plan.activation_checkpointing == ["layers.0", "layers.1"]
     assert "something_new" not in plan.to_dict()  # unknown keys are dropped, never applied
+
+
+def test_a_unit_may_carry_its_own_precision(base_doc):
+    """A batch norm unit is float32 under bf16 (units.with_full_precision_units)."""
+    override = {"param_dtype": "float32", "output_dtype": "bfloat16"}
+    doc = edit(base_doc, lambda d: d["units"][0].update(mixed_precision=override))
+    plan = Plan.from_dict(doc)
+    assert plan.units[0].mixed_precision == override and plan.units[1].mixed_precision is None
+    assert plan.to_dict() == doc  # units without one do not grow a null key
 
 
 def test_written_plans_round_trip(base_doc):
@@ -415,11 +440,18 @@ def test_python_objects_that_are_not_yaml_are_refused(base_doc):
         check_plan_document(odd)
 
 
+def test_lone_surrogates_are_refused_whatever_the_loader(base_doc):
+    """libyaml refuses "\\ud800" escapes; PyYAML's pure-Python loader builds them."""
+    with pytest.raises(BadInput, match=r"model\.source is not valid Unicode"):
+        check_plan_document(edit(base_doc, lambda d: d["model"].update(source="m\ud800.py")))
+    assert yaml.load('a: "\\ud800"', Loader=yaml.SafeLoader) == {"a": "\ud800"}
+
+
 def test_reading_uses_the_c_loader_when_there_is_one():
     assert parse_plan_text(b"a: 1\n") == {"a": 1}
     if hasattr(yaml, "CSafeLoader"):
-        from fsdp_plan import plan_check
-        assert plan_check._loader() is yaml.CSafeLoader
+        from fsdp_plan import plan_read
+        assert plan_read._loader() is yaml.CSafeLoader
 
 
 # --- main: every error is one paragraph ---------------------------------------------------------

@@ -19,7 +19,7 @@ from torch import nn
 from fsdp_plan.errors import BadInput
 from fsdp_plan.load import LoadedModel, ModelSource, load_model, source_digest, source_kind
 from fsdp_plan.plan import Plan
-from fsdp_plan.plan_check import resolve_candidates
+from fsdp_plan.plan_read import resolve_candidates
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 
@@ -34,7 +34,7 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
     (``.json``) that exists as a regular file, but never a module to import (``kind: import``
     would run whatever the plan names). A relative path is looked up next to the plan file
     first, then in the working folder, then in the plan folder's parents
-    (``plan_check.resolve_candidates``).
+    (``plan_read.resolve_candidates``).
     """
     raw = plan.model
     entry = str(raw.get("entry") or "build_model")
