@@ -53,7 +53,8 @@ class LoadedModel:
 # ``user_code_output_to_stderr``: its print() output goes to stderr, so ``--format json``
 # keeps stdout a single JSON document, and a sys.exit() in it becomes a BadInput naming the
 # call and the line instead of ending the planner with the user's exit code and nothing said.
-# KeyboardInterrupt is left alone: Ctrl-C still stops the planner (exit 130).
+# KeyboardInterrupt is left alone: Ctrl-C still stops the planner (exit 130). An os.chdir() in
+# user code is undone, so relative output paths still name the files that were checked.
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -66,6 +67,7 @@ def user_code_output_to_stderr(what: str = "the model's forward",
 
     ``what`` names the call for the message (``build_model(size='tiny')``); ``path`` is the
     user's file, whose innermost line the message shows."""
+    cwd = _getcwd()
     try:
         with contextlib.redirect_stdout(sys.stderr):
             yield
@@ -73,6 +75,17 @@ def user_code_output_to_stderr(what: str = "the model's forward",
         raise BadInput(f"{what} called sys.exit({e.code!r}){_user_frame_hint(e, path)}; the "
                        "planner runs this code to read the model's shapes and cannot go on. Remove "
                        "the exit (guard script code with `if __name__ == \"__main__\":`).") from e
+    finally:
+        # An os.chdir() in user code would move relative output paths after they were checked.
+        if cwd is not None and _getcwd() != cwd:
+            os.chdir(cwd)
+
+
+def _getcwd() -> str | None:
+    try:
+        return os.getcwd()
+    except OSError:  # the working folder was removed
+        return None
 
 
 def _user_frames(error: BaseException, path: str | None) -> list[traceback.FrameSummary]:
@@ -431,5 +444,5 @@ def rebuild_meta(loaded: LoadedModel) -> nn.Module:
     planning a model of 10,000 modules; a model that cannot be copied is built again."""
     try:
         return copy.deepcopy(loaded.model)
-    except Exception:  # a module holding something uncopyable (a lock, a generator)
+    except Exception:  # noqa: BLE001  (a module holding something uncopyable: a lock, a generator)
         return build_on_meta(loaded.factory, loaded.source)

@@ -158,12 +158,23 @@ def parse_model_args(pairs: list[str] | None) -> dict[str, Any]:
 
 
 def _check_scalar(key: str, value: Any, where: str) -> None:
+    """A plan file's model argument: a plain scalar, or (hand-written plans) lists and mappings
+    of them, as ``plan_check`` accepts."""
     if value is None or isinstance(value, bool | int | str):
         return
     if isinstance(value, float) and math.isfinite(value):
         return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_scalar(key, item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, item in value.items():
+            _check_scalar(key, item, f"{where}.{k}")
+        return
     raise BadInput(f"{where} is {value!r} ({type(value).__name__}); model arguments are plain "
-                   "YAML scalars (int, finite float, bool, null or string).")
+                   "YAML scalars (int, finite float, bool, null or string), or lists and "
+                   "mappings of them.")
 
 
 def source_kind(source: str) -> str:

@@ -406,8 +406,9 @@ def test_model_source_plan_dict_round_trip():
     from fsdp_plan.source import ModelSource
     source = ModelSource(source="m.py", args={"size": "tiny", "n": None}, batch_size=2, seq_len=8)
     assert ModelSource.from_plan_dict(source.to_plan_dict()) == source
-    with pytest.raises(BadInput, match="model.args.x"):
-        ModelSource.from_plan_dict({"source": "m.py", "args": {"x": [1]}})
+    assert ModelSource.from_plan_dict({"source": "m.py", "args": {"x": [1]}}).args == {"x": [1]}
+    with pytest.raises(BadInput, match=r"model.args.x\[1\]"):
+        ModelSource.from_plan_dict({"source": "m.py", "args": {"x": [1, float("nan")]}})
     with pytest.raises(BadInput, match="batch_size"):
         ModelSource.from_plan_dict({"source": "m.py", "batch_size": "two"})
 
@@ -482,3 +483,16 @@ def test_importable_factory_module_is_an_input_and_its_exit_is_refused(tmp_path,
                 "hostile_factory_mod:make() called sys.exit(4)", "hostile_factory_mod.py line 5")
     assert "imported" in err  # the module's print went to stderr (fails() checks stdout)
     monkeypatch.delitem(sys.modules, "hostile_factory_mod", raising=False)
+
+
+def test_chdir_in_user_code_does_not_move_relative_outputs(tmp_path, capsys, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    model = write(tmp_path, "model.py", SMALL.replace(
+        "def build_model():\n", f"def build_model():\n    import os\n    os.chdir({str(elsewhere)!r})\n"))
+    monkeypatch.chdir(work)
+    assert main([model, "--mem", "1GB", "--plan", "p.yaml"]) == 0, capsys.readouterr().err
+    assert os.listdir(work) == ["p.yaml"] and os.listdir(elsewhere) == []
+    assert os.getcwd() == str(work)
