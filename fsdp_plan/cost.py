@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 from dataclasses import dataclass, field
 
 from fsdp_plan.errors import BadInput
@@ -118,15 +119,31 @@ def hardware_for(name: str, overrides: dict[str, object] | None = None,
     return Hardware(**fields)
 
 
+MAX_HARDWARE_FILE_BYTES = 1 << 20
+
+
 def read_hardware_file(path: str) -> dict[str, object]:
     """The mapping in a ``--hardware`` YAML file (read with ``safe_load``); checked by ``hardware_for``."""
     import yaml
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise BadInput(f"--hardware {path!r} is not a regular file (a folder, pipe or device); "
+                       "give the path of a YAML file such as one fsdp-plan calibrate writes.")
+    if os.path.isfile(path) and os.path.getsize(path) > MAX_HARDWARE_FILE_BYTES:
+        raise BadInput(f"--hardware {path!r} is {os.path.getsize(path):,} bytes; a hardware file "
+                       f"is a few lines of field: value (at most {MAX_HARDWARE_FILE_BYTES:,} "
+                       "bytes).")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             raw = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"--hardware {path!r} cannot be read: {getattr(e, 'strerror', None) or e}."
-                       ) from e
+    except UnicodeDecodeError as e:
+        raise BadInput(f"--hardware {path!r} is not UTF-8 text (byte {e.start}); a hardware file "
+                       "is YAML text such as peak_flops: 989e12.") from e
+    except OSError as e:
+        raise BadInput(f"--hardware {path!r} cannot be read: {e.strerror or e}.") from e
+    except yaml.constructor.ConstructorError as e:
+        raise BadInput(f"--hardware {path!r} holds a YAML tag that fsdp-plan never constructs "
+                       f"({' '.join(str(e.problem).split())}); a hardware file is plain "
+                       "field: number lines.") from e
     except yaml.YAMLError as e:
         raise BadInput(f"--hardware {path!r} is not valid YAML: {' '.join(str(e).split())}.") from e
     if raw is None:

@@ -349,6 +349,7 @@ def loss_fn(output):
     ("- 1\n- 2\n", ["mapping", "list"]),
     ("name: [x]\n", ["name"]),
     ("a: [\n", ["not valid YAML"]),
+    ("a: !!python/object:os.system x\n", ["YAML tag", "never constructs"]),
 ])
 def test_bad_hardware_files(tmp_path, capsys, text, needles):
     model = write(tmp_path, "model.py", MARKED)
@@ -356,6 +357,17 @@ def test_bad_hardware_files(tmp_path, capsys, text, needles):
     fails(capsys, [model, "--mem", "80GB", "--hardware", hw, "--plan", str(tmp_path / "p.yaml")],
           2, "--hardware", *needles)
     assert sorted(os.listdir(tmp_path)) == ["hw.yaml", "model.py"]
+
+
+def test_hardware_file_that_is_binary_a_pipe_or_huge(tmp_path, capsys):
+    model = write(tmp_path, "model.py", MARKED)
+    (tmp_path / "bin.yaml").write_bytes(b"peak_flops: \xff\n")
+    os.mkfifo(tmp_path / "pipe.yaml")  # reading it would block forever
+    (tmp_path / "big.yaml").write_text("# padding\n" * 200_000)
+    for name, words in (("bin.yaml", "not UTF-8"), ("pipe.yaml", "not a regular file"),
+                        ("big.yaml", "a few lines")):
+        fails(capsys, [model, "--mem", "80GB", "--hardware", str(tmp_path / name)], 2, words)
+    assert not (tmp_path / "imported.marker").exists()
 
 
 def test_hardware_values_in_range_are_read():
