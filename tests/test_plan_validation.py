@@ -491,3 +491,23 @@ def test_help_lists_every_verb_with_its_summary(capsys):
     for verb in VERBS:
         assert main([verb, "--help"]) == 0
         assert f"usage: fsdp-plan {verb}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_issue_9_plan_cannot_run_a_command_through_the_real_cli(base_doc, place):
+    """The reported reproduction, through the installed entry point in a fresh process."""
+    import subprocess
+    import sys
+
+    doc = edit(base_doc, lambda d: d.update(model={"source": "os:system", "kind": "import",
+                                                   "args": {"command": "touch pwned"}}))
+    path = write_plan(place, doc, "p.yaml")
+    env = {**os.environ, "TMPDIR": str(place["tmp"])}
+    for verb, extra in VERB_ARGS.items():
+        proc = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", verb, str(path), *extra],
+                              cwd=place["cwd"], capture_output=True, text=True, timeout=300,
+                              env=env, check=False)
+        assert proc.returncode == 2, proc.stderr
+        assert "Traceback" not in proc.stderr and "MODEL" in proc.stderr, proc.stderr
+        assert proc.stdout == ""
+        assert os.listdir(place["cwd"]) == [] and os.listdir(place["tmp"]) == []
