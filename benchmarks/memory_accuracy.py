@@ -2,7 +2,7 @@
 
     python benchmarks/memory_accuracy.py          # quick: reduced-depth Llama shapes
     python benchmarks/memory_accuracy.py --full   # the bundled examples at real shapes (~15 min)
-Each case is planned with the CLI, then measured on the fake process group at the plan's
+Each case is planned with the library API (``make_plan``), then measured on the fake process group at the plan's
 world size through the generated ``apply_fully_shard`` (about 5-30 s per case on 2 cores).
 """
 
@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
-from fsdp_plan.cli.main import main
-from fsdp_plan.emit import load_policy_module, render_policy_module
-from fsdp_plan.load import ModelSource, load_model
+from fsdp_plan.api import PlanRequest, make_plan
+from fsdp_plan.emit import load_policy_module
+from fsdp_plan.errors import NoFeasiblePlan
 from fsdp_plan.measure.memory import measure_peak
-from fsdp_plan.plan import read_plan
+from fsdp_plan.sizes import parse_bytes
+from fsdp_plan.source import ModelSource, parse_model_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
 GPT2 = os.path.join(ROOT, "examples", "gpt2.py")
 VIT = os.path.join(ROOT, "examples", "vit.py")
-HSDP = ["--gpus-per-node", "8", "--strategy", "hybrid"]
+HSDP = {"gpus_per_node": 8, "strategy": "hybrid"}
 # (model file, --model-arg values, batch, seq, budget, world size, extra flags)
 QUICK = [
-    (LLAMA, ["size=70b", "n_layers=4"], "1", "4096", "40GB", "64", []),
-    (LLAMA, ["size=70b", "n_layers=6"], "1", "4096", "20GB", "64", []),
-    (LLAMA, ["size=8b", "n_layers=4"], "2", "2048", "24GB", "8", []),
+    (LLAMA, ["size=70b", "n_layers=4"], "1", "4096", "40GB", "64", {}),
+    (LLAMA, ["size=70b", "n_layers=6"], "1", "4096", "20GB", "64", {}),
+    (LLAMA, ["size=8b", "n_layers=4"], "2", "2048", "24GB", "8", {}),
     (LLAMA, ["size=8b", "n_layers=4"], "1", "4096", "30GB", "16", HSDP),
 ]
 # The bundled examples at their real shapes: three budgets, world sizes 8 and 64, and HSDP 2x8.
@@ -37,7 +37,7 @@ FULL = [
                                      (GPT2, ["size=xl"], "16", "1024"),
                                      (VIT, ["size=huge"], "128", "1"))
     for mem in ("24GB", "40GB", "80GB")
-    for world, extra in (("8", []), ("64", []), ("16", HSDP))
+    for world, extra in (("8", {}), ("64", {}), ("16", HSDP))
 ]
 
 
@@ -46,29 +46,19 @@ if __name__ == "__main__":
           f"{'measured GB':>12} {'error':>7} {'AC':>3}")
     cases = FULL if "--full" in sys.argv else QUICK
     for model, margs, batch, seq, mem, world, extra in cases:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "plan.yaml")
-            argv = [model, "--batch-size", batch, "--seq-len", seq, "--mem", mem,
-                    "--world-size", world, "--plan", path, "--format", "json", *extra]
-            for a in margs:
-                argv += ["--model-arg", a]
-            with open(os.devnull, "w") as devnull:
-                stdout, sys.stdout = sys.stdout, devnull
-                try:
-                    code = main(argv)
-                finally:
-                    sys.stdout = stdout
-            if code != 0:
-                print(f"{os.path.basename(model)} {' '.join(margs):>24} {batch + 'x' + seq:>8} "
-                      f"{world:>5} {mem:>7} exit {code} (no plan fits)")
-                continue
-            plan = read_plan(path)
-            m = plan.model
-            loaded = load_model(ModelSource(source=m["source"], args=m["args"],
-                                            batch_size=m["batch_size"], seq_len=m["seq_len"]))
-            measured = measure_peak(loaded, plan, load_policy_module(render_policy_module(plan)))
-            pred = plan.predicted["peak_bytes"]
-            err = (pred - measured.peak_bytes) / measured.peak_bytes
-            print(f"{os.path.basename(model)} {' '.join(margs):>24} {batch + 'x' + seq:>8} {world:>5} {mem:>7} "
-                  f"{pred / 1e9:13.2f} {measured.peak_bytes / 1e9:12.2f} {err:+7.1%} "
-                  f"{len(plan.activation_checkpointing):>3}")
+        source = ModelSource(source=model, args=parse_model_args(margs), batch_size=int(batch),
+                             seq_len=int(seq))
+        try:
+            result = make_plan(PlanRequest(source=source, budget_bytes=parse_bytes(mem),
+                                           world_size=int(world), **extra))
+        except NoFeasiblePlan:
+            print(f"{os.path.basename(model)} {' '.join(margs):>24} {batch + 'x' + seq:>8} "
+                  f"{world:>5} {mem:>7} (no plan fits)")
+            continue
+        plan = result.plan
+        measured = measure_peak(result.loaded, plan, load_policy_module(result.policy_source()))
+        pred = plan.predicted["peak_bytes"]
+        err = (pred - measured.peak_bytes) / measured.peak_bytes
+        print(f"{os.path.basename(model)} {' '.join(margs):>24} {batch + 'x' + seq:>8} "
+              f"{world:>5} {mem:>7} {pred / 1e9:13.2f} {measured.peak_bytes / 1e9:12.2f} "
+              f"{err:+7.1%} {len(plan.activation_checkpointing):>3}")

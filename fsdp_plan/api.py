@@ -22,8 +22,7 @@ Example usage::
 
 from __future__ import annotations
 
-import contextlib
-import sys
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +43,7 @@ from fsdp_plan.search import (
 )
 from fsdp_plan.sizes import format_bytes
 from fsdp_plan.source import ModelSource
+from fsdp_plan.units import unit_mixed_precision
 
 if TYPE_CHECKING:
     from fsdp_plan.load import LoadedModel
@@ -138,6 +138,14 @@ class PlanResult:
         from fsdp_plan.report import chrome_trace
         return chrome_trace(self.best.time)
 
+    def relocate_source(self, folder: str) -> None:
+        """Record a relative model path relative to ``folder`` (the plan file's), so the plan
+        finds its model from any working folder; absolute paths and imports stay as given."""
+        model = self.plan.model
+        source = str(model.get("source", ""))
+        if model.get("kind") in ("file", "hf-config") and source and not os.path.isabs(source):
+            model["source"] = os.path.relpath(os.path.abspath(source), os.path.abspath(folder))
+
     def write(self, *, policy: str | None = None, plan: str | None = None,
               trace: str | None = None) -> list[str]:
         """Write the chosen outputs all-or-nothing; returns the paths written."""
@@ -181,7 +189,8 @@ def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact:
             progress(f"note: {note}")
         progress(f"analysing {graph.total_numel:,} parameters, batch {source.batch_size} x "
                  f"sequence {source.seq_len}")
-    with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the report (--format json)
+    from fsdp_plan.load import user_code_output_to_stderr
+    with user_code_output_to_stderr():  # the model's print()s: stdout is the report's
         analysis = analyze(loaded, param_dtype=getattr(torch, canonical_dtype(param_dtype)),
                            blocks=graph.blocks, exact=exact, progress=progress)
     return Analyzed(loaded=loaded, facts=ModelFacts(graph=graph, analysis=analysis),
@@ -308,7 +317,8 @@ def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str) -
         budget_bytes=request.budget_bytes, headroom_bytes=int(request.headroom_bytes or 0),
         world_size=request.world_size, mesh=Mesh(replicate=best.replicate, shard=best.shard),
         strategy=best.strategy,
-        units=[Unit(modules=u.modules, reshard_after_forward=u.reshard_after_forward)
+        units=[Unit(modules=u.modules, reshard_after_forward=u.reshard_after_forward,
+                    mixed_precision=unit_mixed_precision(u, request.param_dtype))
                for u in best.units],
         activation_checkpointing=list(best.checkpointed),
         forward_prefetch=forward, backward_prefetch=backward,

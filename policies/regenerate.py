@@ -3,7 +3,9 @@
     python policies/regenerate.py          # rewrites policies/*.py and policies/*.yaml
     python policies/regenerate.py --check  # exit 1 if any file differs from what the planner writes now
 
-Each entry is the exact ``fsdp-plan`` command line a user would type.
+Each entry is one ``fsdp_plan.api.PlanRequest``; ``command_line(name)`` gives the equivalent
+``fsdp-plan`` command a user would type. The plans record their model relative to this folder
+(``../examples/...``), so they work from any working folder.
 """
 
 from __future__ import annotations
@@ -12,46 +14,62 @@ import filecmp
 import os
 import sys
 import tempfile
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+GB = 10**9
 
-POLICIES: dict[str, list[str]] = {
-    "llama8b_h100x8": ["examples/llama.py", "--model-arg", "size=8b", "--mem", "80GB",
-                       "--world-size", "8", "--seq-len", "4096"],
-    "llama70b_h100x64": ["examples/llama.py", "--model-arg", "size=70b", "--mem", "80GB",
-                         "--world-size", "64", "--seq-len", "4096"],
-    "llama405b_h100x512": ["examples/llama.py", "--model-arg", "size=405b", "--mem", "80GB",
-                           "--world-size", "512", "--seq-len", "4096"],
-    "gpt2xl_a100x8": ["examples/gpt2.py", "--model-arg", "size=xl", "--mem", "40GB",
-                      "--world-size", "8", "--seq-len", "1024", "--batch-size", "8", "--gpu", "a100"],
-    "vit_huge_h100x16": ["examples/vit.py", "--model-arg", "size=huge", "--mem", "80GB",
-                         "--world-size", "16", "--gpus-per-node", "8", "--batch-size", "64"],
+# name -> (model file under examples/, --model-arg values, batch, seq, PlanRequest fields)
+POLICIES: dict[str, tuple[str, dict[str, Any], int, int, dict[str, Any]]] = {
+    "llama8b_h100x8": ("llama.py", {"size": "8b"}, 1, 4096,
+                       {"budget_bytes": 80 * GB, "world_size": 8}),
+    "llama70b_h100x64": ("llama.py", {"size": "70b"}, 1, 4096,
+                         {"budget_bytes": 80 * GB, "world_size": 64}),
+    "llama405b_h100x512": ("llama.py", {"size": "405b"}, 1, 4096,
+                           {"budget_bytes": 80 * GB, "world_size": 512}),
+    "gpt2xl_a100x8": ("gpt2.py", {"size": "xl"}, 8, 1024,
+                      {"budget_bytes": 40 * GB, "world_size": 8, "gpu": "a100"}),
+    "vit_huge_h100x16": ("vit.py", {"size": "huge"}, 64, 4096,
+                         {"budget_bytes": 80 * GB, "world_size": 16, "gpus_per_node": 8}),
 }
 
 
-def write_all(folder: str) -> None:
-    from fsdp_plan.cli.main import main
-    cwd = os.getcwd()
-    os.chdir(ROOT)
-    try:
-        for name, argv in POLICIES.items():
-            code = main([*argv, "--format", "json", "-o", os.path.join(folder, f"{name}.py"),
-                         "--plan", os.path.join(folder, f"{name}.yaml")])
-            if code != 0:
-                raise SystemExit(f"planning {name} failed with exit code {code}")
-    finally:
-        os.chdir(cwd)
+def command_line(name: str) -> str:
+    """The ``fsdp-plan`` command that writes the same files as ``write_one(name, ...)``."""
+    model, args, batch, seq, fields = POLICIES[name]
+    flags = [f"examples/{model}", *(f"--model-arg {k}={v}" for k, v in args.items()),
+             f"--mem {fields['budget_bytes'] // GB}GB", f"--world-size {fields['world_size']}",
+             f"--batch-size {batch}", f"--seq-len {seq}"]
+    if "gpu" in fields:
+        flags.append(f"--gpu {fields['gpu']}")
+    if "gpus_per_node" in fields:
+        flags.append(f"--gpus-per-node {fields['gpus_per_node']}")
+    return "fsdp-plan " + " ".join(flags) + f" -o policies/{name}.py --plan policies/{name}.yaml"
+
+
+def write_one(name: str, folder: str) -> None:
+    from fsdp_plan.api import PlanRequest, make_plan
+    from fsdp_plan.cost import hardware_for
+    from fsdp_plan.source import ModelSource
+    model, args, batch, seq, fields = POLICIES[name]
+    fields = dict(fields)
+    hardware = hardware_for(fields.pop("gpu", "h100"))
+    source = ModelSource(source=os.path.join(ROOT, "examples", model), args=args,
+                         batch_size=batch, seq_len=seq)
+    source = ModelSource(source=os.path.relpath(source.source), args=args, batch_size=batch,
+                         seq_len=seq)
+    result = make_plan(PlanRequest(source=source, hardware=hardware, **fields))
+    result.relocate_source(HERE)
+    result.write(policy=os.path.join(folder, f"{name}.py"),
+                 plan=os.path.join(folder, f"{name}.yaml"))
 
 
 def main() -> int:
     if "--check" in sys.argv:
         with tempfile.TemporaryDirectory() as tmp:
-            stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
-            try:
-                write_all(tmp)
-            finally:
-                sys.stdout = stdout
+            for name in POLICIES:
+                write_one(name, tmp)
             stale = [f for name in POLICIES for f in (f"{name}.py", f"{name}.yaml")
                      if not os.path.exists(os.path.join(HERE, f))
                      or not filecmp.cmp(os.path.join(tmp, f), os.path.join(HERE, f), shallow=False)]
@@ -60,12 +78,9 @@ def main() -> int:
             return 1
         print("policies are current")
         return 0
-    stdout, sys.stdout = sys.stdout, open(os.devnull, "w")
-    try:
-        write_all(HERE)
-    finally:
-        sys.stdout = stdout
-    print("wrote", ", ".join(POLICIES))
+    for name in POLICIES:
+        write_one(name, HERE)
+        print(f"wrote policies/{name}.py and .yaml  ({command_line(name)})")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -171,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
         result = make_plan(request, progress)
         if args.verify and result.loaded is not None:
             verify_by_measurement(result, result.loaded, progress)
+    if args.plan:
+        result.relocate_source(os.path.dirname(os.path.abspath(args.plan)))
     rows = ([candidate_row(c) for c in result.ranked[: args.top]]
             + [candidate_row(c) for c in result.recipes])
     if args.format == "json":
