@@ -362,15 +362,19 @@ def _wait_gone(marker: str, seconds: float = 30) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_a_signalled_bench_ends_its_workers_and_removes_its_temporaries(plan, tmp_path, signum):
+@pytest.mark.parametrize("signum, said", [(signal.SIGTERM, "stopped by SIGTERM"),
+                                           (signal.SIGHUP, "stopped by SIGHUP"),
+                                           (signal.SIGINT, "interrupted")],
+                         ids=["SIGTERM", "SIGHUP", "SIGINT"])
+def test_a_signalled_bench_ends_its_workers_and_removes_its_temporaries(plan, tmp_path, signum,
+                                                                        said):
     proc, marker, private, out, lines = _start_bench(plan, tmp_path)
     assert len(_marked_pids(marker)) >= 3  # the bench and its two training workers
     proc.send_signal(signum)
     assert proc.wait(timeout=60) == 128 + signum, "".join(lines)
     time.sleep(0.5)  # the stderr reader catches up
-    tail = [line for line in lines if not line.startswith("bench: ")]
-    assert [line for line in tail if "stopped by" in line] and "Traceback" not in "".join(tail)
+    tail = [line for line in lines if not line.startswith(("bench: ", "USDT:"))]
+    assert [line for line in tail if said in line] and "Traceback" not in "".join(tail), tail
     assert _wait_gone(marker) == [], "workers still running after the bench exited"
     assert list(private.iterdir()) == []  # worker folder and trace folder removed
     assert not out.exists()
