@@ -153,6 +153,9 @@ def parse_model_args(pairs: list[str] | None) -> dict[str, Any]:
                 f"--model-arg {pair!r} is not KEY=VALUE with KEY a Python identifier; "
                 "write it like --model-arg size=70b."
             )
+        if key in parsed:
+            raise BadInput(f"--model-arg {key} is given twice; give each argument once "
+                           f"(e.g. --model-arg {pair}).")
         parsed[key] = parse_model_arg_value(key, value)
     return parsed
 

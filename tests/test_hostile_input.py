@@ -394,6 +394,12 @@ def test_model_arg_values_are_plain_scalars():
                       "t2": "1:30"}
 
 
+def test_model_arg_given_twice_is_refused():
+    from fsdp_plan.source import parse_model_args
+    with pytest.raises(BadInput, match="size is given twice"):
+        parse_model_args(["size=tiny", "size=70b"])
+
+
 @pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", ".NaN"])
 def test_model_arg_nan_and_inf_are_refused_before_any_work(tmp_path, capsys, value):
     model = write(tmp_path, "model.py", MARKED)
