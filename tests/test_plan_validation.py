@@ -328,6 +328,14 @@ def test_an_import_named_in_a_plan_says_how_to_trust_it(base_doc, place, capsys,
     assert not no_system, err
 
 
+def test_the_suggested_command_is_safe_to_paste(base_doc):
+    """The plan's text is quoted for the shell, so pasting the suggestion runs nothing else."""
+    plan = Plan.from_dict(edit(base_doc, lambda d: d.update(
+        model={"source": "os:system; touch pwned", "kind": "import"})))
+    with pytest.raises(BadInput, match=r"verify PLAN\.yaml 'os:system; touch pwned'\)"):
+        source_from_plan(plan)
+
+
 def test_the_model_on_the_command_line_is_the_authority(base_doc, place, capsys):
     """MODEL replaces an untrusted source: the plan still verifies against the real model."""
     doc = edit(base_doc, lambda d: d["model"].update(source="os:system", kind="import"))

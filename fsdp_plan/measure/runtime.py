@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
+import shlex
 import types
 from typing import Any
 
@@ -49,7 +51,8 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
         raise BadInput(f"the plan names the model {source!r} as a module to import (kind: "
                        "import); fsdp-plan does not import what a plan file names, since that "
                        "would run code the plan chose. If you trust it, give it on the command "
-                       f"line as MODEL, after the plan: fsdp-plan verify PLAN.yaml {source}.")
+                       f"line as MODEL, after the plan (e.g. fsdp-plan verify PLAN.yaml "
+                       f"{shlex.quote(source)}).")
     suffix = ".json" if kind == "hf-config" else ".py"
     what = "Hugging Face config" if kind == "hf-config" else "model file"
     if not source.endswith(suffix):
@@ -63,10 +66,12 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
             return ModelSource(source=candidate, kind=kind, **common)
     looked = ", ".join(repr(c) for c in candidates[:3]) + (" and the folders above" if
                                                            len(candidates) > 3 else "")
+    name = os.path.basename(source)
+    name = name if re.fullmatch(r"[\w.-]+", name) else "model" + suffix
     raise BadInput(f"the plan's {what} {source!r} was not found as a file (looked at {looked}); "
-                   "pass it as the optional MODEL argument after the plan (fsdp-plan verify "
-                   f"PLAN.yaml path/to/{os.path.basename(source)}), or fix model.source (a "
-                   "relative path is read from the plan file's folder).")
+                   "pass it as the optional MODEL argument after the plan (e.g. fsdp-plan verify "
+                   f"PLAN.yaml path/to/{name}), or fix model.source (a relative path is read "
+                   "from the plan file's folder).")
 
 
 def count_params(model: nn.Module) -> int:
