@@ -514,3 +514,15 @@ def test_chdir_in_user_code_does_not_move_relative_outputs(tmp_path, capsys, mon
     assert main([model, "--mem", "1GB", "--plan", "p.yaml"]) == 0, capsys.readouterr().err
     assert os.listdir(work) == ["p.yaml"] and os.listdir(elsewhere) == []
     assert os.getcwd() == str(work)
+
+
+def test_sys_exit_in_forward_is_bad_input(tmp_path, capsys):
+    model = write(tmp_path, "model.py", SMALL.replace(
+        "def build_model():",
+        "class Net(nn.Linear):\n"
+        "    def forward(self, x):\n"
+        "        raise SystemExit(0)\n\n"
+        "def build_model():\n    return Net(8, 2)\n\ndef unused():"))
+    fails(capsys, [model, "--mem", "1GB", "--plan", str(tmp_path / "p.yaml")], 2,
+          "the model's forward called sys.exit(0)", "model.py line 6")
+    assert sorted(os.listdir(tmp_path)) == ["model.py"]
