@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NAMES = ["llama", "gpt2", "vit", "mixed"]
+NAMES = ["llama", "gpt2", "vit", "mixed", "resnet"]
 
 
 def load_example(name: str):
@@ -70,6 +70,10 @@ PUBLISHED = [
     ("vit", "huge", 632_045_800),
     ("mixed", "tiny", 301_680),
     ("mixed", "big", 19_200_896),
+    ("resnet", "tiny", 175_634),
+    ("resnet", "resnet50", 25_557_032),   # torchvision's resnet50, resnet101, resnet152
+    ("resnet", "resnet101", 44_549_160),
+    ("resnet", "resnet152", 60_192_808),
 ]
 
 
@@ -140,7 +144,7 @@ def test_tiny_trains_on_cpu_with_finite_gradients(name):
         assert torch.isfinite(param.grad).all(), f"{name}: {param_name} has a non-finite grad"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "vit", "mixed"])
+@pytest.mark.parametrize("name", ["gpt2", "vit", "mixed", "resnet"])
 def test_example_inputs_under_fake_tensor_mode(name):
     module = load_example(name)
     module.build_model(size="tiny")
@@ -148,12 +152,12 @@ def test_example_inputs_under_fake_tensor_mode(name):
         inputs = module.example_inputs(4, 32)
     assert isinstance(inputs, tuple) and len(inputs) == 1
     assert isinstance(inputs[0], FakeTensor)
-    expected = (4, 3, 32, 32) if name == "vit" else (4, 32)  # tiny ViT: 32px images
+    expected = (4, 3, 32, 32) if name in ("vit", "resnet") else (4, 32)  # tiny: 32px images
     assert tuple(inputs[0].shape) == expected
 
 
 @pytest.mark.parametrize(("name", "size"), [("gpt2", "xl"), ("vit", "base"), ("vit", "huge"),
-                                            ("mixed", "big")])
+                                            ("mixed", "big"), ("resnet", "resnet50")])
 def test_large_sizes_run_forward_on_meta(name, size):
     """Shapes line up at the published sizes (25 heads of GPT-2 XL, 14px ViT-H patches)."""
     module = load_example(name)
@@ -163,7 +167,7 @@ def test_large_sizes_run_forward_on_meta(name, size):
         out = model(*inputs)
         loss = default_loss(module, out)
     assert out.device.type == "meta" and loss.dim() == 0
-    if name == "vit":
+    if name in ("vit", "resnet"):
         assert inputs[0].shape[-1] == 224 and tuple(out.shape) == (2, 1000)
 
 
@@ -173,3 +177,66 @@ def test_gpt2_rejects_sequences_longer_than_n_positions():
         module.build_model(size="xl")
     with pytest.raises(ValueError, match="1024"):
         module.example_inputs(1, 4096)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every example's emitted plan takes real steps (2 gloo ranks, one launch for all)
+# ---------------------------------------------------------------------------------------------
+
+def _plan_example(name: str, folder: Path) -> tuple[dict, str]:
+    """Plan the tiny example for 2 ranks in bf16 with a budget that makes it shard into several
+    units where any multi-unit plan fits (3% under what the root alone needs), else the root
+    alone; returns the plan document and the emitted policy module's text."""
+    import json
+
+    import yaml
+    from test_measure_helpers import run_cli
+
+    common = [str(EXAMPLES / f"{name}.py"), "--model-arg", "size=tiny", "--world-size", "2",
+              "--batch-size", "2", "--seq-len", "16", "--param-dtype", "bf16",
+              "--strategy", "full"]
+    code, out, err = run_cli([*common, "--mem", "1GB", "--format", "json"])
+    assert code == 0, err
+    root_peak = max(c["peak_bytes"] for c in json.loads(out)["candidates"]
+                    if c["name"] == "recipe: root only")
+    plan_path, policy_path = folder / f"{name}.yaml", folder / f"{name}_policy.py"
+    outputs = ["--plan", str(plan_path), "-o", str(policy_path)]
+    code, _, err = run_cli([*common, "--mem", str(int(root_peak * 0.97 / 0.9)), *outputs])
+    if code == 3:  # nothing smaller than the root alone fits (the mixed model)
+        code, _, err = run_cli([*common, "--mem", "1GB", *outputs])
+    assert code == 0, err
+    return yaml.safe_load(plan_path.read_text()), policy_path.read_text()
+
+
+@pytest.mark.slow
+def test_every_example_plan_steps_on_gloo_with_the_predicted_collectives(tmp_path):
+    """Each bundled example, planned in bf16 and applied through its emitted policy module
+    (FSDP2 ``apply_fully_shard`` and FSDP1 ``auto_wrap_policy``), takes two forward, backward
+    and optimizer steps on 2 gloo ranks, and the second step's collectives are the plan's."""
+    from fsdp_plan.load import ModelSource
+    from fsdp_plan.measure.collectives import count_collectives_many
+
+    jobs, plans = [], {}
+    for name in NAMES:
+        document, policy = _plan_example(name, tmp_path)
+        plans[name] = document
+        model = document["model"]
+        source = ModelSource(source=model["source"], entry=model["entry"], args=model["args"],
+                             batch_size=model["batch_size"], seq_len=model["seq_len"],
+                             kind=model.get("kind", "file"))
+        for version in (2, 1):
+            jobs.append({"plan": document, "policy_source": policy, "fsdp_version": version,
+                         "source": source, "name": name})
+    assert len(plans["llama"]["units"]) > 2 and len(plans["resnet"]["units"]) > 30
+    assert sum(bool(u.get("mixed_precision")) for u in plans["resnet"]["units"]) == 29
+    results = count_collectives_many(jobs[0]["source"], jobs, nproc=2, timeout_s=600)
+    measured, predicted = {}, {}
+    for job, ranks in zip(jobs, results):
+        key = f"{job['name']} fsdp{job['fsdp_version']}"
+        assert ranks[0] == ranks[1], (key, ranks)
+        measured[key] = ranks[0]
+        stored = job["plan"]["predicted"]
+        predicted[key] = stored["collectives_per_step" if job["fsdp_version"] == 2
+                                else "collectives_per_step_fsdp1"]
+    print(measured)
+    assert measured == predicted
