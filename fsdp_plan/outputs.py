@@ -89,11 +89,8 @@ def _write_temporary(path: str, text: str) -> str:
     folder = os.path.dirname(target)
     fd, tmp = _create_temporary(folder)
     try:
-        try:
-            os.fchmod(fd, stat.S_IMODE(os.stat(target).st_mode))
-        except FileNotFoundError:
-            pass
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            _keep_mode_and_owner(f.fileno(), target)
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -101,6 +98,20 @@ def _write_temporary(path: str, text: str) -> str:
         os.unlink(tmp)
         raise
     return tmp
+
+
+def _keep_mode_and_owner(fd: int, target: str) -> None:
+    """Give the temporary the mode (and, where allowed, the owner and group) of the file it
+    replaces, so overwriting a 0755 script or a group-shared plan changes only its contents."""
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return
+    os.fchmod(fd, stat.S_IMODE(st.st_mode))
+    try:
+        os.fchown(fd, st.st_uid, st.st_gid)
+    except OSError:  # only root may give a file away; the mode is what matters
+        pass
 
 
 def atomic_write_all(files: list[tuple[str, str]]) -> None:
@@ -117,6 +128,10 @@ def atomic_write_all(files: list[tuple[str, str]]) -> None:
             os.replace(tmp, _target(path))
     except OSError as e:
         raise write_failed(path, e) from e
+    except UnicodeEncodeError as e:
+        raise BadInput(f"{path!r} cannot be written: its text holds {e.object[e.start:e.end]!r}, "
+                       "which is not valid Unicode (an argument with undecodable bytes?); "
+                       "nothing was written. Pass plain UTF-8 text.") from e
     finally:
         for tmp, _ in staged:
             if os.path.lexists(tmp):

@@ -526,3 +526,22 @@ def test_sys_exit_in_forward_is_bad_input(tmp_path, capsys):
     fails(capsys, [model, "--mem", "1GB", "--plan", str(tmp_path / "p.yaml")], 2,
           "the model's forward called sys.exit(0)", "model.py line 6")
     assert sorted(os.listdir(tmp_path)) == ["model.py"]
+
+
+def test_replaced_file_keeps_its_owner_when_root(tmp_path):
+    from fsdp_plan.outputs import atomic_write_text
+    if os.geteuid() != 0:
+        pytest.skip("only root can give a file to another user")
+    target = tmp_path / "shared.yaml"
+    target.write_text("old\n")
+    os.chown(target, 12345, 23456)
+    atomic_write_text(str(target), "new\n")
+    st = target.stat()
+    assert (st.st_uid, st.st_gid) == (12345, 23456) and target.read_text() == "new\n"
+
+
+def test_text_that_is_not_unicode_is_refused_without_a_trace(tmp_path):
+    from fsdp_plan.outputs import atomic_write_text
+    with pytest.raises(BadInput, match="not valid Unicode"):
+        atomic_write_text(str(tmp_path / "p.yaml"), "args: \udcff\n")
+    assert os.listdir(tmp_path) == []
