@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import datetime
 import math
+import re
 from typing import Any
 
 from fsdp_plan.errors import BadInput
@@ -115,7 +116,7 @@ class _Checker:
     def keys(self, value: dict, path: str, allowed: tuple[str, ...]) -> None:
         unknown = [k for k in value if k not in allowed]
         if unknown:
-            raise self.fail(f"{path}.{unknown[0]}", "is not a key fsdp-plan knows here",
+            raise self.fail(field(path, unknown[0]), "is not a key fsdp-plan knows here",
                             f"{path} takes only {', '.join(allowed)} (check the spelling)")
 
     def integer(self, value: Any, path: str, low: int, high: int, what: str) -> int:
@@ -159,6 +160,14 @@ class _Checker:
         if name and (name.startswith(".") or name.endswith(".") or ".." in name):
             raise self.fail(path, f"is {name_of(name)}, not a dotted module path", fix)
         return name
+
+
+def field(path: str, key: Any) -> str:
+    """``path.key`` for a plain key; ``path['odd key']`` (quoted, clipped) for any other, so a
+    key from the plan never puts control characters or line breaks into a message."""
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][\w-]{0,59}", key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{clip(key)!r}]" if isinstance(key, str) else f"{path}[{show(key)}]"
 
 
 def _ancestors(fqn: str) -> list[str]:
@@ -206,15 +215,13 @@ def _walk_plain(check: _Checker, raw: Any) -> None:
                 continue
             for key, item in value.items():
                 if isinstance(key, str) and not _is_unicode(key):
-                    raise check.fail(path, f"has a key that is not valid Unicode ({clip(key)!a})",
+                    raise check.fail(path or "the document",
+                                     f"has a key that is not valid Unicode ({clip(key)!a})",
                                      "remove the \\ud800-style escape")
-                if not isinstance(key, str):
-                    if kept:
-                        raise check.fail(path, f"has the key {show(key)}",
-                                         "keys in a plan are names (strings); quote it")
-                    item_path = f"{path}[{show(key)}]"
-                else:
-                    item_path = f"{path}.{key}" if path else key
+                if not isinstance(key, str) and kept:
+                    raise check.fail(path or "the document", f"has the key {show(key)}",
+                                     "keys in a plan are names (strings); quote it")
+                item_path = field(path, key)
                 stack.append((item, item_path, depth + 1, inner,
                               kept or (depth == 0 and key in KEPT_AS_WRITTEN)))
         elif isinstance(value, str) and not _is_unicode(value):
@@ -239,7 +246,7 @@ def _plain_arg(check: _Checker, value: Any, path: str) -> Any:
     if isinstance(value, list):
         return [_plain_arg(check, v, f"{path}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, dict):
-        return {k: _plain_arg(check, v, f"{path}.{k}")
+        return {k: _plain_arg(check, v, field(path, k))
                 for k, v in check.mapping(value, path, "use names as keys").items()}
     raise check.fail(path, f"is {show(value)}", "model arguments are strings, numbers, booleans, "
                      "null, or lists and mappings of them")
@@ -305,7 +312,7 @@ def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
                          "arguments as a mapping, e.g. args: {size: 70b}", optional=True)
     for key in args:
         if not key.isidentifier():
-            raise check.fail(f"model.args.{clip(key)}", "is not a Python keyword-argument name",
+            raise check.fail(field("model.args", key), "is not a Python keyword-argument name",
                              "use identifiers such as size or n_layers")
     _plain_arg(check, args, "model.args")
     batch = check.integer(model.get("batch_size", 1), "model.batch_size", 1, MAX_BATCH_SIZE,
@@ -539,11 +546,11 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
     for key in ("collectives_per_step", "collectives_per_step_fsdp1"):
         counts = check.mapping(predicted.get(key), f"predicted.{key}", fix, optional=True)
         for name, count in counts.items():
-            check.integer(count, f"predicted.{key}.{clip(name)}", 0, 2**40,
+            check.integer(count, field(f"predicted.{key}", name), 0, 2**40,
                           "a collective count is a whole number >= 0")
     breakdown = check.mapping(predicted.get("breakdown"), "predicted.breakdown", fix, optional=True)
     for name, size in breakdown.items():
-        check.number(size, f"predicted.breakdown.{clip(name)}", "write bytes as a number")
+        check.number(size, field("predicted.breakdown", name), "write bytes as a number")
     units = check.sequence(predicted.get("units"), "predicted.units", fix, optional=True)
     for i, unit in enumerate(units):
         unit = check.mapping(unit, f"predicted.units[{i}]", fix)

@@ -33,6 +33,12 @@ def clip(text: str, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def one_line(text: str, limit: int = 400) -> str:
+    """A parser's message as one printable line (it may quote bytes of a hostile file)."""
+    text = " ".join(str(text).split())
+    return clip("".join(c if c.isprintable() else repr(c)[1:-1] for c in text), limit)
+
+
 def _loader() -> type:
     return getattr(yaml, "CSafeLoader", None) or yaml.SafeLoader
 
@@ -73,13 +79,13 @@ def parse_plan_text(data: bytes, where: str = "plan") -> Any:
         raise
     except yaml.constructor.ConstructorError as e:
         raise BadInput(f"{where} holds a value fsdp-plan never constructs "
-                       f"({' '.join(str(e.problem).split())}); a plan is plain data (mappings, "
+                       f"({one_line(e.problem)}); a plan is plain data (mappings, "
                        "lists, strings, numbers).") from e
     except yaml.YAMLError as e:
-        raise BadInput(f"{where} cannot be read as YAML: {' '.join(str(e).split())}.") from e
+        raise BadInput(f"{where} cannot be read as YAML: {one_line(e)}.") from e
     except (ValueError, OverflowError, RecursionError, MemoryError) as e:
         raise BadInput(f"{where} holds a value YAML cannot turn into data "
-                       f"({type(e).__name__}: {clip(str(e))}).") from e
+                       f"({type(e).__name__}: {one_line(e, 120)}).") from e
     if raw is None:
         raise BadInput(f"{where} is empty; write a plan with fsdp-plan --plan.")
     return raw
@@ -116,7 +122,7 @@ def _scan(text: str, loader: type, where: str) -> None:
         if isinstance(event, yaml.NodeEvent):
             tag = getattr(event, "tag", None)
             if tag is not None:
-                raise BadInput(f"{where} holds a YAML tag ({clip(tag)}) at {line(event)}; a plan "
+                raise BadInput(f"{where} holds a YAML tag ({clip(tag)!r}) at {line(event)}; a plan "
                                "is plain data (mappings, lists, strings, numbers) and fsdp-plan "
                                "constructs no tagged values. Remove the tag.")
             in_mapping_key = bool(stack) and stack[-1][2] and stack[-1][4] % 2 == 0

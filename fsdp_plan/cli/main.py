@@ -82,7 +82,9 @@ def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, object]:
 
 
 def _one_line(text: str, limit: int = 600) -> str:
+    """An exception's text as one printable line (it may quote hostile input)."""
     text = " ".join(str(text).split())
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
