@@ -8,10 +8,12 @@ import glob
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
-from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
+from test_measure_helpers import ROOT, plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.bench import results, session
 from fsdp_plan.errors import CheckFailed
@@ -27,8 +29,11 @@ def bench_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     plan = plan_file(folder, tiny_llama_plan(world=2, predicted=PREDICTED))
     out = str(folder / "results")
-    code, stdout, stderr = run_cli(["bench", plan, *FAST, "--out", out, "--timeout", "120"])
-    return code, stdout, stderr, out, plan
+    # A real process, so that what workers write to file descriptors 1 and 2 is seen too.
+    done = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", "bench", plan, *FAST,
+                           "--out", out, "--timeout", "120"], check=False, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    return done.returncode, done.stdout, done.stderr, out, plan
 
 
 def _only_result(out: str) -> str:
@@ -42,6 +47,8 @@ def test_bench_on_two_cpu_ranks_writes_a_result_matching_the_plan(bench_run):
     code, stdout, stderr, out, _ = bench_run
     assert code == 0, stderr
     assert "step 6/6 (profile)" in stderr  # progress: 1 warm-up + count + 3 timed + profile
+    assert "USDT" not in stderr and "Traceback" not in stderr, stderr  # no profiler chatter
+    assert "Failed to initialize NumPy" not in stderr
     with open(_only_result(out)) as f:
         result = json.load(f)
     assert result["collectives"]["measured"] == PREDICTED["collectives_per_step"]

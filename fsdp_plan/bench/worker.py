@@ -16,10 +16,12 @@ Each rank's figures are gathered to rank 0, which returns (or, under torchrun, w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +38,33 @@ from fsdp_plan.measure.launch import (
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _without_profiler_chatter(folder: str, rank: int) -> Iterator[None]:
+    """Keep Kineto's ``USDT: ... profiler_start/stop`` lines (written by C++ straight to file
+    descriptor 2, one pair per rank) off the user's terminal; every other line written
+    meanwhile is passed on."""
+    path = os.path.join(folder, f"rank{rank}.stderr.txt")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "wb") as capture:
+            os.dup2(capture.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+    finally:
+        os.close(saved)
+        with contextlib.suppress(OSError):
+            with open(path, "rb") as f:
+                kept = [line for line in f if not line.startswith(b"USDT:")]
+            os.unlink(path)
+            if kept:
+                sys.stderr.write(b"".join(kept).decode("utf-8", "replace"))
+                sys.stderr.flush()
 
 
 def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
@@ -96,7 +125,8 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
 
     begin("profile")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof, record_function("fsdp_plan.step"):
+    with (_without_profiler_chatter(payload["trace_dir"], ctx.rank),
+          profile(activities=activities) as prof, record_function("fsdp_plan.step")):
         args, kwargs = inputs
         with record_function("fsdp_plan.forward"):
             loss = loaded.compute_loss(model(*args, **kwargs))
