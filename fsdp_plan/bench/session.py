@@ -28,9 +28,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="PLAN.yaml", help="a plan written by fsdp-plan --plan")
     parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
                         help="the model file (default: the source recorded in the plan)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steady steps (default 20)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steady steps, 1 to 100000 (default 20)")
     parser.add_argument("--warmup", type=int, default=3,
-                        help="warm-up steps skipped before measuring (default 3)")
+                        help="warm-up steps skipped before measuring, 0 to 10000 (default 3)")
     parser.add_argument("--fsdp1", action="store_true",
                         help="apply the plan with FSDP1 FullyShardedDataParallel(auto_wrap_policy=...) "
                              "instead of FSDP2 fully_shard")

@@ -6,7 +6,10 @@
 Launches ``--nproc`` local workers (gloo on CPU, NCCL on GPUs); across machines run the same
 worker under torchrun (``python -m fsdp_plan.bench.worker``). Exit 0 when the counts match
 the plan (and ``--compare`` found no regression), 1 otherwise or when a worker crashed or hung,
-2 for bad input. Each run writes one JSON result and a profiler trace under ``--out``.
+2 for bad input (every input is checked before a worker starts; ``fsdp_plan.bench.inputs``).
+Each run writes one JSON result and a profiler trace under ``--out``, created only then.
+SIGTERM, SIGHUP and Ctrl-C end the workers and remove the temporary folders; the exit code
+is then 128 + the signal (143, 129, 130).
 """
 
 from __future__ import annotations
@@ -27,11 +30,12 @@ from fsdp_plan.plan import read_plan
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     session.add_run_arguments(parser)
     parser.add_argument("--nproc", type=int, default=None,
-                        help="local worker processes (default: the plan's world size)")
+                        help="local worker processes (default: the plan's world size; at most "
+                             "one per GPU, or 4 per CPU core and at least 8)")
     parser.add_argument("--timeout", type=float, default=300.0,
-                        help="seconds a worker may go without progress before it counts as hung "
-                             "(default 300; importing torch at start-up may take up to "
-                             "max(S, 180))")
+                        help="seconds (positive, finite) a worker may go without progress before "
+                             "it counts as hung (default 300; importing torch at start-up may "
+                             "take up to max(S, 180))")
 
 
 def default_nproc(world_size: int) -> int:
