@@ -49,6 +49,21 @@ def parse_bytes(text: str | int, what: str = "--mem", *, allow_zero: bool = Fals
     return value
 
 
+def parse_share_of(text: str | int, total: int, what: str = "--headroom") -> int:
+    """``10%`` of ``total`` in bytes, or a size as ``parse_bytes`` reads it (zero allowed)."""
+    if isinstance(text, str) and text.strip().endswith("%"):
+        number = text.strip()[:-1].strip()
+        try:
+            share = Decimal(number)
+        except ArithmeticError:
+            share = None
+        if share is None or not share.is_finite() or not 0 <= share < 100:
+            raise BadInput(f"{what} {text!r} is not a share of the budget from 0% up to (not "
+                           "including) 100%, e.g. 10%.")
+        return int(total * share / 100)
+    return parse_bytes(text, what, allow_zero=True)
+
+
 def format_bytes(num_bytes: float) -> str:
     """``61234567890`` -> ``61.23 GB (57.03 GiB)``: both units, as the report promises."""
     n = float(num_bytes)

@@ -278,6 +278,9 @@ def test_int64_inputs_to_a_linear_fail_planning(tmp_path, capsys):
     (["--batch-size", "65536", "--seq-len", "1048576"], ["tokens per micro-batch"]),
     (["--top", "-1"], ["--top"]),
     (["--entry", "not a name"], ["--entry"]),
+    (["--headroom", "100%"], ["--headroom", "0% up to"]),
+    (["--headroom", "80GB"], ["--headroom", "leaves nothing"]),
+    (["--mem", "nan"], ["--mem", "not a memory size"]),
 ])
 def test_out_of_range_counts_fail_before_any_work(tmp_path, capsys, flags, needles):
     model = write(tmp_path, "model.py", MARKED)
@@ -286,13 +289,14 @@ def test_out_of_range_counts_fail_before_any_work(tmp_path, capsys, flags, needl
     assert sorted(os.listdir(tmp_path)) == ["model.py"]
 
 
-def test_headroom_zero_is_allowed(tmp_path, capsys):
+@pytest.mark.parametrize("headroom,expected", [("0", 0), ("0GB", 0), ("25%", 250_000_000)])
+def test_headroom_zero_or_a_share_is_allowed(tmp_path, capsys, headroom, expected):
     model = write(tmp_path, "model.py", SMALL)
     plan = tmp_path / "p.yaml"
-    assert main([model, "--mem", "1GB", "--headroom", "0", "--plan", str(plan)]) == 0, \
+    assert main([model, "--mem", "1GB", "--headroom", headroom, "--plan", str(plan)]) == 0, \
         capsys.readouterr().err
     import yaml
-    assert yaml.safe_load(plan.read_text())["headroom_bytes"] == 0
+    assert yaml.safe_load(plan.read_text())["headroom_bytes"] == expected
 
 
 # --- 12. the model's print() never reaches stdout -----------------------------------------

@@ -16,7 +16,7 @@ from fsdp_plan.cost import GPUS, hardware_for, read_hardware_file
 from fsdp_plan.errors import BadInput
 from fsdp_plan.memory import OPTIMIZER_STATES, canonical_dtype
 from fsdp_plan.outputs import check_outputs, check_writable
-from fsdp_plan.sizes import format_bytes, parse_bytes
+from fsdp_plan.sizes import format_bytes, parse_bytes, parse_share_of
 from fsdp_plan.source import (
     MAX_BATCH_SIZE,
     MAX_SEQ_LEN,
@@ -45,9 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mem", required=True, help="per-GPU memory budget: 70GB (10^9 bytes), "
                         "70GiB (2^30 bytes), 70000MB or plain bytes (required)")
     parser.add_argument("--headroom", default=None,
-                        help="bytes kept free for the CUDA context, NCCL buffers and "
-                        "fragmentation, same units as --mem; 0 plans up to the limit "
-                        "(default: 10%% of --mem)")
+                        help="memory kept free for the CUDA context, NCCL buffers and "
+                        "fragmentation: a size in --mem's units or a share such as 15%%; 0 plans "
+                        "up to the limit (default: 10%% of --mem)")
     parser.add_argument("--world-size", type=int, default=8,
                         help=f"GPUs in the whole job, 1..{MAX_WORLD_SIZE:,} (default: %(default)s)")
     parser.add_argument("--gpus-per-node", type=int, default=8,
@@ -101,7 +101,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     """Check every input before any work (nothing imported from torch, no user code run);
     returns parsed values."""
     budget = parse_bytes(args.mem, "--mem")
-    headroom = (parse_bytes(args.headroom, "--headroom", allow_zero=True)
+    headroom = (parse_share_of(args.headroom, budget, "--headroom")
                 if args.headroom is not None else budget // 10)
     if headroom >= budget:
         raise BadInput(f"--headroom {format_bytes(headroom)} leaves nothing of --mem {format_bytes(budget)}.")
