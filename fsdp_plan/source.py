@@ -121,8 +121,8 @@ def parse_model_arg_value(key: str, value: str) -> Any:
     exact string typed. ``.nan`` and ``.inf`` are refused: a model size is never infinite, and
     they cannot be written to the plan file and read back equal.
     """
-    if value == "":
-        return ""
+    if not value.strip():
+        return value  # KEY= is "", and blanks stay as typed (YAML would read them as null)
     if value.strip() in _NULLS:
         return None
     if "\n" in value or "\r" in value or value.lstrip().startswith(("!", "&", "*")):

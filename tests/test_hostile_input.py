@@ -391,11 +391,12 @@ def test_model_arg_values_are_plain_scalars():
     from fsdp_plan.source import parse_model_args
     parsed = parse_model_args(["when=2020-01-01", "b=!!binary aGVsbG8=", "t=!custom x",
                                "n=~", "n2=null", "n3=NULL", "e=", "nl=a\nb", "i=4", "f=1.5",
-                               "yes=true", "s=70b", "lst=[1, 2]", "q='quoted'", "t2=1:30"])
+                               "yes=true", "s=70b", "lst=[1, 2]", "q='quoted'", "t2=1:30",
+                               "blank=  "])
     assert parsed == {"when": "2020-01-01", "b": "!!binary aGVsbG8=", "t": "!custom x",
                       "n": None, "n2": None, "n3": None, "e": "", "nl": "a\nb", "i": 4,
                       "f": 1.5, "yes": True, "s": "70b", "lst": "[1, 2]", "q": "quoted",
-                      "t2": "1:30"}
+                      "t2": "1:30", "blank": "  "}
 
 
 def test_model_arg_given_twice_is_refused():
