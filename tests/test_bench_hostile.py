@@ -300,13 +300,15 @@ def test_a_signal_during_the_run_removes_the_temporaries(plan, tmp_path, private
         raise AssertionError("the signal did not stop the run")
 
     monkeypatch.setattr(bench_cli, "launch", FakeLaunch(action=signalled))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP,
+                                                        signal.SIGINT)}
     code, stdout, err = run_cli(["bench", plan, "--nproc", "2", "--out", str(out)])
     assert code == 128 + signum, err
     assert f"stopped by {signal.Signals(signum).name}" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and stdout == ""
     assert not out.exists()
     assert list(private_tmp.iterdir()) == []
-    assert signal.getsignal(signum) is signal.SIG_DFL or callable(signal.getsignal(signum))
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # restored
 
 
 def _marked_pids(marker: str) -> list[int]:
