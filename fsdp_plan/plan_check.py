@@ -302,8 +302,10 @@ def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
     check.string(model["source"], "model.source", "give the model file's path, e.g. "
                  "examples/llama.py")
     entry = model.get("entry", "build_model")
-    if not isinstance(entry, str) or not entry.isidentifier():
-        raise check.fail("model.entry", f"is {show(entry)}, not a Python function name",
+    if (not isinstance(entry, str) or not entry.isidentifier()
+            or entry.startswith("__") and entry.endswith("__")):
+        # Dunders name Python's machinery (__class__, __loader__), never a model factory.
+        raise check.fail("model.entry", f"is {show(entry)}, not a model factory's name",
                          "name the factory function in the model file, e.g. build_model")
     if "kind" in model and model["kind"] is not None:
         check.choice(model["kind"], "model.kind", MODEL_KINDS,

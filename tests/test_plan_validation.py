@@ -213,6 +213,9 @@ CASES = {
     "checkpoint mapping in version 1": (
         lambda d: d.update(activation_checkpointing={"layers.0": "full"}),
         ["activation_checkpointing is a mapping", "fsdp_plan_version: 2"]),
+    "entry not a name": (lambda d: d["model"].update(entry="os.system"), ["model.entry"]),
+    "entry a dunder": (lambda d: d["model"].update(entry="__class__"),
+                       ["model.entry", "'__class__'", "factory"]),
     "model without source": (lambda d: d["model"].pop("source"), ["model has no source"]),
     "infinite number the policy would hold": (lambda d: d["model"].update(extra=float("inf")),
                                               ["model.extra", "finite numbers only"]),
