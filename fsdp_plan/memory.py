@@ -53,6 +53,11 @@ class Precision:
     param_bytes: int = 2
     reduce_bytes: int = 4
 
+    @property
+    def lowers_precision(self) -> bool:
+        """Whether the plan computes in a dtype smaller than the stored parameters."""
+        return self.param_bytes < self.orig_bytes
+
     def unit_param_bytes(self, unit: UnitSpec) -> int:
         """The unit's gathered parameters and unsharded gradients: ``param_bytes``, or the
         stored ``orig_bytes`` for batch norm kept in full precision (see units.py)."""

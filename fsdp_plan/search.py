@@ -159,7 +159,8 @@ class Evaluator:
             unsharded = u.unsharded_numel(shard)
             costs.append(UnitCost(
                 key=u.key or "<root>", fw_compute_s=fw / rate, bw_compute_s=(bw + recompute) / rate,
-                all_gather_s=collective_time(hw, unsharded * p.param_bytes, shard, shard_crosses)
+                all_gather_s=collective_time(hw, unsharded * p.unit_param_bytes(u), shard,
+                                             shard_crosses)
                 if u.numel else 0.0,
                 reduce_scatter_s=collective_time(hw, unsharded * p.reduce_bytes, shard, shard_crosses,
                                                  "reduce_scatter") if u.numel else 0.0,
@@ -187,8 +188,12 @@ def _exclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, 
     return fw, bw
 
 
-def block_layouts(graph: ModuleGraph) -> dict[str, list[list[str]]]:
-    """Unit layouts to try: blocks alone, or blocks plus other top-level parameter holders."""
+def block_layouts(graph: ModuleGraph, full_precision_units: bool = True
+                  ) -> dict[str, list[list[str]]]:
+    """Unit layouts to try: blocks alone, or blocks plus other top-level parameter holders.
+
+    ``full_precision_units``: give batch norm units of its own (the plan computes below
+    float32; [Note: batch norm in full precision])."""
     blocks = graph.blocks
     layouts: dict[str, list[list[str]]] = {}
     if blocks:
@@ -207,8 +212,8 @@ def block_layouts(graph: ModuleGraph) -> dict[str, list[list[str]]]:
                 layouts[f"size/{parts}"] = groups
     layouts["root-only"] = []
     # Batch norm is a unit of its own in every layout: [Note: batch norm in full precision].
-    return {k: with_full_precision_units(graph, v) for k, v in layouts.items()
-            if check_tied(graph, v)}
+    return {k: with_full_precision_units(graph, v) if full_precision_units else v
+            for k, v in layouts.items() if check_tied(graph, v)}
 
 
 def _top_level_units(graph: ModuleGraph) -> list[list[str]]:
@@ -272,7 +277,7 @@ def search(evaluator: Evaluator) -> list[Candidate]:
     """Every configuration's fastest fitting variant (or its smallest peak), best first."""
     settings = evaluator.settings
     results: list[Candidate] = []
-    layouts = block_layouts(evaluator.graph)
+    layouts = block_layouts(evaluator.graph, settings.precision.lowers_precision)
     ks = evaluator.checkpoint_options()
     for strategy, replicate, shard in strategies_for(settings):
         for layout_name, groups in layouts.items():
@@ -362,23 +367,28 @@ def standard_recipes(evaluator: Evaluator) -> list[Candidate]:
     s = evaluator.settings
     graph = evaluator.graph
     out: list[Candidate] = []
+
+    def own_units(groups: list[list[str]]) -> list[list[str]]:
+        if not s.precision.lowers_precision:
+            return groups
+        return with_full_precision_units(graph, groups)
     common = dict(strategy="full", replicate=1, shard=s.world_size, root_reshard=False, k=0,
                   forward_prefetch=0, backward_prefetch=1)
     # Each recipe with batch norm as units of its own, as FSDP1's mixed precision wraps it
     # ([Note: batch norm in full precision]): without them a bf16 recipe would not run.
     if graph.blocks:
         blocks = [[b] for b in graph.blocks]
-        groups = with_full_precision_units(graph, blocks)
+        groups = own_units(blocks)
         reshard = [True] * len(groups)
         reshard[groups.index(blocks[-1])] = False
         if check_tied(graph, groups):
             out.append(evaluator.evaluate(name="recipe: torchtitan (unit per block)",
                                           groups=groups, reshard=reshard, **common))
-    sized = with_full_precision_units(graph, size_based_units(graph))
+    sized = own_units(size_based_units(graph))
     if check_tied(graph, sized):
         out.append(evaluator.evaluate(name="recipe: FSDP1 size_based (1e8)", groups=sized,
                                       reshard=[True] * len(sized), **common))
-    alone = with_full_precision_units(graph, [])
+    alone = own_units([])
     out.append(evaluator.evaluate(name="recipe: root only", groups=alone,
                                   reshard=[True] * len(alone), **common))
     return out

@@ -256,3 +256,21 @@ def test_planned_resnet_records_float32_units_and_verify_catches_a_plan_without(
     assert "native_batch_norm got bfloat16 and float32" in err
     assert "batch norm" in err and "Traceback" not in err
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_float32_plans_give_batch_norm_no_units_of_its_own():
+    """Batch norm needs its own float32 unit only when the plan computes below float32."""
+    from fsdp_plan.graph import build_module_graph
+    from fsdp_plan.load import load_model
+    from fsdp_plan.search import block_layouts
+    from fsdp_plan.source import ModelSource
+    resnet = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "examples", "resnet.py")
+    graph = build_module_graph(load_model(ModelSource(source=resnet,
+                                                      args={"size": "tiny"})).model)
+    norms = {f for f, m in graph.modules.items() if m.keeps_full_precision}
+    assert norms
+    for groups in block_layouts(graph, full_precision_units=False).values():
+        assert not norms & {m for g in groups for m in g}
+    for groups in block_layouts(graph, full_precision_units=True).values():
+        assert norms <= {m for g in groups for m in g}
