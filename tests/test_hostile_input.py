@@ -278,6 +278,7 @@ def test_int64_inputs_to_a_linear_fail_planning(tmp_path, capsys):
     (["--batch-size", "65536", "--seq-len", "1048576"], ["tokens per micro-batch"]),
     (["--top", "-1"], ["--top"]),
     (["--entry", "not a name"], ["--entry"]),
+    (["--entry", "__class__"], ["--entry", "dunder"]),
     (["--headroom", "100%"], ["--headroom", "0% up to"]),
     (["--headroom", "80GB"], ["--headroom", "leaves nothing"]),
     (["--mem", "nan"], ["--mem", "not a memory size"]),

@@ -120,8 +120,9 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         raise BadInput(f"--world-size {args.world_size} is not a multiple of --gpus-per-node "
                        f"{args.gpus_per_node}; nodes must be full (e.g. --world-size "
                        f"{args.world_size // args.gpus_per_node * args.gpus_per_node or args.gpus_per_node}).")
-    if not args.entry.isidentifier():
-        raise BadInput(f"--entry {args.entry!r} is not a Python function name.")
+    if not args.entry.isidentifier() or (args.entry.startswith("__") and args.entry.endswith("__")):
+        raise BadInput(f"--entry {args.entry!r} is not the name of a factory function (a Python "
+                       "identifier, not a __dunder__), e.g. --entry build_model.")
     parse_model_args(args.model_arg)  # refuses .nan/.inf and malformed pairs before any work
     outputs = [("-o", args.output), ("--plan", args.plan), ("--trace", args.trace)]
     check_outputs([*model_input_files(args.model, args.hf_config), ("--hardware", args.hardware)],
