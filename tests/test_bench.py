@@ -8,6 +8,7 @@ import glob
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -29,10 +30,14 @@ def bench_run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bench")
     plan = plan_file(folder, tiny_llama_plan(world=2, predicted=PREDICTED))
     out = str(folder / "results")
+    private_tmp = folder / "tmp"
+    private_tmp.mkdir()
     # A real process, so that what workers write to file descriptors 1 and 2 is seen too.
     done = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", "bench", plan, *FAST,
                            "--out", out, "--timeout", "120"], check=False, capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+                          text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "TMPDIR": str(private_tmp)})
+    assert list(private_tmp.iterdir()) == []  # worker and trace folders removed
     return done.returncode, done.stdout, done.stderr, out, plan
 
 
@@ -115,7 +120,8 @@ def test_compare_flags_a_slower_step_and_changed_counts(bench_run):
     assert results.compare(old, _slower(old, 1.05), threshold=0.10)[1] == []
 
 
-def test_bench_exits_non_zero_when_compare_finds_a_regression(bench_run, tmp_path, capsys):
+def test_bench_exits_non_zero_when_compare_finds_a_regression(bench_run, tmp_path, capsys,
+                                                              request):
     """The session's last stage on the real run's figures, against an older, faster result."""
     _, _, _, out, plan = bench_run
     with open(_only_result(out)) as f:
@@ -130,13 +136,16 @@ def test_bench_exits_non_zero_when_compare_finds_a_regression(bench_run, tmp_pat
     session.add_run_arguments(parser)
     args = parser.parse_args([plan, "--out", str(tmp_path / "new"), "--compare", str(old_path)])
     prepared = session.prepare(args, nproc=2)
+    request.addfinalizer(lambda: shutil.rmtree(prepared.payload["trace_dir"]))
     with pytest.raises(CheckFailed, match=r"step time median regressed \+50\.0%"):
         session.finish(args, prepared, ranks)
     assert "REGRESSED" in capsys.readouterr().out
     assert len(glob.glob(str(tmp_path / "new" / "*.json"))) == 1  # the run is still recorded
     old_path.write_text(json.dumps(real))
     args = parser.parse_args([plan, "--out", str(tmp_path / "new"), "--compare", str(old_path)])
-    assert session.finish(args, session.prepare(args, nproc=2), ranks) == 0
+    again = session.prepare(args, nproc=2)
+    request.addfinalizer(lambda: shutil.rmtree(again.payload["trace_dir"]))
+    assert session.finish(args, again, ranks) == 0
 
 
 def test_side_by_side_trace_starts_both_timelines_at_zero():
