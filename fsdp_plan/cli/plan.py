@@ -177,13 +177,15 @@ def run(args: argparse.Namespace) -> int:
         result.relocate_source(os.path.dirname(os.path.abspath(args.plan)))
     rows = ([candidate_row(c) for c in result.ranked[: args.top]]
             + [candidate_row(c) for c in result.recipes])
+    # Write before printing: a write that fails (disk full) then leaves no report behind
+    # that reads as success.
+    written = result.write(policy=args.output, plan=args.plan, trace=args.trace)
     if args.format == "json":
         print(json.dumps({"plan": result.plan.to_dict(), "candidates": rows,
                           "modules": gather_module_rows(result.facts.graph, result.facts.analysis),
                           "planning_seconds": round(result.seconds, 3)}, default=str))
     else:
         print_report(result, rows, values, args)
-    written = result.write(policy=args.output, plan=args.plan, trace=args.trace)
     for path in written if progress else ():
         progress(f"wrote {path}")
     return 0

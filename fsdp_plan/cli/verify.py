@@ -53,13 +53,16 @@ def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float,
                 ) -> dict[str, Any]:
     """Everything the report shows and the checks decide, as plain data.
 
-    ``fresh`` is the prediction of the plan as it is now (``api.predict``); the measurement is
-    held against it, and against the plan file's stored prediction only when there is none
-    (``fresh_note`` says why)."""
+    The measurement is held against the plan file's stored prediction (what other programs
+    read) and against ``fresh``, the prediction of the plan as it is now (``api.predict``);
+    either off by more than ``tolerance`` fails. Without a stored prediction (a hand-written
+    plan) the fresh one is the headline; ``fresh_note`` says why there is no fresh one."""
     stored = plan.predicted or {}
-    predicted = fresh if fresh is not None else stored
-    predicted_peak = predicted.get("peak_bytes")
+    fresh = fresh or {}
     stored_peak = stored.get("peak_bytes")
+    fresh_peak = fresh.get("peak_bytes")
+    predicted = stored if stored_peak is not None else fresh
+    predicted_peak = stored_peak if stored_peak is not None else fresh_peak
     limit = plan.budget_bytes - plan.headroom_bytes
     measured_by_key: dict[str, int] = {}
     for category, value in measured.breakdown.items():
@@ -76,8 +79,11 @@ def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float,
               "predicted": {k: v for k, v in predicted_units.get(u.key, {}).items()
                             if k != "key" and isinstance(v, (int, float))},
               "measured_peak_bytes": measured.module_peaks.get(u.key)} for u in plan.units]
-    rel = (abs(measured.peak_bytes - predicted_peak) / measured.peak_bytes
-           if predicted_peak is not None and measured.peak_bytes else None)
+    def off_by(peak: int | None) -> float | None:
+        if peak is None or not measured.peak_bytes:
+            return None
+        return abs(measured.peak_bytes - peak) / measured.peak_bytes
+    rel, fresh_rel = off_by(predicted_peak), off_by(fresh_peak)
     problems = []
     if measured.peak_bytes > limit:
         problems.append(f"measured peak {format_bytes(measured.peak_bytes)} exceeds budget - "
@@ -86,6 +92,10 @@ def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float,
         problems.append(f"measured peak {format_bytes(measured.peak_bytes)} differs from the "
                         f"predicted {format_bytes(predicted_peak)} by {rel:.1%} (tolerance "
                         f"{tolerance:.1%})")
+    if fresh_peak != predicted_peak and fresh_rel is not None and fresh_rel > tolerance:
+        problems.append(f"measured peak {format_bytes(measured.peak_bytes)} differs from the "
+                        f"plan's prediction as it is now, {format_bytes(fresh_peak)}, by "
+                        f"{fresh_rel:.1%} (tolerance {tolerance:.1%})")
     if measured.dtype_mismatches:
         more = len(measured.dtype_mismatches) - 1
         problems.append(f"a real device would refuse this step: {measured.dtype_mismatches[0]}"
@@ -98,17 +108,18 @@ def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float,
         notes.append(fresh_note)
     if predicted_peak is None:
         notes.append("the plan has no predicted peak; only the budget was checked.")
-    elif fresh is not None and isinstance(stored_peak, int) and stored_peak != predicted_peak:
+    elif fresh_peak is not None and stored_peak is not None and stored_peak != fresh_peak:
         notes.append(f"the plan file's stored peak {format_bytes(stored_peak)} is not what the "
-                     f"plan predicts now ({format_bytes(predicted_peak)}): it was edited, or "
-                     "fsdp-plan's model changed since; the measurement is held against the "
-                     "prediction of the plan as it is now.")
+                     f"plan predicts now ({format_bytes(fresh_peak)}): it was edited, or "
+                     "fsdp-plan's model changed since; re-plan or run fsdp-plan predict.")
     return {"model": plan.model.get("source"), "world_size": plan.world_size,
             "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard},
             "budget_bytes": plan.budget_bytes, "headroom_bytes": plan.headroom_bytes,
             "limit_bytes": limit, "predicted_peak_bytes": predicted_peak,
-            "stored_peak_bytes": stored_peak, "fresh_prediction": fresh is not None,
+            "stored_peak_bytes": stored_peak, "fresh_peak_bytes": fresh_peak,
+            "fresh_prediction": fresh_peak is not None,
             "measured_peak_bytes": measured.peak_bytes, "relative_error": rel,
+            "fresh_relative_error": fresh_rel,
             "tolerance": tolerance, "components": components, "units": units,
             "measured": measured.to_dict(), "notes": notes, "problems": problems,
             "ok": not problems}
@@ -159,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     fresh, fresh_note = fresh_prediction(plan, loaded)
     policy = runtime.load_policy(runtime.policy_source(plan))
-    measured = measure_peak(loaded, plan, policy)
+    from fsdp_plan.load import user_code_output_to_stderr
+    with user_code_output_to_stderr():  # the model's print()s stay off the report
+        measured = measure_peak(loaded, plan, policy)
     data = gather_data(plan, measured, args.tolerance, fresh, fresh_note)
     if args.format == "json":
         print(json.dumps(data, indent=2))
