@@ -26,6 +26,7 @@ import re
 from typing import Any
 
 from fsdp_plan.errors import BadInput
+from fsdp_plan.limits import MAX_BATCH_SIZE, MAX_BYTES, MAX_SEQ_LEN, MAX_TOKENS, MAX_WORLD_SIZE
 from fsdp_plan.plan_read import MAX_DEPTH, MAX_NODES, clip
 
 PLAN_VERSIONS = (1, 2)
@@ -36,13 +37,6 @@ MODEL_KINDS = ("file", "import", "hf-config")
 DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32", "float64", "fp64")
 CHECKPOINT_MODES = ("full", "selective")
 
-MAX_WORLD_SIZE = 2**20
-MAX_BYTES = 2**60
-# The same bounds as the command line's --batch-size and --seq-len (fsdp_plan.source): far past
-# any real micro-batch or context, and batch * seq stays well inside int64 element counts.
-MAX_BATCH_SIZE = 2**24
-MAX_SEQ_LEN = 2**26
-MAX_TOKENS = 2**32
 MAX_NAME_CHARS = 4096
 
 KEPT_AS_WRITTEN = ("model", "predicted")

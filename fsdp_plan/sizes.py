@@ -9,6 +9,7 @@ import re
 from decimal import Decimal
 
 from fsdp_plan.errors import BadInput
+from fsdp_plan.limits import MAX_BYTES
 
 _UNITS = {
     "": 1, "b": 1,
@@ -16,8 +17,6 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 }
-MAX_BYTES = 2**60
-"""Larger sizes are typing mistakes (and would overflow float arithmetic downstream)."""
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 

@@ -19,17 +19,7 @@ from typing import Any
 import yaml
 
 from fsdp_plan.errors import BadInput
-
-MAX_BATCH_SIZE = 2**24
-"""Samples in one micro-batch on one GPU. 16.7 million is far past any real micro-batch
-(they are 1-1024); larger values are typing mistakes that only surface later as overflowing
-tensor sizes."""
-MAX_SEQ_LEN = 2**26
-"""Tokens per sample. 67 million is beyond the longest context any model trains with
-(about 10 million); larger values are typing mistakes."""
-MAX_TOKENS = 2**32
-"""``batch_size * seq_len``: the analysis builds fake activations of this many tokens times the
-hidden size, and element counts must stay well inside int64."""
+from fsdp_plan.limits import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS  # noqa: F401 - re-exported
 
 KINDS = ("file", "import", "hf-config")
 

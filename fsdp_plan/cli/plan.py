@@ -14,6 +14,7 @@ from typing import Any
 
 from fsdp_plan.cost import GPUS, hardware_for, read_hardware_file
 from fsdp_plan.errors import BadInput
+from fsdp_plan.limits import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
 from fsdp_plan.memory import OPTIMIZER_STATES, canonical_dtype
 from fsdp_plan.outputs import check_outputs, check_writable
 from fsdp_plan.sizes import format_bytes, parse_bytes, parse_share_of
@@ -29,12 +30,6 @@ from fsdp_plan.source import (
 
 # Nothing above imports torch: every flag is checked before the ~6 s torch import (run()).
 
-# Upper bounds on counts: anything larger is a typing mistake, caught before any work.
-MAX_WORLD_SIZE = 2**20
-"""1,048,576 GPUs. FSDP's device mesh and this planner's per-rank model describe real clusters
-(the largest run today have ~10^5 GPUs); a larger count would only overflow later arithmetic."""
-MAX_GPUS_PER_NODE = 1024
-"""GPUs sharing one node's fast links (8 on DGX/HGX, 72 in an NVL72 rack)."""
 MAX_TOP = 1000
 """Alternatives printed in the report."""
 
