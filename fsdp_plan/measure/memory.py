@@ -135,7 +135,8 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     if fsdp_version != 2:
         raise BadInput("verify measures FSDP2 (fully_shard) plans only: PyTorch's FSDPMemTracker "
                        "does not track FSDP1 modules. Use bench --fsdp1 on GPUs for FSDP1 memory.")
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    # grouped units need their FSDP2 group hooks kept: [Note: FSDPMemTracker and grouped units]
+    from fsdp_plan.measure.tracker import GroupAwareMemTracker as FSDPMemTracker
 
     started = time.perf_counter()
     replicate, shard = runtime.mesh_shape(plan.mesh)
