@@ -72,6 +72,7 @@ def candidate_row(c: Candidate) -> dict[str, Any]:
         "breakdown": c.memory.breakdown,
         "step_time_s": c.time.step_s, "exposed_comm_s": c.time.exposed_comm_s,
         "hidden_comm_s": c.time.hidden_comm_s, "collectives": c.collectives,
+        "cross_node_bytes": c.cross_node_bytes,
     }
 
 
@@ -95,11 +96,29 @@ def format_candidates(rows: list[dict[str, Any]]) -> str:
               r["mesh"], r["units"], r["checkpointed_blocks"], format_gb(r["peak_bytes"]),
               breakdown_summary(r["breakdown"]),
               f"{r['step_time_s'] * 1e3:.2f}", f"{r['exposed_comm_s'] * 1e3:.2f}",
-              "/".join(str(r["collectives"][k]) for k in ("all_gather", "reduce_scatter", "all_reduce"))]
+              "/".join(str(r["collectives"][k]) for k in ("all_gather", "reduce_scatter", "all_reduce")),
+              format_gb(r.get("cross_node_bytes", 0))]
              for i, r in enumerate(rows)]
     return tabulate(table, headers=["plan", "fits", "mesh", "units", "AC blocks", "peak GB",
                                     "peak = states + unsharded + comm + activations (GB)",
-                                    "step ms", "exposed ms", "AG/RS/AR"])
+                                    "step ms", "exposed ms", "AG/RS/AR", "x-node GB"])
+
+
+def gather_mesh_rows(candidates: list[Candidate]) -> list[dict[str, Any]]:
+    """The best candidate of each sharding option (strategy and mesh), best first: how full
+    sharding, every HSDP shard size and replication compare, with their cross-node traffic."""
+    best: dict[tuple[str, int, int], Candidate] = {}
+    for c in candidates:
+        best.setdefault((c.strategy, c.replicate, c.shard), c)
+    return [candidate_row(c) for c in best.values()]
+
+
+def format_mesh_rows(rows: list[dict[str, Any]]) -> str:
+    table = [[r["strategy"], r["mesh"], "yes" if r["fits"] else "NO", format_gb(r["peak_bytes"]),
+              f"{r['step_time_s'] * 1e3:.2f}", format_gb(r["cross_node_bytes"]), r["name"]]
+             for r in rows]
+    return tabulate(table, headers=["strategy", "mesh (replicate x shard)", "fits", "peak GB",
+                                    "step ms", "cross-node GB/step/GPU", "best plan of this mesh"])
 
 
 def format_breakdown(breakdown: dict[str, int]) -> str:

@@ -16,9 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import partial
 
+from fsdp_plan.checkpointing import mode_sets
 from fsdp_plan.collectives import count_fsdp1, count_fsdp2
 from fsdp_plan.cost import Hardware, StepTime, UnitCost, collective_time, simulate_step
 from fsdp_plan.facts import Analysis, ModuleGraph
+from fsdp_plan.grouping import CommSetup, grouped_block_layouts
 from fsdp_plan.memory import (
     OPTIMIZER_STATES,
     ActivationProfile,
@@ -68,6 +70,28 @@ class Candidate:
     collectives: dict[str, int]
     collectives_fsdp1: dict[str, int]
     fits: bool
+    cross_node_bytes: int = 0
+    """Bytes one GPU sends across nodes per step (``cross_node_bytes``)."""
+    selective: list[str] = field(default_factory=list)
+    """The blocks of ``checkpointed`` in selective mode (the others are fully checkpointed)."""
+    block_modes: list[BlockMode] = field(default_factory=list)
+    """Per checkpointed block: its mode, what it saves and what it costs."""
+
+    @property
+    def recompute_s(self) -> float:
+        """Seconds of backward spent replaying checkpointed forwards (all blocks)."""
+        return sum(m.recompute_s for m in self.block_modes)
+
+
+@dataclass(kw_only=True, frozen=True)
+class BlockMode:
+    """One checkpointed block: ``full`` or ``selective``, the activation bytes its mode keeps
+    out of memory (forward level rise saved against no checkpointing) and its replay time."""
+
+    block: str
+    mode: str
+    saved_bytes: int
+    recompute_s: float
 
 
 class Evaluator:
@@ -82,6 +106,33 @@ class Evaluator:
         self.exclusive_fw, self.exclusive_bw = _exclusive_flops(graph, analysis)
         self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks if b in analysis.modules}
         self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
+        self.block_cost = self._block_costs()
+
+    def _block_costs(self) -> dict[str, dict[str, BlockMode]]:
+        """Per block and mode: bytes saved and recompute seconds ([Note: recompute time])."""
+        hw = self.settings.hardware
+        rate = hw.peak_flops * hw.efficiency if hw else 1.0
+        bandwidth = hw.hbm_bandwidth if hw else 1.0
+        c = self.composer
+        modes = ["full"] if c.ckpt_seg is not None else []
+        modes += ["selective"] if c.sel_seg is not None else []
+        out: dict[str, dict[str, BlockMode]] = {}
+        if c.plain_seg is None:
+            return out
+        for i, b in enumerate(self.graph.blocks):
+            kept, _ = c.segment_delta(i, "none")
+            per: dict[str, BlockMode] = {}
+            for mode in modes:
+                level, _ = c.segment_delta(i, mode)
+                flops, traffic = _replayed(c, i, mode)
+                if mode == "full":
+                    flops = self.block_fw.get(b, flops)
+                if traffic is None:  # no op counters: write what it no longer keeps, read as much
+                    traffic = 2.0 * max(0, kept - level)
+                per[mode] = BlockMode(block=b, mode=mode, saved_bytes=max(0, kept - level),
+                                      recompute_s=flops / rate + traffic / bandwidth)
+            out[b] = per
+        return out
 
     def _calls(self, units: list[UnitSpec]) -> list[int]:
         """Forward calls of each unit's modules in one step (a shared module runs twice)."""
@@ -98,40 +149,56 @@ class Evaluator:
                 frozenset(unit.owned_modules))
         return self._flops_cache[key]
 
-    def profile(self, checkpointed: frozenset[int]) -> ActivationProfile:
-        """The activation profile with the given block indices checkpointed."""
-        if checkpointed not in self._profiles:
-            self._profiles[checkpointed] = ActivationProfile(self.composer.events(checkpointed))
-        return self._profiles[checkpointed]
+    def profile(self, checkpointed: frozenset[int],
+                selective: frozenset[int] = frozenset()) -> ActivationProfile:
+        """The activation profile with the given block indices fully and selectively
+        checkpointed."""
+        key = (checkpointed, selective)
+        if key not in self._profiles:
+            self._profiles[key] = ActivationProfile(self.composer.events(checkpointed, selective))
+        return self._profiles[key]
 
-    def checkpoint_options(self) -> list[int]:
-        """Numbers of leading blocks that can be checkpointed."""
-        n = self.composer.max_checkpointed
+    def checkpoint_options(self) -> list[list[tuple[int, int]]]:
+        """Paths of ``(n_full, n_selective)`` block counts to search, each ordered by recompute
+        time with the peak falling along it ([Note: choosing checkpointing modes])."""
+        c = self.composer
+        n = c.max_checkpointed
         if n == 0:
-            return [0]
-        return list(range(n + 1)) if self.composer.supports_partial() else [0, n]
+            return [[(0, 0)]]
+        full = [(k, 0) for k in range(n + 1)] if c.supports_partial() else [(0, 0), (n, 0)]
+        if not c.has_selective:
+            return [full]
+        if not c.supports_mixed():
+            return [full, [(0, 0), (0, n)]]
+        return [[(0, k) for k in range(n + 1)] + [(k, n - k) for k in range(1, n + 1)], full]
 
     def evaluate(self, *, name: str, strategy: str, replicate: int, shard: int,
                  groups: list[list[str]], reshard: list[bool], root_reshard: bool, k: int = 0,
                  forward_prefetch: int, backward_prefetch: int,
-                 checkpoint: frozenset[int] | None = None) -> Candidate:
+                 checkpoint: frozenset[int] | None = None,
+                 selective: frozenset[int] = frozenset()) -> Candidate:
         """One plan: ``groups`` (children first, root excluded), the first ``k`` blocks
-        checkpointed, or the block indices in ``checkpoint`` when given."""
+        fully checkpointed, or the block indices in ``checkpoint`` when given, and the block
+        indices in ``selective`` selectively checkpointed."""
         s = self.settings
         which = frozenset(range(k)) if checkpoint is None else frozenset(checkpoint)
+        selective = frozenset(selective) - which
         units = build_units(self.graph, groups + [[""]], reshard + [root_reshard], shard)
         ctx = StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
                           buffer_bytes=self.graph.total_buffer_bytes,
                           input_bytes=self.analysis.input_bytes)
-        profile = self.profile(which)
+        profile = self.profile(which, selective)
         memory = estimate_peak(profile, units, ctx, forward_prefetch=forward_prefetch,
                                backward_prefetch=backward_prefetch)
         ran = [profile.windows(u).ran for u in units]
         # FSDP2 unshards a unit in its forward pre-hook: a unit that never runs forward
         # (a container such as ModuleList) would leave its parameters sharded.
         runnable = all(r or u.numel == 0 or u.modules == [""] for r, u in zip(ran, units))
-        checkpointed = [self.graph.blocks[i] for i in sorted(which)]
-        time = self._time(units, shard, replicate, checkpointed, forward_prefetch, backward_prefetch)
+        blocks = self.graph.blocks
+        checkpointed = [blocks[i] for i in sorted(which | selective)]
+        block_modes = [self._block_mode(blocks[i], "selective" if i in selective else "full")
+                       for i in sorted(which | selective)]
+        time = self._time(units, shard, replicate, block_modes, forward_prefetch, backward_prefetch)
         return Candidate(
             name=name, strategy=strategy, replicate=replicate, shard=shard, units=units,
             checkpointed=checkpointed, forward_prefetch=forward_prefetch,
@@ -141,10 +208,25 @@ class Evaluator:
             collectives_fsdp1=count_fsdp1(units, strategy=strategy, replicate=replicate, ran=ran,
                                           calls=self._calls(units)),
             fits=runnable and memory.peak_bytes <= s.limit_bytes,
+            selective=[blocks[i] for i in sorted(selective)], block_modes=block_modes,
+            cross_node_bytes=cross_node_bytes(units, replicate=replicate, shard=shard,
+                                              world_size=s.world_size,
+                                              gpus_per_node=s.gpus_per_node,
+                                              precision=s.precision),
         )
 
-    def _time(self, units: list[UnitSpec], shard: int, replicate: int, checkpointed: list[str],
-              forward_prefetch: int, backward_prefetch: int) -> StepTime:
+    def _block_mode(self, block: str, mode: str) -> BlockMode:
+        cost = self.block_cost.get(block, {}).get(mode)
+        if cost is None:  # a hand-written plan on blocks without aligned segments
+            hw = self.settings.hardware
+            rate = hw.peak_flops * hw.efficiency if hw else 1.0
+            flops = self.block_fw.get(block, 0.0) if mode == "full" else 0.0
+            cost = BlockMode(block=block, mode=mode, saved_bytes=0, recompute_s=flops / rate)
+        return cost
+
+    def _time(self, units: list[UnitSpec], shard: int, replicate: int,
+              block_modes: list[BlockMode], forward_prefetch: int, backward_prefetch: int
+              ) -> StepTime:
         s = self.settings
         hw = s.hardware
         assert hw is not None
@@ -154,18 +236,21 @@ class Evaluator:
         costs: list[UnitCost] = []
         for u in units:
             fw, bw, owned = self._unit_flops(u)
-            # A checkpointed block's forward runs again inside its unit's backward.
-            recompute = sum(self.block_fw.get(b, 0.0) for b in checkpointed if b in owned)
+            # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
+            # its unit's backward: [Note: recompute time].
+            recompute_s = sum(m.recompute_s for m in block_modes if m.block in owned)
             unsharded = u.unsharded_numel(shard)
             costs.append(UnitCost(
-                key=u.key or "<root>", fw_compute_s=fw / rate, bw_compute_s=(bw + recompute) / rate,
+                key=u.key or "<root>", fw_compute_s=fw / rate,
+                bw_compute_s=bw / rate + recompute_s,
                 all_gather_s=collective_time(hw, unsharded * p.unit_param_bytes(u), shard,
                                              shard_crosses)
                 if u.numel else 0.0,
                 reduce_scatter_s=collective_time(hw, unsharded * p.reduce_bytes, shard, shard_crosses,
                                                  "reduce_scatter") if u.numel else 0.0,
-                all_reduce_s=collective_time(hw, u.shard_numel * p.reduce_bytes, replicate, True,
-                                             "all_reduce") if replicate > 1 and u.numel else 0.0,
+                all_reduce_s=collective_time(hw, u.shard_numel * p.reduce_bytes, replicate,
+                                             s.world_size > s.gpus_per_node, "all_reduce")
+                if replicate > 1 and u.numel else 0.0,
                 regather=u.reshard_after_forward,
             ))
         # Forward order: the root gathers first, then units as they run.
@@ -178,6 +263,33 @@ class Evaluator:
                              backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
 
 
+def _replayed(composer: TimelineComposer, i: int, mode: str) -> tuple[float, float | None]:
+    """FLOPs and memory traffic (bytes) block ``i`` replays in backward in ``mode``: its
+    backward segment in that mode's pass minus the plain pass's (None for the traffic when
+    the analysis has no op-class counters).
+
+    [Note: recompute time]
+    A checkpointed block replays part of its forward inside its unit's backward: all of it
+    (``full``) or the ops not saved (``selective``: norms, activations, rotary embeddings,
+    casts: few FLOPs, much memory traffic). Its recompute time is the replayed FLOPs at the
+    machine's sustained rate plus the replayed traffic at HBM bandwidth; both are measured,
+    per block, as the backward the mode's pass ran beyond the plain pass's. The cost of a
+    set of modes is the sum over its blocks."""
+    _, flops = composer.segment_delta(i, mode, "bw")
+    _, plain = composer.segment_delta(i, "none", "bw")
+    traffic = []
+    for src, seg in ((composer.plain, composer.plain_seg),
+                     ({"full": composer.ckpt, "selective": composer.sel}[mode],
+                      {"full": composer.ckpt_seg, "selective": composer.sel_seg}[mode])):
+        start, end = seg.bw[i]
+        events = src.events[start + 1:end + 1]
+        ops = [getattr(e, "ops", None) for e in events]
+        if not any(ops):
+            return max(0.0, flops - plain), None
+        traffic.append(sum((o or {}).get("memory_bytes", 0.0) for o in ops))
+    return max(0.0, flops - plain), max(0.0, traffic[1] - traffic[0])
+
+
 def _exclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
     """FLOPs of each module's own ops ([Note: FLOP attribution]); the root takes the rest."""
     fw = {m: c.own_fw_flops for m, c in analysis.modules.items() if m and m in graph.modules}
@@ -188,9 +300,11 @@ def _exclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, 
     return fw, bw
 
 
-def block_layouts(graph: ModuleGraph, full_precision_units: bool = True
-                  ) -> dict[str, list[list[str]]]:
-    """Unit layouts to try: blocks alone, or blocks plus other top-level parameter holders.
+def block_layouts(graph: ModuleGraph, full_precision_units: bool = True,
+                  evaluator: Evaluator | None = None) -> dict[str, list[list[str]]]:
+    """Unit layouts to try: blocks alone, or blocks plus other top-level parameter holders,
+    and (given the ``evaluator``, for its analysis and hardware) consecutive blocks grouped
+    into units where the shortest path over block boundaries says so ([Note: grouped units]).
 
     ``full_precision_units``: give batch norm units of its own (the plan computes below
     float32; [Note: batch norm in full precision])."""
@@ -199,11 +313,16 @@ def block_layouts(graph: ModuleGraph, full_precision_units: bool = True
     if blocks:
         layouts["per-block"] = [[b] for b in blocks]
         extra = _top_level_units(graph)
+        order = {fqn: i for i, fqn in enumerate(graph.modules)}
         if extra:
-            order = {fqn: i for i, fqn in enumerate(graph.modules)}
             groups = [[b] for b in blocks] + extra
             groups.sort(key=lambda g: order[g[0]])
             layouts["per-block+top"] = groups
+        if evaluator is not None:
+            for multiple, grouped in _grouped_layouts(evaluator).items():
+                groups = grouped + extra
+                groups.sort(key=lambda g: order[g[0]])
+                layouts[f"grouped/{multiple}x" + ("+top" if extra else "")] = groups
     else:
         # No repeated blocks (a CNN, an MLP): wrap big subtrees, at a few granularities.
         for parts in (4, 16, 64):
@@ -214,6 +333,18 @@ def block_layouts(graph: ModuleGraph, full_precision_units: bool = True
     # Batch norm is a unit of its own in every layout: [Note: batch norm in full precision].
     return {k: with_full_precision_units(graph, v) if full_precision_units else v
             for k, v in layouts.items() if check_tied(graph, v)}
+
+
+def _grouped_layouts(evaluator: Evaluator) -> dict[int, list[list[str]]]:
+    """Block groups for a few memory allowances ([Note: grouped units]), cut for full sharding
+    over the whole world (the search evaluates them under every strategy)."""
+    s = evaluator.settings
+    if s.hardware is None or s.world_size <= 1:
+        return {}
+    setup = CommSetup(hardware=s.hardware, shard=s.world_size,
+                      crosses_nodes=s.world_size > s.gpus_per_node,
+                      param_bytes=s.precision.param_bytes, reduce_bytes=s.precision.reduce_bytes)
+    return grouped_block_layouts(evaluator.graph, evaluator.analysis, setup)
 
 
 def _top_level_units(graph: ModuleGraph) -> list[list[str]]:
@@ -256,29 +387,56 @@ def size_based_units(graph: ModuleGraph, min_num_params: int = FSDP1_DEFAULT_MIN
     return [[f] for f in wrapped]
 
 
+def hybrid_shard_sizes(world_size: int, gpus_per_node: int) -> list[int]:
+    """Shard-group sizes HSDP can use on ``world_size`` ranks: every proper divisor of the world
+    size that is a whole number of nodes (1 node, 2 nodes, ...) or part of one node (when a
+    node has more GPUs than the model needs to be sharded over)."""
+    return [s for s in range(2, world_size) if world_size % s == 0
+            and (s % gpus_per_node == 0 or gpus_per_node % s == 0)]
+
+
 def strategies_for(settings: SearchSettings) -> list[tuple[str, int, int]]:
-    """(strategy, replicate, shard) options for the user's ``--strategy``."""
+    """(strategy, replicate, shard) options for the user's ``--strategy``; HSDP at every shard
+    size ``hybrid_shard_sizes`` allows, each with its own cross-node traffic."""
     w, gpn = settings.world_size, settings.gpus_per_node
-    options = {
-        "full": ("full", 1, w),
-        "grad-op": ("grad-op", 1, w),
-        "none": ("none", w, 1),
+    options: dict[str, list[tuple[str, int, int]]] = {
+        "full": [("full", 1, w)],
+        "grad-op": [("grad-op", 1, w)],
+        "none": [("none", w, 1)],
+        "hybrid": [("hybrid", w // s, s) for s in hybrid_shard_sizes(w, gpn)],
     }
-    if w > gpn and w % gpn == 0:
-        options["hybrid"] = ("hybrid", w // gpn, gpn)
     if settings.strategy == "auto":
-        return list(options.values())
-    if settings.strategy == "hybrid" and "hybrid" not in options:
+        return [o for opts in options.values() for o in opts]
+    if settings.strategy == "hybrid" and not options["hybrid"]:
         return [("hybrid", 1, w)]
-    return [options[settings.strategy]]
+    return options[settings.strategy]
+
+
+def cross_node_bytes(units: list[UnitSpec], *, replicate: int, shard: int, world_size: int,
+                     gpus_per_node: int, precision: Precision) -> int:
+    """Bytes one GPU sends across nodes per step: ring all-gathers (forward, and backward for
+    units that reshard) and reduce-scatters when a shard group spans nodes, and the HSDP
+    all-reduce when a replicate group does."""
+    total = 0.0
+    if shard > gpus_per_node:
+        ring = (shard - 1) / shard
+        for u in units:
+            if u.numel:
+                gathers = 2 if u.reshard_after_forward else 1
+                total += ring * u.unsharded_numel(shard) * (
+                    gathers * precision.unit_param_bytes(u) + precision.reduce_bytes)
+    if replicate > 1 and world_size > gpus_per_node:
+        ring = 2 * (replicate - 1) / replicate
+        total += sum(ring * u.shard_numel * precision.reduce_bytes for u in units if u.numel)
+    return int(total)
 
 
 def search(evaluator: Evaluator) -> list[Candidate]:
     """Every configuration's fastest fitting variant (or its smallest peak), best first."""
     settings = evaluator.settings
     results: list[Candidate] = []
-    layouts = block_layouts(evaluator.graph, settings.precision.lowers_precision)
-    ks = evaluator.checkpoint_options()
+    layouts = block_layouts(evaluator.graph, settings.precision.lowers_precision, evaluator)
+    paths = evaluator.checkpoint_options()
     for strategy, replicate, shard in strategies_for(settings):
         for layout_name, groups in layouts.items():
             n = len(groups)
@@ -289,23 +447,31 @@ def search(evaluator: Evaluator) -> list[Candidate]:
                 reshard = [strategy != "grad-op" for _ in range(n)]
                 if keep_last:
                     reshard[last_block] = False
-                start = None  # index into ks where the least-memory variant first fits
-                # No prefetch beyond FSDP2's default needs the least memory: every other
-                # variant needs at least as many checkpointed blocks, so its search starts there.
+                # Per path, the index where the least-memory variant first fits (None: not
+                # yet searched; -1: it never fits). No prefetch beyond FSDP2's default needs
+                # the least memory: every other variant needs at least as much checkpointing,
+                # so its search starts there.
+                starts: list[int | None] = [None] * len(paths)
                 variants = ((0, 1), (0, 2), (1, 1), (1, 2)) if n > 1 else ((0, 1),)
                 for fwp, bwp in variants:
-                    name = (f"{strategy} {layout_name}" + (" keep-last" if keep_last else "")
+                    label = f"hybrid {replicate}x{shard}" if strategy == "hybrid" else strategy
+                    name = (f"{label} {layout_name}" + (" keep-last" if keep_last else "")
                             + f" fwp{fwp} bwp{bwp}")
-                    at = partial(_evaluate_with_k, evaluator, dict(
+                    at = partial(_evaluate_with_counts, evaluator, dict(
                         name=name, strategy=strategy, replicate=replicate, shard=shard,
                         groups=groups, reshard=list(reshard), root_reshard=False,
                         forward_prefetch=fwp, backward_prefetch=bwp))
-                    best, fits_at = _fewest_checkpointed(at, ks, start)
-                    results.append(best)
-                    if fits_at is None and start is None:
+                    found: list[Candidate] = []
+                    for p, path in enumerate(paths):
+                        if starts[p] == -1:
+                            continue
+                        best, fits_at = _fewest_checkpointed(at, path, starts[p])
+                        found.append(best)
+                        if starts[p] is None:
+                            starts[p] = -1 if fits_at is None else fits_at
+                    if not found:
                         break  # the least-memory variant cannot fit: the others cannot either
-                    if start is None:
-                        start = fits_at
+                    results.append(rank(found)[0])
     return rank(results)
 
 
@@ -326,13 +492,30 @@ def choose(searched: list[Candidate], recipes: list[Candidate], strategy: str = 
     return rank(searched + allowed)
 
 
-def _evaluate_with_k(evaluator: Evaluator, config: dict, k: int) -> Candidate:
-    """One configuration with its first ``k`` blocks checkpointed."""
-    return evaluator.evaluate(**{**config, "name": config["name"] + (f" ac{k}" if k else "")}, k=k)
+def _evaluate_with_counts(evaluator: Evaluator, config: dict, counts: tuple[int, int]
+                         ) -> Candidate:
+    """One configuration with its first ``n_full`` blocks fully and the next ``n_selective``
+    selectively checkpointed (``counts``)."""
+    n_full, n_sel = counts
+    full, selective = mode_sets(n_full, n_sel)
+    suffix = (f" ac{n_full}" if n_full else "") + (f" sac{n_sel}" if n_sel else "")
+    return evaluator.evaluate(**{**config, "name": config["name"] + suffix}, checkpoint=full,
+                              selective=selective)
 
 
-def _fewest_checkpointed(at, ks: list[int], start: int | None) -> tuple[Candidate, int | None]:
-    """The fewest checkpointed blocks that fit (the peak falls as more are checkpointed).
+def _fewest_checkpointed(at, ks: list, start: int | None) -> tuple[Candidate, int | None]:
+    """The cheapest checkpointing along ``ks`` that fits (the peak falls along it).
+
+    [Note: choosing checkpointing modes]
+    Each block may take mode none, selective or full; selective saves part of what full saves
+    for a fraction of its recompute time. For identical blocks with per-block savings
+    ``S_sel < S_full`` and costs ``r_sel < r_full``, the cheapest set of modes saving a given
+    amount is (as a knapsack with two items per block, up to one block's rounding) whole-block
+    steps along none -> selective -> full when selective saves more per second than full
+    (``S_sel / r_sel > S_full / r_full``), else along none -> full. So ``ks`` is one of two
+    paths of ``(n_full, n_selective)`` counts, ``(0, 0) .. (0, n) .. (n, 0)`` or
+    ``(0, 0) .. (n, 0)``, each ordered by recompute time with the peak falling; the search
+    keeps the faster fitting point of the two. Full blocks come first in the stack.
 
     Binary search over ``ks``; with ``start`` (a lower bound from a variant needing less
     memory) it steps up from there instead, which is one or two evaluations in practice.
@@ -363,7 +546,9 @@ def _fewest_checkpointed(at, ks: list[int], start: int | None) -> tuple[Candidat
 
 
 def standard_recipes(evaluator: Evaluator) -> list[Candidate]:
-    """torchtitan's one unit per block, FSDP1's size-based default, and the root alone."""
+    """torchtitan's one unit per block (without checkpointing, with its selective-op
+    checkpointing of every block, with full checkpointing of every block), FSDP1's
+    size-based default, and the root alone."""
     s = evaluator.settings
     graph = evaluator.graph
     out: list[Candidate] = []
@@ -384,6 +569,7 @@ def standard_recipes(evaluator: Evaluator) -> list[Candidate]:
         if check_tied(graph, groups):
             out.append(evaluator.evaluate(name="recipe: torchtitan (unit per block)",
                                           groups=groups, reshard=reshard, **common))
+            out += _checkpointing_recipes(evaluator, groups, reshard, common)
     sized = own_units(size_based_units(graph))
     if check_tied(graph, sized):
         out.append(evaluator.evaluate(name="recipe: FSDP1 size_based (1e8)", groups=sized,
@@ -391,4 +577,21 @@ def standard_recipes(evaluator: Evaluator) -> list[Candidate]:
     alone = own_units([])
     out.append(evaluator.evaluate(name="recipe: root only", groups=alone,
                                   reshard=[True] * len(alone), **common))
+    return out
+
+
+def _checkpointing_recipes(evaluator: Evaluator, groups: list[list[str]], reshard: list[bool],
+                           common: dict) -> list[Candidate]:
+    """torchtitan's unit per block with every block selectively (its default ``op`` mode,
+    when the blocks replay) and fully checkpointed."""
+    c = evaluator.composer
+    every = frozenset(range(c.max_checkpointed))
+    if not every:
+        return []
+    out = []
+    if c.has_selective:
+        out.append(evaluator.evaluate(name="recipe: torchtitan selective-op AC", groups=groups,
+                                      reshard=reshard, **{**common, "selective": every}))
+    out.append(evaluator.evaluate(name="recipe: full AC every block", groups=groups,
+                                  reshard=reshard, **{**common, "checkpoint": every}))
     return out

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                        "not both: --hf-config builds the model from the config alone.")
     source = model_source(args)
     from fsdp_plan.api import PlanRequest, make_plan, verify_by_measurement
-    from fsdp_plan.report import candidate_row, gather_module_rows
+    from fsdp_plan.report import candidate_row, gather_mesh_rows, gather_module_rows
 
     progress = (lambda m: sys.stderr.write(f"fsdp-plan: {m}\n")) if args.format == "table" else None
     request = PlanRequest(
@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     written = result.write(policy=args.output, plan=args.plan, trace=args.trace)
     if args.format == "json":
         print(json.dumps({"plan": result.plan.to_dict(), "candidates": rows,
+                          "meshes": gather_mesh_rows(result.ranked),
                           "modules": gather_module_rows(result.facts.graph, result.facts.analysis),
                           "planning_seconds": round(result.seconds, 3)}, default=str))
     else:
@@ -194,6 +195,8 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
         ascii_timeline,
         format_breakdown,
         format_candidates,
+        format_mesh_rows,
+        gather_mesh_rows,
         gather_module_rows,
     )
     graph, analysis, best = result.facts.graph, result.facts.analysis, result.best
@@ -210,6 +213,8 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
                    headers=["module", "class", "params", "saved activations", "fw TFLOP", "bw TFLOP"]))
     print()
     print(format_candidates(rows))
+    print()
+    print(format_mesh_rows(gather_mesh_rows(result.ranked)))
     print()
     print(f"chosen: {best.name}; peak {format_bytes(best.memory.peak_bytes)} at {best.memory.phase}")
     print(format_breakdown(best.memory.breakdown))
