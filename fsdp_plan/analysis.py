@@ -35,6 +35,7 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
+from fsdp_plan.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.depth import expand_pass, reduced_copy
 from fsdp_plan.errors import BadInput
 from fsdp_plan.facts import Analysis, Event, ModuleCompute, Timeline, fill_flops
@@ -42,7 +43,7 @@ from fsdp_plan.fake import materialize_fake, new_fake_mode
 from fsdp_plan.graph import keeps_full_precision
 from fsdp_plan.load import LoadedModel, rebuild_meta, user_code_location
 from fsdp_plan.measure.dtypes import DtypeChecker, running_modules
-from fsdp_plan.policy_runtime import plain_fqn
+from fsdp_plan.policy_runtime import checkpoint_module, plain_fqn, resolve_ops
 
 # Drops the wrapper segments FSDP1 and checkpointing insert, as the emitted policy does.
 normalize_fqn = plain_fqn
@@ -134,15 +135,20 @@ def _bytes_of(value: Any) -> int:
 
 
 def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
-             checkpoint: list[str] | None = None, model: nn.Module | None = None
+             checkpoint: list[str] | None = None, model: nn.Module | None = None,
+             selective_ops: list[str] | None = None
              ) -> tuple[Timeline, dict[str, ModuleCompute], int]:
-    """One fake forward + backward; returns the timeline, per-module figures and input bytes."""
+    """One fake forward + backward; returns the timeline, per-module figures and input bytes.
+
+    ``checkpoint``: modules wrapped for full recomputation, or for selective checkpointing
+    saving ``selective_ops`` (op names) when given."""
+
     started = time.perf_counter()
     model = model if model is not None else rebuild_meta(loaded)
     fake_mode = new_fake_mode()
     materialize_fake(model, fake_mode)
     if checkpoint:
-        apply_checkpointing(model, checkpoint)
+        apply_checkpointing(model, checkpoint, selective_ops)
     # Batch norm stays float32, its inputs cast up and outputs back, as the plan applies it.
     full = [m for m in model.modules() if keeps_full_precision(m)] if (
         param_dtype is not None and param_dtype.itemsize < 4) else []
@@ -290,17 +296,15 @@ def _has(model: nn.Module, fqn: str) -> bool:
     return True
 
 
-def apply_checkpointing(model: nn.Module, fqns: list[str]) -> None:
-    """Wrap each listed module in PyTorch's non-reentrant checkpoint wrapper, in place."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
+def apply_checkpointing(model: nn.Module, fqns: list[str],
+                        selective_ops: list[str] | None = None) -> None:
+    """Wrap each listed module in PyTorch's non-reentrant checkpoint wrapper, in place: the
+    policy module's own wrapper (``checkpoint_module``), selective when ``selective_ops``."""
+    ops = resolve_ops(selective_ops) if selective_ops is not None else None
     for fqn in fqns:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, checkpoint_wrapper(getattr(parent, child),
-                                                  checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        setattr(parent, child, checkpoint_module(getattr(parent, child), ops))
 
 
 def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: list[str],
@@ -313,6 +317,7 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     """
     timeline, modules, input_bytes = _pass(loaded, param_dtype, blocks, None, exact)
     ckpt = None
+    selective: tuple[Timeline | None, dict[str, float], str] = (None, {}, "")
     if with_checkpointing and blocks:
         if progress:
             progress("analysing activation checkpointing")
@@ -320,25 +325,49 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
             ckpt, _, _ = _pass(loaded, param_dtype, blocks, blocks, exact)
         except BadInput:
             ckpt = None  # checkpointing cannot be traced here: plan without it
+        if ckpt is not None:
+            selective = _selective_pass(loaded, param_dtype, blocks, exact, modules)
     root = modules.get("", ModuleCompute())
     end = timeline.events[-1].flops if timeline.events else 0.0
     return Analysis(
         timeline=timeline, modules=modules, input_bytes=input_bytes,
         param_dtype=str(param_dtype).removeprefix("torch.") if param_dtype else "float32",
         total_fw_flops=root.fw_flops, total_bw_flops=max(0.0, end - root.fw_flops),
-        checkpointed_timeline=ckpt,
+        checkpointed_timeline=ckpt, selective_timeline=selective[0],
+        selective_ops=list(DEFAULT_SELECTIVE_OPS) if selective[0] else [],
+        selective_recompute_flops=selective[1], selective_unavailable=selective[2],
     )
 
 
+def _selective_pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str],
+                    exact: bool, plain: dict[str, ModuleCompute]
+                    ) -> tuple[Timeline | None, dict[str, float], str]:
+    """The pass with every block selectively checkpointed (the replay probe), each block's
+    recompute FLOPs (its backward FLOPs over the plain pass's), and why it is unavailable."""
+    kind = type(loaded.model.get_submodule(blocks[0])).__name__
+    try:
+        timeline, modules, _ = _pass(loaded, param_dtype, blocks, blocks, exact,
+                                     DEFAULT_SELECTIVE_OPS)
+    except BadInput as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        return None, {}, (f"selective checkpointing of {kind} blocks does not replay in backward "
+                          f"({type(cause).__name__}: {text[:200]}); full checkpointing only")
+    recompute = {b: max(0.0, modules[b].bw_flops - plain[b].bw_flops)
+                 for b in blocks if b in modules and b in plain}
+    return timeline, recompute, ""
+
+
 def _pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str],
-          checkpoint: list[str] | None, exact: bool):
+          checkpoint: list[str] | None, exact: bool, selective_ops: list[str] | None = None):
     if not exact:
         reduced = reduced_copy(loaded.model, blocks)
         if reduced is not None:
             model, cut = reduced
             kept = [b for b in (checkpoint or []) if b in cut.kept_blocks]
             try:
-                result = run_pass(loaded, param_dtype=param_dtype, checkpoint=kept, model=model)
+                result = run_pass(loaded, param_dtype=param_dtype, checkpoint=kept, model=model,
+                                  selective_ops=selective_ops)
             except BadInput:
                 result = None  # the forward may index blocks by count: analyse every block
             if result is not None:
@@ -346,4 +375,5 @@ def _pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str
                 if expanded is not None:
                     expanded[0].checkpointed = list(checkpoint or [])
                     return expanded
-    return run_pass(loaded, param_dtype=param_dtype, checkpoint=checkpoint)
+    return run_pass(loaded, param_dtype=param_dtype, checkpoint=checkpoint,
+                    selective_ops=selective_ops)

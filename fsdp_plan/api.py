@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fsdp_plan.checkpointing import DEFAULT_SELECTIVE_OPS, modes_mapping
 from fsdp_plan.cost import Hardware, hardware_for
 from fsdp_plan.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.facts import ModelFacts
@@ -231,7 +232,8 @@ def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = ""
             f"smallest peak any plan reached is {format_bytes(smallest.memory.peak_bytes)} "
             f"({smallest.name}). To fit, try: {suggestions(smallest, request)}.",
             smallest_peak_bytes=smallest.memory.peak_bytes)
-    plan = to_plan(best, request, numel=facts.graph.total_numel, digest=digest)
+    plan = to_plan(best, request, numel=facts.graph.total_numel, digest=digest,
+                   selective_ops=facts.analysis.selective_ops)
     if notes:
         plan.model["notes"] = list(notes)
     seconds = time.perf_counter() - started
@@ -305,11 +307,24 @@ def predicted_block(candidate: Candidate) -> dict[str, Any]:
         "breakdown": {k: int(v) for k, v in candidate.memory.breakdown.items()},
         "units": [{"key": u.key, "params": u.numel, "shard_numel": u.shard_numel}
                   for u in candidate.units],
+        **({"activation_checkpointing": _checkpointing_summary(candidate)}
+           if candidate.checkpointed else {}),
     }
 
 
-def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str) -> Plan:
-    """The SPEC plan document for an evaluated candidate."""
+def _checkpointing_summary(candidate: Candidate) -> dict[str, Any]:
+    """Blocks per mode, activation bytes saved and recompute seconds (all blocks, per rank)."""
+    modes = candidate.block_modes
+    return {"full": sum(m.mode == "full" for m in modes),
+            "selective": sum(m.mode == "selective" for m in modes),
+            "saved_bytes": int(sum(m.saved_bytes for m in modes)),
+            "recompute_s": round(sum(m.recompute_s for m in modes), 6)}
+
+
+def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str,
+            selective_ops: list[str] | None = None) -> Plan:
+    """The SPEC plan document for an evaluated candidate (version 2, with a mapping of modes
+    and the saved ops, when a block is selectively checkpointed)."""
     forward, backward = prefetch_maps([u.key for u in best.units], best.forward_prefetch,
                                       best.backward_prefetch)
     return Plan(
@@ -320,7 +335,12 @@ def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str) -
         units=[Unit(modules=u.modules, reshard_after_forward=u.reshard_after_forward,
                     mixed_precision=unit_mixed_precision(u, request.param_dtype))
                for u in best.units],
-        activation_checkpointing=list(best.checkpointed),
+        activation_checkpointing=(
+            modes_mapping(list(best.checkpointed), [b for b in best.checkpointed
+                                                    if b not in best.selective], best.selective)
+            if best.selective else list(best.checkpointed)),
+        selective_ops=list(selective_ops or DEFAULT_SELECTIVE_OPS) if best.selective else [],
+        fsdp_plan_version=2 if best.selective else 1,
         forward_prefetch=forward, backward_prefetch=backward,
         mixed_precision={"param_dtype": request.param_dtype,
                          "reduce_dtype": request.reduce_dtype},
@@ -365,10 +385,22 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         raise BadInput(f"the plan checkpoints {not_blocks[:3]}, which are not repeated blocks "
                        f"({_block_example(graph.blocks)}); fsdp-plan models activation "
                        "checkpointing of whole repeated blocks only.")
-    checkpoint = frozenset(block_index[m] for m in plan.activation_checkpointing)
+    modes = (dict(plan.activation_checkpointing) if isinstance(plan.activation_checkpointing, dict)
+             else {m: "full" for m in plan.activation_checkpointing})
+    checkpoint = frozenset(block_index[m] for m, mode in modes.items() if mode == "full")
+    selective = frozenset(block_index[m] for m, mode in modes.items() if mode == "selective")
     if checkpoint and facts.analysis.checkpointed_timeline is None:
         raise BadInput("the plan checkpoints blocks, but this model's blocks could not be traced "
                        "with checkpointing, so their memory cannot be predicted.")
+    if selective and facts.analysis.selective_timeline is None:
+        raise BadInput("the plan checkpoints blocks selectively, but "
+                       + (facts.analysis.selective_unavailable
+                          or "this model's blocks could not be traced with selective checkpointing")
+                       + "; write full for those blocks.")
+    if selective and sorted(plan.selective_ops) != sorted(facts.analysis.selective_ops):
+        raise BadInput("the plan's selective_ops differ from the ops fsdp-plan analysed "
+                       f"({', '.join(facts.analysis.selective_ops)}); fsdp-plan predicts selective "
+                       "checkpointing with that list only. Write it as fsdp-plan does.")
     forward_depth, backward_depth = prefetch_depths(plan)
     mp = plan.mixed_precision or {}
     settings = SearchSettings(
@@ -382,7 +414,7 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         name="plan as written", strategy=plan.strategy, replicate=plan.mesh.replicate,
         shard=plan.mesh.shard, groups=[list(u.modules) for u in units[:-1]],
         reshard=[u.reshard_after_forward for u in units[:-1]],
-        root_reshard=units[-1].reshard_after_forward, checkpoint=checkpoint,
+        root_reshard=units[-1].reshard_after_forward, checkpoint=checkpoint, selective=selective,
         forward_prefetch=forward_depth, backward_prefetch=backward_depth)
     return Prediction(candidate=candidate, predicted=predicted_block(candidate),
                       limit_bytes=settings.limit_bytes, fits=candidate.fits)

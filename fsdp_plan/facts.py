@@ -108,6 +108,14 @@ class Analysis:
     total_fw_flops: float
     total_bw_flops: float
     checkpointed_timeline: Timeline | None = None
+    selective_timeline: Timeline | None = None
+    """The pass with every repeated block selectively checkpointed ([Note: checkpointing
+    modes] in checkpointing.py); None when the model has no blocks or it did not replay."""
+    selective_ops: list[str] = field(default_factory=list)
+    selective_recompute_flops: dict[str, float] = field(default_factory=dict)
+    """Per block: the FLOPs its selective mode replays in backward."""
+    selective_unavailable: str = ""
+    """Why selective checkpointing is not offered for this model (empty when it is)."""
 
 
 @dataclass(kw_only=True)
@@ -142,7 +150,11 @@ class ModelFacts:
             modules={k: ModuleCompute(**v) for k, v in a["modules"].items()},
             input_bytes=a["input_bytes"], param_dtype=a["param_dtype"],
             total_fw_flops=a["total_fw_flops"], total_bw_flops=a["total_bw_flops"],
-            checkpointed_timeline=_timeline(ckpt) if ckpt else None)
+            checkpointed_timeline=_timeline(ckpt) if ckpt else None,
+            selective_timeline=_timeline(a["selective_timeline"]) if a.get("selective_timeline")
+            else None, selective_ops=list(a.get("selective_ops", [])),
+            selective_recompute_flops=dict(a.get("selective_recompute_flops", {})),
+            selective_unavailable=a.get("selective_unavailable", ""))
         return cls(graph=graph, analysis=analysis)
 
     @classmethod

@@ -60,7 +60,11 @@ class Plan:
     units: list[Unit]
     strategy: str = "full"
     headroom_bytes: int = 0
-    activation_checkpointing: list[str] = field(default_factory=list)
+    activation_checkpointing: list[str] | dict[str, str] = field(default_factory=list)
+    """FQNs fully checkpointed (a list, version 1), or ``{FQN: full | selective}`` (version 2)."""
+    selective_ops: list[str] = field(default_factory=list)
+    """Ops whose outputs selective checkpointing saves (``aten.mm.default``); written only
+    when some module is selective."""
     forward_prefetch: dict[str, list[str]] = field(default_factory=dict)
     backward_prefetch: dict[str, list[str]] = field(default_factory=dict)
     mixed_precision: dict[str, str | None] = field(default_factory=dict)
@@ -75,8 +79,10 @@ class Plan:
         raw["units"] = [{k: v for k, v in unit.items() if k != "mixed_precision" or v is not None}
                         for unit in raw["units"]]
         order = ["fsdp_plan_version", "model", "budget_bytes", "headroom_bytes", "world_size",
-                 "mesh", "strategy", "units", "activation_checkpointing", "forward_prefetch",
+                 "mesh", "strategy", "units", "activation_checkpointing", "selective_ops", "forward_prefetch",
                  "backward_prefetch", "mixed_precision", "optimizer", "gpu", "predicted"]
+        if not raw["selective_ops"]:
+            order.remove("selective_ops")
         return {key: raw[key] for key in order}
 
     @classmethod
@@ -93,6 +99,7 @@ class Plan:
             units=[Unit(modules=modules, reshard_after_forward=reshard, mixed_precision=precision)
                    for modules, reshard, precision in checked["units"]],
             activation_checkpointing=checked["activation_checkpointing"],
+            selective_ops=checked["selective_ops"],
             forward_prefetch=checked["forward_prefetch"],
             backward_prefetch=checked["backward_prefetch"],
             mixed_precision=checked["mixed_precision"],

@@ -13,7 +13,7 @@ checked later, once the model is built (``fsdp_plan.measure.runtime.check_model_
 
 Unknown top-level keys are accepted (SPEC 3: others may add keys) and dropped: nothing reads
 them, so they cannot change what is applied. Version-2 fields that no part of fsdp-plan
-applies yet (offload, DDP, gradient accumulation, selective checkpointing) are refused rather
+applies yet (offload, DDP, gradient accumulation) are refused rather
 than silently ignored.
 """
 
@@ -272,7 +272,8 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     out.update(_check_mesh(check, raw))
     out["units"] = _check_units(check, raw["units"])
     out["strategy"] = _check_strategy(check, raw, out["replicate"], out["shard"], out["units"])
-    out["activation_checkpointing"], selective = _check_checkpointing(check, raw, version)
+    out["activation_checkpointing"], out["selective_ops"] = _check_checkpointing(check, raw,
+                                                                                version)
     keys = {unit[0][0] for unit in out["units"]}
     for kind in ("forward_prefetch", "backward_prefetch"):
         out[kind] = _check_prefetch(check, raw.get(kind), kind, keys)
@@ -282,7 +283,7 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     gpu = raw.get("gpu", "h100")
     out["gpu"] = check.string(gpu, "gpu", "name the GPU the plan was made for, e.g. h100")
     out["predicted"] = _check_predicted(check, raw.get("predicted"))
-    _refuse_unapplied(check, raw, selective)
+    _refuse_unapplied(check, raw)
     return out
 
 
@@ -450,8 +451,10 @@ def _check_strategy(check: _Checker, raw: dict, replicate: int, shard: int,
     return strategy
 
 
-def _check_checkpointing(check: _Checker, raw: dict, version: int) -> tuple[list[str], list[str]]:
-    """The checkpointed FQNs (as the runtime applies them) and those asking for selective mode."""
+def _check_checkpointing(check: _Checker, raw: dict, version: int
+                         ) -> tuple[list[str] | dict[str, str], list[str]]:
+    """The checkpointed FQNs as written (a list, or a mapping to full | selective) and the
+    ``selective_ops``; a selective module needs at least one op to save."""
     value = raw.get("activation_checkpointing")
     path = "activation_checkpointing"
     if isinstance(value, dict):
@@ -466,7 +469,7 @@ def _check_checkpointing(check: _Checker, raw: dict, version: int) -> tuple[list
                          "full recomputes the whole forward, selective saves the selective_ops")
             if mode == "selective":
                 selective.append(name)
-        names = list(value)
+        names = dict(value)
     else:
         names = check.sequence(value, path, "list the module FQNs whose forward is recomputed "
                                "in backward ([] for none)", optional=True)
@@ -479,13 +482,21 @@ def _check_checkpointing(check: _Checker, raw: dict, version: int) -> tuple[list
             seen.add(name)
         selective = []
     ops = raw.get("selective_ops")
+    op_names = []
     for i, op in enumerate(check.sequence(ops, "selective_ops", "list op names such as "
                                           "aten.mm.default", optional=True)):
         name = check.string(op, f"selective_ops[{i}]", "an op name such as aten.mm.default")
         if not all(part.isidentifier() for part in name.split(".")):
             raise check.fail(f"selective_ops[{i}]", f"is {show(name)}, not an op name",
                              "write it as torch.ops spells it, e.g. aten.mm.default")
-    return list(names), selective
+        op_names.append(name)
+    if selective and not op_names:
+        raise check.fail(f"activation_checkpointing[{clip(selective[0])!r}]", "is selective "
+                         "but selective_ops lists no ops", "list the ops whose outputs are "
+                         "saved, e.g. selective_ops: [aten.mm.default]")
+    if isinstance(names, dict) and selective:
+        return names, op_names
+    return list(names), op_names  # every module full: the version-1 list, applied the same
 
 
 def _check_prefetch(check: _Checker, value: Any, kind: str, keys: set[str]) -> dict[str, list[str]]:
@@ -555,7 +566,7 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
     return copy.deepcopy(predicted)
 
 
-def _refuse_unapplied(check: _Checker, raw: dict, selective: list[str]) -> None:
+def _refuse_unapplied(check: _Checker, raw: dict) -> None:
     """Version-2 features nothing in this fsdp-plan applies: refused, never silently ignored."""
     offload = raw.get("offload")
     if offload is not None:
@@ -578,7 +589,3 @@ def _refuse_unapplied(check: _Checker, raw: dict, selective: list[str]) -> None:
         if steps > 1:
             raise check.fail("grad_accum_steps", f"is {steps}", "this fsdp-plan cannot apply "
                              "gradient accumulation yet; remove it or set it to 1")
-    if selective:
-        raise check.fail(f"activation_checkpointing[{clip(selective[0])!r}]", "is selective",
-                         "this fsdp-plan cannot apply selective checkpointing yet; write full "
-                         "for that module (or drop it)")

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import (
     MixedPrecision,
     ShardingStrategy,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 try:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -80,6 +81,9 @@ def _check_plan() -> None:
         raise ValueError("PLAN has no units, or a unit without modules.")
     if "" in PLAN["activation_checkpointing"]:
         raise ValueError("PLAN checkpoints the root module; only submodules can be wrapped.")
+    if "selective" in checkpoint_modes().values() and not resolve_ops(PLAN.get("selective_ops") or []):
+        raise ValueError("PLAN checkpoints modules selectively but none of its selective_ops "
+                         "is an op of this torch build; list ops such as aten.mm.default.")
     unit_keys = {unit["modules"][0] for unit in PLAN["units"]}
     for kind in ("forward_prefetch", "backward_prefetch"):
         for key, targets in PLAN[kind].items():
@@ -140,15 +144,93 @@ def _find_modules(model: nn.Module, fqns: list, deepest: bool) -> dict:
     return found
 
 
+def resolve_ops(names: list) -> list:
+    """The ``OpOverload`` objects for op names as ``torch.ops`` spells them
+    (``aten.mm.default``); names this torch build lacks (a GPU-only attention kernel on an
+    old release) are skipped, since such an op can never run here."""
+    ops = []
+    for name in names:
+        obj = torch.ops
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(obj, torch._ops.OpOverload):
+            ops.append(obj)
+    return ops
+
+
+def selective_policy(ops: list):
+    """The per-op policy: save the outputs of ``ops`` (``OpOverload`` objects), recompute the rest."""
+    saved = frozenset(ops)
+
+    def policy(_ctx, op, *_args, **_kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+# Keyword arguments through which a block writes a KV cache (transformers' names across
+# releases). See _no_cache_in_training.
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def _no_cache_in_training(module: nn.Module, args: tuple, kwargs: dict):
+    """Drop a KV cache from a selectively checkpointed block's call while training.
+
+    [Note: selective checkpointing and KV caches]
+    Selective checkpointing replays a block's ops in backward and hands back each saved
+    output by op and invocation index, so the replay must issue exactly the ops the forward
+    did. A block that appends to a KV cache (Hugging Face ``LlamaDecoderLayer`` with the
+    config's default ``use_cache=True``) finds the cache already grown when it is replayed
+    and slices it once more: "aten.slice.Tensor invocation index 4 encountered during
+    backward but not found in storage". transformers' own gradient checkpointing drops the
+    cache for the same reason; a training step never reads it.
+    """
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    if not any(kwargs.get(k) is not None for k in _CACHE_KWARGS) and not kwargs.get("use_cache"):
+        return None
+    kwargs = {**kwargs, **{k: None for k in _CACHE_KWARGS if k in kwargs}}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def checkpoint_module(module: nn.Module, selective_ops: list | None = None) -> nn.Module:
+    """``module`` in a non-reentrant checkpoint wrapper: full recomputation, or per-op selective
+    (``selective_ops``: ``OpOverload`` objects whose outputs are saved) when given."""
+    if selective_ops is None:
+        return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    policy = selective_policy(selective_ops)
+    wrapper = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                 context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    wrapper.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+    return wrapper
+
+
+def checkpoint_modes() -> dict:
+    """``{FQN: "full" | "selective"}`` for the plan's checkpointed modules (a version-1 list
+    means full for each)."""
+    value = PLAN["activation_checkpointing"]
+    if isinstance(value, dict):
+        return dict(value)
+    return {fqn: "full" for fqn in value}
+
+
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Wrap each module in ``PLAN["activation_checkpointing"]`` with non-reentrant checkpointing.
 
     Each module is replaced in its parent (``setattr`` works for ``nn.ModuleList`` and
-    ``nn.ModuleDict`` children too), so its forward is recomputed in backward. For FSDP2 call it
-    before ``fully_shard`` (``apply_fully_shard`` does); for FSDP1 call it after wrapping, when
-    the checkpoint wrapper goes inside the FSDP1 instance. Modules already wrapped are skipped.
+    ``nn.ModuleDict`` children too), so its forward is recomputed in backward: all of it for
+    ``full``, all but the outputs of ``PLAN["selective_ops"]`` for ``selective``
+    (``create_selective_checkpoint_contexts``). For FSDP2 call it before ``fully_shard``
+    (``apply_fully_shard`` does); for FSDP1 call it after wrapping, when the checkpoint wrapper
+    goes inside the FSDP1 instance. Modules already wrapped are skipped.
     """
-    found = _find_modules(model, PLAN["activation_checkpointing"], deepest=True)
+    modes = checkpoint_modes()
+    saved_ops = resolve_ops(PLAN.get("selective_ops") or [])
+    found = _find_modules(model, list(modes), deepest=True)
     # Resolve every parent before replacing anything: a nested target's parent must be the
     # original module, not a wrapper put in place moments earlier.
     replacements = []
@@ -156,9 +238,10 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
         parent_name, _, attr = name.rpartition(".")
         if attr == "_checkpoint_wrapped_module":
             continue
-        replacements.append((model.get_submodule(parent_name), attr, module))
-    for parent, attr, module in replacements:
-        setattr(parent, attr, checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        replacements.append((model.get_submodule(parent_name), attr, module,
+                             modes[plain_fqn(name)] == "selective"))
+    for parent, attr, module, selective in replacements:
+        setattr(parent, attr, checkpoint_module(module, saved_ops if selective else None))
     return model
 
 

@@ -1,18 +1,20 @@
 """Activation timelines for a plan: compose the plain and checkpointed passes, and find unit boundaries.
 
 [Note: composing checkpointed blocks]
-The analysis ran twice: no checkpointing, and every repeated block checkpointed. A plan that
-checkpoints the first ``k`` blocks takes each block's forward and backward segment from the
-pass that matches it and everything else (embedding, head, loss) from the plain pass; levels
-are re-based segment by segment, so the composite is what a run with exactly those blocks
-checkpointed records. The search checkpoints the first blocks (the choice that frees the most
-memory earliest; for identical blocks the peak depends only on how many are checkpointed); a
-plan written by hand may checkpoint any set of blocks, which composes the same way.
+The analysis ran three times: no checkpointing, every repeated block fully checkpointed, and
+every repeated block selectively checkpointed. A plan that checkpoints some blocks (in either
+mode) takes each block's forward and backward segment from the pass that matches its mode
+and everything else (embedding, head, loss) from the plain pass; levels are re-based segment
+by segment, so the composite is what a run with exactly those modes records. The search
+checkpoints the first blocks (full ones first, then selective ones; for identical blocks the
+peak depends only on how many of each there are); a plan written by hand may give any block
+any mode, which composes the same way.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 
 from fsdp_plan.facts import Analysis, Event, Timeline
@@ -67,42 +69,84 @@ def find_segments(timeline: Timeline, blocks: list[str]) -> Segments | None:
 
 
 class TimelineComposer:
-    """Builds (and caches) the timeline for a set of checkpointed blocks (by index)."""
+    """Builds (and caches) the timeline for per-block checkpointing modes (blocks by index).
+
+    Each block's forward and backward segments come from the pass of its mode: the plain
+    pass (none), the all-blocks-checkpointed pass (full) or the all-blocks-selective pass
+    (selective); the glue (embedding, head, loss) from the plain pass."""
 
     def __init__(self, analysis: Analysis, blocks: list[str]) -> None:
         self.plain = analysis.timeline
         self.ckpt = analysis.checkpointed_timeline
+        self.sel = getattr(analysis, "selective_timeline", None)
         self.blocks = blocks
         self.plain_seg = find_segments(self.plain, blocks)
         self.ckpt_seg = find_segments(self.ckpt, blocks) if self.ckpt else None
-        self._cache: dict[frozenset[int], list[Event]] = {frozenset(): self.plain.events}
+        self.sel_seg = find_segments(self.sel, blocks) if self.sel else None
+        every = frozenset(range(len(blocks)))
+        self._cache: dict[tuple[frozenset[int], frozenset[int]], list[Event]] = {
+            (frozenset(), frozenset()): self.plain.events}
         if self.ckpt is not None:
-            self._cache[frozenset(range(len(blocks)))] = self.ckpt.events
+            self._cache[(every, frozenset())] = self.ckpt.events
+        if self.sel is not None:
+            self._cache[(frozenset(), every)] = self.sel.events
 
     @property
     def max_checkpointed(self) -> int:
         """How many blocks can be checkpointed (0 when the model has no repeated blocks)."""
         return len(self.blocks) if self.ckpt is not None else 0
 
+    @property
+    def has_selective(self) -> bool:
+        """Whether blocks can be selectively checkpointed (the selective pass replayed)."""
+        return self.sel is not None and (self.sel_seg is not None or not self.blocks)
+
     def supports_partial(self) -> bool:
         return self.plain_seg is not None and self.ckpt_seg is not None
 
-    def events(self, checkpointed: int | frozenset[int]) -> list[Event]:
+    def supports_mixed(self) -> bool:
+        """Whether modes can be mixed per block (every pass splits into block segments)."""
+        return self.supports_partial() and self.sel_seg is not None
+
+    def _source(self, i: int, full: frozenset[int], selective: frozenset[int]
+                ) -> tuple[list[Event], Segments]:
+        if i in full:
+            return self.ckpt.events, self.ckpt_seg
+        if i in selective:
+            return self.sel.events, self.sel_seg
+        return self.plain.events, self.plain_seg
+
+    def segment_delta(self, i: int, mode: str, part: str = "fw") -> tuple[int, float]:
+        """Level and FLOP change over block ``i``'s forward (``part="fw"``) or backward
+        segment in the pass of ``mode``: what the block keeps for backward, what it computes."""
+        src, seg = {"none": (self.plain, self.plain_seg), "full": (self.ckpt, self.ckpt_seg),
+                    "selective": (self.sel, self.sel_seg)}[mode]
+        if src is None or seg is None:
+            return 0, 0.0
+        start, end = (seg.fw if part == "fw" else seg.bw)[i]
+        events = src.events
+        nxt = events[end] if end < len(events) else events[end - 1]
+        return nxt.level - events[start].level, nxt.flops - events[start].flops
+
+    def events(self, checkpointed: int | frozenset[int],
+               selective: frozenset[int] = frozenset()) -> list[Event]:
         """The composite timeline with blocks ``0..k-1`` (an int ``k``) or the given block
-        indices (a frozenset) checkpointed."""
+        indices (a frozenset) fully checkpointed, and the ``selective`` indices selectively."""
         which = frozenset(range(checkpointed)) if isinstance(checkpointed, int) else checkpointed
-        if which in self._cache:
-            return self._cache[which]
-        if not self.supports_partial():
+        selective = frozenset(selective) - which
+        key = (which, selective)
+        if key in self._cache:
+            return self._cache[key]
+        if not self.supports_partial() or (selective and self.sel_seg is None):
             raise ValueError("partial checkpointing needs aligned block segments")
-        p, c = self.plain_seg, self.ckpt_seg
+        p = self.plain_seg
         pieces: list[tuple[list[Event], int, int]] = [(self.plain.events, 0, p.prefix_end)]
         for i in range(len(self.blocks)):
-            src, seg = (self.ckpt.events, c) if i in which else (self.plain.events, p)
+            src, seg = self._source(i, which, selective)
             pieces.append((src, *seg.fw[i]))
         pieces.append((self.plain.events, *p.middle))
         for i in reversed(range(len(self.blocks))):
-            src, seg = (self.ckpt.events, c) if i in which else (self.plain.events, p)
+            src, seg = self._source(i, which, selective)
             pieces.append((src, *seg.bw[i]))
         pieces.append((self.plain.events, p.suffix_start, len(self.plain.events)))
         out: list[Event] = []
@@ -116,11 +160,12 @@ class TimelineComposer:
                 # Re-base on the composite's running level; a piece's first peak covered the
                 # gap before it in its own pass, so it is at least the level it starts from.
                 peak = level + e.peak - base_level
-                out.append(Event(kind=e.kind, module=e.module, level=level + e.level - base_level,
-                                 peak=max(level, peak) if e is src[start] else peak,
-                                 flops=flops + e.flops - base_flops))
+                out.append(dataclasses.replace(
+                    e, level=level + e.level - base_level,
+                    peak=max(level, peak) if e is src[start] else peak,
+                    flops=flops + e.flops - base_flops))
             nxt = src[end] if end < len(src) else src[end - 1]
             level += nxt.level - base_level
             flops += nxt.flops - base_flops
-        self._cache[which] = out
+        self._cache[key] = out
         return out

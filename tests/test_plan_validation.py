@@ -206,10 +206,9 @@ CASES = {
     "ddp block": (lambda d: d.update(ddp={"bucket_cap_mb": 25}), ["ddp", "cannot apply DDP"]),
     "gradient accumulation": (lambda d: d.update(grad_accum_steps=4),
                               ["grad_accum_steps", "cannot apply gradient accumulation"]),
-    "selective in version 2": (
-        lambda d: d.update(fsdp_plan_version=2, selective_ops=["aten.mm.default"],
-                           activation_checkpointing={"layers.0": "selective"}),
-        ["activation_checkpointing['layers.0']", "selective checkpointing yet"]),
+    "selective without saved ops": (
+        lambda d: d.update(fsdp_plan_version=2, activation_checkpointing={"layers.0": "selective"}),
+        ["activation_checkpointing['layers.0']", "selective_ops lists no ops"]),
     "checkpoint mapping in version 1": (
         lambda d: d.update(activation_checkpointing={"layers.0": "full"}),
         ["activation_checkpointing is a mapping", "fsdp_plan_version: 2"]),
