@@ -1,0 +1,153 @@
+"""Ground truth for DDP plans: the buckets DDP really builds, its collectives, step time and peak.
+
+``measure_ddp_many(jobs, nproc=2)`` runs every job on one set of gloo workers (start-up is
+paid once, as ``count_collectives_many`` does). Each job builds the real model, applies
+``DistributedDataParallel`` (through a plan's policy module, ``apply_ddp``, or with explicit
+keyword arguments), and then:
+
+1. runs one step (the reducer records the order gradients became ready);
+2. runs a second step, whose forward rebuilds the buckets;
+3. counts one more forward + backward with ``CollectiveCounter`` (``c10d.allreduce_``), after
+   whose forward the logger holds ``_get_ddp_logging_data()["rebuilt_bucket_sizes"]`` (bytes,
+   comma separated; it is recorded at the forward after the rebuild, not at the rebuild);
+4. times ``steps`` further steps, and measures the peak of one steady step with
+   ``MemTracker`` (see [Note: DDP peak on a CPU]).
+
+[Note: DDP peak on a CPU]
+A DDP rank holds the whole model whatever the world size, so a real run at world size 1 or 2
+has exactly the per-rank memory of the planned job (no fake process group needed, unlike
+FSDP, whose shards depend on the world size). ``torch.distributed._tools.mem_tracker
+.MemTracker`` (FSDPMemTracker's base class) counts every tensor storage created under it by
+category (parameters, gradients, optimizer states, activations, temporaries); the model,
+DDP's bucket storage and the optimizer states exist before the measured step, so they are
+registered with ``track_external`` (the buckets through the gradients that view them, and
+``reducer``-owned tensors otherwise invisible are added from the logging data's bucket bytes
+only if not seen). Its peak over the second steady step is the truth the prediction is
+held against. ``torch.cuda.max_memory_allocated`` would be the GPU equivalent.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fsdp_plan.load import ModelSource
+from fsdp_plan.measure.launch import launch
+
+
+def _bucket_sizes(ddp: Any, key: str = "rebuilt_bucket_sizes") -> list[int]:
+    data = ddp._get_ddp_logging_data()
+    text = str(data.get(key, "") or "")
+    return [int(x) for x in text.replace(" ", "").split(",") if x]
+
+
+def _peak_total(tracker: Any) -> int:
+    """The tracker's peak total over devices (one device here)."""
+    snapshot = tracker.get_tracker_snapshot("peak")
+    return int(max((by_kind.get("Total", 0) for by_kind in snapshot.values()), default=0))
+
+
+def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[str, Any]:
+    """One job on this rank: see the module docstring for the steps."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fsdp_plan.measure import runtime
+    from fsdp_plan.measure.collectives import CollectiveCounter
+
+    model = runtime.build_real_model(loaded, device)
+    if job.get("policy_source"):
+        ddp = runtime.load_policy(job["policy_source"]).apply_ddp(model)
+    else:
+        ddp = DDP(model, **job["ddp_kwargs"])
+    optimizer = runtime.make_optimizer(job.get("optimizer", "adamw"), ddp.parameters())
+    torch.manual_seed(1 + rank)
+    src = loaded.source
+    inputs = runtime.to_device(loaded.make_inputs(src.batch_size, src.seq_len), device)
+
+    def step() -> None:
+        runtime.forward_backward(ddp, loaded, inputs)
+        runtime.finish_step(ddp, optimizer)
+    step()
+    step()  # its forward rebuilds the buckets
+    with CollectiveCounter() as counter:
+        runtime.forward_backward(ddp, loaded, inputs)
+    runtime.finish_step(ddp, optimizer)
+    # DDP's logger records the rebuilt buckets at the forward after the rebuild
+    first = _bucket_sizes(ddp, "bucket_sizes")
+    # without a rebuild (find_unused_parameters) the first bucketing is the one in use
+    rebuilt = _bucket_sizes(ddp) if ddp._get_ddp_logging_data().get(
+        "has_rebuilt_buckets") else first
+    times = []
+    for _ in range(int(job.get("steps", 0))):
+        dist.barrier()
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    peak = _peak_total_of_step(ddp, optimizer, loaded, inputs) if job.get("memory") else None
+    return {"rebuilt_bucket_sizes": rebuilt, "bucket_sizes": first, "counts": counter.counts(),
+            "step_times_s": times, "peak_bytes": peak}
+
+
+def _ddp_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Worker target: each job's buckets in use, counts, step time and peak."""
+    import torch.distributed as dist
+
+    from fsdp_plan.load import load_model
+    from fsdp_plan.measure.worker_setup import init_worker_process_group
+
+    device = init_worker_process_group(ctx.local_rank)
+    models: dict[str, Any] = {}
+    results = []
+    for job in payload["jobs"]:
+        ctx.report(phase="job", step=len(results) + 1, steps=len(payload["jobs"]))
+        key = repr(sorted(job["source"].items()))
+        if key not in models:
+            models[key] = load_model(ModelSource(**job["source"]))
+        results.append(_run_job(job, models[key], device, ctx.rank))
+    dist.barrier()
+    dist.destroy_process_group()
+    return results
+
+
+def _peak_total_of_step(ddp: Any, optimizer: Any, loaded: Any, inputs: Any) -> int:
+    """Peak of one steady step (optimizer step, forward, backward, optimizer step) under
+    ``MemTracker``. Registered first, while the gradients exist: the model, its gradients
+    (under ``gradient_as_bucket_view`` views of DDP's bucket storage, which the reducer
+    allocated before and which the tracker would otherwise never see), the optimizer states
+    and the inputs."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from fsdp_plan.measure import runtime
+
+    runtime.forward_backward(ddp, loaded, inputs)
+    tracker = MemTracker()
+    args, kwargs = inputs
+    tensors = [t for t in (*args, *kwargs.values()) if hasattr(t, "untyped_storage")]
+    tracker.track_external(ddp, *([optimizer] if optimizer is not None else []), *tensors)
+    with tracker:
+        runtime.finish_step(ddp, optimizer)
+        runtime.forward_backward(ddp, loaded, inputs)
+        runtime.finish_step(ddp, optimizer)
+    return _peak_total(tracker)
+
+
+def measure_ddp_many(jobs: list[dict[str, Any]], *, nproc: int = 2,
+                     timeout_s: float = 600.0) -> list[list[dict[str, Any]]]:
+    """Run DDP jobs on ``nproc`` gloo workers; per job, each rank's result.
+
+    A job is ``{"source": ModelSource, "ddp_kwargs": {...}}`` or ``{"source": ...,
+    "policy_source": text}`` (a plan's policy module; ``apply_ddp`` is used), with optional
+    ``optimizer`` (default adamw), ``steps`` (timed steps, default 0) and ``memory`` (True:
+    measure one steady step's peak with MemTracker)."""
+    from fsdp_plan.measure.worker_setup import source_payload
+
+    prepared = []
+    for job in jobs:
+        item = {k: v for k, v in job.items() if k != "source"}
+        item["source"] = source_payload(job["source"])
+        prepared.append(item)
+    per_rank = launch("fsdp_plan.measure.ddp:_ddp_worker", {"jobs": prepared}, nproc=nproc,
+                      timeout_s=timeout_s)
+    return [[rank_result[i] for rank_result in per_rank] for i in range(len(jobs))]
