@@ -71,6 +71,9 @@ class PlanRequest:
     hardware: Hardware = field(default_factory=lambda: hardware_for("h100"))
     exact_analysis: bool = False
     """Analyse every block instead of three per stack (depth.py)."""
+    allow_offload: bool = False
+    """When nothing fits on the device, plan FSDP2 ``CPUOffloadPolicy`` (``--allow-offload``;
+    offload.py [Note: offload as the last resort])."""
 
     def __post_init__(self) -> None:
         self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
@@ -224,21 +227,46 @@ def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = ""
     ranked = choose(search(evaluator), recipes, request.strategy)
     best = ranked[0]
     if not best.fits:
-        smallest = min(ranked + recipes, key=lambda c: c.memory.peak_bytes)
-        raise NoFeasiblePlan(
-            f"no plan fits --mem {format_bytes(request.budget_bytes)} minus headroom "
-            f"{format_bytes(int(request.headroom_bytes or 0))} (limit "
-            f"{format_bytes(request.limit_bytes)}) at world size {request.world_size}: the "
-            f"smallest peak any plan reached is {format_bytes(smallest.memory.peak_bytes)} "
-            f"({smallest.name}). To fit, try: {suggestions(smallest, request)}.",
-            smallest_peak_bytes=smallest.memory.peak_bytes)
+        best = _offload_or_raise(evaluator, ranked, recipes, request)
+        ranked = [best, *ranked]
     plan = to_plan(best, request, numel=facts.graph.total_numel, digest=digest,
                    selective_ops=facts.analysis.selective_ops)
+    if getattr(best, "offload", None):
+        plan.offload, plan.fsdp_plan_version = dict(best.offload), 2
+        plan.predicted["host_bytes"] = dict(best.host_bytes)
     if notes:
         plan.model["notes"] = list(notes)
     seconds = time.perf_counter() - started
     return PlanResult(plan=plan, best=best, ranked=ranked, recipes=recipes, facts=facts,
                       seconds=seconds, search_seconds=seconds)
+
+
+def _offload_or_raise(evaluator: Evaluator, ranked: list[Candidate], recipes: list[Candidate],
+                      request: PlanRequest) -> Candidate:
+    """Nothing fits on the device: the fastest offloaded plan that fits when the user allowed
+    offload, else ``NoFeasiblePlan`` saying whether offload would fit and at what peak."""
+    from fsdp_plan.offload import best_offloaded
+    smallest = min(ranked + recipes, key=lambda c: c.memory.peak_bytes)
+    offloaded = best_offloaded(evaluator, ranked + recipes)
+    if offloaded is not None and offloaded.fits and request.allow_offload:
+        return offloaded
+    if offloaded is not None and offloaded.fits:
+        offload_text = (f" With --allow-offload it would fit: FSDP2 CPUOffloadPolicy keeps "
+                        f"parameters, gradients and optimizer states on the host (device peak "
+                        f"{format_bytes(offloaded.memory.peak_bytes)}, predicted step "
+                        f"{offloaded.time.step_s:.3g} s, {offloaded.name}).")
+    elif offloaded is not None:
+        offload_text = (" Even CPU offload (--allow-offload) does not fit: its smallest device "
+                        f"peak is {format_bytes(offloaded.memory.peak_bytes)}.")
+    else:
+        offload_text = ""
+    raise NoFeasiblePlan(
+        f"no plan fits --mem {format_bytes(request.budget_bytes)} minus headroom "
+        f"{format_bytes(int(request.headroom_bytes or 0))} (limit "
+        f"{format_bytes(request.limit_bytes)}) at world size {request.world_size}: the "
+        f"smallest peak any plan reached is {format_bytes(smallest.memory.peak_bytes)} "
+        f"({smallest.name}). To fit, try: {suggestions(smallest, request)}.{offload_text}",
+        smallest_peak_bytes=smallest.memory.peak_bytes)
 
 
 def suggestions(smallest: Candidate, request: PlanRequest) -> str:
@@ -256,7 +284,8 @@ def suggestions(smallest: Candidate, request: PlanRequest) -> str:
     if request.source.batch_size > 1:
         tips.append("a smaller --batch-size (with gradient accumulation)")
     tips.append("a shorter --seq-len")
-    tips.append("CPU offload of parameters and optimizer states (FSDP2 CPUOffloadPolicy)")
+    tips.append("CPU offload of parameters and optimizer states (--allow-offload: FSDP2 "
+                "CPUOffloadPolicy)")
     if not smallest.checkpointed:
         tips.append("activation checkpointing inside blocks")
     return "; ".join(tips)
@@ -416,6 +445,9 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         reshard=[u.reshard_after_forward for u in units[:-1]],
         root_reshard=units[-1].reshard_after_forward, checkpoint=checkpoint, selective=selective,
         forward_prefetch=forward_depth, backward_prefetch=backward_depth)
+    if any((getattr(plan, "offload", None) or {}).values()):
+        from fsdp_plan.offload import with_offload
+        candidate = with_offload(evaluator, candidate)
     return Prediction(candidate=candidate, predicted=predicted_block(candidate),
                       limit_bytes=settings.limit_bytes, fits=candidate.fits)
 

@@ -71,6 +71,8 @@ class Plan:
     optimizer: str = "adamw"
     gpu: str = "h100"
     predicted: dict[str, Any] = field(default_factory=dict)
+    offload: dict[str, bool] | None = None
+    """``{params: true, optimizer: true}``: FSDP2 ``CPUOffloadPolicy`` (version 2); None: none."""
     fsdp_plan_version: int = PLAN_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,6 +85,8 @@ class Plan:
                  "backward_prefetch", "mixed_precision", "optimizer", "gpu", "predicted"]
         if not raw["selective_ops"]:
             order.remove("selective_ops")
+        if raw["offload"]:
+            order.insert(order.index("predicted"), "offload")
         return {key: raw[key] for key in order}
 
     @classmethod
@@ -106,6 +110,7 @@ class Plan:
             optimizer=checked["optimizer"],
             gpu=checked["gpu"],
             predicted=checked["predicted"],
+            offload=checked["offload"],
             fsdp_plan_version=checked["fsdp_plan_version"],
         )
 

@@ -13,7 +13,7 @@ checked later, once the model is built (``fsdp_plan.measure.runtime.check_model_
 
 Unknown top-level keys are accepted (SPEC 3: others may add keys) and dropped: nothing reads
 them, so they cannot change what is applied. Version-2 fields that no part of fsdp-plan
-applies yet (offload, DDP, gradient accumulation) are refused rather
+applies yet (DDP, gradient accumulation) are refused rather
 than silently ignored.
 """
 
@@ -283,8 +283,29 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     gpu = raw.get("gpu", "h100")
     out["gpu"] = check.string(gpu, "gpu", "name the GPU the plan was made for, e.g. h100")
     out["predicted"] = _check_predicted(check, raw.get("predicted"))
+    out["offload"] = _check_offload(check, raw.get("offload"))
     _refuse_unapplied(check, raw)
     return out
+
+
+def _check_offload(check: _Checker, offload: Any) -> dict[str, bool] | None:
+    """``offload: {params: bool, optimizer: bool}`` (SPEC 6); None when absent or all false.
+    FSDP2's ``CPUOffloadPolicy`` moves parameters, gradients and optimizer states together."""
+    if offload is None:
+        return None
+    mapping = check.mapping(offload, "offload", "offload is {params: bool, optimizer: bool}")
+    check.keys(mapping, "offload", ("params", "optimizer"))
+    for key, flag in mapping.items():
+        if not isinstance(flag, bool):
+            raise check.fail(f"offload.{key}", f"must be true or false, got {show(flag)}",
+                             "write true or false")
+    flags = {"params": mapping.get("params", False), "optimizer": mapping.get("optimizer", False)}
+    if flags["params"] != flags["optimizer"]:
+        raise check.fail("offload", f"sets params: {str(flags['params']).lower()} and optimizer: "
+                         f"{str(flags['optimizer']).lower()}", "FSDP2's CPUOffloadPolicy "
+                         "offloads parameters, gradients and optimizer states together; set "
+                         "both to true (or both to false)")
+    return flags if flags["params"] else None
 
 
 def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
@@ -568,17 +589,6 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
 
 def _refuse_unapplied(check: _Checker, raw: dict) -> None:
     """Version-2 features nothing in this fsdp-plan applies: refused, never silently ignored."""
-    offload = raw.get("offload")
-    if offload is not None:
-        mapping = check.mapping(offload, "offload", "offload is {params: bool, optimizer: bool}")
-        check.keys(mapping, "offload", ("params", "optimizer"))
-        for key, flag in mapping.items():
-            if not isinstance(flag, bool):
-                raise check.fail(f"offload.{key}", f"must be true or false, got {show(flag)}",
-                                 "write true or false")
-        if any(mapping.values()):
-            raise check.fail("offload", "asks for CPU offload", "this fsdp-plan cannot apply "
-                             "CPU offload yet; remove offload (or set both to false)")
     if raw.get("ddp") is not None:
         raise check.fail("ddp", "is present", "this fsdp-plan cannot apply DDP plans yet; "
                          "remove the ddp key")

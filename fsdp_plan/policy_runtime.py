@@ -25,15 +25,20 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
+    CPUOffload,
     MixedPrecision,
     ShardingStrategy,
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch < 2.6 kept FSDP2 under _composable
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
 # The plan: in a generated policy module, fsdp-plan writes it here as a literal.
 PLAN: dict = {}
@@ -280,13 +285,23 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Mo
         modules = [found[fqn][1] for fqn in unit["modules"]]
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
                     reshard_after_forward=bool(unit["reshard_after_forward"]),
-                    mp_policy=MixedPrecisionPolicy(**_unit_precision(unit)))
+                    mp_policy=MixedPrecisionPolicy(**_unit_precision(unit)), **_offload_kwargs())
     # Modules of a grouped unit share one FSDP state, so the first one stands for the unit.
     for key, targets in PLAN["forward_prefetch"].items():
         found[key][1].set_modules_to_forward_prefetch([found[t][1] for t in targets])
     for key, targets in PLAN["backward_prefetch"].items():
         found[key][1].set_modules_to_backward_prefetch([found[t][1] for t in targets])
     return model
+
+
+def _offload_kwargs() -> dict:
+    """``offload_policy=CPUOffloadPolicy(...)`` for every unit when the plan offloads (SPEC 6):
+    parameters, gradients and optimizer states on the host, the optimizer step on the CPU.
+    Host memory is pinned when a GPU is present (the copies then overlap compute); on a
+    CPU-only machine host and device are one memory and fake tensors cannot be pinned."""
+    if not (PLAN.get("offload") or {}).get("params"):
+        return {}
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
 
 
 class _PlanWrapPolicy:
@@ -360,6 +375,8 @@ def _configure() -> None:
         "forward_prefetch": any(PLAN["forward_prefetch"].values()),
         "limit_all_gathers": True,
         "mixed_precision": _fsdp1_mixed_precision(),
+        **({"cpu_offload": CPUOffload(offload_params=True)}
+           if (PLAN.get("offload") or {}).get("params") else {}),
     })
     auto_wrap_policy = _PlanWrapPolicy(FSDP1_UNITS)
 

@@ -200,9 +200,9 @@ CASES = {
                                 ["predicted.peak_bytes", "outside"]),
     "predicted breakdown nan": (lambda d: d["predicted"]["breakdown"].update(inputs=float("nan")),
                                 ["predicted.breakdown.inputs", ".nan"]),
-    "offload requested": (lambda d: d.update(fsdp_plan_version=2,
-                                             offload={"params": True, "optimizer": False}),
-                          ["offload", "cannot apply CPU offload yet"]),
+    "offload of params without optimizer": (lambda d: d.update(
+        fsdp_plan_version=2, offload={"params": True, "optimizer": False}),
+        ["offload", "together"]),
     "ddp block": (lambda d: d.update(ddp={"bucket_cap_mb": 25}), ["ddp", "cannot apply DDP"]),
     "gradient accumulation": (lambda d: d.update(grad_accum_steps=4),
                               ["grad_accum_steps", "cannot apply gradient accumulation"]),

@@ -86,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the chosen plan with FSDPMemTracker before writing")
     parser.add_argument("--exact-analysis", action="store_true",
                         help="analyse every block instead of three per stack")
+    parser.add_argument("--allow-offload", action="store_true",
+                        help="when no plan fits on the GPU, plan FSDP2 CPU offload "
+                        "(CPUOffloadPolicy: parameters, gradients and optimizer states in host "
+                        "memory, optimizer step on the CPU; slower, PCIe-bound)")
 
 
 def _dtype(name: str, flag: str) -> str:
@@ -162,11 +166,16 @@ def run(args: argparse.Namespace) -> int:
         source=source, budget_bytes=values["budget"], headroom_bytes=values["headroom"],
         world_size=args.world_size, gpus_per_node=args.gpus_per_node, strategy=args.strategy,
         param_dtype=values["param_dtype"], reduce_dtype=values["reduce_dtype"],
-        optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis)
+        optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis,
+        allow_offload=args.allow_offload)
     from fsdp_plan.load import user_code_output_to_stderr  # the model's print()s stay off stdout
     with user_code_output_to_stderr():
         result = make_plan(request, progress)
-        if args.verify and result.loaded is not None:
+        if args.verify and result.loaded is not None and result.plan.offload:
+            if progress:  # [Note: offload as the last resort]: one memory on a CPU
+                progress("verify: skipped, an offloaded plan's device peak can be measured on "
+                         "a GPU only (python -m fsdp_plan.bench.gpu_check PLAN.yaml)")
+        elif args.verify and result.loaded is not None:
             verify_by_measurement(result, result.loaded, progress)
     if args.plan:
         result.relocate_source(os.path.dirname(os.path.abspath(args.plan)))
@@ -195,6 +204,7 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
         ascii_timeline,
         format_breakdown,
         format_candidates,
+        format_checkpointing,
         format_mesh_rows,
         gather_mesh_rows,
         gather_module_rows,
@@ -219,5 +229,25 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
     print(f"chosen: {best.name}; peak {format_bytes(best.memory.peak_bytes)} at {best.memory.phase}")
     print(format_breakdown(best.memory.breakdown))
     print()
+    print(format_checkpointing(best, analysis.selective_unavailable))
+    print_units_and_offload(result)
+    print()
     print(ascii_timeline(best.time))
     print(f"\nplanned in {result.seconds:.1f} s")
+
+
+def print_units_and_offload(result) -> None:
+    """Grouped units with their modules, and what an offloaded plan keeps on the host."""
+    grouped = [u for u in result.best.units if len(u.modules) > 1]
+    if grouped:
+        print(f"grouped units ({len(grouped)}; one fully_shard call each, FSDP1 wraps each "
+              "module separately):")
+        for u in grouped:
+            print(f"  {', '.join(u.modules)}  ({u.numel:,} parameters)")
+    host = getattr(result.best, "host_bytes", None)
+    if host:
+        total = sum(host.values())
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items())
+        print(f"CPU offload (FSDP2 CPUOffloadPolicy): on the host per rank {format_bytes(total)} "
+              f"({parts}); optimizer step on the CPU {result.best.time.optimizer_s * 1e3:.1f} ms; "
+              f"host-device copies {result.best.copy_s * 1e3:.1f} ms per step")

@@ -135,6 +135,11 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     if fsdp_version != 2:
         raise BadInput("verify measures FSDP2 (fully_shard) plans only: PyTorch's FSDPMemTracker "
                        "does not track FSDP1 modules. Use bench --fsdp1 on GPUs for FSDP1 memory.")
+    if any((getattr(plan, "offload", None) or {}).values()):
+        raise BadInput("the plan offloads to the CPU (offload: params/optimizer true); on a CPU "
+                       "host and device memory are the same, so its device peak cannot be "
+                       "measured here. Measure it on a GPU: python -m fsdp_plan.bench.gpu_check "
+                       "PLAN.yaml.")
     # grouped units need their FSDP2 group hooks kept: [Note: FSDPMemTracker and grouped units]
     from fsdp_plan.measure.tracker import GroupAwareMemTracker as FSDPMemTracker
 
