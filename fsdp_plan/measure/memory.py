@@ -157,16 +157,20 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
             inputs = loaded.make_inputs(source.batch_size, source.seq_len)
             warmup = FSDPMemTracker(model, optimizer)
             warmup.track_inputs(inputs)
-            with warmup:  # step 1: lazy optimizer states, first-step FSDP initialisation
-                runtime.forward_backward(model, loaded, inputs)
+            def training_step(tracker) -> None:
+                # every micro-batch of one optimizer step (SPEC 6), then the step itself;
+                # the tracker takes one forward per module at a time (its overall peak stays)
+                runtime.micro_batches(model, loaded, inputs, policy_module,
+                                      lambda index: index and tracker.reset_mod_stats())
                 runtime.finish_step(model, optimizer)
+            with warmup:  # step 1: lazy optimizer states, first-step FSDP initialisation
+                training_step(warmup)
             tracker = FSDPMemTracker(model, optimizer)  # see [Note: the steady step]
             tracker.track_inputs(inputs)
             checker = DtypeChecker(running_modules(getattr(tracker, "_mod_tracker", None)))
             with tracker, checker:
                 step_start = _total(tracker.get_tracker_snapshot("current"))
-                runtime.forward_backward(model, loaded, inputs)
-                runtime.finish_step(model, optimizer)
+                training_step(tracker)
             peak_snap = tracker.get_tracker_snapshot("peak")
             module_peaks = _module_peaks(tracker, model)
     peak = _total(peak_snap)
