@@ -64,17 +64,31 @@ class PlanRequest:
     world_size: int = 8
     gpus_per_node: int = 8
     strategy: str = "auto"
-    """``auto``, ``full``, ``hybrid``, ``grad-op`` or ``none``."""
+    """``auto``, ``full``, ``hybrid``, ``grad-op``, ``none`` or ``ddp`` (DistributedDataParallel)."""
     param_dtype: str = "bfloat16"
     reduce_dtype: str = "float32"
     optimizer: str = "adamw"
     hardware: Hardware = field(default_factory=lambda: hardware_for("h100"))
     exact_analysis: bool = False
     """Analyse every block instead of three per stack (depth.py)."""
+    allow_offload: bool = False
+    """When nothing fits on the device, plan FSDP2 ``CPUOffloadPolicy`` (``--allow-offload``;
+    offload.py [Note: offload as the last resort])."""
+    grad_accum_steps: int = 1
+    """Micro-batches (``source.batch_size`` samples each, per rank) per optimizer step."""
+    gradient_sync: str = "every"
+    """Reduce gradients after ``every`` micro-batch or only the ``last``."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all data-parallel ranks: the planner chooses the
+    micro-batch, accumulation and gradient sync (batching.py)."""
+    auto_batch: bool = False
+    """``--batch-size auto``: the largest micro-batch that fits, or the fastest if larger is
+    not faster."""
 
     def __post_init__(self) -> None:
         self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
-        self.reduce_dtype = canonical_dtype(self.reduce_dtype, "reduce_dtype")
+        if self.reduce_dtype != "auto":  # auto: the search tries float32 and bfloat16
+            self.reduce_dtype = canonical_dtype(self.reduce_dtype, "reduce_dtype")
         if self.headroom_bytes is None:
             self.headroom_bytes = self.budget_bytes // 10
         if not 0 <= self.headroom_bytes < self.budget_bytes:
@@ -95,7 +109,9 @@ class PlanRequest:
                               world_size=self.world_size, gpus_per_node=self.gpus_per_node,
                               strategy=self.strategy, precision=precision_of(
                                   self.param_dtype, self.reduce_dtype),
-                              optimizer=self.optimizer, hardware=self.hardware)
+                              optimizer=self.optimizer, hardware=self.hardware,
+                              grad_accum_steps=self.grad_accum_steps,
+                              gradient_sync=self.gradient_sync)
 
 
 @dataclass(kw_only=True)
@@ -124,6 +140,10 @@ class PlanResult:
     search_seconds: float = 0.0
     loaded: LoadedModel | None = None
     """The model on ``meta`` when ``make_plan`` built it (``--verify`` measures it)."""
+    reasons: list[str] = field(default_factory=list)
+    """Why the throughput choices went as they did (throughput.py), one line each."""
+    batch_options: list[dict[str, Any]] = field(default_factory=list)
+    """Every micro-batch size tried for a global batch, with what it reached."""
 
     def policy_source(self) -> str:
         """The generated policy module (SPEC section 4)."""
@@ -202,14 +222,20 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
     """Analyse the model, search, and return the fastest plan that fits (``NoFeasiblePlan`` if
     none does)."""
     started = time.perf_counter()
+    if request.global_batch_size is not None or request.auto_batch:
+        from fsdp_plan.throughput import plan_micro_batches
+        result = plan_micro_batches(request, progress)
+        result.seconds = time.perf_counter() - started
+        return result
     analyzed = analyze_model(request.source, param_dtype=request.param_dtype,
                              exact=request.exact_analysis, progress=progress)
     if progress:
         graph = analyzed.facts.graph
         progress(f"searching units, prefetch and checkpointing over {len(graph.modules):,} "
                  f"modules ({len(graph.blocks)} repeated blocks)")
-    result = plan_from_facts(analyzed.facts, request, digest=analyzed.digest,
-                             notes=analyzed.notes)
+    from fsdp_plan.throughput import plan_with_choices
+    result = plan_with_choices(analyzed.facts, request, digest=analyzed.digest,
+                               notes=analyzed.notes)
     result.seconds = time.perf_counter() - started
     result.loaded = analyzed.loaded
     return result
@@ -224,21 +250,46 @@ def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = ""
     ranked = choose(search(evaluator), recipes, request.strategy)
     best = ranked[0]
     if not best.fits:
-        smallest = min(ranked + recipes, key=lambda c: c.memory.peak_bytes)
-        raise NoFeasiblePlan(
-            f"no plan fits --mem {format_bytes(request.budget_bytes)} minus headroom "
-            f"{format_bytes(int(request.headroom_bytes or 0))} (limit "
-            f"{format_bytes(request.limit_bytes)}) at world size {request.world_size}: the "
-            f"smallest peak any plan reached is {format_bytes(smallest.memory.peak_bytes)} "
-            f"({smallest.name}). To fit, try: {suggestions(smallest, request)}.",
-            smallest_peak_bytes=smallest.memory.peak_bytes)
+        best = _offload_or_raise(evaluator, ranked, recipes, request)
+        ranked = [best, *ranked]
     plan = to_plan(best, request, numel=facts.graph.total_numel, digest=digest,
                    selective_ops=facts.analysis.selective_ops)
+    if getattr(best, "offload", None):
+        plan.offload, plan.fsdp_plan_version = dict(best.offload), 2
+        plan.predicted["host_bytes"] = dict(best.host_bytes)
     if notes:
         plan.model["notes"] = list(notes)
     seconds = time.perf_counter() - started
     return PlanResult(plan=plan, best=best, ranked=ranked, recipes=recipes, facts=facts,
                       seconds=seconds, search_seconds=seconds)
+
+
+def _offload_or_raise(evaluator: Evaluator, ranked: list[Candidate], recipes: list[Candidate],
+                      request: PlanRequest) -> Candidate:
+    """Nothing fits on the device: the fastest offloaded plan that fits when the user allowed
+    offload, else ``NoFeasiblePlan`` saying whether offload would fit and at what peak."""
+    from fsdp_plan.offload import best_offloaded
+    smallest = min(ranked + recipes, key=lambda c: c.memory.peak_bytes)
+    offloaded = best_offloaded(evaluator, ranked + recipes)
+    if offloaded is not None and offloaded.fits and request.allow_offload:
+        return offloaded
+    if offloaded is not None and offloaded.fits:
+        offload_text = (f" With --allow-offload it would fit: FSDP2 CPUOffloadPolicy keeps "
+                        f"parameters, gradients and optimizer states on the host (device peak "
+                        f"{format_bytes(offloaded.memory.peak_bytes)}, predicted step "
+                        f"{offloaded.time.step_s:.3g} s, {offloaded.name}).")
+    elif offloaded is not None:
+        offload_text = (" Even CPU offload (--allow-offload) does not fit: its smallest device "
+                        f"peak is {format_bytes(offloaded.memory.peak_bytes)}.")
+    else:
+        offload_text = ""
+    raise NoFeasiblePlan(
+        f"no plan fits --mem {format_bytes(request.budget_bytes)} minus headroom "
+        f"{format_bytes(int(request.headroom_bytes or 0))} (limit "
+        f"{format_bytes(request.limit_bytes)}) at world size {request.world_size}: the "
+        f"smallest peak any plan reached is {format_bytes(smallest.memory.peak_bytes)} "
+        f"({smallest.name}). To fit, try: {suggestions(smallest, request)}.{offload_text}",
+        smallest_peak_bytes=smallest.memory.peak_bytes)
 
 
 def suggestions(smallest: Candidate, request: PlanRequest) -> str:
@@ -256,7 +307,8 @@ def suggestions(smallest: Candidate, request: PlanRequest) -> str:
     if request.source.batch_size > 1:
         tips.append("a smaller --batch-size (with gradient accumulation)")
     tips.append("a shorter --seq-len")
-    tips.append("CPU offload of parameters and optimizer states (FSDP2 CPUOffloadPolicy)")
+    tips.append("CPU offload of parameters and optimizer states (--allow-offload: FSDP2 "
+                "CPUOffloadPolicy)")
     if not smallest.checkpointed:
         tips.append("activation checkpointing inside blocks")
     return "; ".join(tips)
@@ -295,13 +347,20 @@ def prefetch_depths(plan: Plan) -> tuple[int, int]:
 
 
 def predicted_block(candidate: Candidate) -> dict[str, Any]:
-    """The plan file's ``predicted`` mapping for an evaluated candidate (SPEC section 3)."""
+    """The plan file's ``predicted`` mapping for an evaluated candidate (SPEC section 3); a
+    DDP plan adds its gradient buckets (SPEC 6, ddp.py)."""
+    from fsdp_plan.ddp import ddp_predicted
+    return {**_fsdp_predicted_block(candidate), **ddp_predicted(candidate)}
+
+
+def _fsdp_predicted_block(candidate: Candidate) -> dict[str, Any]:
     return {
         "peak_bytes": int(candidate.memory.peak_bytes),
         "collectives_per_step": candidate.collectives,
         "collectives_per_step_fsdp1": candidate.collectives_fsdp1,
         "step_time_s": round(candidate.time.step_s, 6),
         "exposed_comm_s": round(candidate.time.exposed_comm_s, 6),
+        "comm_tail_s": round(candidate.time.comm_tail_s, 6),
         "hidden_comm_s": round(candidate.time.hidden_comm_s, 6),
         "peak_phase": candidate.memory.phase,
         "breakdown": {k: int(v) for k, v in candidate.memory.breakdown.items()},
@@ -325,6 +384,7 @@ def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str,
             selective_ops: list[str] | None = None) -> Plan:
     """The SPEC plan document for an evaluated candidate (version 2, with a mapping of modes
     and the saved ops, when a block is selectively checkpointed)."""
+    from fsdp_plan.ddp import ddp_plan_block
     forward, backward = prefetch_maps([u.key for u in best.units], best.forward_prefetch,
                                       best.backward_prefetch)
     return Plan(
@@ -340,12 +400,12 @@ def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str,
                                                     if b not in best.selective], best.selective)
             if best.selective else list(best.checkpointed)),
         selective_ops=list(selective_ops or DEFAULT_SELECTIVE_OPS) if best.selective else [],
-        fsdp_plan_version=2 if best.selective else 1,
+        fsdp_plan_version=2 if best.selective or best.strategy == "ddp" else 1,
         forward_prefetch=forward, backward_prefetch=backward,
         mixed_precision={"param_dtype": request.param_dtype,
                          "reduce_dtype": request.reduce_dtype},
         optimizer=request.optimizer, gpu=request.hardware.name,
-        predicted=predicted_block(best),
+        predicted=predicted_block(best), ddp=ddp_plan_block(best),
     )
 
 
@@ -369,6 +429,11 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
     with the same memory model, collective rule and step-time model the search uses."""
     graph = facts.graph
     hardware = hardware or hardware_for(plan.gpu if plan.gpu else "h100")
+    if plan.strategy == "ddp":  # one replicated model and its gradient buckets (ddp.py)
+        from fsdp_plan.ddp import ddp_plan_candidate
+        ddp = ddp_plan_candidate(plan, facts, hardware=hardware, gpus_per_node=gpus_per_node)
+        return Prediction(candidate=ddp, predicted=predicted_block(ddp),
+                          limit_bytes=plan.budget_bytes - plan.headroom_bytes, fits=ddp.fits)
     units = list(plan.units)
     if not units or units[-1].modules != [""]:
         raise BadInput("the plan's last unit must be the root (modules: [\"\"]); FSDP2 needs the "
@@ -408,7 +473,8 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         world_size=plan.world_size, gpus_per_node=gpus_per_node, strategy=plan.strategy,
         precision=precision_of(mp.get("param_dtype") or "float32",
                                mp.get("reduce_dtype") or mp.get("param_dtype") or "float32"),
-        optimizer=plan.optimizer, hardware=hardware)
+        optimizer=plan.optimizer, hardware=hardware, grad_accum_steps=plan.grad_accum_steps,
+        gradient_sync=plan.gradient_sync)
     evaluator = Evaluator(graph, facts.analysis, settings)
     candidate = evaluator.evaluate(
         name="plan as written", strategy=plan.strategy, replicate=plan.mesh.replicate,
@@ -416,6 +482,9 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         reshard=[u.reshard_after_forward for u in units[:-1]],
         root_reshard=units[-1].reshard_after_forward, checkpoint=checkpoint, selective=selective,
         forward_prefetch=forward_depth, backward_prefetch=backward_depth)
+    if any((getattr(plan, "offload", None) or {}).values()):
+        from fsdp_plan.offload import with_offload
+        candidate = with_offload(evaluator, candidate)
     return Prediction(candidate=candidate, predicted=predicted_block(candidate),
                       limit_bytes=settings.limit_bytes, fits=candidate.fits)
 

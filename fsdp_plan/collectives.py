@@ -60,3 +60,14 @@ def count_fsdp1(units: list[UnitSpec], *, strategy: str, replicate: int,
         if strategy == "hybrid" and replicate > 1:
             counts["all_reduce"] += instances
     return counts
+
+
+def per_step(counts: dict[str, int], grad_accum_steps: int, gradient_sync: str
+             ) -> dict[str, int]:
+    """One micro-batch's counts over a whole optimizer step: every micro-batch all-gathers;
+    with ``gradient_sync: last`` only the last reduce-scatters and all-reduces (FSDP2's
+    ``set_requires_gradient_sync(False)`` skips both)."""
+    reduces = 1 if gradient_sync == "last" else grad_accum_steps
+    return {"all_gather": counts["all_gather"] * grad_accum_steps,
+            "reduce_scatter": counts["reduce_scatter"] * reduces,
+            "all_reduce": counts["all_reduce"] * reduces}

@@ -6,162 +6,150 @@ finish before it computes; it is issued when the unit ``d`` places earlier start
 depth ``d``; 0 means when the unit itself starts). Reduce-scatters (and HSDP all-reduces) are
 issued when a unit's backward finishes. One communication stream runs collectives in issue
 order. While a collective overlaps compute, compute slows by ``contention`` (collectives take
-SMs and HBM bandwidth). Then, as DEVELOPERS.md defines:
-    exposed = max(0, comm_finish - backward_finish); hidden = total - exposed
-    step = forward + backward_with_contention + exposed + optimizer + bubbles
-where bubbles are the times compute waited for an all-gather.
+SMs and HBM bandwidth). Then (SPEC section 6):
+    waits    = times compute stood still waiting for an all-gather (bubbles)
+    tail     = max(0, comm_finish - backward_finish)             -> comm_tail_s
+    exposed  = waits + tail                                       -> exposed_comm_s
+    hidden   = total communication - exposed
+    step     = compute (with contention) + exposed + optimizer
+Every wait lies inside a span where the communication stream is busy (an all-gather issued
+no later than the wait began is still running), so exposed <= total and hidden >= 0.
+
+[Note: per-op compute time]
+A unit's compute time comes from its ops (facts.py [Note: op classes]): matrix-multiply FLOPs
+by shape class at the hardware's measured matmul rates for the compute dtype, attention FLOPs
+at the attention rate, bytes moved by memory-bound ops at the memory bandwidth, and a host
+overhead per op (``op_overhead_s``: added on a CPU, overlapped on a GPU whose host runs ahead,
+where an op costs max(work, overhead)), plus ``unit_overhead_s`` per FSDP unit and pass.
+Facts without op counters (written before they existed) fall back to FLOPs at
+``peak_flops x efficiency``.
 """
 
 from __future__ import annotations
 
 import bisect
-import math
-import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from fsdp_plan.errors import BadInput
+from fsdp_plan.hardware import (  # noqa: F401  (re-exported: the names cost.py always had)
+    GPUS,
+    MAX_HARDWARE_FILE_BYTES,
+    Hardware,
+    hardware_for,
+    read_hardware_file,
+)
+
+MM_KEYS = ("mm_small", "mm_medium", "mm_large")
 
 
 @dataclass(kw_only=True, frozen=True)
-class Hardware:
-    """One GPU kind and its links; every field can be overridden from a YAML file."""
+class Rates:
+    """The rates one compute dtype reaches on ``Hardware``, with the derived defaults filled in."""
 
-    name: str
-    peak_flops: float
-    """Dense bf16 FLOP/s."""
-    efficiency: float = 0.5
-    """Share of peak a real training step reaches."""
-    hbm_bandwidth: float = 3.3e12
-    intra_node_bandwidth: float = 360e9
-    """Achieved bus bandwidth of NVLink collectives, bytes/s per GPU."""
-    inter_node_bandwidth: float = 40e9
-    """Achieved bus bandwidth across nodes (e.g. 400 Gb/s InfiniBand per GPU)."""
-    collective_latency_s: float = 20e-6
-    launch_overhead_s: float = 10e-6
-    contention: float = 0.10
-    """Fractional slowdown of compute while a collective overlaps it."""
+    matmul: dict[str, float]
+    """``mm_small`` / ``mm_medium`` / ``mm_large`` -> FLOP/s."""
+    attention: float
+    memory: float
+    """Bytes/s of memory-bound ops."""
+    op_overhead_s: float
+    async_launch: bool
+    fallback: float
+    """FLOP/s for facts without op counters: ``peak_flops x efficiency``."""
 
-
-GPUS: dict[str, Hardware] = {
-    "h100": Hardware(name="h100", peak_flops=989e12, hbm_bandwidth=3.35e12),
-    "h200": Hardware(name="h200", peak_flops=989e12, hbm_bandwidth=4.8e12),
-    "a100": Hardware(name="a100", peak_flops=312e12, hbm_bandwidth=2.0e12,
-                     intra_node_bandwidth=230e9, inter_node_bandwidth=20e9),
-    "b200": Hardware(name="b200", peak_flops=2250e12, hbm_bandwidth=8.0e12,
-                     intra_node_bandwidth=720e9, inter_node_bandwidth=80e9),
-}
-
-
-# field -> (lowest, lowest allowed?, highest, unit, example): what a hardware file may set.
-# The bounds are generous (several times today's largest GPU) and only catch typing mistakes
-# and unit slips (GB/s written as 40 instead of 40e9 would still pass; 0, negatives, NaN and
-# infinities never do, because they turn into divisions by zero or NaN step times).
-_HARDWARE_RANGES: dict[str, tuple[float, bool, float, str, str]] = {
-    "peak_flops": (0.0, False, 1e18, "FLOP/s (dense bf16)", "989e12"),
-    "efficiency": (0.0, False, 1.0, "share of peak, a fraction", "0.5"),
-    "hbm_bandwidth": (0.0, False, 1e15, "bytes/s", "3.35e12"),
-    "intra_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU", "360e9"),
-    "inter_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU", "40e9"),
-    "collective_latency_s": (0.0, True, 10.0, "seconds", "20e-6"),
-    "launch_overhead_s": (0.0, True, 10.0, "seconds", "10e-6"),
-    "contention": (0.0, True, 10.0, "fractional compute slowdown", "0.1"),
-}
+    @classmethod
+    def of(cls, hw: Hardware, dtype: str = "bfloat16") -> Rates:
+        fallback = hw.peak_flops * hw.efficiency
+        table: Mapping[str, float] = (hw.matmul_flops.get(dtype)
+                                      or hw.matmul_flops.get("bfloat16") or {})
+        matmul = {}
+        for key in MM_KEYS:
+            cls_name = key[3:]
+            # a class the file leaves out takes the nearest one it gives, else the fallback
+            nearest = [table[c] for c in (cls_name, "medium", "large", "small") if c in table]
+            matmul[key] = nearest[0] if nearest else fallback
+        attention = (hw.attention_flops.get(dtype) or hw.attention_flops.get("bfloat16")
+                     or matmul["mm_large"])
+        memory = hw.memory_bandwidth or 0.8 * hw.hbm_bandwidth
+        return cls(matmul=matmul, attention=attention, memory=memory,
+                   op_overhead_s=hw.op_overhead_s, async_launch=hw.async_launch,
+                   fallback=fallback)
 
 
-def _hardware_value(key: str, value: object, where: str) -> float:
-    """One numeric hardware field, checked against ``_HARDWARE_RANGES``."""
-    low, low_ok, high, unit, example = _HARDWARE_RANGES[key]
-    expected = (f"a number {'>=' if low_ok else '>'} {low:g} and <= {high:g} in {unit}, "
-                f"e.g. {key}: {example}")
-    number: float | None = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
-    elif isinstance(value, str):
-        try:  # YAML 1.1 reads 989e12 (no dot) as a string
-            number = float(value.strip())
-        except ValueError:
-            number = None
-    if number is None:
-        raise BadInput(f"{where}: {key} is {value!r} ({type(value).__name__}); expected {expected}.")
-    if math.isnan(number) or number > high or number < low or (number == low and not low_ok):
-        raise BadInput(f"{where}: {key} {value!r} is out of range; expected {expected}.")
-    return number
+def compute_time(rates: Rates, ops: Mapping[str, float] | None, flops: float) -> float:
+    """Seconds for ops with these counters ([Note: per-op compute time]); ``flops`` alone
+    (at the fallback rate) when the facts carry no counters."""
+    if not ops:
+        return flops / rates.fallback
+    work = sum(ops.get(k, 0.0) / rates.matmul[k] for k in MM_KEYS)
+    work += ops.get("attention", 0.0) / rates.attention
+    work += ops.get("memory_bytes", 0.0) / rates.memory
+    overhead = ops.get("ops", 0.0) * rates.op_overhead_s
+    return max(work, overhead) if rates.async_launch else work + overhead
 
 
-def hardware_for(name: str, overrides: dict[str, object] | None = None,
-                 where: str = "hardware file") -> Hardware:
-    """The preset ``name`` with any field replaced from ``overrides`` (a hardware file's mapping).
-
-    Every override is checked: a known field, a finite number in its range (units in
-    ``_HARDWARE_RANGES``); ``name`` is text."""
-    key = str(name).lower()
-    if key not in GPUS:
-        raise BadInput(f"unknown --gpu {name!r}; choose one of {', '.join(GPUS)}, or describe "
-                       "the GPU in a hardware YAML file with --hardware.")
-    hw = GPUS[key]
-    if overrides is None:
-        return hw
-    if not isinstance(overrides, dict):
-        raise BadInput(f"{where} must hold a mapping of field: value (e.g. peak_flops: 989e12), "
-                       f"got {type(overrides).__name__}.")
-    fields = {f: getattr(hw, f) for f in hw.__dataclass_fields__}
-    unknown = sorted(str(k) for k in overrides if k not in fields)
-    if unknown:
-        raise BadInput(f"{where} sets unknown fields {', '.join(unknown)}; known fields: "
-                       f"{', '.join(sorted(fields))}.")
-    for field_name, value in overrides.items():
-        if field_name == "name":
-            if not isinstance(value, str) or not value.strip():
-                raise BadInput(f"{where}: name is {value!r}; expected a GPU name as text.")
-            fields["name"] = value
-        else:
-            fields[field_name] = _hardware_value(field_name, value, where)
-    return Hardware(**fields)
+def add_ops(total: dict[str, float], ops: Mapping[str, float] | None) -> dict[str, float]:
+    """``total`` plus ``ops``, key by key (in place; returns ``total``)."""
+    for k, v in (ops or {}).items():
+        total[k] = total.get(k, 0.0) + v
+    return total
 
 
-MAX_HARDWARE_FILE_BYTES = 1 << 20
+def exclusive_ops(module_names: set[str], modules: Mapping[str, object]
+                  ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Forward and backward op counters of each module's own ops (``ModuleCompute.own_*_ops``,
+    [Note: FLOP attribution]); ops of modules outside ``module_names`` (wrappers the graph does
+    not list) and outside every module go to the root ``""``, like ``_exclusive_flops``."""
+    fw: dict[str, dict[str, float]] = {"": {}}
+    bw: dict[str, dict[str, float]] = {"": {}}
+    for fqn, comp in modules.items():
+        owner = fqn if fqn in module_names else ""
+        add_ops(fw.setdefault(owner, {}), getattr(comp, "own_fw_ops", None))
+        add_ops(bw.setdefault(owner, {}), getattr(comp, "own_bw_ops", None))
+    return fw, bw
 
 
-def read_hardware_file(path: str) -> dict[str, object]:
-    """The mapping in a ``--hardware`` YAML file (read with ``safe_load``); checked by ``hardware_for``."""
-    import yaml
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise BadInput(f"--hardware {path!r} is not a regular file (a folder, pipe or device); "
-                       "give the path of a YAML file such as one fsdp-plan calibrate writes.")
-    if os.path.isfile(path) and os.path.getsize(path) > MAX_HARDWARE_FILE_BYTES:
-        raise BadInput(f"--hardware {path!r} is {os.path.getsize(path):,} bytes; a hardware file "
-                       f"is a few lines of field: value (at most {MAX_HARDWARE_FILE_BYTES:,} "
-                       "bytes).")
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except UnicodeDecodeError as e:
-        raise BadInput(f"--hardware {path!r} is not UTF-8 text (byte {e.start}); a hardware file "
-                       "is YAML text such as peak_flops: 989e12.") from e
-    except OSError as e:
-        raise BadInput(f"--hardware {path!r} cannot be read: {e.strerror or e}.") from e
-    except yaml.constructor.ConstructorError as e:
-        raise BadInput(f"--hardware {path!r} holds a YAML tag that fsdp-plan never constructs "
-                       f"({' '.join(str(e.problem).split())}); a hardware file is plain "
-                       "field: number lines.") from e
-    except yaml.YAMLError as e:
-        raise BadInput(f"--hardware {path!r} is not valid YAML: {' '.join(str(e).split())}.") from e
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise BadInput(f"--hardware {path!r} must hold a mapping of field: value (e.g. "
-                       f"peak_flops: 989e12), got {type(raw).__name__}.")
-    return raw
+def optimizer_time(hw: Hardware, rates: Rates, optimizer: str, shard_numel: int,
+                   orig_bytes: int, states: int) -> float:
+    """The optimizer step over this rank's shard: measured seconds per parameter when the
+    hardware file has them, else its bytes (parameter, gradient, states read and written)
+    at the memory bandwidth."""
+    per_param = hw.optimizer_s_per_param.get(optimizer)
+    if per_param is None and optimizer == "adam":
+        per_param = hw.optimizer_s_per_param.get("adamw")
+    if per_param is not None:
+        return shard_numel * per_param
+    if optimizer == "none":
+        return 0.0
+    return shard_numel * orig_bytes * (3 + 2 * states) / rates.memory
+
+
+def _fit(hw: Hardware, kind: str, group: int) -> Mapping[str, float] | None:
+    """The fitted curve for ``kind`` at ``group`` ranks: that group's, else the nearest
+    measured group below it, else the smallest measured one."""
+    fits = hw.collectives.get(kind) or {}
+    if not fits:
+        return None
+    sizes = sorted(int(g) for g in fits)
+    below = [g for g in sizes if g <= group]
+    return fits[str(below[-1] if below else sizes[0])]
 
 
 def collective_time(hw: Hardware, nbytes: float, group: int, crosses_nodes: bool,
                     kind: str = "all_gather") -> float:
-    """Ring time of one collective over ``group`` ranks moving ``nbytes`` (the full buffer)."""
+    """Ring time of one collective over ``group`` ranks moving ``nbytes`` (the full buffer):
+    ``launch + latency + factor * (g - 1) / g * nbytes / bus_bandwidth`` with the hardware
+    file's fitted latency and bus bandwidth for ``kind`` inside a node, the preset's link
+    figures otherwise (and across nodes)."""
     if group <= 1:
         return hw.launch_overhead_s
-    bw = hw.inter_node_bandwidth if crosses_nodes else hw.intra_node_bandwidth
     factor = 2.0 if kind == "all_reduce" else 1.0
-    return hw.launch_overhead_s + hw.collective_latency_s + factor * (group - 1) / group * nbytes / bw
+    fit = None if crosses_nodes else _fit(hw, kind, group)
+    if fit is not None:
+        latency, bw = fit.get("latency_s", hw.collective_latency_s), fit["bus_bandwidth"]
+    else:
+        latency = hw.collective_latency_s
+        bw = hw.inter_node_bandwidth if crosses_nodes else hw.intra_node_bandwidth
+    return hw.launch_overhead_s + latency + factor * (group - 1) / group * nbytes / bw
 
 
 @dataclass(kw_only=True)
@@ -171,6 +159,7 @@ class UnitCost:
     key: str
     fw_compute_s: float
     bw_compute_s: float
+    """Backward compute, including any recomputed forward of checkpointed modules."""
     all_gather_s: float
     reduce_scatter_s: float
     all_reduce_s: float = 0.0
@@ -179,22 +168,34 @@ class UnitCost:
 
 @dataclass(kw_only=True)
 class StepTime:
-    """The simulated step and its parts (seconds)."""
+    """The simulated step and its parts (seconds); see [Note: two-stream simulation]."""
 
     step_s: float
     forward_s: float
+    """Forward compute without contention (the forward's slowdown is in ``contention_s``)."""
     backward_s: float
+    """Backward compute including its contention slowdown (and recomputation)."""
     exposed_comm_s: float
+    """All time compute waits for communication: all-gather waits plus the tail."""
     total_comm_s: float
     optimizer_s: float
     bubbles_s: float
+    """Compute waiting for all-gathers (part of ``exposed_comm_s``)."""
     contention_s: float
+    comm_tail_s: float = 0.0
+    """Communication left after backward: max(0, comm_finish - backward_finish)."""
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)
-    """(lane, label, start, end) for the report's timeline and the Chrome trace."""
+    """(lane, label, start, end) for the report's timeline and the Chrome trace; lanes are
+    ``compute``, ``comm`` and ``wait`` (compute standing still for communication)."""
 
     @property
     def hidden_comm_s(self) -> float:
-        return self.total_comm_s - self.exposed_comm_s
+        return max(0.0, self.total_comm_s - self.exposed_comm_s)
+
+    @property
+    def compute_s(self) -> float:
+        """Forward + backward compute with all contention: ``step - exposed - optimizer``."""
+        return self.step_s - self.exposed_comm_s - self.optimizer_s
 
 
 def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int = 0,
@@ -238,6 +239,8 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
                                  if gathers[issued] else now)
                 issued += 1
             start = max(now, ready[i])
+            if start > now:
+                spans.append(("wait", f"wait AG {u.key}", now, start))
             bubbles += start - now
             duration = u.fw_compute_s if phase == "fw" else u.bw_compute_s
             slowed = duration * (1 + hw.contention * min(1.0, overlap(start, start + duration)
@@ -256,14 +259,34 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     bw_end, bw_bubbles, bw_cont = run_pass(bw_order, "bw", fw_end, backward_prefetch,
                                            [u.regather for u in bw_order])
     comm_finish = max([e for _, e in comm_busy], default=bw_end)
-    exposed = max(0.0, comm_finish - bw_end)
+    tail = max(0.0, comm_finish - bw_end)
+    if tail > 0:
+        spans.append(("wait", "wait: communication tail", bw_end, comm_finish))
     total_comm = sum(e - s for s, e in comm_busy)
     forward = sum(u.fw_compute_s for u in units)
     backward = sum(u.bw_compute_s for u in units)
     bubbles = fw_bubbles + bw_bubbles
-    step = forward + backward + (fw_cont + bw_cont) + exposed + optimizer_s + bubbles
-    end = bw_end + exposed
+    exposed = bubbles + tail
+    step = forward + backward + (fw_cont + bw_cont) + exposed + optimizer_s
+    end = bw_end + tail
     spans.append(("compute", "optimizer", end, end + optimizer_s))
     return StepTime(step_s=step, forward_s=forward, backward_s=backward + bw_cont,
                     exposed_comm_s=exposed, total_comm_s=total_comm, optimizer_s=optimizer_s,
-                    bubbles_s=bubbles, contention_s=fw_cont + bw_cont, spans=spans)
+                    bubbles_s=bubbles, contention_s=fw_cont + bw_cont, comm_tail_s=tail,
+                    spans=spans)
+
+
+def accumulated_step(last: StepTime, earlier: StepTime, steps: int) -> StepTime:
+    """One optimizer step of ``steps`` micro-batches: ``steps - 1`` run like ``earlier`` (no
+    reduction with ``gradient_sync: last``, else like ``last``), then ``last``; the optimizer
+    runs once. The spans show the last micro-batch."""
+    k = steps - 1
+
+    def total(name: str) -> float:
+        return getattr(last, name) + k * getattr(earlier, name)
+    return StepTime(step_s=last.step_s + k * (earlier.step_s - earlier.optimizer_s),
+                    forward_s=total("forward_s"), backward_s=total("backward_s"),
+                    exposed_comm_s=total("exposed_comm_s"), total_comm_s=total("total_comm_s"),
+                    optimizer_s=last.optimizer_s, bubbles_s=total("bubbles_s"),
+                    contention_s=total("contention_s"), comm_tail_s=total("comm_tail_s"),
+                    spans=last.spans)

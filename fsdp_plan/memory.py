@@ -14,6 +14,15 @@ analysis (see analysis.py); and what FSDP2 keeps unsharded at that moment:
 - the reduce-scatter input (``reduce_dtype``, padded unsharded size), which FSDP2 keeps until
   the next unit's reduce-scatter is issued (``reduce_scatter_max_input_buffers = 1``).
 The optimizer step (AdamW ``foreach``) needs one extra shard-sized temporary.
+
+[Note: CPU offload on the device]
+With FSDP2's ``CPUOffloadPolicy`` the sharded parameters, their gradients and the optimizer
+states live in (pinned) host memory and the optimizer steps on the CPU (torch 2.13,
+``_fsdp_param.py`` / ``_fsdp_collectives.py``). On the device remain the buffers, the inputs,
+the activations and what FSDP2 gathers and reduces, as above; in addition, while a unit's
+all-gather input is built, its shard copied from the host (stored dtype) and cast to
+``param_dtype``, and after its reduce-scatter the reduced shard until it is copied back. No
+sharded gradient accumulates on the device and the optimizer step adds nothing there.
 All figures are bytes per rank; the search calls ``estimate_peak`` thousands of times, so it
 walks only the unit boundaries and reads activation maxima between them from a sparse table.
 """
@@ -75,6 +84,11 @@ class StepContext:
     optimizer: str
     buffer_bytes: int
     input_bytes: int
+    offload: bool = False
+    """FSDP2 ``CPUOffloadPolicy``: see [Note: CPU offload on the device]."""
+    grad_accum_steps: int = 1
+    gradient_sync: str = "every"
+    """With ``grad_accum_steps > 1``: see [Note: gradient accumulation]."""
 
 
 @dataclass(kw_only=True)
@@ -263,6 +277,13 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
                           phase=f"{phase} ({ev.kind} {ev.module or '<root>'})")
 
 
+def _offload_copy_bytes(unit: UnitSpec, p: Precision) -> int:
+    """Device bytes of an offloaded unit's shard while its all-gather input is built: the
+    host-to-device copy (stored dtype) and, below float32, its cast to ``param_dtype``."""
+    cast = p.unit_param_bytes(unit) if p.unit_param_bytes(unit) < p.orig_bytes else 0
+    return unit.shard_numel * (p.orig_bytes + cast)
+
+
 def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
                   forward_prefetch: int = 0, backward_prefetch: int = 1) -> MemoryEstimate:
     """Peak bytes per rank of one steady step for ``units`` (children first, root last)."""
@@ -276,6 +297,21 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
         "buffers": ctx.buffer_bytes,
         "inputs": ctx.input_bytes,
     }
+    if ctx.offload:  # [Note: CPU offload on the device]: these live on the host
+        static["sharded_params"] = static["optimizer_states"] = 0
+    # [Note: gradient accumulation] (measured with FSDPMemTracker over whole steps, torch 2.13)
+    # A step of several micro-batches peaks in a micro-batch after the first, where what the
+    # earlier ones left is held throughout: with ``every`` the reduce-scattered fp32 sharded
+    # gradients (FSDP2 accumulates into them); with ``last`` (no reduce-scatter before the last
+    # micro-batch) every parameter's unsharded gradient, accumulated in the reduce dtype when it
+    # differs from the compute dtype, else in the compute dtype.
+    # The optimizer step comes after the last micro-batch has reduced them: not held there.
+    held: dict[str, int] = {}
+    if ctx.grad_accum_steps > 1 and ctx.gradient_sync == "every" and not ctx.offload:
+        held["sharded_grads"] = total_shard * p.orig_bytes
+    if ctx.grad_accum_steps > 1 and ctx.gradient_sync == "last":
+        accum_bytes = p.reduce_bytes if p.reduce_bytes != p.param_bytes else p.param_bytes
+        held["accumulated_grads"] = sum(u.numel for u in units) * accum_bytes
     static_total = sum(static.values())
     windows = [profile.windows(u) for u in units]
     ran = [i for i, w in enumerate(windows) if w.ran and units[i].numel > 0]
@@ -303,6 +339,8 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
         end = (w.fw_end, 0) if u.reshard_after_forward else (w.bw_end, 0)
         live.append((start, end, unsharded, "unsharded_params"))
         instants.append(((w.fw_start, 1), unsharded + u.shard_numel * p.unit_param_bytes(u), "comm_buffers"))
+        if ctx.offload:
+            instants.append(((w.fw_start, 1), _offload_copy_bytes(u, p), "offload_copies"))
         # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
         # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
         # next all-gather); with one root unit that is the whole forward.
@@ -321,6 +359,8 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
             live.append((start, (w.bw_end, 0), unsharded, "unsharded_params"))
             instants.append(((w.bw_start, 1), unsharded + u.shard_numel * p.unit_param_bytes(u),
                              "comm_buffers"))
+            if ctx.offload:
+                instants.append(((w.bw_start, 1), _offload_copy_bytes(u, p), "offload_copies"))
         for fqn, numel in u.param_modules:
             # Until the module's backward ends, the analysis timeline already holds its weight
             # gradients (they stay activation-side until their post-accumulate-grad hook), so
@@ -337,8 +377,13 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
         live.append(((w.bw_end, 0), (nxt, 0), rs_input, "comm_buffers"))
         # The reduce-scatter input is filled while the unsharded gradients still exist.
         instants.append(((w.bw_end, 0), u.numel * p.unit_param_bytes(u), "unsharded_grads"))
-        grads_at.append((w.bw_end, u.shard_numel * p.orig_bytes))
-    best = _sweep(profile, live, instants, grads_at, static)
+        if ctx.offload:  # the reduced shard is copied to the host and freed on the device
+            instants.append(((w.bw_end, 0), u.shard_numel * p.orig_bytes, "offload_copies"))
+        elif "sharded_grads" not in held:  # held from the start when accumulating
+            grads_at.append((w.bw_end, u.shard_numel * p.orig_bytes))
+    best = _sweep(profile, live, instants, grads_at, {**static, **held})
+    if ctx.offload:
+        return best  # the optimizer step runs on the host
     optimizer_step = static_total + total_shard * p.orig_bytes + (
         total_shard * p.orig_bytes if OPTIMIZER_STATES.get(ctx.optimizer, 0) else 0)
     if optimizer_step > best.peak_bytes:

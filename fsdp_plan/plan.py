@@ -17,7 +17,7 @@ from fsdp_plan.plan_check import check_plan_document
 from fsdp_plan.plan_read import read_plan_document
 
 PLAN_VERSION = 1
-Strategy = Literal["full", "hybrid", "grad-op", "none"]
+Strategy = Literal["full", "hybrid", "grad-op", "none", "ddp"]
 
 
 @dataclass(kw_only=True)
@@ -59,6 +59,9 @@ class Plan:
     mesh: Mesh
     units: list[Unit]
     strategy: str = "full"
+    ddp: dict[str, Any] | None = None
+    """``DistributedDataParallel`` arguments (SPEC 6) when ``strategy`` is ``ddp``: bucket_cap_mb,
+    first_bucket_mb, gradient_as_bucket_view, static_graph, find_unused_parameters."""
     headroom_bytes: int = 0
     activation_checkpointing: list[str] | dict[str, str] = field(default_factory=list)
     """FQNs fully checkpointed (a list, version 1), or ``{FQN: full | selective}`` (version 2)."""
@@ -71,6 +74,13 @@ class Plan:
     optimizer: str = "adamw"
     gpu: str = "h100"
     predicted: dict[str, Any] = field(default_factory=dict)
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step (``model.batch_size`` samples each, per rank)."""
+    gradient_sync: str = "every"
+    """``every``: reduce-scatter after each micro-batch; ``last``: only after the last, with
+    gradients accumulated unsharded in between (``prepare_microbatch`` in the policy)."""
+    offload: dict[str, bool] | None = None
+    """``{params: true, optimizer: true}``: FSDP2 ``CPUOffloadPolicy`` (version 2); None: none."""
     fsdp_plan_version: int = PLAN_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,6 +93,13 @@ class Plan:
                  "backward_prefetch", "mixed_precision", "optimizer", "gpu", "predicted"]
         if not raw["selective_ops"]:
             order.remove("selective_ops")
+        if raw["grad_accum_steps"] > 1:
+            order[order.index("predicted"):order.index("predicted")] = ["grad_accum_steps",
+                                                                          "gradient_sync"]
+        if raw["offload"]:
+            order.insert(order.index("predicted"), "offload")
+        if raw["ddp"] is not None:  # a DDP plan: its arguments right after its one unit
+            order.insert(order.index("units") + 1, "ddp")
         return {key: raw[key] for key in order}
 
     @classmethod
@@ -96,6 +113,7 @@ class Plan:
             world_size=checked["world_size"],
             mesh=Mesh(replicate=checked["replicate"], shard=checked["shard"]),
             strategy=checked["strategy"],
+            ddp=checked.get("ddp"),
             units=[Unit(modules=modules, reshard_after_forward=reshard, mixed_precision=precision)
                    for modules, reshard, precision in checked["units"]],
             activation_checkpointing=checked["activation_checkpointing"],
@@ -106,6 +124,9 @@ class Plan:
             optimizer=checked["optimizer"],
             gpu=checked["gpu"],
             predicted=checked["predicted"],
+            grad_accum_steps=checked["grad_accum_steps"],
+            gradient_sync=checked["gradient_sync"],
+            offload=checked["offload"],
             fsdp_plan_version=checked["fsdp_plan_version"],
         )
 

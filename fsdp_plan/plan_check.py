@@ -13,7 +13,7 @@ checked later, once the model is built (``fsdp_plan.measure.runtime.check_model_
 
 Unknown top-level keys are accepted (SPEC 3: others may add keys) and dropped: nothing reads
 them, so they cannot change what is applied. Version-2 fields that no part of fsdp-plan
-applies yet (offload, DDP, gradient accumulation) are refused rather
+applies yet (DDP) are refused rather
 than silently ignored.
 """
 
@@ -283,8 +283,31 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     gpu = raw.get("gpu", "h100")
     out["gpu"] = check.string(gpu, "gpu", "name the GPU the plan was made for, e.g. h100")
     out["predicted"] = _check_predicted(check, raw.get("predicted"))
+    out["ddp"] = _check_ddp(check, raw.get("ddp"), out["strategy"])
+    out["grad_accum_steps"], out["gradient_sync"] = _check_accumulation(check, raw)
+    out["offload"] = _check_offload(check, raw.get("offload"))
     _refuse_unapplied(check, raw)
     return out
+
+
+def _check_offload(check: _Checker, offload: Any) -> dict[str, bool] | None:
+    """``offload: {params: bool, optimizer: bool}`` (SPEC 6); None when absent or all false.
+    FSDP2's ``CPUOffloadPolicy`` moves parameters, gradients and optimizer states together."""
+    if offload is None:
+        return None
+    mapping = check.mapping(offload, "offload", "offload is {params: bool, optimizer: bool}")
+    check.keys(mapping, "offload", ("params", "optimizer"))
+    for key, flag in mapping.items():
+        if not isinstance(flag, bool):
+            raise check.fail(f"offload.{key}", f"must be true or false, got {show(flag)}",
+                             "write true or false")
+    flags = {"params": mapping.get("params", False), "optimizer": mapping.get("optimizer", False)}
+    if flags["params"] != flags["optimizer"]:
+        raise check.fail("offload", f"sets params: {str(flags['params']).lower()} and optimizer: "
+                         f"{str(flags['optimizer']).lower()}", "FSDP2's CPUOffloadPolicy "
+                         "offloads parameters, gradients and optimizer states together; set "
+                         "both to true (or both to false)")
+    return flags if flags["params"] else None
 
 
 def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
@@ -429,8 +452,7 @@ def _check_strategy(check: _Checker, raw: dict, replicate: int, shard: int,
         return "hybrid" if replicate > 1 and shard > 1 else "none" if shard == 1 < replicate \
             else "full"
     if raw["strategy"] == "ddp":
-        raise check.fail("strategy", "is ddp", "this fsdp-plan cannot apply DDP plans yet; plan "
-                         "with --strategy full, hybrid, grad-op or none")
+        return _check_ddp_strategy(check, shard, units)
     strategy = check.choice(raw["strategy"], "strategy", STRATEGIES,
                             "full (FULL_SHARD), hybrid (HSDP), grad-op (SHARD_GRAD_OP) or none")
     if strategy in ("full", "grad-op") and replicate != 1:
@@ -558,6 +580,10 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
     breakdown = check.mapping(predicted.get("breakdown"), "predicted.breakdown", fix, optional=True)
     for name, size in breakdown.items():
         check.number(size, field("predicted.breakdown", name), "write bytes as a number")
+    buckets = check.sequence(predicted.get("buckets"), "predicted.buckets", fix, optional=True)
+    for i, size in enumerate(buckets):
+        check.integer(size, f"predicted.buckets[{i}]", 0, MAX_BYTES,
+                      "a DDP bucket size is a whole number of bytes >= 0")
     units = check.sequence(predicted.get("units"), "predicted.units", fix, optional=True)
     for i, unit in enumerate(units):
         unit = check.mapping(unit, f"predicted.units[{i}]", fix)
@@ -566,26 +592,82 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
     return copy.deepcopy(predicted)
 
 
+GRADIENT_SYNC = ("every", "last")
+
+
+def _check_accumulation(check: _Checker, raw: dict) -> tuple[int, str]:
+    """``grad_accum_steps`` (micro-batches per optimizer step) and ``gradient_sync``: reduce
+    gradients after ``every`` micro-batch, or only the ``last`` (``prepare_microbatch``)."""
+    steps = raw.get("grad_accum_steps", 1)
+    check.integer(steps, "grad_accum_steps", 1, 2**20, "grad_accum_steps counts micro-batches "
+                  "per optimizer step: a whole number >= 1")
+    sync = check.choice(raw.get("gradient_sync", "every"), "gradient_sync", GRADIENT_SYNC,
+                        "every reduces gradients after each micro-batch, last only after the "
+                        "last one")
+    return steps, sync
+
+
 def _refuse_unapplied(check: _Checker, raw: dict) -> None:
     """Version-2 features nothing in this fsdp-plan applies: refused, never silently ignored."""
-    offload = raw.get("offload")
-    if offload is not None:
-        mapping = check.mapping(offload, "offload", "offload is {params: bool, optimizer: bool}")
-        check.keys(mapping, "offload", ("params", "optimizer"))
-        for key, flag in mapping.items():
-            if not isinstance(flag, bool):
-                raise check.fail(f"offload.{key}", f"must be true or false, got {show(flag)}",
+    # grad_accum_steps and gradient_sync are read by _check_accumulation.
+
+
+# --- DDP (SPEC 6) -----------------------------------------------------------------------------
+
+DDP_FLAGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+DDP_COMM_HOOKS = ("bf16_compress",)
+_DDP_KEYS = ("bucket_cap_mb", "first_bucket_mb", *DDP_FLAGS, "comm_hook")
+MAX_BUCKET_MB = 1 << 20
+
+
+def _check_ddp_strategy(check: _Checker, shard: int,
+                        units: list[tuple[list[str], bool, Any]]) -> str:
+    """A DDP plan replicates everything: mesh ``{replicate: world_size, shard: 1}`` and the
+    root as its one "unit"."""
+    if shard != 1:
+        raise check.fail("strategy", f"is ddp but mesh.shard is {shard}", "DDP replicates every "
+                         "parameter: write mesh {replicate: world_size, shard: 1}")
+    if [modules for modules, _, _ in units] != [[""]]:
+        raise check.fail("units", "lists modules other than the root under strategy ddp",
+                         "a DDP plan has one unit, [{modules: ['']}]; DDP wraps the whole model")
+    return "ddp"
+
+
+def _check_ddp(check: _Checker, value: Any, strategy: str) -> dict[str, Any] | None:
+    """The ``ddp`` mapping: bucket caps in MiB (as ``bucket_cap_mb``), booleans, the optional
+    ``comm_hook``; only with ``strategy: ddp`` (defaults filled in when it is absent)."""
+    fix = ("ddp is {bucket_cap_mb: 25, first_bucket_mb: 1, gradient_as_bucket_view: true, "
+           "static_graph: false, find_unused_parameters: false}")
+    if strategy != "ddp":
+        if value is not None:
+            raise check.fail("ddp", f"is present but strategy is {strategy}",
+                             "ddp configures DistributedDataParallel: write strategy: ddp, or "
+                             "remove the ddp key")
+        return None
+    mapping = check.mapping(value, "ddp", fix, optional=True)
+    check.keys(mapping, "ddp", _DDP_KEYS)
+    out: dict[str, Any] = {"bucket_cap_mb": 25, "first_bucket_mb": 1,
+                           "gradient_as_bucket_view": True, "static_graph": False,
+                           "find_unused_parameters": False}
+    for key in ("bucket_cap_mb", "first_bucket_mb"):
+        if key in mapping:
+            size = check.number(mapping[key], f"ddp.{key}", "a bucket cap in MiB, e.g. 25")
+            if not 0 < size <= MAX_BUCKET_MB:
+                raise check.fail(f"ddp.{key}", f"is {show(size)}", f"a bucket cap is more than 0 "
+                                 f"and at most {MAX_BUCKET_MB} MiB")
+            out[key] = size
+    if out["first_bucket_mb"] > out["bucket_cap_mb"]:
+        raise check.fail("ddp.first_bucket_mb", f"is {show(out['first_bucket_mb'])}, more than "
+                         f"bucket_cap_mb {show(out['bucket_cap_mb'])}", "the first bucket is at "
+                         "most as large as the others")
+    for key in DDP_FLAGS:
+        if key in mapping:
+            if not isinstance(mapping[key], bool):
+                raise check.fail(f"ddp.{key}", f"must be true or false, got {show(mapping[key])}",
                                  "write true or false")
-        if any(mapping.values()):
-            raise check.fail("offload", "asks for CPU offload", "this fsdp-plan cannot apply "
-                             "CPU offload yet; remove offload (or set both to false)")
-    if raw.get("ddp") is not None:
-        raise check.fail("ddp", "is present", "this fsdp-plan cannot apply DDP plans yet; "
-                         "remove the ddp key")
-    steps = raw.get("grad_accum_steps")
-    if steps is not None:
-        check.integer(steps, "grad_accum_steps", 1, 2**20, "grad_accum_steps counts "
-                      "micro-batches per optimizer step: a whole number >= 1")
-        if steps > 1:
-            raise check.fail("grad_accum_steps", f"is {steps}", "this fsdp-plan cannot apply "
-                             "gradient accumulation yet; remove it or set it to 1")
+            out[key] = mapping[key]
+    if mapping.get("comm_hook") is not None:
+        out["comm_hook"] = check.choice(mapping["comm_hook"], "ddp.comm_hook", DDP_COMM_HOOKS,
+                                        "bf16_compress all-reduces gradients in bfloat16; remove "
+                                        "the key for none")
+    return out

@@ -25,15 +25,20 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
+    CPUOffload,
     MixedPrecision,
     ShardingStrategy,
 )
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch < 2.6 kept FSDP2 under _composable
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
 # The plan: in a generated policy module, fsdp-plan writes it here as a literal.
 PLAN: dict = {}
@@ -46,6 +51,7 @@ _SHARDING_STRATEGIES = {
     "hybrid": ShardingStrategy.HYBRID_SHARD,
     "grad-op": ShardingStrategy.SHARD_GRAD_OP,
     "none": ShardingStrategy.NO_SHARD,
+    "ddp": ShardingStrategy.NO_SHARD,  # FSDP1 without sharding is the FSDP form of DDP
 }
 _UNIT_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
 
@@ -55,6 +61,8 @@ REDUCE_DTYPE: torch.dtype | None = None
 FSDP1_UNITS: list[str] = []
 """The modules FSDP1 wraps: every module of a grouped unit separately ("" is the root)."""
 FSDP_KWARGS: dict = {}
+DDP_KWARGS: dict = {}
+"""``DistributedDataParallel`` keyword arguments of a DDP plan (empty for FSDP plans)."""
 
 
 def plain_fqn(name: str) -> str:
@@ -280,13 +288,79 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Mo
         modules = [found[fqn][1] for fqn in unit["modules"]]
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
                     reshard_after_forward=bool(unit["reshard_after_forward"]),
-                    mp_policy=MixedPrecisionPolicy(**_unit_precision(unit)))
+                    mp_policy=MixedPrecisionPolicy(**_unit_precision(unit)), **_offload_kwargs())
     # Modules of a grouped unit share one FSDP state, so the first one stands for the unit.
     for key, targets in PLAN["forward_prefetch"].items():
         found[key][1].set_modules_to_forward_prefetch([found[t][1] for t in targets])
     for key, targets in PLAN["backward_prefetch"].items():
         found[key][1].set_modules_to_backward_prefetch([found[t][1] for t in targets])
     return model
+
+
+def prepare_microbatch(model: nn.Module, index: int, count: int) -> None:
+    """Call before micro-batch ``index`` (0-based) of ``count`` in one optimizer step (SPEC 6).
+
+    With ``gradient_sync: last`` FSDP2 skips the reduce-scatter (and HSDP all-reduce) of every
+    micro-batch but the last, accumulating unsharded gradients instead
+    (``set_requires_gradient_sync``); with ``every`` (or one micro-batch) each backward reduces
+    as usual. ``model`` is the root returned by ``apply_fully_shard``."""
+    if not 0 <= index < count:
+        raise ValueError(f"micro-batch index {index} is outside 0..{count - 1}.")
+    if PLAN.get("gradient_sync", "every") == "last" and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(index == count - 1)
+
+
+def _offload_kwargs() -> dict:
+    """``offload_policy=CPUOffloadPolicy(...)`` for every unit when the plan offloads (SPEC 6):
+    parameters, gradients and optimizer states on the host, the optimizer step on the CPU.
+    Host memory is pinned when a GPU is present (the copies then overlap compute); on a
+    CPU-only machine host and device are one memory and fake tensors cannot be pinned."""
+    if not (PLAN.get("offload") or {}).get("params"):
+        return {}
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
+
+
+def ddp_kwargs(ddp: dict) -> dict:
+    """``DistributedDataParallel`` keyword arguments that build the buckets ``ddp`` describes.
+
+    DDP caps its first bucket at 1 MiB only when ``bucket_cap_mb`` is left at its default
+    (None: 25 MiB); an explicit ``bucket_cap_mb`` caps the first bucket like the others, and
+    any other pair needs ``bucket_cap_mb_list=[first, cap]`` (torch >= 2.13). See
+    [Note: DDP buckets] in fsdp-plan's ddp.py, which reads this same rule."""
+    kwargs = {key: bool(ddp[key]) for key in ("gradient_as_bucket_view", "static_graph",
+                                              "find_unused_parameters")}
+    first, cap = ddp["first_bucket_mb"], ddp["bucket_cap_mb"]
+    if (first, cap) == (1, 25):
+        kwargs["bucket_cap_mb"] = None
+    elif first == cap:
+        kwargs["bucket_cap_mb"] = cap
+    else:
+        kwargs["bucket_cap_mb_list"] = [first, cap]
+    return kwargs
+
+
+def apply_ddp(model: nn.Module, device_ids: list | None = None) -> nn.Module:
+    """Apply a DDP plan: activation checkpointing first, then ``DistributedDataParallel`` with
+    ``DDP_KWARGS`` (and the bf16 gradient compression hook when the plan has it); returns the
+    DDP module. Compute in ``PARAM_DTYPE`` with ``torch.autocast`` in the training loop when it
+    is below float32 (DDP keeps float32 parameters)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if PLAN.get("strategy") != "ddp":
+        raise ValueError(f"PLAN is a {PLAN.get('strategy')!r} plan, not a DDP plan; use "
+                         "apply_fully_shard.")
+    kwargs = dict(DDP_KWARGS)
+    if "bucket_cap_mb_list" in kwargs and "bucket_cap_mb_list" not in (
+            DistributedDataParallel.__init__.__code__.co_varnames):
+        raise ValueError("PLAN caps the first DDP bucket apart from the others, which needs "
+                         "bucket_cap_mb_list (torch >= 2.13); re-plan, or set first_bucket_mb "
+                         "equal to bucket_cap_mb.")
+    apply_activation_checkpointing(model)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    if PLAN["ddp"].get("comm_hook") == "bf16_compress":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    return ddp
 
 
 class _PlanWrapPolicy:
@@ -360,8 +434,12 @@ def _configure() -> None:
         "forward_prefetch": any(PLAN["forward_prefetch"].values()),
         "limit_all_gathers": True,
         "mixed_precision": _fsdp1_mixed_precision(),
+        **({"cpu_offload": CPUOffload(offload_params=True)}
+           if (PLAN.get("offload") or {}).get("params") else {}),
     })
     auto_wrap_policy = _PlanWrapPolicy(FSDP1_UNITS)
+    if PLAN.get("ddp") is not None:
+        DDP_KWARGS.update(ddp_kwargs(PLAN["ddp"]))
 
 
 _configure()

@@ -13,12 +13,25 @@ block, FSDP1's size-based policy, root only) are evaluated with the same models 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import partial
 
 from fsdp_plan.checkpointing import mode_sets
-from fsdp_plan.collectives import count_fsdp1, count_fsdp2
-from fsdp_plan.cost import Hardware, StepTime, UnitCost, collective_time, simulate_step
+from fsdp_plan.collectives import count_fsdp1, count_fsdp2, per_step
+from fsdp_plan.cost import (
+    Hardware,
+    Rates,
+    StepTime,
+    UnitCost,
+    accumulated_step,
+    add_ops,
+    collective_time,
+    compute_time,
+    exclusive_ops,
+    optimizer_time,
+    simulate_step,
+)
 from fsdp_plan.facts import Analysis, ModuleGraph
 from fsdp_plan.grouping import CommSetup, grouped_block_layouts
 from fsdp_plan.memory import (
@@ -47,6 +60,10 @@ class SearchSettings:
     precision: Precision = field(default_factory=Precision)
     optimizer: str = "adamw"
     hardware: Hardware | None = None
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step: memory, time and counts cover the whole step."""
+    gradient_sync: str = "every"
+    """Reduce gradients after ``every`` micro-batch or only the ``last``."""
 
     @property
     def limit_bytes(self) -> int:
@@ -186,7 +203,8 @@ class Evaluator:
         units = build_units(self.graph, groups + [[""]], reshard + [root_reshard], shard)
         ctx = StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
                           buffer_bytes=self.graph.total_buffer_bytes,
-                          input_bytes=self.analysis.input_bytes)
+                          input_bytes=self.analysis.input_bytes,
+                          grad_accum_steps=s.grad_accum_steps, gradient_sync=s.gradient_sync)
         profile = self.profile(which, selective)
         memory = estimate_peak(profile, units, ctx, forward_prefetch=forward_prefetch,
                                backward_prefetch=backward_prefetch)
@@ -203,10 +221,12 @@ class Evaluator:
             name=name, strategy=strategy, replicate=replicate, shard=shard, units=units,
             checkpointed=checkpointed, forward_prefetch=forward_prefetch,
             backward_prefetch=backward_prefetch, memory=memory, time=time,
-            collectives=count_fsdp2(units, replicate=replicate, shard=shard, ran=ran,
-                                    calls=self._calls(units)),
-            collectives_fsdp1=count_fsdp1(units, strategy=strategy, replicate=replicate, ran=ran,
-                                          calls=self._calls(units)),
+            collectives=per_step(count_fsdp2(units, replicate=replicate, shard=shard, ran=ran,
+                                             calls=self._calls(units)),
+                                 s.grad_accum_steps, s.gradient_sync),
+            collectives_fsdp1=per_step(count_fsdp1(units, strategy=strategy, replicate=replicate,
+                                                   ran=ran, calls=self._calls(units)),
+                                       s.grad_accum_steps, s.gradient_sync),
             fits=runnable and memory.peak_bytes <= s.limit_bytes,
             selective=[blocks[i] for i in sorted(selective)], block_modes=block_modes,
             cross_node_bytes=cross_node_bytes(units, replicate=replicate, shard=shard,
@@ -227,27 +247,40 @@ class Evaluator:
     def _time(self, units: list[UnitSpec], shard: int, replicate: int,
               block_modes: list[BlockMode], forward_prefetch: int, backward_prefetch: int
               ) -> StepTime:
+        """Per-op unit times ([Note: per-op compute time] in cost.py), then the two streams."""
         s = self.settings
         hw = s.hardware
         assert hw is not None
-        rate = hw.peak_flops * hw.efficiency
+        rates = Rates.of(hw, self.analysis.param_dtype)
+        if not hasattr(self, "_own_ops"):  # each module's own op counters, once per evaluator
+            self._own_ops = exclusive_ops(set(self.graph.modules), self.analysis.modules)
+        own_fw, own_bw = self._own_ops
         p = s.precision
         shard_crosses = shard > s.gpus_per_node
         costs: list[UnitCost] = []
         for u in units:
             fw, bw, owned = self._unit_flops(u)
+            fw_ops: dict[str, float] = {}
+            bw_ops: dict[str, float] = {}
+            for m in owned:
+                add_ops(fw_ops, own_fw.get(m))
+                add_ops(bw_ops, own_bw.get(m))
             # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
             # its unit's backward: [Note: recompute time].
             recompute_s = sum(m.recompute_s for m in block_modes if m.block in owned)
             unsharded = u.unsharded_numel(shard)
+            # FSDP copies gathered parameters out of, and gradients into, flat buffers.
+            ag_bytes = unsharded * p.unit_param_bytes(u)
+            rs_bytes = unsharded * p.reduce_bytes
             costs.append(UnitCost(
-                key=u.key or "<root>", fw_compute_s=fw / rate,
-                bw_compute_s=bw / rate + recompute_s,
-                all_gather_s=collective_time(hw, unsharded * p.unit_param_bytes(u), shard,
-                                             shard_crosses)
-                if u.numel else 0.0,
-                reduce_scatter_s=collective_time(hw, unsharded * p.reduce_bytes, shard, shard_crosses,
-                                                 "reduce_scatter") if u.numel else 0.0,
+                key=u.key or "<root>",
+                fw_compute_s=compute_time(rates, fw_ops, fw) + hw.unit_overhead_s,
+                bw_compute_s=compute_time(rates, bw_ops, bw) + hw.unit_overhead_s + recompute_s,
+                all_gather_s=collective_time(hw, ag_bytes, shard, shard_crosses)
+                + 2 * ag_bytes / rates.memory if u.numel else 0.0,
+                reduce_scatter_s=collective_time(hw, rs_bytes, shard, shard_crosses,
+                                                 "reduce_scatter")
+                + 2 * rs_bytes / rates.memory if u.numel else 0.0,
                 all_reduce_s=collective_time(hw, u.shard_numel * p.reduce_bytes, replicate,
                                              s.world_size > s.gpus_per_node, "all_reduce")
                 if replicate > 1 and u.numel else 0.0,
@@ -257,10 +290,19 @@ class Evaluator:
         root = [c for c in costs if c.key == "<root>"]
         ordered = root + [c for c in costs if c.key != "<root>"]
         total_shard = sum(u.shard_numel for u in units)
-        states = OPTIMIZER_STATES.get(s.optimizer, 0)
-        optimizer_s = (total_shard * p.orig_bytes * (3 + 2 * states)) / hw.hbm_bandwidth
-        return simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
+        optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, p.orig_bytes,
+                                     OPTIMIZER_STATES.get(s.optimizer, 0))
+        step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
                              backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
+        if s.grad_accum_steps == 1:
+            return step
+        earlier = step
+        if s.gradient_sync == "last":  # micro-batches before the last reduce nothing
+            quiet = [dataclasses.replace(c, reduce_scatter_s=0.0, all_reduce_s=0.0)
+                     for c in ordered]
+            earlier = simulate_step(quiet, hw, forward_prefetch=forward_prefetch,
+                                    backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
+        return accumulated_step(step, earlier, s.grad_accum_steps)
 
 
 def _replayed(composer: TimelineComposer, i: int, mode: str) -> tuple[float, float | None]:
@@ -405,6 +447,8 @@ def strategies_for(settings: SearchSettings) -> list[tuple[str, int, int]]:
         "none": [("none", w, 1)],
         "hybrid": [("hybrid", w // s, s) for s in hybrid_shard_sizes(w, gpn)],
     }
+    if settings.strategy == "ddp":
+        return []  # DDP replicates without FSDP: its candidates come from ddp.py (search)
     if settings.strategy == "auto":
         return [o for opts in options.values() for o in opts]
     if settings.strategy == "hybrid" and not options["hybrid"]:
@@ -472,6 +516,9 @@ def search(evaluator: Evaluator) -> list[Candidate]:
                     if not found:
                         break  # the least-memory variant cannot fit: the others cannot either
                     results.append(rank(found)[0])
+    if settings.strategy in ("auto", "ddp"):  # DDP beside FSDP, on the same models and clock
+        from fsdp_plan.ddp import ddp_candidates
+        results.extend(ddp_candidates(evaluator.graph, evaluator.analysis, settings))
     return rank(results)
 
 

@@ -98,15 +98,20 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
         maybe_inject_fault(ctx.rank, step_no)
         ctx.report(phase=phase, step=step_no, steps=total)
 
+    policy = worker.policy
+
+    def micro_batches() -> None:  # every micro-batch of one optimizer step (SPEC 6)
+        runtime.micro_batches(model, loaded, inputs, policy)
+
     for _ in range(warmup):
         begin("warm-up")
-        runtime.forward_backward(model, loaded, inputs)
+        micro_batches()
         runtime.finish_step(model, optimizer)
     _sync(device)
 
     begin("count")
     with CollectiveCounter() as counter:
-        runtime.forward_backward(model, loaded, inputs)
+        micro_batches()
     runtime.finish_step(model, optimizer)
     counts = counter.counts()
 
@@ -117,7 +122,7 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
         begin("timed")
         _sync(device)
         t0 = time.perf_counter()
-        runtime.forward_backward(model, loaded, inputs)
+        micro_batches()
         runtime.finish_step(model, optimizer)
         _sync(device)
         times.append(time.perf_counter() - t0)

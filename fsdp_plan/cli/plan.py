@@ -54,17 +54,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(int, float, bool, null/~, else text); repeatable")
     parser.add_argument("--hf-config", default=None, help="build a Hugging Face transformers "
                         "model from this config.json on the meta device (nothing downloaded)")
-    parser.add_argument("--batch-size", type=int, default=1,
-                        help=f"samples per micro-batch per GPU, 1..{MAX_BATCH_SIZE:,} "
-                        "(default: %(default)s)")
+    parser.add_argument("--batch-size", type=_batch_size, default=1,
+                        help=f"samples per micro-batch per GPU, 1..{MAX_BATCH_SIZE:,}, or auto "
+                        "for the largest micro-batch that fits (the fastest if larger is not "
+                        "faster) (default: %(default)s)")
+    parser.add_argument("--global-batch-size", type=int, default=None, metavar="N",
+                        help="samples per optimizer step over all data-parallel ranks: the "
+                        "planner chooses the micro-batch, gradient accumulation and when "
+                        "gradients are reduced, for the most tokens/s per GPU (default: off)")
     parser.add_argument("--seq-len", type=int, default=4096,
                         help=f"tokens per sample, 1..{MAX_SEQ_LEN:,} (default: %(default)s)")
-    parser.add_argument("--strategy", default="auto", choices=["auto", "full", "hybrid", "grad-op", "none"],
+    parser.add_argument("--strategy", default="auto", choices=["auto", "full", "hybrid", "grad-op", "none", "ddp"],
                         help="sharding strategy; auto picks the best that fits (default: %(default)s)")
     parser.add_argument("--param-dtype", default="bf16",
                         help="mixed-precision parameter dtype: bf16, fp16 or fp32 (default: %(default)s)")
     parser.add_argument("--reduce-dtype", default="fp32",
-                        help="gradient reduction dtype: bf16, fp16 or fp32 (default: %(default)s)")
+                        help="gradient reduction dtype: bf16, fp16, fp32, or auto to let the "
+                        "planner reduce in bf16 where it pays (default: %(default)s)")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES),
                         help="optimizer whose states are counted (default: %(default)s)")
     parser.add_argument("--gpu", default="h100", help=f"GPU preset for the time model: "
@@ -86,6 +92,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the chosen plan with FSDPMemTracker before writing")
     parser.add_argument("--exact-analysis", action="store_true",
                         help="analyse every block instead of three per stack")
+    parser.add_argument("--allow-offload", action="store_true",
+                        help="when no plan fits on the GPU, plan FSDP2 CPU offload "
+                        "(CPUOffloadPolicy: parameters, gradients and optimizer states in host "
+                        "memory, optimizer step on the CPU; slower, PCIe-bound)")
+
+
+def _batch_size(text: str) -> int | str:
+    """``--batch-size``: a whole number or ``auto``."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor auto") from None
 
 
 def _dtype(name: str, flag: str) -> str:
@@ -105,8 +125,16 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
                 "describe real clusters, and no cluster is larger")
     check_count(args.gpus_per_node, "--gpus-per-node", MAX_GPUS_PER_NODE,
                 "GPUs sharing one node's fast links: 8 on DGX/HGX, 72 in an NVL72 rack")
-    check_count(args.batch_size, "--batch-size", MAX_BATCH_SIZE,
-                "samples per micro-batch on one GPU; larger is a typing mistake")
+    if args.batch_size != "auto":
+        check_count(args.batch_size, "--batch-size", MAX_BATCH_SIZE,
+                    "samples per micro-batch on one GPU; larger is a typing mistake")
+    if args.global_batch_size is not None:
+        check_count(args.global_batch_size, "--global-batch-size", MAX_BATCH_SIZE * 2**20,
+                    "samples per optimizer step over all ranks")
+        if args.global_batch_size % args.world_size:
+            raise BadInput(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                           f"--world-size {args.world_size}: every rank takes the same number of "
+                           f"samples per step (e.g. {max(1, args.global_batch_size // args.world_size) * args.world_size}).")
     check_count(args.seq_len, "--seq-len", MAX_SEQ_LEN,
                 "tokens per sample, beyond any model's context; larger is a typing mistake")
     if isinstance(args.top, bool) or not isinstance(args.top, int) or not 0 <= args.top <= MAX_TOP:
@@ -125,7 +153,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     overrides = read_hardware_file(args.hardware) if args.hardware else None
     hardware = hardware_for(args.gpu, overrides, where=f"--hardware {args.hardware!r}")
     param_dtype = _dtype(args.param_dtype, "--param-dtype")
-    reduce_dtype = _dtype(args.reduce_dtype, "--reduce-dtype")
+    reduce_dtype = ("auto" if args.reduce_dtype.lower() == "auto"
+                    else _dtype(args.reduce_dtype, "--reduce-dtype"))
     if args.output and not args.output.endswith(".py"):
         raise BadInput(f"-o {args.output!r} must name a .py file (the generated policy module).")
     for what, path in outputs:
@@ -136,13 +165,15 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def model_source(args: argparse.Namespace) -> ModelSource:
-    """The model's source as the plan file records it (validated: see ``ModelSource``)."""
+    """The model's source as the plan file records it (validated: see ``ModelSource``); the
+    micro-batch is the planner's to choose with --batch-size auto or --global-batch-size."""
+    batch = 1 if args.batch_size == "auto" or args.global_batch_size else args.batch_size
     if args.hf_config:
         return ModelSource(source=args.hf_config, entry="from_config", kind="hf-config",
-                           args=parse_model_args(args.model_arg), batch_size=args.batch_size,
+                           args=parse_model_args(args.model_arg), batch_size=batch,
                            seq_len=args.seq_len)
     return ModelSource(source=args.model, entry=args.entry, kind=source_kind(args.model),
-                       args=parse_model_args(args.model_arg), batch_size=args.batch_size,
+                       args=parse_model_args(args.model_arg), batch_size=batch,
                        seq_len=args.seq_len)
 
 
@@ -162,11 +193,17 @@ def run(args: argparse.Namespace) -> int:
         source=source, budget_bytes=values["budget"], headroom_bytes=values["headroom"],
         world_size=args.world_size, gpus_per_node=args.gpus_per_node, strategy=args.strategy,
         param_dtype=values["param_dtype"], reduce_dtype=values["reduce_dtype"],
-        optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis)
+        optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis,
+        allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
+        auto_batch=args.batch_size == "auto")
     from fsdp_plan.load import user_code_output_to_stderr  # the model's print()s stay off stdout
     with user_code_output_to_stderr():
         result = make_plan(request, progress)
-        if args.verify and result.loaded is not None:
+        if args.verify and result.loaded is not None and result.plan.offload:
+            if progress:  # [Note: offload as the last resort]: one memory on a CPU
+                progress("verify: skipped, an offloaded plan's device peak can be measured on "
+                         "a GPU only (python -m fsdp_plan.bench.gpu_check PLAN.yaml)")
+        elif args.verify and result.loaded is not None:
             verify_by_measurement(result, result.loaded, progress)
     if args.plan:
         result.relocate_source(os.path.dirname(os.path.abspath(args.plan)))
@@ -177,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
     written = result.write(policy=args.output, plan=args.plan, trace=args.trace)
     if args.format == "json":
         print(json.dumps({"plan": result.plan.to_dict(), "candidates": rows,
+                          "reasons": result.reasons, "batch_options": result.batch_options,
                           "meshes": gather_mesh_rows(result.ranked),
                           "modules": gather_module_rows(result.facts.graph, result.facts.analysis),
                           "planning_seconds": round(result.seconds, 3)}, default=str))
@@ -196,14 +234,18 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
         format_breakdown,
         format_candidates,
         format_checkpointing,
+        format_checkpointing,
         format_mesh_rows,
         gather_mesh_rows,
         gather_module_rows,
     )
     graph, analysis, best = result.facts.graph, result.facts.analysis, result.best
     total = graph.total_numel
+    plan = result.plan
     print(f"model: {args.model or args.hf_config}  parameters: {total:,} "
-          f"({format_bytes(total * 4)} fp32)  batch {args.batch_size} x seq {args.seq_len}")
+          f"({format_bytes(total * 4)} fp32)  micro-batch {plan.model['batch_size']} x seq "
+          f"{args.seq_len}" + (f" x {plan.grad_accum_steps} accumulation steps"
+                               if plan.grad_accum_steps > 1 else ""))
     shard_states = total * 4 * (1 + OPTIMIZER_STATES.get(args.optimizer, 0)) / args.world_size
     print(f"budget {format_bytes(values['budget'])}, headroom {format_bytes(values['headroom'])}; "
           f"model states fully sharded over {args.world_size} GPUs: {format_bytes(shard_states)} per rank")
@@ -222,5 +264,48 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
     print()
     print(format_checkpointing(best, analysis.selective_unavailable))
     print()
+    print(format_checkpointing(best, analysis.selective_unavailable))
+    print_units_and_offload(result)
+    print()
     print(ascii_timeline(best.time))
+    from fsdp_plan.ddp import report_lines  # DDP: why it won or lost, its buckets and tail
+    for line in report_lines(best, result.ranked):
+        print(line)
+    print_throughput(result)
     print(f"\nplanned in {result.seconds:.1f} s")
+
+
+def print_throughput(result) -> None:
+    """Tokens/s per GPU and MFU, the micro-batches tried, and why each choice went its way."""
+    from tabulate import tabulate
+    predicted = result.plan.predicted
+    if "tokens_per_s" in predicted:
+        print(f"throughput: {predicted['tokens_per_s']:,.0f} tokens/s per GPU, MFU "
+              f"{predicted['mfu']:.1%} (step {result.best.time.step_s:.4g} s for "
+              f"{result.plan.grad_accum_steps} micro-batch(es) of {result.plan.model['batch_size']})")
+    if result.batch_options:
+        print(tabulate([[o["micro_batch"], o["grad_accum_steps"], o["gradient_sync"],
+                         "yes" if o["fits"] else "NO", f"{o['step_s']:.4g}",
+                         f"{o['tokens_per_s']:,.0f}", f"{o['mfu']:.1%}", o["note"]]
+                        for o in result.batch_options],
+                       headers=["micro-batch", "accumulation", "sync", "fits", "step s",
+                                "tokens/s/GPU", "MFU", "note"]))
+    for reason in result.reasons:
+        print(f"why: {reason}")
+
+
+def print_units_and_offload(result) -> None:
+    """Grouped units with their modules, and what an offloaded plan keeps on the host."""
+    grouped = [u for u in result.best.units if len(u.modules) > 1]
+    if grouped:
+        print(f"grouped units ({len(grouped)}; one fully_shard call each, FSDP1 wraps each "
+              "module separately):")
+        for u in grouped:
+            print(f"  {', '.join(u.modules)}  ({u.numel:,} parameters)")
+    host = getattr(result.best, "host_bytes", None)
+    if host:
+        total = sum(host.values())
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items())
+        print(f"CPU offload (FSDP2 CPUOffloadPolicy): on the host per rank {format_bytes(total)} "
+              f"({parts}); optimizer step on the CPU {result.best.time.optimizer_s * 1e3:.1f} ms; "
+              f"host-device copies {result.best.copy_s * 1e3:.1f} ms per step")

@@ -134,11 +134,12 @@ def _count_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, int]]:
         worker = build_planned_worker(models[key], device, policy_source=job["policy_source"],
                                       mesh=job["mesh"], fsdp_version=job["fsdp_version"],
                                       optimizer=job.get("optimizer", "adamw"), rank=ctx.rank)
-        # warm-up: lazy initialisation and first-step state, then count the next fwd+bwd
-        runtime.forward_backward(worker.model, worker.loaded, worker.inputs)
+        # warm-up: lazy initialisation and first-step state, then count the next step's
+        # forward and backward passes (every micro-batch of it)
+        runtime.micro_batches(worker.model, worker.loaded, worker.inputs, worker.policy)
         runtime.finish_step(worker.model, worker.optimizer)
         with CollectiveCounter() as counter:
-            runtime.forward_backward(worker.model, worker.loaded, worker.inputs)
+            runtime.micro_batches(worker.model, worker.loaded, worker.inputs, worker.policy)
         runtime.finish_step(worker.model, worker.optimizer)
         results.append(counter.counts())
         del worker

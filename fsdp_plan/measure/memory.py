@@ -135,6 +135,11 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     if fsdp_version != 2:
         raise BadInput("verify measures FSDP2 (fully_shard) plans only: PyTorch's FSDPMemTracker "
                        "does not track FSDP1 modules. Use bench --fsdp1 on GPUs for FSDP1 memory.")
+    if any((getattr(plan, "offload", None) or {}).values()):
+        raise BadInput("the plan offloads to the CPU (offload: params/optimizer true); on a CPU "
+                       "host and device memory are the same, so its device peak cannot be "
+                       "measured here. Measure it on a GPU: python -m fsdp_plan.bench.gpu_check "
+                       "PLAN.yaml.")
     # grouped units need their FSDP2 group hooks kept: [Note: FSDPMemTracker and grouped units]
     from fsdp_plan.measure.tracker import GroupAwareMemTracker as FSDPMemTracker
 
@@ -152,16 +157,20 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
             inputs = loaded.make_inputs(source.batch_size, source.seq_len)
             warmup = FSDPMemTracker(model, optimizer)
             warmup.track_inputs(inputs)
-            with warmup:  # step 1: lazy optimizer states, first-step FSDP initialisation
-                runtime.forward_backward(model, loaded, inputs)
+            def training_step(tracker) -> None:
+                # every micro-batch of one optimizer step (SPEC 6), then the step itself;
+                # the tracker takes one forward per module at a time (its overall peak stays)
+                runtime.micro_batches(model, loaded, inputs, policy_module,
+                                      lambda index: index and tracker.reset_mod_stats())
                 runtime.finish_step(model, optimizer)
+            with warmup:  # step 1: lazy optimizer states, first-step FSDP initialisation
+                training_step(warmup)
             tracker = FSDPMemTracker(model, optimizer)  # see [Note: the steady step]
             tracker.track_inputs(inputs)
             checker = DtypeChecker(running_modules(getattr(tracker, "_mod_tracker", None)))
             with tracker, checker:
                 step_start = _total(tracker.get_tracker_snapshot("current"))
-                runtime.forward_backward(model, loaded, inputs)
-                runtime.finish_step(model, optimizer)
+                training_step(tracker)
             peak_snap = tracker.get_tracker_snapshot("peak")
             module_peaks = _module_peaks(tracker, model)
     peak = _total(peak_snap)

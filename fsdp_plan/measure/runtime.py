@@ -193,6 +193,20 @@ def forward_backward(model: nn.Module, loaded: LoadedModel, inputs: tuple[tuple,
     loss.backward()
 
 
+def micro_batches(model: nn.Module, loaded: LoadedModel, inputs: tuple[tuple, dict],
+                  policy: types.ModuleType, before_each: Any = None) -> None:
+    """Forward and backward of every micro-batch of one optimizer step, as the plan says
+    (``grad_accum_steps``; the policy's ``prepare_microbatch`` sets gradient sync before each).
+    ``before_each(index)`` runs first (a memory tracker resets its module stats there)."""
+    steps = int((getattr(policy, "PLAN", None) or {}).get("grad_accum_steps", 1) or 1)
+    for index in range(steps):
+        if before_each is not None:
+            before_each(index)
+        if steps > 1:
+            policy.prepare_microbatch(model, index, steps)
+        forward_backward(model, loaded, inputs)
+
+
 def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Optimizer step, then drop the gradients (``set_to_none``) as a training loop does."""
     if optimizer is not None:
