@@ -69,46 +69,12 @@ def candidate_row(c: Candidate) -> dict[str, Any]:
         "mesh": f"{c.replicate}x{c.shard}", "units": len(c.units),
         "checkpointed_blocks": len(c.checkpointed),
         "selective_blocks": len(c.selective), "recompute_s": c.recompute_s,
-        "selective_blocks": len(c.selective), "recompute_s": c.recompute_s,
         "peak_bytes": c.memory.peak_bytes, "peak_phase": c.memory.phase,
         "breakdown": c.memory.breakdown,
         "step_time_s": c.time.step_s, "exposed_comm_s": c.time.exposed_comm_s,
         "hidden_comm_s": c.time.hidden_comm_s, "collectives": c.collectives,
         "cross_node_bytes": c.cross_node_bytes,
     }
-
-
-def gather_checkpointing_rows(c: Candidate) -> list[dict[str, Any]]:
-    """Per checkpointed block: its mode, the activation bytes the mode saves (against no
-    checkpointing) and its recompute seconds in backward (search.py [Note: recompute time])."""
-    return [{"block": m.block, "mode": m.mode, "saved_bytes": m.saved_bytes,
-             "recompute_s": m.recompute_s} for m in c.block_modes]
-
-
-def format_checkpointing(c: Candidate, unavailable: str = "") -> str:
-    """The chosen modes per block (runs of blocks alike on one row), with one line saying why
-    selective checkpointing was not offered when it was not."""
-    lines = [f"note: {unavailable}"] if unavailable else []
-    rows = gather_checkpointing_rows(c)
-    if not rows:
-        return "\n".join(lines + ["activation checkpointing: none"])
-    runs: list[list[dict[str, Any]]] = []
-    for r in rows:
-        last = runs[-1][-1] if runs else None
-        if last and (last["mode"], last["saved_bytes"], round(last["recompute_s"], 9)) == (
-                r["mode"], r["saved_bytes"], round(r["recompute_s"], 9)):
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    table = [[run[0]["block"] + (f" .. {run[-1]['block']}" if len(run) > 1 else ""), len(run),
-              run[0]["mode"], format_bytes(run[0]["saved_bytes"]),
-              f"{run[0]['recompute_s'] * 1e3:.2f}"] for run in runs]
-    total_saved = sum(r["saved_bytes"] for r in rows)
-    lines.append(tabulate(table, headers=["checkpointed blocks", "count", "mode",
-                                          "saves (each)", "recompute ms (each)"]))
-    lines.append(f"activation checkpointing saves {format_bytes(total_saved)} for "
-                 f"{c.recompute_s * 1e3:.2f} ms of recompute per step")
-    return "\n".join(lines)
 
 
 def gather_checkpointing_rows(c: Candidate) -> list[dict[str, Any]]:

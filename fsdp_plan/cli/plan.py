@@ -234,7 +234,6 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
         format_breakdown,
         format_candidates,
         format_checkpointing,
-        format_checkpointing,
         format_mesh_rows,
         gather_mesh_rows,
         gather_module_rows,
@@ -261,8 +260,6 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
     print()
     print(f"chosen: {best.name}; peak {format_bytes(best.memory.peak_bytes)} at {best.memory.phase}")
     print(format_breakdown(best.memory.breakdown))
-    print()
-    print(format_checkpointing(best, analysis.selective_unavailable))
     print()
     print(format_checkpointing(best, analysis.selective_unavailable))
     print_units_and_offload(result)
