@@ -2,6 +2,7 @@
 
     python benchmarks/memory_accuracy.py          # quick: reduced-depth Llama shapes
     python benchmarks/memory_accuracy.py --full   # the bundled examples at real shapes (~15 min)
+    python benchmarks/memory_accuracy.py --modes [--full]  # selective and mixed AC modes
 Each case is planned with the library API (``make_plan``), then measured on the fake process group at the plan's
 world size through the generated ``apply_fully_shard`` (about 5-30 s per case on 2 cores).
 """
@@ -41,7 +42,60 @@ FULL = [
 ]
 
 
+# Per-block checkpointing modes (issue 10): each case planned with room to spare, then its
+# blocks given the modes named here and predicted as written (``predict``), then measured.
+# (model file, --model-arg values, batch, seq, world size, modes)
+MODES = [
+    (LLAMA, ["size=8b"], "2", "8192", "8", "selective"),
+    (LLAMA, ["size=8b"], "2", "8192", "8", "mixed"),
+    (GPT2, ["size=xl"], "16", "1024", "8", "selective"),
+    (GPT2, ["size=xl"], "16", "1024", "8", "mixed"),
+]
+MODES_QUICK = [(LLAMA, ["size=8b", "n_layers=4"], "2", "2048", "8", "selective"),
+               (LLAMA, ["size=8b", "n_layers=4"], "2", "2048", "8", "mixed")]
+
+
+def modes_for(blocks: list[str], kind: str) -> dict[str, str]:
+    """``selective``: every block; ``mixed``: the first quarter full, the next half selective,
+    the last quarter not checkpointed."""
+    if kind == "selective":
+        return {b: "selective" for b in blocks}
+    n = len(blocks)
+    return {**{b: "full" for b in blocks[: n // 4]},
+            **{b: "selective" for b in blocks[n // 4: 3 * n // 4]}}
+
+
+def run_modes(cases: list[tuple]) -> None:
+    """Predicted vs FSDPMemTracker for plans with selective and mixed checkpointing modes."""
+    from fsdp_plan.api import predict
+    from fsdp_plan.checkpointing import DEFAULT_SELECTIVE_OPS
+    from fsdp_plan.emit import render_policy_module
+    from fsdp_plan.plan import Plan
+
+    for model, margs, batch, seq, world, kind in cases:
+        source = ModelSource(source=model, args=parse_model_args(margs), batch_size=int(batch),
+                             seq_len=int(seq))
+        result = make_plan(PlanRequest(source=source, budget_bytes=10**15, world_size=int(world),
+                                       strategy="full"))
+        doc = result.plan.to_dict()
+        doc.update(fsdp_plan_version=2, selective_ops=list(DEFAULT_SELECTIVE_OPS),
+                   activation_checkpointing=modes_for(result.facts.graph.blocks, kind))
+        plan = Plan.from_dict(doc)
+        pred = predict(plan, result.facts).predicted["peak_bytes"]
+        measured = measure_peak(result.loaded, plan,
+                                load_policy_module(render_policy_module(plan))).peak_bytes
+        err = (pred - measured) / measured
+        print(f"{os.path.basename(model)} {' '.join(margs):>24} {batch + 'x' + seq:>8} "
+              f"{world:>5} {kind:>9} {pred / 1e9:13.2f} {measured / 1e9:12.2f} {err:+7.1%} "
+              f"{len(plan.units):>5}", flush=True)
+
+
 if __name__ == "__main__":
+    if "--modes" in sys.argv:  # checkpointing modes only (the --full cases take ~1 min each)
+        print(f"{'model':>24} {'b x s':>8} {'world':>5} {'AC modes':>9} {'predicted GB':>13} "
+              f"{'measured GB':>12} {'error':>7} {'units':>5}")
+        run_modes(MODES if "--full" in sys.argv else MODES_QUICK)
+        sys.exit(0)
     print(f"{'model':>24} {'b x s':>8} {'world':>5} {'budget':>7} {'predicted GB':>13} "
           f"{'measured GB':>12} {'error':>7} {'AC':>3}")
     cases = FULL if "--full" in sys.argv else QUICK
