@@ -388,7 +388,8 @@ def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str,
     forward, backward = prefetch_maps([u.key for u in best.units], best.forward_prefetch,
                                       best.backward_prefetch)
     return Plan(
-        model={**request.source.to_plan_dict(), "params": numel, "digest": digest},
+        model={**request.source.to_plan_dict(), "params": numel,
+               **({"digest": digest} if digest else {})},
         budget_bytes=request.budget_bytes, headroom_bytes=int(request.headroom_bytes or 0),
         world_size=request.world_size, mesh=Mesh(replicate=best.replicate, shard=best.shard),
         strategy=best.strategy,
