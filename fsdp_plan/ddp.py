@@ -54,6 +54,8 @@ from typing import Any
 from fsdp_plan.cost import Hardware, StepTime, collective_time
 from fsdp_plan.facts import Analysis, Event, ModuleGraph
 from fsdp_plan.memory import OPTIMIZER_STATES, MemoryEstimate, Precision
+from fsdp_plan.search import Candidate, SearchSettings
+from fsdp_plan.units import build_units
 
 MIB = 1 << 20
 DEFAULT_BUCKET_CAP_MB = 25
@@ -475,19 +477,10 @@ def best_config(evaluations: list[DDPEvaluation]) -> DDPEvaluation:
 
 
 def ddp_api_kwargs(config: DDPConfig) -> dict[str, Any]:
-    """The ``DistributedDataParallel`` keyword arguments that build ``config``'s buckets
-    ([Note: DDP buckets]): None keeps DDP's (1 MiB, 25 MiB) default."""
-    kwargs: dict[str, Any] = {"gradient_as_bucket_view": config.gradient_as_bucket_view,
-                              "static_graph": config.static_graph,
-                              "find_unused_parameters": config.find_unused_parameters}
-    pair = (config.first_bucket_mb, config.bucket_cap_mb)
-    if pair == (DEFAULT_FIRST_BUCKET_MB, DEFAULT_BUCKET_CAP_MB):
-        kwargs["bucket_cap_mb"] = None
-    elif config.first_bucket_mb == config.bucket_cap_mb:
-        kwargs["bucket_cap_mb"] = config.bucket_cap_mb
-    else:
-        kwargs["bucket_cap_mb_list"] = [config.first_bucket_mb, config.bucket_cap_mb]
-    return kwargs
+    """The ``DistributedDataParallel`` keyword arguments that build ``config``'s buckets: the
+    generated policy's own rule (``policy_runtime.ddp_kwargs``), so both sides agree."""
+    from fsdp_plan.policy_runtime import ddp_kwargs
+    return ddp_kwargs(config.to_dict())
 
 
 def describe_buckets(evaluation: DDPEvaluation, limit: int = 12) -> list[str]:
@@ -507,4 +500,152 @@ def describe_buckets(evaluation: DDPEvaluation, limit: int = 12) -> list[str]:
     bw_end = t.forward_s + t.backward_s
     lines.append(f"  backward ends at {bw_end * 1e3:.2f} ms; communication tail "
                  f"{t.exposed_comm_s * 1e3:.2f} ms")
+    return lines
+
+
+# --- candidates beside FSDP's, plans, predictions ---------------------------------------------
+
+@dataclass(kw_only=True)
+class DDPCandidate(Candidate):
+    """A DDP plan evaluated on the same memory budget and clock as the FSDP candidates."""
+
+    ddp: DDPEvaluation
+
+
+def _candidate(graph: ModuleGraph, evaluation: DDPEvaluation, settings: SearchSettings,
+               name: str) -> DDPCandidate:
+    root = build_units(graph, [[""]], [False], 1)
+    return DDPCandidate(
+        name=name, strategy="ddp", replicate=settings.world_size, shard=1, units=root,
+        checkpointed=[], forward_prefetch=0, backward_prefetch=1, memory=evaluation.memory,
+        time=evaluation.time, collectives=dict(evaluation.collectives),
+        collectives_fsdp1=dict(evaluation.collectives),
+        fits=evaluation.memory.peak_bytes <= settings.limit_bytes, ddp=evaluation)
+
+
+def _label(config: DDPConfig) -> str:
+    first = (f", first {config.first_bucket_mb:g} MiB"
+             if config.first_bucket_mb != config.bucket_cap_mb else "")
+    hook = ", bf16 all-reduce" if config.comm_hook else ""
+    return f"ddp buckets {config.bucket_cap_mb:g} MiB{first}{hook}"
+
+
+def evaluate_settings(graph: ModuleGraph, analysis: Analysis, settings: SearchSettings,
+                      config: DDPConfig) -> DDPEvaluation:
+    """``evaluate_ddp`` with the search's settings."""
+    assert settings.hardware is not None
+    return evaluate_ddp(graph, analysis, config, hw=settings.hardware,
+                        world_size=settings.world_size, gpus_per_node=settings.gpus_per_node,
+                        precision=settings.precision, optimizer=settings.optimizer,
+                        dtype=analysis.param_dtype)
+
+
+def ddp_candidates(graph: ModuleGraph, analysis: Analysis, settings: SearchSettings
+                   ) -> list[DDPCandidate]:
+    """The fastest DDP configuration over ``CAP_GRID_MB`` (and DDP's default buckets when they
+    differ from it), for ``search`` to rank beside the FSDP candidates. The bf16 compression
+    hook is used only when the user allowed a reduced-precision gradient reduction."""
+    compress = settings.precision.reduce_bytes < 4
+    evaluations = [evaluate_settings(graph, analysis, settings, c)
+                   for c in config_options(graph, analysis, compress=compress)]
+    best = best_config(evaluations)
+    out = [_candidate(graph, best, settings, _label(best.config))]
+    default = next(e for e in evaluations
+                   if (e.config.bucket_cap_mb, e.config.first_bucket_mb)
+                   == (DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_MB))
+    if default is not best:
+        out.append(_candidate(graph, default, settings, "recipe: " + _label(default.config)
+                              + " (DDP default)"))
+    return out
+
+
+def sweep(graph: ModuleGraph, analysis: Analysis, settings: SearchSettings,
+          caps: tuple[int, ...] = CAP_GRID_MB) -> list[DDPEvaluation]:
+    """One evaluation per cap (first bucket as large): the step-time curve over the cap."""
+    unused = bool(unused_parameters(graph, analysis))
+    return [evaluate_settings(graph, analysis, settings, DDPConfig(
+        bucket_cap_mb=cap, first_bucket_mb=cap, find_unused_parameters=unused,
+        comm_hook="bf16_compress" if settings.precision.reduce_bytes < 4 else None))
+        for cap in caps]
+
+
+def ddp_predicted(candidate: Candidate) -> dict[str, Any]:
+    """The DDP part of a plan's ``predicted`` mapping (nothing for FSDP candidates)."""
+    if not isinstance(candidate, DDPCandidate):
+        return {}
+    return {"buckets": [int(b.nbytes) for b in candidate.ddp.buckets],
+            "comm_tail_s": round(candidate.time.exposed_comm_s, 6)}
+
+
+def ddp_plan_block(candidate: Candidate) -> dict[str, Any] | None:
+    """The plan's ``ddp`` mapping for a DDP candidate (None for FSDP candidates)."""
+    return candidate.ddp.config.to_dict() if isinstance(candidate, DDPCandidate) else None
+
+
+def ddp_plan_candidate(plan: Any, facts: Any, *, hardware: Hardware,
+                       gpus_per_node: int = 8) -> DDPCandidate:
+    """A DDP plan as written, evaluated (``fsdp-plan predict`` / ``verify``)."""
+    from fsdp_plan.api import precision_of
+    if plan.activation_checkpointing:
+        from fsdp_plan.errors import BadInput
+        raise BadInput("the DDP plan checkpoints modules; fsdp-plan predicts DDP plans without "
+                       "activation checkpointing only: remove activation_checkpointing.")
+    mp = plan.mixed_precision or {}
+    settings = SearchSettings(
+        budget_bytes=plan.budget_bytes, headroom_bytes=plan.headroom_bytes,
+        world_size=plan.world_size, gpus_per_node=gpus_per_node, strategy="ddp",
+        precision=precision_of(mp.get("param_dtype") or "float32",
+                               mp.get("reduce_dtype") or mp.get("param_dtype") or "float32"),
+        optimizer=plan.optimizer, hardware=hardware)
+    config = DDPConfig.from_dict(plan.ddp)
+    evaluation = evaluate_settings(facts.graph, facts.analysis, settings, config)
+    return _candidate(facts.graph, evaluation, settings, "plan as written")
+
+
+def why_line(ranked: list[Candidate]) -> str:
+    """One line: why the winner beat the best candidate of the other kind (DDP vs FSDP/HSDP),
+    on the same clock; empty when only one kind was planned or fits."""
+    fitting = [c for c in ranked if c.fits]
+    if not fitting:
+        return ""
+    best = fitting[0]
+    is_ddp = isinstance(best, DDPCandidate)
+    other = next((c for c in fitting if isinstance(c, DDPCandidate) != is_ddp), None)
+    if other is None:
+        if is_ddp:
+            return ""
+        ddp = next((c for c in ranked if isinstance(c, DDPCandidate)), None)
+        if ddp is None:
+            return ""
+        return (f"why: {best.name} wins; DDP does not fit (its peak "
+                f"{ddp.memory.peak_bytes / 2**30:.2f} GiB holds every parameter, gradient and "
+                f"optimizer state on each GPU).")
+    b, o = best.time, other.time
+    if is_ddp:
+        return (f"why: {best.name} wins: step {b.step_s * 1e3:.1f} ms vs {o.step_s * 1e3:.1f} ms "
+                f"for {other.name}: no parameter all-gathers (FSDP waits "
+                f"{o.exposed_comm_s * 1e3:.1f} ms for communication and moves "
+                f"{o.total_comm_s * 1e3:.1f} ms of it), DDP's bucket all-reduces leave a "
+                f"{b.exposed_comm_s * 1e3:.1f} ms tail.")
+    return (f"why: {best.name} wins: step {b.step_s * 1e3:.1f} ms vs {o.step_s * 1e3:.1f} ms for "
+            f"{other.name}: DDP's gradient all-reduce ({o.total_comm_s * 1e3:.1f} ms) leaves a "
+            f"{o.exposed_comm_s * 1e3:.1f} ms tail after backward; FSDP exposes "
+            f"{b.exposed_comm_s * 1e3:.1f} ms and its peak is {b.memory.peak_bytes / 2**30:.2f} "
+            f"GiB vs {o.memory.peak_bytes / 2**30:.2f} GiB.")
+
+
+def report_lines(best: Candidate, ranked: list[Candidate]) -> list[str]:
+    """The report's DDP lines: why the winner won (DDP vs FSDP/HSDP) and, for a DDP winner,
+    its buckets becoming ready with their all-reduces and the tail."""
+    lines = []
+    why = why_line(ranked)
+    if why:
+        lines.append(why)
+    if isinstance(best, DDPCandidate):
+        c = best.ddp.config
+        lines.append(f"DDP buckets after the rebuild ({len(best.ddp.buckets)}, cap "
+                     f"{c.bucket_cap_mb:g} MiB, first {c.first_bucket_mb:g} MiB"
+                     + (", bf16 compression hook" if c.comm_hook else "")
+                     + (", find_unused_parameters" if c.find_unused_parameters else "") + "):")
+        lines.extend(describe_buckets(best.ddp))
     return lines
