@@ -71,8 +71,42 @@ _FLOP_RULES = {**flop_registry,
                **{op: shape_wrapper(rule) for op, rule in CPU_ATTENTION_FLOP_RULES.items()}}
 
 
+_ATTENTION_PACKETS = {getattr(torch.ops.aten, name) for name in (
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward", "_flash_attention_forward",
+    "_flash_attention_backward", "_efficient_attention_forward", "_efficient_attention_backward",
+) if hasattr(torch.ops.aten, name)}
+_GATHERS = {torch.ops.aten.embedding, torch.ops.aten.index_select, torch.ops.aten.gather,
+            torch.ops.aten.index}
+_BIAS_FIRST = {torch.ops.aten.addmm, torch.ops.aten.baddbmm}
+_METADATA_ONLY = {torch.ops.aten._unsafe_view, torch.ops.aten.detach, torch.ops.aten.alias,
+                  torch.ops.aten.lift_fresh, torch.ops.aten.empty, torch.ops.aten.empty_like,
+                  torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
+                  torch.ops.aten.new_empty_strided, torch.ops.aten.set_}
+
+
+def _tensor_bytes(value: Any) -> int:
+    leaves, _ = tree_flatten(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _mm_class(func, args: tuple) -> str:
+    """``mm_small`` / ``mm_medium`` / ``mm_large`` by the smallest GEMM dimension
+    ([Note: op classes] in facts.py); convolutions count as medium."""
+    mats = [a for a in (args[1:] if func._overloadpacket in _BIAS_FIRST else args)
+            if isinstance(a, torch.Tensor) and a.dim() >= 2][:2]
+    if len(mats) < 2 or mats[0].dim() > 3:
+        return "mm_medium"
+    smallest = min(mats[0].shape[-2], mats[0].shape[-1], mats[1].shape[-1])
+    return "mm_small" if smallest < 128 else "mm_medium" if smallest < 1024 else "mm_large"
+
+
 class _ActivationMeter(TorchDispatchMode):
-    """Counts bytes of live non-parameter storages, with the peak since the last ``mark``."""
+    """Counts bytes of live non-parameter storages, with the peak since the last ``mark``,
+    FLOPs, and the op-class counters of [Note: op classes] (facts.py) since ``take_ops``."""
 
     def __init__(self, excluded: set[int]) -> None:
         super().__init__()
@@ -81,6 +115,15 @@ class _ActivationMeter(TorchDispatchMode):
         self.current = 0
         self.peak_since_mark = 0
         self.flops = 0.0
+        self.ops: dict[str, float] = {}
+
+    def take_ops(self) -> dict[str, float] | None:
+        """The op-class counters since the previous call (``None`` when no op ran), reset."""
+        ops, self.ops = self.ops, {}
+        return ops or None
+
+    def _count(self, key: str, value: float) -> None:
+        self.ops[key] = self.ops.get(key, 0.0) + value
 
     def track(self, tensor: torch.Tensor) -> None:
         st = tensor.untyped_storage()
@@ -115,7 +158,17 @@ class _ActivationMeter(TorchDispatchMode):
         tree_map_only(torch.Tensor, self.track, out)
         count = _FLOP_RULES.get(func._overloadpacket)
         if count is not None:
-            self.flops += count(*args, **kwargs, out_val=out)
+            flops = count(*args, **kwargs, out_val=out)
+            self.flops += flops
+            self._count("ops", 1)
+            self._count("attention" if func._overloadpacket in _ATTENTION_PACKETS
+                        else _mm_class(func, args), flops)
+        elif (not func.is_view and func.namespace == "aten"
+              and func._overloadpacket not in _METADATA_ONLY):
+            self._count("ops", 1)
+            moved = _tensor_bytes(out)  # a lookup reads the rows it writes, not its whole table
+            self._count("memory_bytes", 2 * moved if func._overloadpacket in _GATHERS
+                        else moved + _tensor_bytes((args, kwargs)))
         return out
 
 
@@ -142,7 +195,6 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
 
     ``checkpoint``: modules wrapped for full recomputation, or for selective checkpointing
     saving ``selective_ops`` (op names) when given."""
-
     started = time.perf_counter()
     model = model if model is not None else rebuild_meta(loaded)
     fake_mode = new_fake_mode()
@@ -174,7 +226,7 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
         if fqn is None:
             return
         events.append(Event(kind=kind, module=fqn, level=meter.current, peak=meter.mark(),
-                            flops=float(meter.flops)))
+                            flops=float(meter.flops), ops=meter.take_ops()))
 
     def pre_fw(module: nn.Module, _inputs: Any) -> None:
         record("pre_fw", module)
@@ -225,7 +277,7 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
                 loss.backward()
                 del loss
                 events.append(Event(kind="end", module="", level=meter.current, peak=meter.mark(),
-                                    flops=float(meter.flops)))
+                                    flops=float(meter.flops), ops=meter.take_ops()))
         except BadInput:
             raise
         except Exception as e:

@@ -122,7 +122,8 @@ def _expand_one(events: list[Event], modules: dict[str, ModuleCompute], stack: s
         # A backward segment also holds the previous block's post-backward (it fires when this
         # block's output gradient is ready), so block 2's name maps to the block after ``dst``.
         return [Event(kind=e.kind, module=_rename_either(e.module, b1, name(dst), b2, name(dst + 1)),
-                      level=e.level + dl, peak=e.peak + dl, flops=e.flops + df) for e in seg]
+                      level=e.level + dl, peak=e.peak + dl, flops=e.flops + df, ops=e.ops)
+                for e in seg]
 
     out = events[:f2]
     for j in range(extra):
@@ -131,13 +132,14 @@ def _expand_one(events: list[Event], modules: dict[str, ModuleCompute], stack: s
     last = name(count - 1)
     for e in events[f2:r1]:
         out.append(Event(kind=e.kind, module=_rename(e.module, b2, last), level=e.level + lvl,
-                         peak=e.peak + lvl, flops=e.flops + fl))
+                         peak=e.peak + lvl, flops=e.flops + fl, ops=e.ops))
     # backward: block 2 (now last) already emitted; repeat block 1's backward for count-2 .. 2
     for j in range(extra):
         out += shifted(bw_seg, lvl + j * d_level_bw, fl + j * d_flops_bw, count - 2 - j)
     lvl2, fl2 = lvl + extra * d_level_bw, fl + extra * d_flops_bw
     for e in events[r1:]:
-        out.append(Event(kind=e.kind, module=e.module, level=e.level + lvl2, peak=e.peak + lvl2, flops=e.flops + fl2))
+        out.append(Event(kind=e.kind, module=e.module, level=e.level + lvl2, peak=e.peak + lvl2,
+                         flops=e.flops + fl2, ops=e.ops))
     # per-module figures: copies of block 1 for the missing blocks, block 2 becomes the last
     for fqn in [f for f in list(modules) if f == b2 or f.startswith(b2 + ".")]:
         modules[_rename(fqn, b2, last)] = modules.pop(fqn)

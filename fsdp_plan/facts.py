@@ -17,6 +17,15 @@ from typing import Any
 
 FACTS_VERSION = 1
 
+OP_CLASSES = ("mm_small", "mm_medium", "mm_large", "attention", "memory_bytes", "ops")
+"""[Note: op classes]
+What the step-time model needs to time a module's ops on a given machine (cost.py
+``compute_time``): matrix-multiply FLOPs by shape class (the smallest of M, N, K below 128,
+below 1024, or larger: small GEMMs run far below peak), attention FLOPs (SDPA kernels),
+bytes read and written by every other op that computes (memory-bound: norms, activations,
+residual adds, casts, copies, the loss), and the number of such ops (each pays a launch or
+dispatch overhead). Views and other metadata-only ops count nothing."""
+
 
 @dataclass(kw_only=True)
 class ModuleInfo:
@@ -67,6 +76,9 @@ class Event:
     """Highest activation-side bytes since the previous boundary (>= both levels)."""
     flops: float
     """Cumulative FLOPs of the pass so far."""
+    ops: dict[str, float] | None = None
+    """Op-class counters of the ops that ran since the previous boundary (keys in
+    ``OP_CLASSES``; see [Note: op classes]); ``None`` in facts written before they existed."""
 
 
 @dataclass(kw_only=True)
@@ -95,6 +107,10 @@ class ModuleCompute:
     """Bytes saved for backward by ops running directly in this module (not in children)."""
     output_bytes: int = 0
     calls: int = 0
+    own_fw_ops: dict[str, float] = field(default_factory=dict)
+    """Op-class counters (``OP_CLASSES``) of this module's own forward ops, attributed like
+    ``own_fw_flops``; empty in facts written before they existed."""
+    own_bw_ops: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(kw_only=True)
@@ -183,9 +199,12 @@ def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
     Llama's units summed to 1.4x the model's backward FLOPs). Each op's FLOPs go to one
     module (``own_*``); a module's inclusive figure adds those of its FQN descendants, so the
     units of any plan add up to the model. FLOPs outside every module (the loss) are the root's.
+    The op-class counters (``Event.ops``, [Note: op classes]) are attributed the same way
+    (``own_fw_ops`` / ``own_bw_ops``), those outside every module to the root.
     """
     for comp in modules.values():
         comp.fw_flops = comp.bw_flops = comp.own_fw_flops = comp.own_bw_flops = 0.0
+        comp.own_fw_ops, comp.own_bw_ops = {}, {}
     open_modules: list[str] = []
     in_backward = False
     for ev, nxt in zip(events, events[1:]):
@@ -195,6 +214,12 @@ def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
         elif ev.kind in ("post_fw", "post_bw") and ev.module in open_modules:
             del open_modules[len(open_modules) - 1 - open_modules[::-1].index(ev.module)]
         delta = nxt.flops - ev.flops
+        if nxt.ops:  # op-class counters go where the FLOPs go; outside every module: the root
+            owner = _innermost(open_modules) if open_modules else ""
+            comp = modules.setdefault(owner, ModuleCompute())
+            own = comp.own_bw_ops if in_backward else comp.own_fw_ops
+            for k, v in nxt.ops.items():
+                own[k] = own.get(k, 0.0) + v
         if not delta or not open_modules:
             continue
         owner = _innermost(open_modules)

@@ -72,7 +72,7 @@ def candidate_row(c: Candidate) -> dict[str, Any]:
         "peak_bytes": c.memory.peak_bytes, "peak_phase": c.memory.phase,
         "breakdown": c.memory.breakdown,
         "step_time_s": c.time.step_s, "exposed_comm_s": c.time.exposed_comm_s,
-        "hidden_comm_s": c.time.hidden_comm_s, "collectives": c.collectives,
+        "comm_tail_s": c.time.comm_tail_s, "hidden_comm_s": c.time.hidden_comm_s, "collectives": c.collectives,
         "cross_node_bytes": c.cross_node_bytes,
     }
 
@@ -161,38 +161,43 @@ def format_breakdown(breakdown: dict[str, int]) -> str:
 
 
 def ascii_timeline(time: StepTime, width: int = 72) -> str:
-    """Two lanes (compute, communication) scaled to ``width``; the exposed tail is marked ``!``."""
+    """Three lanes scaled to ``width``: compute, communication, and the waits, where compute
+    stands still for communication (all-gather waits ``w``, the tail after backward ``!``)."""
     end = max((e for _, _, _, e in time.spans), default=0.0) or 1.0
-    lanes = {"compute": [" "] * width, "comm": [" "] * width}
+    lanes = {"compute": [" "] * width, "comm": [" "] * width, "wait": [" "] * width}
     for lane, label, start, stop in time.spans:
         a, b = int(start / end * (width - 1)), max(int(start / end * (width - 1)) + 1,
                                                     int(stop / end * (width - 1)))
-        ch = "F" if label.startswith("FW") else "B" if label.startswith("BW") else \
-            "O" if label == "optimizer" else "g" if label.startswith("AG") else "r"
+        if lane == "wait":
+            ch = "!" if "tail" in label else "w"
+        else:
+            ch = "F" if label.startswith("FW") else "B" if label.startswith("BW") else \
+                "O" if label == "optimizer" else "g" if label.startswith("AG") else "r"
         for x in range(a, min(b, width)):
-            lanes[lane][x] = ch
-    bw_end = end - time.optimizer_s - time.exposed_comm_s
-    marker = [" "] * width
-    a = int(bw_end / end * (width - 1))
-    for x in range(a, int((bw_end + time.exposed_comm_s) / end * (width - 1)) + 1):
-        if time.exposed_comm_s > 0 and x < width:
-            marker[x] = "!"
+            lanes.get(lane, lanes["wait"])[x] = ch
     return "\n".join([
         "compute |" + "".join(lanes["compute"]) + "|",
         "comm    |" + "".join(lanes["comm"]) + "|",
-        "exposed |" + "".join(marker) + "|",
-        f"F forward, B backward, O optimizer, g all-gather, r reduce-scatter/all-reduce; "
-        f"step {time.step_s:.3f} s, exposed {time.exposed_comm_s:.3f} s, hidden "
-        f"{time.hidden_comm_s:.3f} s",
+        "waits   |" + "".join(lanes["wait"]) + "|",
+        ("F forward, B backward, O optimizer, g all-gather, r reduce-scatter/all-reduce; "
+         "w compute waits for an all-gather, ! communication tail after backward"),
+        (f"step {time.step_s:.3f} s = compute {time.compute_s:.3f} s (contention "
+         f"{time.contention_s:.3f} s included) + exposed communication "
+         f"{time.exposed_comm_s:.3f} s (waits {time.bubbles_s:.3f} s + tail "
+         f"{time.comm_tail_s:.3f} s) + optimizer {time.optimizer_s:.3f} s; communication "
+         f"{time.total_comm_s:.3f} s in all, {time.hidden_comm_s:.3f} s of it hidden"),
     ])
 
 
 def chrome_trace(time: StepTime) -> str:
-    """The predicted timeline as Chrome/Perfetto trace JSON (one thread per stream)."""
-    tids = {"compute": 1, "comm": 2}
-    events = [{"name": label, "ph": "X", "pid": 0, "tid": tids[lane], "ts": start * 1e6,
-               "dur": (stop - start) * 1e6, "cat": "predicted"}
+    """The predicted timeline as Chrome/Perfetto trace JSON: one thread per stream and one
+    for the waits (compute standing still for communication)."""
+    tids = {"compute": 1, "comm": 2, "wait": 3}
+    events = [{"name": label, "ph": "X", "pid": 0, "tid": tids.get(lane, 3), "ts": start * 1e6,
+               "dur": (stop - start) * 1e6,
+               "cat": "predicted,exposed" if lane == "wait" else "predicted"}
               for lane, label, start, stop in time.spans]
     events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
-               for n, t in (("compute (predicted)", 1), ("communication (predicted)", 2))]
+               for n, t in (("compute (predicted)", 1), ("communication (predicted)", 2),
+                            ("compute waits for communication (predicted)", 3))]
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})

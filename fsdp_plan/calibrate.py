@@ -1,0 +1,395 @@
+"""Measure the machine this runs on and describe it as a hardware file (SPEC section 6).
+
+[Note: calibration]
+``fsdp-plan calibrate`` launches ``--nproc`` workers (``fsdp_plan.measure.launch``, as bench
+does, one thread each on a CPU, so the figures are those of a bench run) and on every rank at
+once measures, each repeated and reduced to a median:
+- the host overhead of one op in a training step: a chain of tiny ops forward and backward,
+  its dispatched ops counted as the analysis counts them (facts.py [Note: op classes]);
+- matrix multiplies per dtype (float32, bfloat16, and float16 on a GPU) in the three shape
+  classes, the overhead of one op subtracted;
+- attention (SDPA forward + backward) at its FLOP count;
+- memory-bound elementwise ops (add, mul, GELU) as bytes read + written per second;
+- host-to-device copies (a GPU only: a CPU has no device to copy to, and says so);
+- the optimizer step (AdamW, SGD) per parameter;
+- all_gather_into_tensor, reduce_scatter_tensor and all_reduce over message sizes, fitted to
+  ``latency + factor * (g - 1) / g * bytes / bus_bandwidth`` (least squares);
+- contention: compute slowed while a collective is in flight (an overlap probe);
+- FSDP's host cost per unit and pass: an FSDP2 model of many tiny units against one unit,
+  less the collectives the extra units issue.
+Rank 0 returns the figures; the parent writes the hardware file (atomically, never half).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_plan.errors import BadInput
+from fsdp_plan.hardware import Hardware
+
+MESSAGE_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)
+"""Bytes of the full (gathered / reduced) buffer of each timed collective."""
+_SHAPES = {"small": (64, 512, 512), "medium": (256, 512, 512), "large": (1024, 1024, 1024)}
+"""(M, K, N) per shape class; the smallest dimension decides the class (facts.py)."""
+_GPU_SHAPES = {"small": (64, 4096, 4096), "medium": (512, 4096, 4096),
+               "large": (4096, 4096, 4096)}
+
+
+def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeat: int,
+           min_s: float = 0.02, inner: int | None = None) -> float:
+    """Median seconds of one ``fn()`` call over ``repeat`` samples, each of enough calls to
+    last ``min_s`` (one warm-up call first), or of exactly ``inner`` calls: a function that
+    runs collectives must make the same number of calls on every rank."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = inner or max(1, min(1000, int(min_s / once)))
+    samples = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def _count_ops(fn: Callable[[], Any]) -> int:
+    """Dispatched ops ``fn`` runs, counted as the analysis counts them (views excluded)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.namespace == "aten":
+                Counter.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counter():
+        fn()
+    return Counter.count
+
+
+def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    out: dict[str, Any] = {}
+    # 1. host overhead per op of a training step: tiny ops, forward and backward
+    x0 = torch.ones(8, device=device, requires_grad=True)
+
+    def chain() -> None:
+        x = x0
+        for _ in range(50):
+            x = x * 1.0001 + 0.5
+        x.sum().backward()
+    ops = _count_ops(chain)
+    overhead = _timed(chain, sync, repeat) / max(ops, 1)
+    out["op_overhead_s"] = overhead
+    out["ops_in_probe"] = ops
+
+    # 2. matmuls by dtype and shape class
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
+    shapes = _GPU_SHAPES if device.type == "cuda" else _SHAPES
+    matmul: dict[str, dict[str, float]] = {}
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        matmul[name] = {}
+        for cls, (m, k, n) in shapes.items():
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            t = _timed(lambda a=a, b=b: torch.mm(a, b), sync, repeat)
+            work = max(t - (0.0 if device.type == "cuda" else overhead), t * 0.05)
+            matmul[name][cls] = 2.0 * m * k * n / work
+    out["matmul_flops"] = matmul
+
+    # 3. attention: SDPA forward + backward
+    attention: dict[str, float] = {}
+    b_, h_, s_, d_ = (4, 16, 1024, 128) if device.type == "cuda" else (1, 4, 256, 64)
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        q, k_, v = (torch.randn(b_, h_, s_, d_, device=device, dtype=dtype, requires_grad=True)
+                    for _ in range(3))
+        grad = torch.randn(b_, h_, s_, d_, device=device, dtype=dtype)
+
+        def attn(q=q, k_=k_, v=v, grad=grad) -> None:
+            F.scaled_dot_product_attention(q, k_, v, is_causal=True).backward(grad)
+        shape = (b_, h_, s_, d_)
+        flops = (sdpa_flop_count(shape, shape, shape)
+                 + sdpa_backward_flop_count(shape, shape, shape, shape))
+        t = _timed(attn, sync, repeat)
+        attention[name] = flops / max(t - _count_ops(attn) * (
+            0.0 if device.type == "cuda" else overhead), t * 0.05)
+    out["attention_flops"] = attention
+
+    # 4. memory-bound elementwise ops: bytes read + written per second
+    n = (1 << 26) if device.type == "cuda" else (1 << 20)
+    a = torch.randn(n, device=device)
+    b = torch.randn(n, device=device)
+
+    def elementwise() -> None:
+        torch.add(a, b)
+        torch.mul(a, b)
+        F.gelu(a)
+    moved = (3 + 3 + 2) * n * 4
+    t = _timed(elementwise, sync, repeat)
+    out["memory_bandwidth"] = moved / max(t - (0.0 if device.type == "cuda" else 3 * overhead),
+                                          t * 0.05)
+
+    # 5. host to device copies
+    if device.type == "cuda":
+        host = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
+        t = _timed(lambda: host.to(device, non_blocking=True), sync, repeat)
+        out["h2d_bandwidth"] = host.numel() / t
+    else:
+        out["h2d_bandwidth"] = 0.0
+        out["notes"] = ["host-to-device copies: skipped, a CPU has no device to copy to"]
+
+    # 6. the optimizer step, per parameter (a list of tensors, as a model's parameters)
+    per_param: dict[str, float] = {}
+    for opt_name, make in (("adamw", lambda p: torch.optim.AdamW(p, lr=1e-4)),
+                           ("sgd", lambda p: torch.optim.SGD(p, lr=1e-4))):
+        params = [torch.nn.Parameter(torch.randn(1 << 16, device=device)) for _ in range(16)]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt = make(params)
+        t = _timed(opt.step, sync, repeat)
+        per_param[opt_name] = t / (16 << 16)
+    out["optimizer_s_per_param"] = per_param
+    return out
+
+
+def _all_gather(full: Any, part: Any, async_op: bool = False) -> Any:
+    """FSDP2's all-gather into one flat tensor (``all_gather_single`` where torch has it)."""
+    import torch.distributed as dist
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(full, part, async_op=async_op)
+
+
+def _reduce_scatter(part: Any, full: Any) -> Any:
+    import torch.distributed as dist
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(part, full)
+
+
+def _fit(sizes: list[int], times: list[float], group: int, factor: float) -> dict[str, float]:
+    """Least squares ``t = latency + factor * (g-1)/g * bytes / bus_bandwidth`` on relative
+    error (weights 1/t^2): plain least squares lets the largest message decide the latency."""
+    xs = [factor * (group - 1) / group * s for s in sizes]
+    ws = [1.0 / max(t, 1e-9) ** 2 for t in times]
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / sw
+    my = sum(w * y for w, y in zip(ws, times)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, times)) / sxx if sxx else 0.0
+    slope = max(slope, 1e-15)
+    latency = max(0.0, my - slope * mx)
+    return {"latency_s": latency, "bus_bandwidth": 1.0 / slope}
+
+
+def _collective_figures(device: Any, sync: Callable[[], None], repeat: int,
+                        sizes: tuple[int, ...]) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    fits: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    for kind, factor in (("all_gather", 1.0), ("reduce_scatter", 1.0), ("all_reduce", 2.0)):
+        times = []
+        for nbytes in sizes:
+            numel = max(world, nbytes // 4 // world * world)
+            full = torch.zeros(numel, device=device)
+            part = torch.zeros(numel // world, device=device)
+            if kind == "all_gather":
+                def fn(full=full, part=part) -> None:
+                    _all_gather(full, part)
+            elif kind == "reduce_scatter":
+                def fn(full=full, part=part) -> None:
+                    _reduce_scatter(part, full)
+            else:
+                def fn(full=full) -> None:
+                    dist.all_reduce(full)
+            dist.barrier()
+            times.append(_timed(fn, sync, repeat, inner=4))
+        # every rank must agree on one fit: the slowest rank's times decide
+        gathered = [None] * world
+        dist.all_gather_object(gathered, times)
+        worst = [max(col) for col in zip(*gathered)]
+        raw[kind] = {str(s): t for s, t in zip(sizes, worst)}
+        fits[kind] = {str(world): _fit([max(world, s // 4 // world * world) * 4 for s in sizes],
+                                       worst, world, factor)}
+    return {"collectives": fits, "collective_times_s": raw}
+
+
+def _contention(device: Any, sync: Callable[[], None], repeat: int) -> float:
+    """Compute slowdown while an all-gather is in flight: the overlap probe."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    a = torch.randn(256, 256, device=device)
+    full = torch.zeros(world * (1 << 20), device=device)
+    part = torch.zeros(1 << 20, device=device)
+
+    def compute() -> None:
+        for _ in range(8):
+            torch.mm(a, a)
+
+    def overlapped() -> float:
+        work = _all_gather(full, part, async_op=True)
+        sync()
+        t0 = time.perf_counter()
+        compute()
+        sync()
+        spent = time.perf_counter() - t0
+        work.wait()
+        return spent
+    alone = _timed(compute, sync, repeat)
+    dist.barrier()
+    with_comm = statistics.median(overlapped() for _ in range(max(3, repeat)))
+    return max(0.0, min(10.0, with_comm / alone - 1.0))
+
+
+def _unit_overhead(device: Any, sync: Callable[[], None], repeat: int,
+                   collectives: dict[str, Any]) -> float:
+    """FSDP2's host cost per unit and pass: many tiny units against one, less the extra
+    collectives' latency (an extra unit issues two all-gathers and one reduce-scatter)."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    def model(units: int) -> nn.Module:
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(16)]).to(device)
+        layers = list(net) if units > 1 else []
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(net)
+        return net
+
+    x = torch.randn(4, 8, device=device)
+    timings = []
+    for units in (1, 17):
+        net = model(units)
+
+        def step(net=net) -> None:
+            net(x).sum().backward()
+            net.zero_grad(set_to_none=True)
+        timings.append(_timed(step, sync, repeat, inner=4))
+    world = str(torch.distributed.get_world_size())
+    latency = (2 * collectives["all_gather"][world]["latency_s"]
+               + collectives["reduce_scatter"][world]["latency_s"])
+    per_unit = (timings[1] - timings[0]) / 16
+    return max(0.0, (per_unit - latency) / 2)
+
+
+def calibrate_rank(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """One calibration worker (``launch`` target): every rank measures, rank 0 returns."""
+    import torch
+    import torch.distributed as dist
+
+    backend = payload["backend"]
+    use_cuda = backend == "nccl"
+    if use_cuda:
+        torch.cuda.set_device(ctx.local_rank)
+        device = torch.device("cuda", ctx.local_rank)
+    else:
+        torch.set_num_threads(1)  # as bench workers run: N workers share the cores
+        device = torch.device("cpu")
+    dist.init_process_group(backend, device_id=device if use_cuda else None)
+    sync = (lambda: torch.cuda.synchronize(device)) if use_cuda else (lambda: None)
+    repeat = int(payload["repeat"])
+    ctx.report(phase="compute")
+    figures = _compute_figures(device, sync, repeat)
+    ctx.report(phase="collectives")
+    dist.barrier()
+    if dist.get_world_size() > 1:
+        figures.update(_collective_figures(device, sync, repeat, tuple(payload["sizes"])))
+        ctx.report(phase="overlap")
+        figures["contention"] = _contention(device, sync, repeat)
+        ctx.report(phase="fsdp units")
+        figures["unit_overhead_s"] = _unit_overhead(device, sync, repeat,
+                                                    figures["collectives"])
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, figures)
+    dist.barrier()
+    dist.destroy_process_group()
+    if ctx.rank != 0:
+        return {"rank": ctx.rank}
+    return {"ranks": gathered, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if use_cuda
+            else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+            "torch": torch.__version__}
+
+
+def _median_nested(values: list[Any]) -> Any:
+    """The median over ranks of a figure, key by key for nested ones."""
+    if isinstance(values[0], dict):
+        return {k: _median_nested([v[k] for v in values if k in v]) for k in values[0]}
+    if isinstance(values[0], (int, float)) and not isinstance(values[0], bool):
+        return statistics.median(values)
+    return values[0]
+
+
+def hardware_from(result: dict[str, Any], backend: str, nproc: int) -> Hardware:
+    """The hardware description of a calibration run (rank figures reduced to medians)."""
+    ranks = result["ranks"]
+    fig = {k: _median_nested([r[k] for r in ranks if k in r]) for k in ranks[0]}
+    matmul = fig["matmul_flops"]
+    best = max(v for per in matmul.values() for v in per.values())
+    gpu = backend == "nccl"
+    coll = fig.get("collectives") or {}
+    ag = next(iter(coll.get("all_gather", {}).values()), None)
+    name = "calibrated-" + ("".join(c if c.isalnum() else "-" for c in result["device_name"])
+                            .strip("-").lower()[:40])
+    return Hardware(
+        name=name, peak_flops=best, efficiency=1.0,
+        hbm_bandwidth=fig["memory_bandwidth"], memory_bandwidth=fig["memory_bandwidth"],
+        intra_node_bandwidth=ag["bus_bandwidth"] if ag else 1e9,
+        inter_node_bandwidth=ag["bus_bandwidth"] if ag else 1e9,
+        collective_latency_s=ag["latency_s"] if ag else 0.0, launch_overhead_s=0.0,
+        contention=fig.get("contention", 0.0) or 0.0,
+        matmul_flops=matmul, attention_flops=fig["attention_flops"],
+        op_overhead_s=fig["op_overhead_s"], async_launch=gpu,
+        h2d_bandwidth=fig.get("h2d_bandwidth") or 0.0, collectives=coll,
+        optimizer_s_per_param=fig["optimizer_s_per_param"],
+        unit_overhead_s=fig.get("unit_overhead_s", 0.0) or 0.0,
+        source=(f"fsdp-plan calibrate --backend {backend} --nproc {nproc} on "
+                f"{result['device_name']}, torch {result['torch']}, "
+                f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')}"),
+    )
+
+
+def calibrate(*, nproc: int, backend: str, repeat: int = 5,
+              sizes: tuple[int, ...] = MESSAGE_SIZES, timeout_s: float = 300.0,
+              on_progress: Callable[[int, dict[str, Any]], None] | None = None
+              ) -> tuple[Hardware, dict[str, Any]]:
+    """Run the micro-benchmarks on ``nproc`` workers; the hardware and the raw figures."""
+    from fsdp_plan.measure.launch import launch
+
+    if backend not in ("gloo", "nccl"):
+        raise BadInput(f"--backend {backend!r}: choose gloo (CPU) or nccl (GPUs).")
+    if backend == "nccl":
+        import torch
+        if not torch.cuda.is_available():
+            raise BadInput("--backend nccl needs CUDA GPUs and this machine has none; use "
+                           "--backend gloo to calibrate the CPU.")
+        if nproc > torch.cuda.device_count():
+            raise BadInput(f"--nproc {nproc} is more than this machine's "
+                           f"{torch.cuda.device_count()} GPUs.")
+    results = launch("fsdp_plan.calibrate:calibrate_rank",
+                     {"backend": backend, "repeat": repeat, "sizes": list(sizes)},
+                     nproc=nproc, timeout_s=timeout_s, on_progress=on_progress)
+    return hardware_from(results[0], backend, nproc), results[0]
