@@ -128,8 +128,7 @@ class Evaluator:
     def _block_costs(self) -> dict[str, dict[str, BlockMode]]:
         """Per block and mode: bytes saved and recompute seconds ([Note: recompute time])."""
         hw = self.settings.hardware
-        rate = hw.peak_flops * hw.efficiency if hw else 1.0
-        bandwidth = hw.hbm_bandwidth if hw else 1.0
+        rates = Rates.of(hw, self.analysis.param_dtype) if hw else None
         c = self.composer
         modes = ["full"] if c.ckpt_seg is not None else []
         modes += ["selective"] if c.sel_seg is not None else []
@@ -141,13 +140,18 @@ class Evaluator:
             per: dict[str, BlockMode] = {}
             for mode in modes:
                 level, _ = c.segment_delta(i, mode)
-                flops, traffic = _replayed(c, i, mode)
-                if mode == "full":
-                    flops = self.block_fw.get(b, flops)
-                if traffic is None:  # no op counters: write what it no longer keeps, read as much
-                    traffic = 2.0 * max(0, kept - level)
-                per[mode] = BlockMode(block=b, mode=mode, saved_bytes=max(0, kept - level),
-                                      recompute_s=flops / rate + traffic / bandwidth)
+                saved = max(0, kept - level)
+                flops, ops = _replayed(c, i, mode)
+                if rates is None:
+                    seconds = 0.0
+                elif ops is not None:
+                    seconds = compute_time(rates, ops, flops)
+                else:  # facts without op counters: the FLOPs, and for the memory-bound ops
+                    # the bytes no longer kept, written once and read once
+                    flops = self.block_fw.get(b, flops) if mode == "full" else flops
+                    seconds = (compute_time(rates, None, flops)
+                               + compute_time(rates, {"memory_bytes": 2.0 * saved}, 0.0))
+                per[mode] = BlockMode(block=b, mode=mode, saved_bytes=saved, recompute_s=seconds)
             out[b] = per
         return out
 
@@ -305,31 +309,36 @@ class Evaluator:
         return accumulated_step(step, earlier, s.grad_accum_steps)
 
 
-def _replayed(composer: TimelineComposer, i: int, mode: str) -> tuple[float, float | None]:
-    """FLOPs and memory traffic (bytes) block ``i`` replays in backward in ``mode``: its
-    backward segment in that mode's pass minus the plain pass's (None for the traffic when
-    the analysis has no op-class counters).
+def _replayed(composer: TimelineComposer, i: int, mode: str
+              ) -> tuple[float, dict[str, float] | None]:
+    """FLOPs and op-class counters ([Note: op classes]) block ``i`` replays in backward in
+    ``mode``: its backward segment in that mode's pass minus the plain pass's (None for the
+    counters when the analysis has none).
 
     [Note: recompute time]
     A checkpointed block replays part of its forward inside its unit's backward: all of it
     (``full``) or the ops not saved (``selective``: norms, activations, rotary embeddings,
-    casts: few FLOPs, much memory traffic). Its recompute time is the replayed FLOPs at the
-    machine's sustained rate plus the replayed traffic at HBM bandwidth; both are measured,
-    per block, as the backward the mode's pass ran beyond the plain pass's. The cost of a
-    set of modes is the sum over its blocks."""
+    casts: few FLOPs, much memory traffic). Both are measured per block as the backward its
+    mode's pass ran beyond the plain pass's, and timed like any other ops (cost.py
+    ``compute_time``: matmul FLOPs by shape class, attention, memory-bound bytes, per-op
+    overhead). The cost of a set of modes is the sum over its blocks."""
     _, flops = composer.segment_delta(i, mode, "bw")
     _, plain = composer.segment_delta(i, "none", "bw")
-    traffic = []
+    counters: list[dict[str, float]] = []
     for src, seg in ((composer.plain, composer.plain_seg),
                      ({"full": composer.ckpt, "selective": composer.sel}[mode],
                       {"full": composer.ckpt_seg, "selective": composer.sel_seg}[mode])):
         start, end = seg.bw[i]
-        events = src.events[start + 1:end + 1]
-        ops = [getattr(e, "ops", None) for e in events]
+        ops = [getattr(e, "ops", None) for e in src.events[start + 1:end + 1]]
         if not any(ops):
             return max(0.0, flops - plain), None
-        traffic.append(sum((o or {}).get("memory_bytes", 0.0) for o in ops))
-    return max(0.0, flops - plain), max(0.0, traffic[1] - traffic[0])
+        total: dict[str, float] = {}
+        for o in ops:
+            add_ops(total, o)
+        counters.append(total)
+    delta = {k: max(0.0, counters[1].get(k, 0.0) - counters[0].get(k, 0.0))
+             for k in set(counters[0]) | set(counters[1])}
+    return max(0.0, flops - plain), delta
 
 
 def _exclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
