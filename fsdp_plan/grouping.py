@@ -32,6 +32,9 @@ from fsdp_plan.facts import Analysis, ModuleGraph
 
 ALLOWANCE_MULTIPLES = (2, 4, 8)
 """Memory allowances tried, in units of the largest block's unsharded parameters."""
+MIN_GAIN = 0.01
+"""A grouped cut is offered only when its path weight is this share below one unit per block:
+smaller gains are within the step-time model's error and would only cost search time."""
 _TIE_BREAK_S = 1e-9
 """Among cuts of equal time, prefer smaller units (less memory): 1 ns per block beyond the first
 of a unit, far below any collective's latency."""
@@ -113,9 +116,15 @@ def cut_stack(costs: list[BlockCost], setup: CommSetup, allowance_bytes: float
               ) -> list[list[str]]:
     """The fastest cut of one stack into consecutive groups whose gathered parameters each fit
     ``allowance_bytes`` (a single block always may: it is a unit either way)."""
+    return cut_stack_weighted(costs, setup, allowance_bytes)[0]
+
+
+def cut_stack_weighted(costs: list[BlockCost], setup: CommSetup, allowance_bytes: float
+                       ) -> tuple[list[list[str]], float, float]:
+    """``cut_stack``'s groups, their path weight, and the weight of one unit per block."""
     n = len(costs)
     if n == 0:
-        return []
+        return [], 0.0, 0.0
     dag = nx.DiGraph()
     dag.add_nodes_from(range(n + 1))
     for i in range(n):
@@ -127,7 +136,9 @@ def cut_stack(costs: list[BlockCost], setup: CommSetup, allowance_bytes: float
             dag.add_edge(i, j, weight=unit_seconds(costs[i:j], setup, first=i == 0,
                                                    last=j == n))
     path = nx.shortest_path(dag, 0, n, weight="weight")
-    return [[c.fqn for c in costs[a:b]] for a, b in itertools.pairwise(path)]
+    weight = sum(dag[a][b]["weight"] for a, b in itertools.pairwise(path))
+    per_block = sum(dag[i][i + 1]["weight"] for i in range(n))
+    return [[c.fqn for c in costs[a:b]] for a, b in itertools.pairwise(path)], weight, per_block
 
 
 def stacks(graph: ModuleGraph) -> list[list[str]]:
@@ -143,7 +154,7 @@ def grouped_block_layouts(graph: ModuleGraph, analysis: Analysis, setup: CommSet
                           ) -> dict[int, list[list[str]]]:
     """Block groups chosen by the shortest path for each allowance (``multiple`` x the largest
     block's gathered bytes), keyed by the multiple; layouts equal to one unit per block or to
-    a smaller allowance's are left out."""
+    a smaller allowance's, or less than ``MIN_GAIN`` faster by the path weight, are left out."""
     all_costs = [block_costs(graph, analysis, stack, setup) for stack in stacks(graph)]
     largest = max((c.gather_bytes for costs in all_costs for c in costs), default=0)
     if largest == 0:
@@ -151,7 +162,11 @@ def grouped_block_layouts(graph: ModuleGraph, analysis: Analysis, setup: CommSet
     seen = [[[b] for b in graph.blocks]]
     out: dict[int, list[list[str]]] = {}
     for multiple in multiples:
-        groups = [g for costs in all_costs for g in cut_stack(costs, setup, multiple * largest)]
+        cuts = [cut_stack_weighted(costs, setup, multiple * largest) for costs in all_costs]
+        groups = [g for cut, _, _ in cuts for g in cut]
+        weight, per_block = sum(c[1] for c in cuts), sum(c[2] for c in cuts)
+        if weight > (1 - MIN_GAIN) * per_block:
+            continue  # not worth a layout: see MIN_GAIN
         if groups not in seen:
             seen.append(groups)
             out[multiple] = groups
