@@ -28,7 +28,8 @@ import traceback
 from fsdp_plan.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError
 
 VERBS = {"verify": "fsdp_plan.cli.verify", "bench": "fsdp_plan.cli.bench",
-         "predict": "fsdp_plan.cli.predict", "calibrate": "fsdp_plan.cli.calibrate"}
+         "predict": "fsdp_plan.cli.predict", "calibrate": "fsdp_plan.cli.calibrate",
+         "tune": "fsdp_plan.cli.tune"}
 PLAN_VERB = "fsdp_plan.cli.plan"
 
 

@@ -1,0 +1,67 @@
+"""Time several plans of one model on one set of real workers (start-up paid once).
+
+``fsdp-plan tune`` compares neighbouring plans, so each is built from the same seed, fed the
+same data and timed the same way: warm-up steps excluded, then ``steps`` whole optimizer
+steps (every micro-batch and the optimizer step), each bracketed by a device sync.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fsdp_plan.load import ModelSource
+from fsdp_plan.measure.launch import launch
+from fsdp_plan.plan import Plan
+
+
+def _time_worker(ctx: Any, payload: dict[str, Any]) -> list[list[float]]:
+    """Worker target: for each job, build the planned model and time its steady steps."""
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_plan.load import load_model
+    from fsdp_plan.measure import runtime
+    from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
+
+    device = init_worker_process_group(ctx.local_rank)
+    loaded = load_model(ModelSource(**payload["source"]))
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+
+    results = []
+    for n, job in enumerate(payload["jobs"]):
+        ctx.report(phase="plan", step=n + 1, steps=len(payload["jobs"]))
+        worker = build_planned_worker(loaded, device, policy_source=job["policy_source"],
+                                      mesh=job["mesh"], fsdp_version=2,
+                                      optimizer=job["optimizer"], rank=ctx.rank)
+        times = []
+        for step in range(payload["warmup"] + payload["steps"]):
+            sync()
+            started = time.perf_counter()
+            runtime.micro_batches(worker.model, worker.loaded, worker.inputs, worker.policy)
+            runtime.finish_step(worker.model, worker.optimizer)
+            sync()
+            if step >= payload["warmup"]:
+                times.append(time.perf_counter() - started)
+        results.append(times)
+        del worker
+    dist.destroy_process_group()
+    return results
+
+
+def time_plans(source: ModelSource, plans: list[Plan], *, nproc: int, mesh: tuple[int, int],
+               steps: int, warmup: int, timeout_s: float = 300.0) -> list[list[list[float]]]:
+    """Per plan, per rank, the steady steps' seconds."""
+    from fsdp_plan.measure import runtime
+    from fsdp_plan.measure.worker_setup import source_payload
+    jobs = [{"policy_source": runtime.policy_source(plan), "mesh": list(mesh),
+             "optimizer": plan.optimizer} for plan in plans]
+    payload = {"source": source_payload(source), "jobs": jobs, "steps": steps,
+               "warmup": warmup}
+    per_rank = launch("fsdp_plan.bench.timing:_time_worker", payload, nproc=nproc,
+                      timeout_s=timeout_s)
+    return [[rank_result[i] for rank_result in per_rank] for i in range(len(plans))]

@@ -1,0 +1,137 @@
+"""Tune a plan by measurement: change one knob at a time and keep what beats the noise.
+
+    fsdp-plan tune PLAN.yaml [MODEL] [--nproc N] [--budget-minutes 10] [--steps 8]
+                   [--warmup 2] [--out benchmarks/results]
+
+Benches the plan as the baseline, then each round the planner's neighbouring plans (one knob
+changed: prefetch depth, unit layout, checkpointed blocks, reshard of the last block) that
+fit the budget, predicted fastest first, on one set of workers with the same seed and data.
+A change is kept only when it beats the best by more than the noise measured on the
+baseline. Writes the best plan, the rollback plan (the baseline) and a result JSON with every
+measurement, which plan and which PyTorch produced it, under ``--out``; prints a table of
+what each knob did. Exit 0 when tuning ran, 2 for bad input, 1 when a worker failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+from fsdp_plan.errors import BadInput
+
+DEFAULT_OUT = os.path.join("benchmarks", "results")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN.yaml", help="the baseline plan")
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="the model file (default: the source recorded in the plan)")
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="local worker processes, 1..64 (default: %(default)s)")
+    parser.add_argument("--budget-minutes", type=float, default=10.0,
+                        help="stop starting new rounds after this many minutes (default: "
+                        "%(default)s)")
+    parser.add_argument("--steps", type=int, default=8,
+                        help="timed steady steps per plan, 4..1000 (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="warm-up steps per plan, excluded, 1..100 (default: %(default)s)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="folder for the best and rollback plans and the result JSON "
+                        "(default: %(default)s)")
+    parser.add_argument("--hardware", default=None, metavar="HW.yaml",
+                        help="hardware file (fsdp-plan calibrate) whose figures order the "
+                        "proposals (default: the plan's GPU preset)")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 1 <= args.nproc <= 64:
+        raise BadInput(f"--nproc {args.nproc} is outside 1..64 local workers.")
+    if not (math.isfinite(args.budget_minutes) and args.budget_minutes > 0):
+        raise BadInput(f"--budget-minutes must be a positive number, got {args.budget_minutes}.")
+    if not 4 <= args.steps <= 1000:
+        raise BadInput(f"--steps {args.steps} is outside 4..1000 (the noise needs quartiles).")
+    if not 1 <= args.warmup <= 100:
+        raise BadInput(f"--warmup {args.warmup} is outside 1..100.")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise BadInput(f"--out {args.out!r} is a file, not a folder.")
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    from fsdp_plan.api import analyze_loaded
+    from fsdp_plan.bench.results import plan_hash
+    from fsdp_plan.bench.timing import time_plans
+    from fsdp_plan.measure import runtime
+    from fsdp_plan.outputs import atomic_write_all
+    from fsdp_plan.plan import plan_to_yaml, read_plan
+    from fsdp_plan.tune import tune
+
+    plan = read_plan(args.plan)
+    loaded = runtime.load_planned_model(plan, args.model, args.plan)
+    facts = analyze_loaded(loaded, param_dtype=plan.mixed_precision.get("param_dtype")
+                           or "float32").facts
+    replicate, shard = plan.mesh.replicate, plan.mesh.shard
+    mesh = (1, args.nproc) if replicate == 1 else (args.nproc // shard, shard)
+    if mesh[0] * mesh[1] != args.nproc:
+        raise BadInput(f"--nproc {args.nproc} cannot hold the plan's HSDP shard groups of "
+                       f"{shard}; use a multiple of {shard}.")
+
+    def progress(message: str) -> None:
+        if args.format == "table":
+            print(f"tune: {message}", file=sys.stderr, flush=True)
+
+    def bench(plans):
+        return time_plans(loaded.source, plans, nproc=args.nproc, mesh=mesh, steps=args.steps,
+                          warmup=args.warmup)
+    hardware = None
+    if args.hardware:
+        from fsdp_plan.cost import hardware_for, read_hardware_file
+        hardware = hardware_for(plan.gpu or "h100", read_hardware_file(args.hardware),
+                                where=f"--hardware {args.hardware!r}")
+    result = tune(plan, facts, bench, budget_s=args.budget_minutes * 60, hardware=hardware,
+                  progress=progress)
+    import torch
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    best_path = os.path.join(args.out, f"tune-{stamp}-best.yaml")
+    rollback_path = os.path.join(args.out, f"tune-{stamp}-rollback.yaml")
+    record: dict[str, Any] = {
+        "fsdp_plan_tune_version": 1, "plan": os.path.abspath(args.plan),
+        "plan_hash": plan_hash(plan.to_dict()), "torch": torch.__version__,
+        "nproc": args.nproc, "mesh": list(mesh), "noise": result.noise,
+        "rounds": result.rounds, "stopped": result.stopped,
+        "baseline_p50_s": result.baseline.p50_s, "best_p50_s": result.best.p50_s,
+        "best_plan": best_path, "rollback_plan": rollback_path,
+        "trials": [{**t.row(), "plan_hash": plan_hash(t.plan.to_dict()),
+                    "step_times_s": t.step_times_s} for t in result.trials]}
+    os.makedirs(args.out, exist_ok=True)
+    atomic_write_all([(best_path, plan_to_yaml(result.best.plan)),
+                      (rollback_path, plan_to_yaml(plan)),
+                      (os.path.join(args.out, f"tune-{stamp}.json"), json.dumps(record, indent=2))])
+    if args.format == "json":
+        print(json.dumps(record, indent=2))
+    else:
+        print(format_table(record))
+    return 0
+
+
+def format_table(record: dict[str, Any]) -> str:
+    from tabulate import tabulate
+    rows = [[t["knob"], t["change"],
+             "-" if t["predicted_step_s"] is None else f"{t['predicted_step_s']:.4g}",
+             f"{t['p50_step_s']:.4g}", f"{t['p99_step_s']:.4g}", t["slowest_rank"],
+             "kept" if t["kept"] else ""] for t in record["trials"]]
+    gain = 1 - record["best_p50_s"] / record["baseline_p50_s"]
+    return "\n".join([
+        tabulate(rows, headers=["knob", "change", "predicted s", "P50 s (slowest rank)",
+                                "P99 s", "slowest rank", ""]),
+        "",
+        f"baseline {record['baseline_p50_s']:.4g} s -> best {record['best_p50_s']:.4g} s "
+        f"({gain:+.1%}); noise {record['noise']:.1%}; {record['rounds']} round(s), stopped: "
+        f"{record['stopped']}.",
+        f"best plan: {record['best_plan']}", f"rollback plan: {record['rollback_plan']}"])

@@ -1,0 +1,103 @@
+"""``fsdp-plan tune``: the loop's decisions on synthetic timings, and a real gloo run that
+improves on a deliberately bad baseline."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fsdp_plan.cli.main import main
+from fsdp_plan.facts import ModelFacts
+from fsdp_plan.plan import Plan, read_plan
+from fsdp_plan.tune import NOISE_FLOOR, neighbours, tune
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+FACTS = Path(ROOT) / "tests" / "fixtures" / "tiny_llama_facts.json"
+
+
+def bad_baseline(tmp_path) -> str:
+    """Root only, no prefetch, every block fully checkpointed: recomputation for nothing."""
+    path = tmp_path / "baseline.yaml"
+    assert main([LLAMA, "--model-arg", "size=tiny", "--mem", "1GB", "--world-size", "2",
+                 "--seq-len", "64", "--batch-size", "2", "--strategy", "full", "--format",
+                 "json", "--plan", str(path)]) == 0
+    doc = yaml.safe_load(path.read_text())
+    doc["units"] = [{"modules": [""], "reshard_after_forward": False}]
+    doc["activation_checkpointing"] = [f"layers.{i}" for i in range(4)]
+    doc["forward_prefetch"], doc["backward_prefetch"] = {}, {}
+    doc.pop("predicted")
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def facts() -> ModelFacts:
+    return ModelFacts.from_json(FACTS.read_text())
+
+
+def test_neighbours_change_one_knob(tmp_path, facts, capsys):
+    plan = read_plan(bad_baseline(tmp_path))
+    plan.model["batch_size"] = 2
+    found = {(knob, change) for knob, change, _ in neighbours(plan, facts)}
+    assert ("unit layout", "root only -> one unit per block") in found
+    assert ("checkpointing", "4 -> 3 blocks") in found
+    assert ("checkpointing", "4 -> 0 blocks") in found
+    for _, _, other in neighbours(plan, facts):
+        assert other.to_dict() != plan.to_dict()
+
+
+def synthetic_bench(seconds_of):
+    """A bench whose step time is ``seconds_of(plan)`` on both ranks, with 1% jitter."""
+    def bench(plans: list[Plan]):
+        out = []
+        for plan in plans:
+            s = seconds_of(plan)
+            out.append([[s * (1 + 0.01 * (i % 3 - 1)) for i in range(8)]] * 2)
+        return out
+    return bench
+
+
+def test_the_loop_keeps_what_beats_the_noise_and_stops(tmp_path, facts, capsys):
+    plan = read_plan(bad_baseline(tmp_path))
+
+    def seconds(p: Plan) -> float:  # each checkpointed block costs 10%, units are free
+        return 1.0 + 0.1 * len(p.activation_checkpointing)
+    result = tune(plan, facts, synthetic_bench(seconds), budget_s=600, max_rounds=10)
+    assert result.baseline.p50_s == pytest.approx(1.4)
+    assert result.best.p50_s == pytest.approx(1.0)
+    assert result.best.plan.activation_checkpointing == []
+    assert result.noise >= NOISE_FLOOR
+    assert [t.kept for t in result.trials].count(True) >= 2  # the baseline and a change
+    assert result.stopped.startswith("no ")
+
+
+def test_a_change_inside_the_noise_is_not_kept(tmp_path, facts):
+    plan = read_plan(bad_baseline(tmp_path))
+
+    def seconds(p: Plan) -> float:  # 1% better without checkpointing: below the 2% floor
+        return 1.0 - 0.0025 * (4 - len(p.activation_checkpointing))
+    result = tune(plan, facts, synthetic_bench(seconds), budget_s=600)
+    assert result.best is result.baseline
+    assert [t.kept for t in result.trials].count(True) == 1
+
+
+@pytest.mark.slow
+def test_tune_improves_a_bad_baseline_on_gloo(tmp_path, capsys):
+    baseline = bad_baseline(tmp_path)
+    out = tmp_path / "results"
+    capsys.readouterr()
+    assert main(["tune", baseline, "--nproc", "2", "--steps", "6", "--warmup", "1",
+                 "--budget-minutes", "4", "--out", str(out), "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["best_p50_s"] < record["baseline_p50_s"]
+    assert any(t["kept"] and t["knob"] != "baseline" for t in record["trials"])
+    assert read_plan(record["rollback_plan"]).to_dict() == read_plan(baseline).to_dict()
+    best = read_plan(record["best_plan"])
+    assert best.to_dict() != read_plan(baseline).to_dict()
+    assert record["torch"] and record["plan_hash"]
+    assert len(list(out.glob("tune-*.json"))) == 1
