@@ -5,7 +5,7 @@
 For each plan: the CUDA allocator's steady-step peak of rank 0 at the plan's real world size
 (fake process group, real CUDA tensors; ``measure.allocator``), next to FSDPMemTracker's
 figure (``measure.memory``) and the planner's prediction; then one real NCCL benchmark at
-world 1 (``fsdp-plan bench --nproc 1``). Writes ``gpu-check-<device>-<time>.json`` with the
+world 1 (``bench.timing``, the library behind ``fsdp-plan tune``). Writes ``gpu-check-<device>-<time>.json`` with the
 device name. Needs a GPU; nothing in the tests runs it.
 """
 
@@ -52,6 +52,23 @@ def check_plan(path: str) -> dict[str, Any]:
             "seconds": round(gpu.seconds + (tracker.seconds if tracker else 0.0), 2)}
 
 
+def time_plan(path: str) -> dict[str, Any]:
+    """One real NCCL run of the plan at world 1 (``bench.timing``): measured median step time
+    beside the prediction. At world 1 there is no communication to wait for, so it checks
+    the compute clock; the plan's own world size needs ``fsdp-plan bench`` under torchrun."""
+    import statistics
+
+    from fsdp_plan.bench.timing import time_plans
+    plan = read_plan(path)
+    loaded = runtime.load_planned_model(plan, None, path)
+    print(f"gpu_check: timing {path} on one GPU", file=sys.stderr, flush=True)
+    times = time_plans(loaded.source, [plan], nproc=1, mesh=(1, 1), steps=10, warmup=3)[0][0]
+    measured = statistics.median(times)
+    predicted = (plan.predicted or {}).get("step_time_s")
+    return {"plan": path, "nproc": 1, "step_times_s": times, "median_step_s": measured,
+            "predicted_step_s_at_plan_world": predicted}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.gpu_check")
     parser.add_argument("plans", nargs="+", metavar="PLAN.yaml")
@@ -74,14 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: allocator peak for {path}", file=sys.stderr, flush=True)
         checks.append(check_plan(path))
         print(json.dumps(checks[-1]), flush=True)
-    codes = []
-    if not args.no_bench:
-        from fsdp_plan.cli.main import main as cli
-        for path in args.plans:
-            codes.append(cli(["bench", path, "--nproc", "1", "--steps", "10", "--out", args.out]))
+    timings = [] if args.no_bench else [time_plan(path) for path in args.plans]
     doc = {"device_name": device_name(), "torch": torch.__version__, "git": git_commit(),
            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checks": checks,
-           "bench_exit_codes": codes}
+           "timings": timings}
     stem = device_name().replace(" ", "-").replace("/", "-")
     path = os.path.join(args.out, f"gpu-check-{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(args.out, exist_ok=True)

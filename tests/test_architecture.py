@@ -1,0 +1,63 @@
+"""The package's shape (issue 8): no import cycle, the command line on top of the library."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+
+PACKAGE = Path(__file__).resolve().parent.parent / "fsdp_plan"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, *, module_level_only: bool) -> set[str]:
+    """fsdp_plan modules ``path`` imports (``from fsdp_plan.x import y`` names ``fsdp_plan.x``,
+    or ``fsdp_plan.x.y`` when that is a module)."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_plan"):
+            found.add(node.module)
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                if (PACKAGE.parent / candidate.replace(".", "/")).with_suffix(".py").exists():
+                    found.add(candidate)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("fsdp_plan")}
+    return found
+
+
+def graph(module_level_only: bool) -> nx.DiGraph:
+    g = nx.DiGraph()
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        g.add_node(name)
+        for target in imports(path, module_level_only=module_level_only):
+            if target != name and not name.startswith(target + "."):
+                g.add_edge(name, target)
+    # importing a submodule imports its package first: that is not a dependency on it
+    return g
+
+
+def test_module_level_imports_have_no_cycle():
+    cycles = list(nx.simple_cycles(graph(module_level_only=True)))
+    assert not cycles, cycles[:5]
+
+
+def test_no_module_outside_the_command_line_imports_it():
+    """The command line parses and prints; the library (api.py and below) never calls it."""
+    g = graph(module_level_only=False)
+    offenders = [(a, b) for a, b in g.edges
+                 if b.startswith("fsdp_plan.cli") and not a.startswith("fsdp_plan.cli")]
+    assert not offenders, offenders
+
+
+def test_the_plan_command_uses_the_library_api():
+    assert "fsdp_plan.api" in imports(PACKAGE / "cli" / "plan.py", module_level_only=False)
+    assert "fsdp_plan.api" in imports(PACKAGE / "cli" / "predict.py", module_level_only=False)
