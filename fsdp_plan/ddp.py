@@ -446,8 +446,26 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
     memory = ddp_memory(graph, analysis, precision, optimizer, config)
     collectives = {"all_gather": 0, "reduce_scatter": 0,
                    "all_reduce": len(buckets) + (1 if config.find_unused_parameters else 0)}
+    if buffer_broadcasts(graph):
+        collectives["broadcast"] = buffer_broadcasts(graph)
     return DDPEvaluation(config=config, buckets=buckets, memory=memory, time=time,
                          collectives=collectives, unused=unused)
+
+
+def buffer_broadcasts(graph: ModuleGraph) -> int:
+    """Broadcasts DDP issues in each forward to keep buffers equal (``broadcast_buffers``,
+    its default): ``_broadcast_coalesced`` sends one per tensor type in chunks of 250 MiB, so
+    one for floating buffers and one more for batch norm's int64 ``num_batches_tracked``
+    (checked on gloo: 1 for the Llama's rotary table, 2 for the ResNet, none without buffers)."""
+    if not graph.total_buffer_bytes:
+        return 0
+    batch_norm = any("BatchNorm" in m.class_name and m.buffer_bytes
+                     for m in graph.modules.values())
+    floating = graph.total_buffer_bytes > (8 * sum(1 for m in graph.modules.values()
+                                                   if "BatchNorm" in m.class_name
+                                                   and m.buffer_bytes))
+    chunks = max(1, -(-graph.total_buffer_bytes // (250 * MIB)))
+    return (chunks if floating else 0) + (1 if batch_norm else 0)
 
 
 def config_options(graph: ModuleGraph, analysis: Analysis, *, compress: bool,

@@ -99,6 +99,9 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
                         "ranks_agree": all(r["counts"] == counts for r in ranks)},
         "step_time": {**_step_times(ranks), "predicted_s": predicted.get("step_time_s")},
         "memory": {**memory, "predicted_bytes": predicted.get("peak_bytes")},
+        **({"ddp_buckets": {"measured": ranks[0]["ddp_buckets"],
+                            "predicted": predicted.get("buckets")}}
+           if ranks[0].get("ddp_buckets") is not None else {}),
         "comm": {"rank0": comm, "max_exposed_s": worst["comm"].get("exposed_s"),
                  "max_exposed_rank": worst["rank"],
                  "per_rank": [{"rank": r["rank"], **r["comm"]} for r in ranks],
@@ -273,6 +276,11 @@ def check_prediction(result: dict[str, Any]) -> list[str]:
                 for k in wrong))
     if not coll["ranks_agree"]:
         problems.append("ranks issued different collectives")
+    buckets = result.get("ddp_buckets") or {}
+    if buckets.get("predicted") is not None and buckets["measured"] != buckets["predicted"]:
+        problems.append(f"DDP built {len(buckets['measured'])} buckets of "
+                        f"{buckets['measured']} bytes, the plan predicts "
+                        f"{len(buckets['predicted'])} of {buckets['predicted']}")
     return problems
 
 
@@ -312,6 +320,13 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
                                                      ""]),
              "", tabulate(rows, headers=["figure", "measured", "predicted"])]
     parts.append(f"memory: {mem.get('source')}")
+    if result.get("ddp_buckets"):
+        b = result["ddp_buckets"]
+        same = b["measured"] == b.get("predicted")
+        parts.append(f"DDP buckets after the rebuild: {len(b['measured'])} measured, "
+                     f"{len(b.get('predicted') or [])} predicted: "
+                     + ("equal, byte for byte" if same else f"DIFFER: measured {b['measured']}, "
+                        f"predicted {b.get('predicted')}"))
     if not str(run.get("device", "")).startswith("cuda"):
         parts.append(f"note: predicted step time and exposed communication are for the plan's "
                      f"GPU ({result['plan'].get('gpu', 'see the plan')}); gloo on CPU blocks "

@@ -142,7 +142,8 @@ def finish(args: argparse.Namespace, prepared: Prepared, ranks: list[dict[str, A
 
     if ranks and ranks[0].get("peak_bytes") is not None:
         memory = {"peak_bytes": max(r["peak_bytes"] for r in ranks),
-                  "source": "torch.cuda.max_memory_allocated over the timed steps"}
+                  "source": ranks[0].get("peak_source")
+                  or "torch.cuda.max_memory_allocated over the timed steps"}
     else:
         memory = _cpu_memory(prepared)
     result = results.build_result(prepared, ranks, memory)

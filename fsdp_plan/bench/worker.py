@@ -127,6 +127,14 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
         _sync(device)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    peak_source, ddp_buckets = None, None
+    if hasattr(model, "_get_ddp_logging_data"):  # a DDP plan: the buckets DDP really built
+        from fsdp_plan.measure.ddp import buckets_in_use, peak_of_step
+        ddp_buckets = buckets_in_use(model)
+        if device.type != "cuda":  # no allocator peak: MemTracker over one more steady step
+            peak, _ = peak_of_step(model, optimizer, micro_batches, inputs)
+            peak_source = ("MemTracker over a steady step of this real gloo run (a DDP rank "
+                           "holds the whole model at any world size)")
 
     begin("profile")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -147,7 +155,8 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     ctx.report(phase="done", step=total, steps=total)
 
     mine = {"rank": ctx.rank, "counts": counts, "step_times_s": times, "peak_bytes": peak,
-            "comm": comm, "trace": trace_path, "device": str(device)}
+            "comm": comm, "trace": trace_path, "device": str(device),
+            "peak_source": peak_source, "ddp_buckets": ddp_buckets}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     dist.barrier()

@@ -138,7 +138,7 @@ def format_report(data: dict[str, Any]) -> str:
                  else _cell(data["measured_peak_bytes"] - data["predicted_peak_bytes"])])
     mesh = data["mesh"]
     head = (f"verify {data['model']} at world size {data['world_size']} (mesh "
-            f"{mesh['replicate']}x{mesh['shard']}) on the fake process group "
+            f"{mesh['replicate']}x{mesh['shard']}) {data.get('where', 'on the fake process group')} "
             f"({data['measured']['seconds']:.1f} s)")
     legend = ("breakdown at the peak (measured: FSDPMemTracker; Temp counts as activations, "
               "all-gather/reduce-scatter buffers as comm_buffers)")
@@ -172,8 +172,14 @@ def run(args: argparse.Namespace) -> int:
     policy = runtime.load_policy(runtime.policy_source(plan))
     from fsdp_plan.load import user_code_output_to_stderr
     with user_code_output_to_stderr():  # the model's print()s stay off the report
-        measured = measure_peak(loaded, plan, policy)
+        if plan.strategy == "ddp":  # a real one-rank run with MemTracker (measure/ddp.py)
+            from fsdp_plan.measure.ddp import measure_ddp_peak
+            measured = measure_ddp_peak(loaded, plan)
+        else:
+            measured = measure_peak(loaded, plan, policy)
     data = gather_data(plan, measured, args.tolerance, fresh, fresh_note)
+    if plan.strategy == "ddp":
+        data["where"] = "on a real one-rank gloo run (MemTracker)"
     if args.format == "json":
         print(json.dumps(data, indent=2))
     else:

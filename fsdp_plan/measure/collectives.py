@@ -58,6 +58,7 @@ _NORMALISED = {
     "_c10d_functional.reduce_scatter_tensor_coalesced": "reduce_scatter",
     "c10d.allreduce_": "all_reduce",
     "c10d.allreduce_coalesced_": "all_reduce",
+    "c10d.broadcast_": "broadcast",  # DDP keeps buffers equal with a broadcast per forward
     "c10d_functional.all_reduce": "all_reduce",
     "c10d_functional.all_reduce_coalesced": "all_reduce",
     "_c10d_functional.all_reduce": "all_reduce",

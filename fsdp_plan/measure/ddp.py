@@ -41,12 +41,6 @@ def _bucket_sizes(ddp: Any, key: str = "rebuilt_bucket_sizes") -> list[int]:
     return [int(x) for x in text.replace(" ", "").split(",") if x]
 
 
-def _peak_total(tracker: Any) -> int:
-    """The tracker's peak total over devices (one device here)."""
-    snapshot = tracker.get_tracker_snapshot("peak")
-    return int(max((by_kind.get("Total", 0) for by_kind in snapshot.values()), default=0))
-
-
 def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[str, Any]:
     """One job on this rank: see the module docstring for the steps."""
     import torch
@@ -57,6 +51,7 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
     from fsdp_plan.measure.collectives import CollectiveCounter
 
     model = runtime.build_real_model(loaded, device)
+    dtype = getattr(torch, job["autocast"]) if job.get("autocast") else None
     if job.get("policy_source"):
         ddp = runtime.load_policy(job["policy_source"]).apply_ddp(model)
     else:
@@ -66,13 +61,20 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
     src = loaded.source
     inputs = runtime.to_device(loaded.make_inputs(src.batch_size, src.seq_len), device)
 
+    def forward_backward() -> None:
+        # a DDP plan computing below float32 runs its forward under autocast (apply_ddp's note)
+        args, kwargs = inputs
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = loaded.compute_loss(ddp(*args, **kwargs))
+        loss.backward()
+
     def step() -> None:
-        runtime.forward_backward(ddp, loaded, inputs)
+        forward_backward()
         runtime.finish_step(ddp, optimizer)
     step()
     step()  # its forward rebuilds the buckets
     with CollectiveCounter() as counter:
-        runtime.forward_backward(ddp, loaded, inputs)
+        forward_backward()
     runtime.finish_step(ddp, optimizer)
     # DDP's logger records the rebuilt buckets at the forward after the rebuild
     first = _bucket_sizes(ddp, "bucket_sizes")
@@ -85,9 +87,10 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    peak = _peak_total_of_step(ddp, optimizer, loaded, inputs) if job.get("memory") else None
+    peak, breakdown = (peak_of_step(ddp, optimizer, forward_backward, inputs) if job.get("memory")
+                       else (None, {}))
     return {"rebuilt_bucket_sizes": rebuilt, "bucket_sizes": first, "counts": counter.counts(),
-            "step_times_s": times, "peak_bytes": peak}
+            "step_times_s": times, "peak_bytes": peak, "peak_breakdown": breakdown}
 
 
 def _ddp_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -111,26 +114,46 @@ def _ddp_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
     return results
 
 
-def _peak_total_of_step(ddp: Any, optimizer: Any, loaded: Any, inputs: Any) -> int:
+TRACKER_TO_PLAN = {"Parameter": "params", "Gradient": "gradient_buckets",
+                   "Optstate": "optimizer_states", "Activation": "activations",
+                   "Temp": "activations", "Buffer": "buffers", "Other": "inputs"}
+"""``MemTracker``'s categories -> the DDP prediction's breakdown keys."""
+
+
+def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = None
+                 ) -> tuple[int, dict[str, int]]:
     """Peak of one steady step (optimizer step, forward, backward, optimizer step) under
-    ``MemTracker``. Registered first, while the gradients exist: the model, its gradients
-    (under ``gradient_as_bucket_view`` views of DDP's bucket storage, which the reducer
-    allocated before and which the tracker would otherwise never see), the optimizer states
-    and the inputs."""
+    ``MemTracker``, and its categories at that peak (``TRACKER_TO_PLAN`` keys).
+
+    Registered first, while the gradients exist: the model, its gradients (under
+    ``gradient_as_bucket_view`` views of DDP's bucket storage, which the reducer allocated
+    before and the tracker would otherwise never see), the optimizer states and the inputs."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from fsdp_plan.measure import runtime
-
-    runtime.forward_backward(ddp, loaded, inputs)
+    forward_backward()
     tracker = MemTracker()
-    args, kwargs = inputs
-    tensors = [t for t in (*args, *kwargs.values()) if hasattr(t, "untyped_storage")]
+    tensors = []
+    if inputs is not None:
+        args, kwargs = inputs
+        tensors = [t for t in (*args, *kwargs.values()) if hasattr(t, "untyped_storage")]
     tracker.track_external(ddp, *([optimizer] if optimizer is not None else []), *tensors)
     with tracker:
-        runtime.finish_step(ddp, optimizer)
-        runtime.forward_backward(ddp, loaded, inputs)
-        runtime.finish_step(ddp, optimizer)
-    return _peak_total(tracker)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        forward_backward()
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    snapshot = tracker.get_tracker_snapshot("peak")
+    by_device = max(snapshot.values(), key=lambda d: d.get("Total", 0))
+    breakdown: dict[str, int] = {}
+    for category, nbytes in by_device.items():
+        name = str(getattr(category, "value", category))
+        if name != "Total" and nbytes:
+            key = TRACKER_TO_PLAN.get(name, name)
+            breakdown[key] = breakdown.get(key, 0) + int(nbytes)
+    return int(by_device.get("Total", 0)), breakdown
 
 
 def measure_ddp_many(jobs: list[dict[str, Any]], *, nproc: int = 2,
@@ -151,3 +174,49 @@ def measure_ddp_many(jobs: list[dict[str, Any]], *, nproc: int = 2,
     per_rank = launch("fsdp_plan.measure.ddp:_ddp_worker", {"jobs": prepared}, nproc=nproc,
                       timeout_s=timeout_s)
     return [[rank_result[i] for rank_result in per_rank] for i in range(len(jobs))]
+
+
+MAX_REAL_RUN_BYTES = 8 << 30
+"""The largest predicted peak ``verify`` measures with a real CPU run (a DDP rank holds the
+whole model: a bigger one belongs on a GPU, ``fsdp-plan bench``)."""
+
+
+def measure_ddp_peak(loaded: Any, plan: Any, *, timeout_s: float = 600.0) -> Any:
+    """A DDP plan's per-rank steady-step peak: a real gloo run of one rank with ``MemTracker``
+    (see [Note: DDP peak on a CPU]). Returns ``fsdp_plan.measure.memory.MeasuredMemory``."""
+    from fsdp_plan.errors import BadInput
+    from fsdp_plan.measure import runtime
+    from fsdp_plan.measure.memory import MeasuredMemory
+    from fsdp_plan.sizes import format_bytes
+
+    expected = (plan.predicted or {}).get("peak_bytes") or 0
+    if expected > MAX_REAL_RUN_BYTES:
+        raise BadInput(f"verify measures a DDP plan with a real run of one rank on this CPU (a "
+                       f"DDP rank holds the whole model whatever the world size), and this plan "
+                       f"predicts {format_bytes(expected)}, more than the "
+                       f"{format_bytes(MAX_REAL_RUN_BYTES)} verify allows itself; measure it on "
+                       "a GPU with fsdp-plan bench PLAN.yaml.")
+    param_dtype = (plan.mixed_precision or {}).get("param_dtype") or "float32"
+    autocast = None if param_dtype in ("float32", "fp32", "float64") else {
+        "bf16": "bfloat16", "fp16": "float16"}.get(param_dtype, param_dtype)
+    started = time.perf_counter()
+    job = {"source": loaded.source, "policy_source": runtime.policy_source(plan),
+           "optimizer": plan.optimizer, "memory": True, "autocast": autocast}
+    result = measure_ddp_many([job], nproc=1, timeout_s=timeout_s)[0][0]
+    notes = [("measured with MemTracker on a real one-rank gloo run of the model (a DDP "
+              "rank's memory does not depend on the world size)")]
+    if autocast:
+        notes.append(f"the forward ran under torch.autocast({autocast}), as apply_ddp asks of "
+                     "a plan computing below float32")
+    return MeasuredMemory(peak_bytes=int(result["peak_bytes"]),
+                          breakdown=dict(result["peak_breakdown"]), step_start_bytes=0,
+                          world_size=1, mesh=(1, 1), seconds=time.perf_counter() - started,
+                          notes=notes)
+
+
+def buckets_in_use(ddp: Any) -> list[int]:
+    """Bytes of each bucket DDP uses after its first iteration (read after the third
+    forward): the rebuilt ones, or the first bucketing when it never rebuilds."""
+    data = ddp._get_ddp_logging_data()
+    return _bucket_sizes(ddp) if data.get("has_rebuilt_buckets") else _bucket_sizes(
+        ddp, "bucket_sizes")

@@ -70,11 +70,16 @@ def build_planned_worker(loaded: LoadedModel, device: torch.device, *, policy_so
     optimizer and this rank's inputs (seeded by rank, as data-parallel ranks see different
     data)."""
     policy = runtime.load_policy(policy_source)
-    replicate, shard = runtime.mesh_shape(mesh)
-    device_mesh = runtime.make_mesh(device.type, replicate, shard)
-    model = runtime.build_real_model(loaded, device)
-    model = runtime.apply_plan(model, policy, device_mesh, fsdp_version=int(fsdp_version),
-                               device=device)
+    if (policy.PLAN or {}).get("strategy") == "ddp":  # DistributedDataParallel: no mesh
+        model = runtime.build_real_model(loaded, device)
+        model = policy.apply_ddp(model, device_ids=[device.index] if device.type == "cuda"
+                                 else None)
+    else:
+        replicate, shard = runtime.mesh_shape(mesh)
+        device_mesh = runtime.make_mesh(device.type, replicate, shard)
+        model = runtime.build_real_model(loaded, device)
+        model = runtime.apply_plan(model, policy, device_mesh, fsdp_version=int(fsdp_version),
+                                   device=device)
     opt = runtime.make_optimizer(optimizer, model.parameters())
     torch.manual_seed(1 + rank)
     src = loaded.source
