@@ -53,6 +53,31 @@ MODES = [
 ]
 MODES_QUICK = [(LLAMA, ["size=8b", "n_layers=4"], "2", "2048", "8", "selective"),
                (LLAMA, ["size=8b", "n_layers=4"], "2", "2048", "8", "mixed")]
+# Grouped units (issue 10.2): blocks in fully_shard groups of 4, alone or with mixed modes.
+BERT_LARGE = os.path.join(ROOT, "examples", "hf", "bert_large.json")
+MODES += [(VIT, ["size=huge"], "32", "1", "8", "grouped"),
+          (VIT, ["size=huge"], "32", "1", "8", "grouped+mixed"),
+          (BERT_LARGE, [], "8", "512", "8", "grouped"),
+          (BERT_LARGE, [], "1", "512", "8", "grouped+mixed")]
+MODES_QUICK += [(VIT, ["size=base"], "8", "1", "8", "grouped+mixed")]
+
+
+def grouped_units(units: list[dict], blocks: list[str], size: int = 4) -> list[dict]:
+    """The plan's one-block units merged into units of ``size`` consecutive blocks."""
+    out: list[dict] = []
+    pending: list[str] = []
+    for unit in units + [{"modules": [None]}]:
+        mods = unit["modules"]
+        if len(mods) == 1 and mods[0] in blocks and not unit.get("mixed_precision"):
+            pending.append(mods[0])
+            if len(pending) < size:
+                continue
+        if pending:
+            out.append({"modules": pending, "reshard_after_forward": True})
+            pending = []
+        if mods[0] is not None and mods[0] not in blocks:
+            out.append(unit)
+    return out
 
 
 def modes_for(blocks: list[str], kind: str) -> dict[str, str]:
@@ -60,6 +85,8 @@ def modes_for(blocks: list[str], kind: str) -> dict[str, str]:
     the last quarter not checkpointed."""
     if kind == "selective":
         return {b: "selective" for b in blocks}
+    if kind == "grouped":
+        return {}
     n = len(blocks)
     return {**{b: "full" for b in blocks[: n // 4]},
             **{b: "selective" for b in blocks[n // 4: 3 * n // 4]}}
@@ -73,13 +100,18 @@ def run_modes(cases: list[tuple]) -> None:
     from fsdp_plan.plan import Plan
 
     for model, margs, batch, seq, world, kind in cases:
+        hf = {"kind": "hf-config", "entry": "from_config"} if model.endswith(".json") else {}
         source = ModelSource(source=model, args=parse_model_args(margs), batch_size=int(batch),
-                             seq_len=int(seq))
+                             seq_len=int(seq), **hf)
         result = make_plan(PlanRequest(source=source, budget_bytes=10**15, world_size=int(world),
                                        strategy="full"))
         doc = result.plan.to_dict()
         doc.update(fsdp_plan_version=2, selective_ops=list(DEFAULT_SELECTIVE_OPS),
-                   activation_checkpointing=modes_for(result.facts.graph.blocks, kind))
+                   activation_checkpointing=modes_for(result.facts.graph.blocks,
+                                                      kind.removeprefix("grouped+")))
+        if kind.startswith("grouped"):
+            doc.update(units=grouped_units(doc["units"], result.facts.graph.blocks),
+                       forward_prefetch={}, backward_prefetch={})
         plan = Plan.from_dict(doc)
         pred = predict(plan, result.facts).predicted["peak_bytes"]
         measured = measure_peak(result.loaded, plan,
