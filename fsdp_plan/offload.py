@@ -137,7 +137,9 @@ def best_offloaded(evaluator: Evaluator, candidates: list[Candidate], limit: int
     """The fastest fitting offloaded variant among the ``limit`` smallest-peak candidates (and,
     for each, fewer checkpointed blocks: offload frees room that checkpointing bought), else
     the one with the smallest device peak; None without candidates."""
-    pool = sorted(candidates, key=lambda c: c.memory.peak_bytes)[:limit]
+    # DDP keeps whole replicas (no CPUOffloadPolicy); FSDP candidates only.
+    pool = sorted((c for c in candidates if c.strategy != "ddp"),
+                  key=lambda c: c.memory.peak_bytes)[:limit]
     tried: list[OffloadCandidate] = []
     for cand in pool:
         tried.append(with_offload(evaluator, cand))
