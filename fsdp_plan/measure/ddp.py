@@ -137,6 +137,12 @@ def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = 
         args, kwargs = inputs
         tensors = [t for t in (*args, *kwargs.values()) if hasattr(t, "untyped_storage")]
     tracker.track_external(ddp, *([optimizer] if optimizer is not None else []), *tensors)
+    # A GPU's AdamW takes the foreach path by default (one gradient-sized temporary, which the
+    # model predicts); on a CPU it loops per tensor. Measure the GPU's optimizer step.
+    saved = [group.get("foreach") for group in optimizer.param_groups] if optimizer else []
+    for group in optimizer.param_groups if optimizer else []:
+        if "foreach" in group:
+            group["foreach"] = True
     with tracker:
         if optimizer is not None:
             optimizer.step()
@@ -145,6 +151,9 @@ def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = 
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+    for group, foreach in zip(optimizer.param_groups if optimizer else [], saved):
+        if "foreach" in group:
+            group["foreach"] = foreach
     snapshot = tracker.get_tracker_snapshot("peak")
     by_device = max(snapshot.values(), key=lambda d: d.get("Total", 0))
     breakdown: dict[str, int] = {}
