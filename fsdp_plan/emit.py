@@ -34,6 +34,13 @@ whitelist (no quotes, no backslashes). Numbers in the docstring are formatted fr
   which is what FSDP1's default ``_module_classes_to_ignore`` hooks do (checked on gloo).
 - FSDP1's ``_recursive_wrap`` asks the policy about the root first (``recurse=True``) and never
   asks ``recurse=False`` about the root (``only_wrap_children``); the policy learns FQNs there.
+- A DDP plan (``strategy: ddp``, SPEC 6) is applied with ``apply_ddp(model, device_ids=None)``:
+  activation checkpointing first, then ``DistributedDataParallel(model, **DDP_KWARGS)``.
+  ``bucket_cap_mb=None`` is DDP's default (25 MiB buckets, the first capped at 1 MiB); an
+  explicit ``bucket_cap_mb`` caps the first bucket like the rest; other pairs need
+  ``bucket_cap_mb_list`` (torch >= 2.13). The buckets DDP builds after its first iteration are
+  the plan's ``predicted.buckets`` (checked on gloo; ``fsdp_plan/ddp.py`` [Note: DDP buckets]).
+  ``FSDP_KWARGS`` of a DDP plan is FSDP1 ``NO_SHARD``, its nearest FSDP form.
 """
 
 from __future__ import annotations
