@@ -143,12 +143,10 @@ def best_offloaded(evaluator: Evaluator, candidates: list[Candidate], limit: int
     tried: list[OffloadCandidate] = []
     for cand in pool:
         tried.append(with_offload(evaluator, cand))
-        if not tried[-1].fits or not cand.checkpointed or getattr(cand, "selective", None):
-            continue
-        for fewer in _fewer_checkpointed(evaluator, cand):
-            if not fewer.fits:
-                break
-            tried.append(fewer)
+        if tried[-1].fits and cand.checkpointed and not getattr(cand, "selective", None):
+            fewer = _fewest_checkpointed_offloaded(evaluator, cand)
+            if fewer is not None:
+                tried.append(fewer)
     if not tried:
         return None
     fitting = [c for c in tried if c.fits]
@@ -157,21 +155,33 @@ def best_offloaded(evaluator: Evaluator, candidates: list[Candidate], limit: int
     return min(tried, key=lambda c: c.memory.peak_bytes)
 
 
-def _fewer_checkpointed(evaluator: Evaluator, cand: Candidate):
-    """Offloaded variants of ``cand`` checkpointing the first ``k`` blocks, ``k`` falling
-    (halving toward none), re-evaluated with the search's own models."""
+def _fewest_checkpointed_offloaded(evaluator: Evaluator, cand: Candidate
+                                   ) -> OffloadCandidate | None:
+    """The offloaded variant of ``cand`` with the fewest leading blocks checkpointed that
+    still fits (binary search: the device peak falls as more are checkpointed), re-evaluated
+    with the search's own models; None when ``cand`` is not a leading run of blocks."""
     index = {b: i for i, b in enumerate(evaluator.graph.blocks)}
     k = len(cand.checkpointed)
     if any(index.get(b) != i for i, b in enumerate(cand.checkpointed)):
-        return  # not a leading run of blocks
+        return None
     groups = [list(u.modules) for u in cand.units[:-1]]
     reshard = [u.reshard_after_forward for u in cand.units[:-1]]
-    while k > 0:
-        k //= 2
+
+    def at(n: int) -> OffloadCandidate:
         plain = evaluator.evaluate(
-            name=cand.name.split(" ac")[0] + (f" ac{k}" if k else ""), strategy=cand.strategy,
+            name=cand.name.split(" ac")[0] + (f" ac{n}" if n else ""), strategy=cand.strategy,
             replicate=cand.replicate, shard=cand.shard, groups=groups, reshard=reshard,
             root_reshard=cand.units[-1].reshard_after_forward,
-            checkpoint=frozenset(range(k)), forward_prefetch=cand.forward_prefetch,
+            checkpoint=frozenset(range(n)), forward_prefetch=cand.forward_prefetch,
             backward_prefetch=cand.backward_prefetch)
-        yield with_offload(evaluator, plain)
+        return with_offload(evaluator, plain)
+
+    lo, hi, best = -1, k, None  # k fits (the caller checked); find the smallest that does
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        trial = at(mid)
+        if trial.fits:
+            hi, best = mid, trial
+        else:
+            lo = mid
+    return best
