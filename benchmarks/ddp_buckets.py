@@ -3,6 +3,11 @@
     python benchmarks/ddp_buckets.py                         # Llama 1B shape, 8 x H100
     python benchmarks/ddp_buckets.py --size 1b --world-size 8 --gpu h100 --seq-len 4096
     python benchmarks/ddp_buckets.py --hardware HW.yaml      # a calibrated hardware file
+    # CPU closed loop: calibrate gloo first, then predicted vs measured on 2 gloo ranks
+    fsdp-plan calibrate --nproc 2 -o /tmp/cpu.yaml
+    python benchmarks/ddp_buckets.py --model examples/gpt2.py --size small --seq-len 128 \
+        --world-size 2 --gpus-per-node 2 --param-dtype float32 --hardware /tmp/cpu.yaml \
+        --gpu h100 --measure-steps 5
 
 Small buckets start their all-reduces early but pay launch and latency per bucket; large ones
 start late and leave a tail after backward. For each cap (first bucket as large) the script
@@ -34,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu", default="h100")
     parser.add_argument("--hardware", default=None)
     parser.add_argument("--reduce-dtype", default="float32")
+    parser.add_argument("--param-dtype", default="bfloat16")
+    parser.add_argument("--measure-steps", type=int, default=0,
+                        help="also run every cap on --world-size gloo ranks and time this many "
+                        "steps (CPU closed loop; use a calibrated --hardware file)")
     args = parser.parse_args(argv)
 
     from fsdp_plan.api import PlanRequest, analyze_model
@@ -47,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware_for(args.gpu, read_hardware_file(args.hardware) if args.hardware else None)
     request = PlanRequest(source=source, budget_bytes=10**12, world_size=args.world_size,
                           gpus_per_node=args.gpus_per_node, strategy="ddp",
-                          reduce_dtype=args.reduce_dtype, hardware=hw)
+                          reduce_dtype=args.reduce_dtype, param_dtype=args.param_dtype,
+                          hardware=hw)
     facts = analyze_model(source, param_dtype=request.param_dtype).facts
     settings = request.settings()
     g, a = facts.graph, facts.analysis
@@ -74,7 +84,34 @@ def main(argv: list[str] | None = None) -> int:
     at_min = chosen.time.step_s <= min(steps) + 1e-12
     print(f"U-shape: {'yes' if u_shape else 'no'} (minimum of the sweep at {SWEEP_MB[low]} MB); "
           f"chosen at or below the sweep's minimum: {'yes' if at_min else 'no'}")
+    if args.measure_steps:
+        return 0 if closed_loop(args, source, curve) else 1
     return 0 if u_shape and at_min else 1
+
+
+def closed_loop(args: argparse.Namespace, source, curve) -> bool:
+    """Measured median step time per cap on gloo ranks beside the prediction; True when the
+    measured best cap is within one sweep step of the predicted best."""
+    from fsdp_plan.ddp import ddp_api_kwargs
+    from fsdp_plan.measure.ddp import measure_ddp_many
+
+    jobs = [{"source": source, "ddp_kwargs": ddp_api_kwargs(e.config), "optimizer": "adamw",
+             "steps": args.measure_steps} for e in curve]
+    results = measure_ddp_many(jobs, nproc=args.world_size, timeout_s=1800)
+    print(f"{'bucket_cap_mb':>13} {'predicted ms':>13} {'measured ms':>12}  (median over "
+          f"{args.measure_steps} steps, slowest rank)")
+    measured = []
+    for cap, e, ranks in zip(SWEEP_MB, curve, results):
+        per_step = [max(r["step_times_s"][i] for r in ranks) for i in range(args.measure_steps)]
+        median = sorted(per_step)[len(per_step) // 2]
+        measured.append(median)
+        print(f"{cap:>13} {e.time.step_s * 1e3:>13.1f} {median * 1e3:>12.1f}")
+    predicted_best = min(range(len(curve)), key=lambda i: curve[i].time.step_s)
+    measured_best = min(range(len(measured)), key=measured.__getitem__)
+    ok = abs(predicted_best - measured_best) <= 1
+    print(f"best cap: predicted {SWEEP_MB[predicted_best]} MB, measured "
+          f"{SWEEP_MB[measured_best]} MB: {'within' if ok else 'NOT within'} one sweep step")
+    return ok
 
 
 if __name__ == "__main__":

@@ -142,6 +142,8 @@ class DDPEvaluation:
     time: StepTime
     collectives: dict[str, int]
     unused: list[int] = field(default_factory=list)
+    ready_s: list[float] = field(default_factory=list)
+    """When each bucket's last gradient is ready (seconds from the step's start)."""
 
 
 # --- parameters, ready order, buckets ---------------------------------------------------------
@@ -319,7 +321,8 @@ def _step_time(**fields: Any) -> StepTime:
 
 def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, world_size: int,
                   gpus_per_node: int, dtype: str, optimizer_s: float,
-                  compress: bool = False, used_map_bytes: int = 0) -> StepTime:
+                  compress: bool = False, used_map_bytes: int = 0,
+                  ready_out: list[float] | None = None) -> StepTime:
     """Forward, then backward with each bucket's all-reduce issued when it is ready and all
     earlier buckets were issued (the reducer launches buckets in order), on one
     communication stream; compute overlapping a collective slows by ``hw.contention`` as in
@@ -359,6 +362,8 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
 
     for i, bucket in enumerate(buckets):
         compute_until(times[bucket.ready_event], f"BW to bucket {i}")
+        if ready_out is not None:
+            ready_out.append(now)
         wire = bucket.nbytes / 2 if compress else bucket.nbytes
         issue(f"AR bucket {i} ({wire / MIB:.1f} MiB)", now,
               collective_time(hw, wire, world_size, crosses, "all_reduce"))
@@ -439,17 +444,19 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
     unused = [p.index for p in params if p.ready_event is None]
     numel = graph.total_numel
     optimizer_s = _optimizer_seconds(hw, optimizer, numel, precision.orig_bytes, dtype)
+    ready: list[float] = []
     time = ddp_step_time(buckets, events, hw, world_size=world_size,
                          gpus_per_node=gpus_per_node, dtype=dtype, optimizer_s=optimizer_s,
                          compress=config.comm_hook == "bf16_compress",
-                         used_map_bytes=4 * len(params) if config.find_unused_parameters else 0)
+                         used_map_bytes=4 * len(params) if config.find_unused_parameters else 0,
+                         ready_out=ready)
     memory = ddp_memory(graph, analysis, precision, optimizer, config)
     collectives = {"all_gather": 0, "reduce_scatter": 0,
                    "all_reduce": len(buckets) + (1 if config.find_unused_parameters else 0)}
     if buffer_broadcasts(graph):
         collectives["broadcast"] = buffer_broadcasts(graph)
     return DDPEvaluation(config=config, buckets=buckets, memory=memory, time=time,
-                         collectives=collectives, unused=unused)
+                         collectives=collectives, unused=unused, ready_s=ready)
 
 
 def buffer_broadcasts(graph: ModuleGraph) -> int:
@@ -505,19 +512,21 @@ def describe_buckets(evaluation: DDPEvaluation, limit: int = 12) -> list[str]:
     """Report lines: each bucket's bytes, when it is ready and when its all-reduce runs."""
     ar = [s for s in evaluation.time.spans if s[0] == "comm" and s[1].startswith("AR bucket")]
     lines = []
-    for i, (bucket, span) in enumerate(zip(evaluation.buckets, ar)):
+    ready = evaluation.ready_s or [span[2] for span in ar]
+    for i, (bucket, span, at) in enumerate(zip(evaluation.buckets, ar, ready)):
         if i == limit and len(evaluation.buckets) > limit + 1:
             lines.append(f"  ... {len(evaluation.buckets) - limit - 1} more buckets")
             continue
         if limit < i < len(evaluation.buckets) - 1:
             continue
         lines.append(f"  bucket {i:>3}: {bucket.nbytes / MIB:9.2f} MiB, "
-                     f"{len(bucket.params):>4} params, all-reduce {span[2] * 1e3:9.2f} -> "
-                     f"{span[3] * 1e3:9.2f} ms")
+                     f"{len(bucket.params):>4} params, ready {at * 1e3:9.3f} ms, all-reduce "
+                     f"{span[2] * 1e3:9.3f} -> {span[3] * 1e3:9.3f} ms")
     t = evaluation.time
     bw_end = t.forward_s + t.backward_s
-    lines.append(f"  backward ends at {bw_end * 1e3:.2f} ms; communication tail "
-                 f"{t.exposed_comm_s * 1e3:.2f} ms")
+    lines.append(f"  backward ends at {bw_end * 1e3:.3f} ms; communication tail "
+                 f"{t.exposed_comm_s * 1e3:.3f} ms (forward {t.forward_s * 1e3:.3f} ms, no "
+                 "communication)")
     return lines
 
 
@@ -620,6 +629,10 @@ def ddp_plan_candidate(plan: Any, facts: Any, *, hardware: Hardware,
     return _candidate(facts.graph, evaluation, settings, "plan as written")
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
 def why_line(ranked: list[Candidate]) -> str:
     """One line: why the winner beat the best candidate of the other kind (DDP vs FSDP/HSDP),
     on the same clock; empty when only one kind was planned or fits."""
@@ -640,15 +653,15 @@ def why_line(ranked: list[Candidate]) -> str:
                 f"optimizer state on each GPU).")
     b, o = best.time, other.time
     if is_ddp:
-        return (f"why: {best.name} wins: step {b.step_s * 1e3:.1f} ms vs {o.step_s * 1e3:.1f} ms "
+        return (f"why: {best.name} wins: step {_ms(b.step_s)} vs {_ms(o.step_s)} "
                 f"for {other.name}: no parameter all-gathers (FSDP waits "
-                f"{o.exposed_comm_s * 1e3:.1f} ms for communication and moves "
-                f"{o.total_comm_s * 1e3:.1f} ms of it), DDP's bucket all-reduces leave a "
-                f"{b.exposed_comm_s * 1e3:.1f} ms tail.")
-    return (f"why: {best.name} wins: step {b.step_s * 1e3:.1f} ms vs {o.step_s * 1e3:.1f} ms for "
-            f"{other.name}: DDP's gradient all-reduce ({o.total_comm_s * 1e3:.1f} ms) leaves a "
-            f"{o.exposed_comm_s * 1e3:.1f} ms tail after backward; FSDP exposes "
-            f"{b.exposed_comm_s * 1e3:.1f} ms and its peak is {b.memory.peak_bytes / 2**30:.2f} "
+                f"{_ms(o.exposed_comm_s)} for communication and moves "
+                f"{_ms(o.total_comm_s)} of it), DDP's bucket all-reduces leave a "
+                f"{_ms(b.exposed_comm_s)} tail.")
+    return (f"why: {best.name} wins: step {_ms(b.step_s)} vs {_ms(o.step_s)} for "
+            f"{other.name}: DDP's gradient all-reduce ({_ms(o.total_comm_s)}) leaves a "
+            f"{_ms(o.exposed_comm_s)} tail after backward; FSDP exposes "
+            f"{_ms(b.exposed_comm_s)} and its peak is {b.memory.peak_bytes / 2**30:.2f} "
             f"GiB vs {o.memory.peak_bytes / 2**30:.2f} GiB.")
 
 
