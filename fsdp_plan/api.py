@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fsdp_plan.checkpointing import DEFAULT_SELECTIVE_OPS, modes_mapping
-from fsdp_plan.cost import Hardware, hardware_for
+from fsdp_plan.cost import Hardware, hardware_for, step_phases
 from fsdp_plan.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.facts import ModelFacts
 from fsdp_plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, Precision, canonical_dtype
@@ -362,6 +362,9 @@ def _fsdp_predicted_block(candidate: Candidate) -> dict[str, Any]:
         "exposed_comm_s": round(candidate.time.exposed_comm_s, 6),
         "comm_tail_s": round(candidate.time.comm_tail_s, 6),
         "hidden_comm_s": round(candidate.time.hidden_comm_s, 6),
+        "phases_s": {k: round(v, 6) for k, v in step_phases(candidate.time).items()},
+        "compute_s": round(candidate.time.compute_s, 6),
+        "total_comm_s": round(candidate.time.total_comm_s, 6),
         "peak_phase": candidate.memory.phase,
         "breakdown": {k: int(v) for k, v in candidate.memory.breakdown.items()},
         "units": [{"key": u.key, "params": u.numel, "shard_numel": u.shard_numel}

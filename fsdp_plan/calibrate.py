@@ -11,7 +11,7 @@ once measures, each repeated and reduced to a median:
 - attention (SDPA forward + backward) at its FLOP count;
 - memory-bound elementwise ops (add, mul, GELU) as bytes read + written per second;
 - host-to-device copies (a GPU only: a CPU has no device to copy to, and says so);
-- the optimizer step (AdamW, SGD) per parameter;
+- the optimizer step (AdamW, SGD) per parameter, and per parameter tensor on FSDP2 DTensors;
 - all_gather_into_tensor, reduce_scatter_tensor and all_reduce over message sizes, fitted to
   ``latency + factor * (g - 1) / g * bytes / bus_bandwidth`` (least squares);
 - contention: compute slowed while a collective is in flight (an overlap probe);
@@ -86,14 +86,16 @@ def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     out: dict[str, Any] = {}
-    # 1. host overhead per op of a training step: tiny ops, forward and backward
-    x0 = torch.ones(8, device=device, requires_grad=True)
+    # 1. host overhead per op of a training step: a stack of tiny layers forward and
+    # backward (module calls, autograd, gradient accumulation), its compute negligible
+    torch.manual_seed(0)
+    stack = torch.nn.Sequential(*[layer for _ in range(8) for layer in (
+        torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU())]).to(device)
+    x0 = torch.randn(4, 16, device=device)
 
     def chain() -> None:
-        x = x0
-        for _ in range(50):
-            x = x * 1.0001 + 0.5
-        x.sum().backward()
+        stack(x0).sum().backward()
+        stack.zero_grad(set_to_none=True)
     ops = _count_ops(chain)
     overhead = _timed(chain, sync, repeat) / max(ops, 1)
     out["op_overhead_s"] = overhead
@@ -262,10 +264,11 @@ def _contention(device: Any, sync: Callable[[], None], repeat: int) -> float:
     return max(0.0, min(10.0, with_comm / alone - 1.0))
 
 
-def _unit_overhead(device: Any, sync: Callable[[], None], repeat: int,
-                   collectives: dict[str, Any]) -> float:
+def _fsdp_figures(device: Any, sync: Callable[[], None], repeat: int,
+                  collectives: dict[str, Any]) -> dict[str, Any]:
     """FSDP2's host cost per unit and pass: many tiny units against one, less the extra
-    collectives' latency (an extra unit issues two all-gathers and one reduce-scatter)."""
+    collectives' latency (an extra unit issues two all-gathers and one reduce-scatter); and
+    the optimizer's cost per parameter tensor on FSDP2's DTensor parameters."""
     import torch
     from torch import nn
     from torch.distributed.fsdp import fully_shard
@@ -292,7 +295,16 @@ def _unit_overhead(device: Any, sync: Callable[[], None], repeat: int,
     latency = (2 * collectives["all_gather"][world]["latency_s"]
                + collectives["reduce_scatter"][world]["latency_s"])
     per_unit = (timings[1] - timings[0]) / 16
-    return max(0.0, (per_unit - latency) / 2)
+    per_tensor = {}
+    params = list(net.parameters())
+    for name, make in (("adamw", lambda p: torch.optim.AdamW(p, lr=1e-4)),
+                       ("sgd", lambda p: torch.optim.SGD(p, lr=1e-4))):
+        net(x).sum().backward()
+        opt = make(params)
+        per_tensor[name] = _timed(opt.step, sync, repeat, inner=4) / len(params)
+        net.zero_grad(set_to_none=True)
+    return {"unit_overhead_s": max(0.0, (per_unit - latency) / 2),
+            "optimizer_s_per_tensor": per_tensor}
 
 
 def calibrate_rank(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
@@ -320,8 +332,7 @@ def calibrate_rank(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
         ctx.report(phase="overlap")
         figures["contention"] = _contention(device, sync, repeat)
         ctx.report(phase="fsdp units")
-        figures["unit_overhead_s"] = _unit_overhead(device, sync, repeat,
-                                                    figures["collectives"])
+        figures.update(_fsdp_figures(device, sync, repeat, figures["collectives"]))
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, figures)
     dist.barrier()
@@ -363,8 +374,11 @@ def hardware_from(result: dict[str, Any], backend: str, nproc: int) -> Hardware:
         contention=fig.get("contention", 0.0) or 0.0,
         matmul_flops=matmul, attention_flops=fig["attention_flops"],
         op_overhead_s=fig["op_overhead_s"], async_launch=gpu,
+        # gloo runs a collective on the issuing thread: bench's CPU profiles show nothing hidden
+        comm_overlaps_compute=gpu,
         h2d_bandwidth=fig.get("h2d_bandwidth") or 0.0, collectives=coll,
         optimizer_s_per_param=fig["optimizer_s_per_param"],
+        optimizer_s_per_tensor=fig.get("optimizer_s_per_tensor") or {},
         unit_overhead_s=fig.get("unit_overhead_s", 0.0) or 0.0,
         source=(f"fsdp-plan calibrate --backend {backend} --nproc {nproc} on "
                 f"{result['device_name']}, torch {result['torch']}, "

@@ -109,15 +109,17 @@ def exclusive_ops(module_names: set[str], modules: Mapping[str, object]
 
 
 def optimizer_time(hw: Hardware, rates: Rates, optimizer: str, shard_numel: int,
-                   orig_bytes: int, states: int) -> float:
+                   orig_bytes: int, states: int, tensors: int = 0) -> float:
     """The optimizer step over this rank's shard: measured seconds per parameter when the
     hardware file has them, else its bytes (parameter, gradient, states read and written)
     at the memory bandwidth."""
     per_param = hw.optimizer_s_per_param.get(optimizer)
-    if per_param is None and optimizer == "adam":
-        per_param = hw.optimizer_s_per_param.get("adamw")
+    per_tensor = hw.optimizer_s_per_tensor.get(optimizer)
+    if optimizer == "adam":
+        per_param = per_param or hw.optimizer_s_per_param.get("adamw")
+        per_tensor = per_tensor or hw.optimizer_s_per_tensor.get("adamw")
     if per_param is not None:
-        return shard_numel * per_param
+        return shard_numel * per_param + tensors * (per_tensor or 0.0)
     if optimizer == "none":
         return 0.0
     return shard_numel * orig_bytes * (3 + 2 * states) / rates.memory
@@ -238,7 +240,8 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
                 ready[issued] = (issue(f"AG {cost.key}", now, cost.all_gather_s)
                                  if gathers[issued] else now)
                 issued += 1
-            start = max(now, ready[i])
+            # without overlap (gloo) compute also waits for whatever the stream still runs
+            start = max(now, ready[i], comm_free if not hw.comm_overlaps_compute else 0.0)
             if start > now:
                 spans.append(("wait", f"wait AG {u.key}", now, start))
             bubbles += start - now
@@ -274,6 +277,15 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
                     exposed_comm_s=exposed, total_comm_s=total_comm, optimizer_s=optimizer_s,
                     bubbles_s=bubbles, contention_s=fw_cont + bw_cont, comm_tail_s=tail,
                     spans=spans)
+
+
+def step_phases(time: StepTime) -> dict[str, float]:
+    """Seconds of the step's forward (to the last forward compute, waits included), backward
+    (to the end of the communication tail) and optimizer: what bench measures per phase."""
+    forward = max((e for lane, label, _, e in time.spans
+                   if lane == "compute" and label.startswith("FW")), default=0.0)
+    backward = max(0.0, time.step_s - time.optimizer_s - forward)
+    return {"forward": forward, "backward": backward, "optimizer": time.optimizer_s}
 
 
 def accumulated_step(last: StepTime, earlier: StepTime, steps: int) -> StepTime:

@@ -72,7 +72,8 @@ def candidate_row(c: Candidate) -> dict[str, Any]:
         "peak_bytes": c.memory.peak_bytes, "peak_phase": c.memory.phase,
         "breakdown": c.memory.breakdown,
         "step_time_s": c.time.step_s, "exposed_comm_s": c.time.exposed_comm_s,
-        "comm_tail_s": c.time.comm_tail_s, "hidden_comm_s": c.time.hidden_comm_s, "collectives": c.collectives,
+        "comm_tail_s": c.time.comm_tail_s, "hidden_comm_s": c.time.hidden_comm_s,
+        "collectives": c.collectives,
         "cross_node_bytes": c.cross_node_bytes,
     }
 

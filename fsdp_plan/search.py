@@ -191,7 +191,15 @@ class Evaluator:
             return [full]
         if not c.supports_mixed():
             return [full, [(0, 0), (0, n)]]
-        return [[(0, k) for k in range(n + 1)] + [(k, n - k) for k in range(1, n + 1)], full]
+        # The cheaper path by the modes' bytes saved per recompute second, summed over blocks.
+        per = [m for m in self.block_cost.values() if "full" in m and "selective" in m]
+        sel_saved = sum(m["selective"].saved_bytes for m in per)
+        full_saved = sum(m["full"].saved_bytes for m in per)
+        sel_s = sum(m["selective"].recompute_s for m in per)
+        full_s = sum(m["full"].recompute_s for m in per)
+        if sel_saved <= 0 or sel_saved * full_s <= full_saved * sel_s:
+            return [full]  # selective saves less per second than full: never on the hull
+        return [[(0, k) for k in range(n + 1)] + [(k, n - k) for k in range(1, n + 1)]]
 
     def evaluate(self, *, name: str, strategy: str, replicate: int, shard: int,
                  groups: list[list[str]], reshard: list[bool], root_reshard: bool, k: int = 0,
@@ -295,7 +303,8 @@ class Evaluator:
         ordered = root + [c for c in costs if c.key != "<root>"]
         total_shard = sum(u.shard_numel for u in units)
         optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, p.orig_bytes,
-                                     OPTIMIZER_STATES.get(s.optimizer, 0))
+                                     OPTIMIZER_STATES.get(s.optimizer, 0),
+                                     sum(len(i.param_shapes) for i in self.graph.modules.values()))
         step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
                              backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
         if s.grad_accum_steps == 1:
@@ -570,8 +579,9 @@ def _fewest_checkpointed(at, ks: list, start: int | None) -> tuple[Candidate, in
     steps along none -> selective -> full when selective saves more per second than full
     (``S_sel / r_sel > S_full / r_full``), else along none -> full. So ``ks`` is one of two
     paths of ``(n_full, n_selective)`` counts, ``(0, 0) .. (0, n) .. (n, 0)`` or
-    ``(0, 0) .. (n, 0)``, each ordered by recompute time with the peak falling; the search
-    keeps the faster fitting point of the two. Full blocks come first in the stack.
+    ``(0, 0) .. (n, 0)``, each ordered by recompute time with the peak falling, and
+    ``Evaluator.checkpoint_options`` picks the one the measured savings and costs put on the
+    hull (both only when blocks cannot mix modes). Full blocks come first in the stack.
 
     Binary search over ``ks``; with ``start`` (a lower bound from a variant needing less
     memory) it steps up from there instead, which is one or two evaluations in practice.

@@ -262,3 +262,57 @@ def test_calibrate_writes_a_hardware_file_that_plans_read(tmp_path, capsys):
     assert hw.matmul_flops["float32"]["large"] > 1e8 and hw.op_overhead_s > 0
     assert hw.h2d_bandwidth == 0 and "skipped" in out.read_text()
     assert "matmul float32" in capsys.readouterr().out
+
+
+def test_without_overlap_compute_waits_for_every_collective(llama):
+    """gloo on a CPU runs a collective on the thread that computes: nothing is hidden."""
+    cpu = hardware_for("h100", {"comm_overlaps_compute": False})
+    for layout in ("root", "per-block"):
+        t = evaluate(llama, cpu, layout=layout, fwp=1, bwp=2).time
+        check_parts(t)
+        assert t.hidden_comm_s == pytest.approx(0.0, abs=1e-12)
+        assert t.contention_s == pytest.approx(0.0, abs=1e-15)
+
+
+def test_optimizer_time_counts_parameters_and_tensors():
+    from fsdp_plan.cost import optimizer_time
+    hw = hardware_for("h100", {"optimizer_s_per_param": {"adamw": 1e-9},
+                               "optimizer_s_per_tensor": {"adamw": 1e-4}})
+    rates = Rates.of(hw)
+    assert optimizer_time(hw, rates, "adamw", 10**6, 4, 2, tensors=10) == pytest.approx(2e-3)
+    assert optimizer_time(hw, rates, "adam", 10**6, 4, 2, tensors=10) == pytest.approx(2e-3)
+    # no measured figure: the bytes at the memory bandwidth
+    assert optimizer_time(GPUS["h100"], Rates.of(GPUS["h100"]), "adamw", 10**6, 4, 2) == \
+        pytest.approx(10**6 * 4 * 7 / GPUS["h100"].memory_bandwidth)
+
+
+def test_refit_scales_the_file_so_the_next_prediction_is_the_measurement(llama, tmp_path):
+    """A cluster uniformly 1.7x slower than its file: one refit and the same plan predicts
+    the measured step exactly; the file is rewritten and says so."""
+    from fsdp_plan.bench.refit import factors, refit
+    from fsdp_plan.hardware import read_hardware_file
+    hw = GPUS["h100"]
+    cand = evaluate(llama, hw, layout="per-block", fwp=1, bwp=2)
+    pred = predicted_block(cand)
+    slow = 1.7
+    measured_phases = {k: v * slow for k, v in pred["phases_s"].items()}
+    result = {"path": "run.json",
+              "step_time": {"median_s": pred["step_time_s"] * slow,
+                            "predicted_s": pred["step_time_s"],
+                            "phases": {"measured": measured_phases,
+                                       "predicted": pred["phases_s"]}},
+              "predicted_extra": {"compute_s": pred["compute_s"],
+                                  "total_comm_s": pred["total_comm_s"]},
+              "comm": {"rank0": {"step_s": pred["step_time_s"],
+                                 "compute_s": pred["compute_s"],
+                                 "comm_s": pred["total_comm_s"]}}}
+    f = factors(result)
+    assert f == pytest.approx({"compute": slow, "communication": slow, "optimizer": slow})
+    path = tmp_path / "hw.yaml"
+    new, _ = refit(str(path), "h100", result)
+    again = hardware_for("h100", read_hardware_file(str(path)))
+    assert again == new and "refit by fsdp-plan bench from run.json" in again.source
+    t = evaluate(llama, again, layout="per-block", fwp=1, bwp=2).time
+    assert t.step_s == pytest.approx(pred["step_time_s"] * slow, rel=3e-3)  # 6-digit rounding
+    with pytest.raises(BadInput, match="phases_s"):
+        factors({**result, "step_time": {**result["step_time"], "phases": {}}})

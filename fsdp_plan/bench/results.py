@@ -72,6 +72,34 @@ def _step_times(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "slowest_rank_median_s": slowest["median_s"], "per_rank": per_rank}
 
 
+def phase_seconds(trace_path: str) -> dict[str, float]:
+    """Seconds of the profiled step's ``fsdp_plan.forward`` / ``backward`` / ``optimizer``
+    regions (the bench worker's ``record_function`` marks) in a Chrome trace."""
+    with open(trace_path, encoding="utf-8") as f:
+        events = json.load(f).get("traceEvents", [])
+    out: dict[str, float] = {}
+    for e in events:
+        name = e.get("name", "") if isinstance(e, dict) else ""
+        if e.get("ph") == "X" and name in ("fsdp_plan.forward", "fsdp_plan.backward",
+                                           "fsdp_plan.optimizer"):
+            key = name.removeprefix("fsdp_plan.")
+            out[key] = max(out.get(key, 0.0), float(e.get("dur", 0.0)) * 1e-6)
+    return out
+
+
+def _phases(ranks: list[dict[str, Any]], median_s: float,
+            predicted: dict[str, float] | None) -> dict[str, Any]:
+    """Measured seconds per phase: each phase's share of the profiled step (the profiler
+    slows every op, so shares, not its seconds) times the median step; beside the plan's
+    ``predicted.phases_s``."""
+    measured = ranks[0].get("phases_s") or {}
+    total = sum(measured.values())
+    if not total:
+        return {"measured": None, "predicted": predicted}
+    return {"measured": {k: v / total * median_s for k, v in measured.items()},
+            "predicted": predicted}
+
+
 def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, Any]) -> dict[str, Any]:
     """The result document of one run from every rank's figures."""
     plan = prepared.plan
@@ -97,8 +125,11 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
         "collectives": {"measured": counts, "predicted": predicted.get(counts_key),
                         "predicted_key": counts_key,
                         "ranks_agree": all(r["counts"] == counts for r in ranks)},
-        "step_time": {**_step_times(ranks), "predicted_s": predicted.get("step_time_s")},
+        "step_time": {**_step_times(ranks), "predicted_s": predicted.get("step_time_s"),
+                      "phases": _phases(ranks, _step_times(ranks)["median_s"],
+                                        predicted.get("phases_s"))},
         "memory": {**memory, "predicted_bytes": predicted.get("peak_bytes")},
+        "predicted_extra": {k: predicted.get(k) for k in ("compute_s", "total_comm_s")},
         **({"ddp_buckets": {"measured": ranks[0]["ddp_buckets"],
                             "predicted": predicted.get("buckets")}}
            if ranks[0].get("ddp_buckets") is not None else {}),
@@ -306,6 +337,11 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
                    == int(predicted.get(k, 0)) else "DIFFERS"] for k in kinds]
     rows = [
         ["step time (median, slowest rank per step)", _secs(st["median_s"]), _secs(st.get("predicted_s"))],
+        *[[f"  {phase} (share of the profiled step)",
+           _secs(((st.get("phases") or {}).get("measured") or {}).get(phase)),
+           _secs(((st.get("phases") or {}).get("predicted") or {}).get(phase))]
+          for phase in ("forward", "backward", "optimizer")
+          if ((st.get("phases") or {}).get("measured") or {}).get(phase) is not None],
         ["step time P99", _secs(st["p99_s"]), ""],
         [f"slowest rank (rank {st['slowest_rank']}) median", _secs(st["slowest_rank_median_s"]), ""],
         ["peak memory per rank", _bytes(mem.get("peak_bytes")), _bytes(mem.get("predicted_bytes"))],
@@ -327,7 +363,11 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
                      f"{len(b.get('predicted') or [])} predicted: "
                      + ("equal, byte for byte" if same else f"DIFFER: measured {b['measured']}, "
                         f"predicted {b.get('predicted')}"))
-    if not str(run.get("device", "")).startswith("cuda"):
+    if st.get("predicted_s"):
+        parts.append(f"step time: predicted {_secs(st['predicted_s'])}, measured "
+                     f"{_secs(st['median_s'])} ({st['predicted_s'] / st['median_s'] - 1:+.1%})")
+    if not str(run.get("device", "")).startswith("cuda") and not str(
+            result["plan"].get("gpu", "")).startswith("calibrated-cpu"):
         parts.append(f"note: predicted step time and exposed communication are for the plan's "
                      f"GPU ({result['plan'].get('gpu', 'see the plan')}); gloo on CPU blocks "
                      "the issuing thread while a collective runs, so a CPU run hides nothing and "

@@ -44,6 +44,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predicted-trace", metavar="TRACE.json", default=None,
                         help="the planner's --trace output: also write one Perfetto trace with "
                              "the predicted and the measured step side by side")
+    parser.add_argument("--refit", metavar="HW.yaml", default=None,
+                        help="after the run, rewrite this hardware file (or write it from the "
+                             "plan's GPU preset) so predictions match what was measured "
+                             "(fsdp_plan/bench/refit.py); plan with --hardware HW.yaml next")
     parser.add_argument("--format", choices=("table", "json"), default="table")
 
 
@@ -102,6 +106,9 @@ def prepare(args: argparse.Namespace, *, nproc: int) -> Prepared:
     predicted_trace = (inputs.read_predicted_trace(args.predicted_trace)
                        if args.predicted_trace else None)
     inputs.check_out_folder(args.out)
+    if getattr(args, "refit", None):  # checked before the run: a bad file fails fast
+        from fsdp_plan.bench.refit import check_refit_path
+        check_refit_path(args.refit)
     plan = read_plan(args.plan)
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     mesh, notes = run_mesh(plan, nproc)
@@ -160,6 +167,12 @@ def finish(args: argparse.Namespace, prepared: Prepared, ranks: list[dict[str, A
         raise BadInput(f"{e} The figures above were measured but not saved.") from e
     result["path"] = path
     _print_report(args, result, prepared, compare_table)
+    if getattr(args, "refit", None):
+        from fsdp_plan.bench.refit import refit
+        hw, f = refit(args.refit, prepared.plan.gpu, result)
+        print(f"refit {args.refit}: compute x{f['compute']:.3g}, communication "
+              f"x{f['communication']:.3g}, optimizer x{f['optimizer']:.3g} ({hw.name}); plan "
+              f"or predict with --hardware {args.refit}", file=sys.stderr)
     failures = problems + compare_problems
     if failures:
         raise CheckFailed("; ".join(failures) + f". The result was still written to {path}.")

@@ -152,10 +152,12 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     trace_path = os.path.join(payload["trace_dir"], f"rank{ctx.rank}.trace.json")
     prof.export_chrome_trace(trace_path)
     comm = analyze_trace(trace_path).to_dict()
+    from fsdp_plan.bench.results import phase_seconds
+    phases = phase_seconds(trace_path)
     ctx.report(phase="done", step=total, steps=total)
 
     mine = {"rank": ctx.rank, "counts": counts, "step_times_s": times, "peak_bytes": peak,
-            "comm": comm, "trace": trace_path, "device": str(device),
+            "comm": comm, "phases_s": phases, "trace": trace_path, "device": str(device),
             "peak_source": peak_source, "ddp_buckets": ddp_buckets}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

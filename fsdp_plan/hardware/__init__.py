@@ -23,8 +23,10 @@ Per-op fields (all optional):
 - ``collectives``: ``{all_gather|reduce_scatter|all_reduce: {GROUP: {latency_s,
   bus_bandwidth}}}``, a fit of ``latency + factor * (g - 1) / g * bytes / bus_bandwidth`` per
   group size (``factor`` 2 for all-reduce), within a node;
-- ``optimizer_s_per_param``: ``{adamw|sgd: seconds}`` per parameter of the rank's shard;
+- ``optimizer_s_per_param``: ``{adamw|sgd: seconds}`` per parameter of the rank's shard, and
+  ``optimizer_s_per_tensor`` per parameter tensor (dispatch through FSDP2's DTensors);
 - ``unit_overhead_s``: host time FSDP spends per unit per pass (hooks, copy-in/out bookkeeping);
+- ``comm_overlaps_compute``: false where a collective holds the thread that computes (gloo);
 - ``h2d_bandwidth``: host-to-device copy bytes/s (offload); 0 where there is no device;
 - ``source``: free text saying where the figures come from.
 """
@@ -69,9 +71,14 @@ class Hardware:
     memory_bandwidth: float = 0.0
     op_overhead_s: float = 0.0
     async_launch: bool = True
+    comm_overlaps_compute: bool = True
+    """Whether compute runs while a collective is in flight (NCCL on its own stream); gloo on
+    a CPU runs a collective on the thread that issued it, which computes nothing meanwhile."""
     h2d_bandwidth: float = 0.0
     collectives: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
     optimizer_s_per_param: Mapping[str, float] = field(default_factory=dict)
+    optimizer_s_per_tensor: Mapping[str, float] = field(default_factory=dict)
+    """Seconds per parameter tensor of an optimizer step (FSDP2's DTensor dispatch per op)."""
     unit_overhead_s: float = 0.0
     source: str = ""
 
@@ -114,7 +121,8 @@ _RANGES: dict[str, tuple[float, bool, float, str, str]] = {
     "bus_bandwidth": (0.0, False, 1e15, "bytes/s", "360e9"),
     "optimizer_s_per_param": (0.0, True, 1.0, "seconds per parameter", "{adamw: 2e-12}"),
 }
-_NESTED = {"matmul_flops", "attention_flops", "collectives", "optimizer_s_per_param"}
+_NESTED = {"matmul_flops", "attention_flops", "collectives", "optimizer_s_per_param",
+           "optimizer_s_per_tensor"}
 
 
 def _number(key: str, value: object, where: str, label: str | None = None) -> float:
@@ -169,10 +177,11 @@ def _nested(key: str, value: object, where: str) -> dict[str, Any]:
         per_dtype = _mapping(value, key, where, "attention_flops: {bfloat16: 4e14}")
         _keys(per_dtype, DTYPES, key, where)
         return {d: _number(key, v, where, f"{key}.{d}") for d, v in per_dtype.items()}
-    if key == "optimizer_s_per_param":
-        per_opt = _mapping(value, key, where, "optimizer_s_per_param: {adamw: 2e-12}")
+    if key in ("optimizer_s_per_param", "optimizer_s_per_tensor"):
+        per_opt = _mapping(value, key, where, f"{key}: {{adamw: 2e-12}}")
         _keys(per_opt, ("adamw", "adam", "sgd"), key, where)
-        return {o: _number(key, v, where, f"{key}.{o}") for o, v in per_opt.items()}
+        return {o: _number("optimizer_s_per_param", v, where, f"{key}.{o}")
+                for o, v in per_opt.items()}
     kinds = _mapping(value, key, where,
                      "collectives: {all_gather: {8: {latency_s: 2e-5, bus_bandwidth: 3.6e11}}}")
     _keys(kinds, COLLECTIVE_KINDS, key, where)
@@ -223,10 +232,10 @@ def _apply(hw: Hardware, overrides: object, where: str) -> Hardware:
                 raise BadInput(f"{where}: {key} is {value!r}; expected "
                                + ("a GPU name as text." if key == "name" else "text."))
             values[key] = value
-        elif key == "async_launch":
+        elif key in ("async_launch", "comm_overlaps_compute"):
             if not isinstance(value, bool):
-                raise BadInput(f"{where}: async_launch is {value!r}; expected true (GPUs: the "
-                               "host launches ahead of the device) or false (CPU).")
+                raise BadInput(f"{where}: {key} is {value!r}; expected true (GPUs: the host "
+                               "launches ahead, NCCL runs on its own stream) or false (CPU).")
             values[key] = value
         elif key in _NESTED:
             values[key] = _nested(key, value, where)

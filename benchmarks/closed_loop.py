@@ -1,0 +1,156 @@
+"""Closed loop of the clock (issue 12): calibrate this machine, predict plans with the
+calibrated hardware file, bench them, and compare.
+
+    python benchmarks/closed_loop.py [--nproc 2] [--steps 10] [--warmup 3] [--hardware HW.yaml]
+                                     [--out benchmarks/results/closed_loop.txt]
+
+Three models (tiny Llama, a GPT-2 small shape, a ViT small shape) with three plans each
+(root only; one unit per block; one unit per block with every block checkpointed), written
+through the library API and predicted with ``--hardware``; each is benched with
+``fsdp-plan bench --nproc N`` (gloo on a CPU). Acceptance: every prediction within 25% of the
+measured median step, and the predicted order of each model's plans equal to the measured one.
+
+Noise on a shared CPU: bench workers run one thread each (``torch.set_num_threads(1)``), the
+step time is the median over ``--steps`` steady steps after ``--warmup`` (the slowest rank per
+step), and the plans of one model are benched interleaved ``--rounds`` times (the median of
+the rounds' medians is compared), so a burst of load from another process hits all three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts, predict
+from fsdp_plan.cost import hardware_for, read_hardware_file
+from fsdp_plan.plan import write_plan
+from fsdp_plan.source import ModelSource
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {
+    "tiny llama": ModelSource(source=os.path.join(ROOT, "examples/llama.py"),
+                              args={"size": "tiny"}, batch_size=4, seq_len=128),
+    "gpt2 small": ModelSource(source=os.path.join(ROOT, "examples/gpt2.py"),
+                              args={"size": "small"}, batch_size=1, seq_len=64),
+    "vit small": ModelSource(source=os.path.join(ROOT, "examples/vit.py"),
+                             args={"size": "base", "dim": 384, "n_heads": 6, "mlp_dim": 1536},
+                             batch_size=2, seq_len=1),
+}
+PLANS = ("root only", "per block", "per block + AC")
+
+
+def plans_for(source: ModelSource, hw, nproc: int) -> tuple[dict, object]:
+    """The three plans of one model, each with its prediction on ``hw``."""
+    facts = analyze_model(source, param_dtype="float32").facts
+    request = PlanRequest(source=source, budget_bytes=10**12, world_size=nproc, gpus_per_node=nproc,
+                          strategy="full", param_dtype="float32", reduce_dtype="float32",
+                          hardware=hw)
+    template = plan_from_facts(facts, request).plan
+    blocks = facts.graph.blocks
+    root = dataclasses.replace(template.units[-1], modules=[""], reshard_after_forward=False)
+    unit = dataclasses.replace(template.units[-1], reshard_after_forward=True)
+    per_block = [dataclasses.replace(unit, modules=[b]) for b in blocks] + [root]
+    out = {}
+    for name, units, ac in (("root only", [root], []), ("per block", per_block, []),
+                            ("per block + AC", per_block, list(blocks))):
+        plan = dataclasses.replace(template, units=units, activation_checkpointing=ac,
+                                   forward_prefetch={}, backward_prefetch={})
+        prediction = predict(plan, facts, hardware=hw, gpus_per_node=nproc)
+        plan = dataclasses.replace(plan, predicted=prediction.predicted)
+        out[name] = plan
+    return out, facts
+
+
+def bench(path: str, nproc: int, steps: int, warmup: int, out_dir: str) -> float:
+    done = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", "bench", path, "--nproc",
+                           str(nproc), "--steps", str(steps), "--warmup", str(warmup),
+                           "--format", "json", "--out", out_dir],
+                          capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"bench {path} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout)["step_time"]["median_s"]
+
+
+def order(times: dict[str, float]) -> list[str]:
+    return sorted(times, key=times.get)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--hardware", default=None,
+                        help="a calibrated file to reuse (default: run fsdp-plan calibrate)")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results/closed_loop.txt"))
+    args = parser.parse_args(argv)
+    work = tempfile.mkdtemp(prefix="closed-loop-")
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    hw_path = args.hardware
+    if hw_path is None:
+        hw_path = os.path.join(work, "hw.yaml")
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", "calibrate", "--nproc",
+                        str(args.nproc), "--backend", "gloo", "-o", hw_path], check=True)
+        say(f"calibrate: {time.perf_counter() - started:.1f} s")
+    hw = hardware_for("h100", read_hardware_file(hw_path))
+    say(f"hardware: {hw.source}")
+    say(f"settings: nproc {args.nproc}, {args.steps} timed steps after {args.warmup} warm-up, "
+        f"{args.rounds} interleaved rounds per model, float32, AdamW, one thread per worker")
+    rows = []
+    ok = True
+    for model in args.models.split(","):
+        source = MODELS[model]
+        plans, _ = plans_for(source, hw, args.nproc)
+        paths = {}
+        for name, plan in plans.items():
+            paths[name] = os.path.join(work, f"{model}-{name}.yaml".replace(" ", "_").replace(
+                "+", "ac"))
+            write_plan(plan, paths[name])
+        measured: dict[str, list[float]] = {name: [] for name in plans}
+        for _ in range(args.rounds):
+            for name in plans:
+                measured[name].append(bench(paths[name], args.nproc, args.steps, args.warmup,
+                                            os.path.join(work, "results")))
+        predicted = {n: p.predicted["step_time_s"] for n, p in plans.items()}
+        median = {n: statistics.median(v) for n, v in measured.items()}
+        for name in plans:
+            err = predicted[name] / median[name] - 1
+            within = abs(err) <= 0.25
+            ok &= within
+            p = plans[name].predicted
+            rows.append((model, name, predicted[name], median[name], err, within,
+                         p["exposed_comm_s"], measured[name]))
+            say(f"{model:11s} {name:15s} predicted {predicted[name] * 1e3:9.1f} ms  measured "
+                f"{median[name] * 1e3:9.1f} ms  ({err:+6.1%}) {'ok' if within else 'OFF'}  "
+                f"rounds {', '.join(f'{t * 1e3:.1f}' for t in measured[name])} ms")
+        same = order(predicted) == order(median)
+        ok &= same
+        say(f"{model:11s} order predicted {' < '.join(order(predicted))}; measured "
+            f"{' < '.join(order(median))}: {'same' if same else 'DIFFERENT'}")
+    say("ACCEPTED: all nine within 25% and every order matches" if ok else
+        "NOT ACCEPTED (see OFF / DIFFERENT above)")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""``bench --refit HW.yaml``: correct a hardware file from a measured run, so the next plan
+uses what this cluster really does.
+
+[Note: refit]
+The run measured, per phase, what the plan predicted (``predicted.phases_s``,
+``predicted.compute_s``, ``predicted.total_comm_s``; the planner writes them). Three factors
+come out of it, each the measured over the predicted time, clipped to 1/20..20:
+- compute: the profiled step's compute (union of compute ops or kernels, its share of the step
+  times the median step) over the predicted compute; every compute rate of the file is divided
+  by it and every per-op or per-unit overhead multiplied;
+- communication: the profiled communication over the predicted total; bus bandwidths are
+  divided by it and latencies multiplied;
+- optimizer: the measured over the predicted optimizer phase; seconds per parameter multiplied.
+Times in the step model are sums and maxima of these, so when one factor fits all (a cluster
+uniformly slower than its file) the refitted file predicts the measured step exactly.
+The file is rewritten atomically with its ``source`` saying what was refitted from what.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from fsdp_plan.errors import BadInput
+from fsdp_plan.hardware import GPUS, Hardware, hardware_for, hardware_yaml, read_hardware_file
+
+_CLIP = (0.05, 20.0)
+
+
+def _ratio(measured: float | None, predicted: float | None) -> float | None:
+    if not measured or not predicted or measured <= 0 or predicted <= 0:
+        return None
+    return min(_CLIP[1], max(_CLIP[0], measured / predicted))
+
+
+def factors(result: dict[str, Any]) -> dict[str, float]:
+    """The compute, communication and optimizer factors of [Note: refit] from a bench result."""
+    st = result["step_time"]
+    phases = st.get("phases") or {}
+    measured, predicted = phases.get("measured") or {}, phases.get("predicted") or {}
+    plan_pred = result.get("predicted_extra") or {}
+    if not measured or not predicted or st.get("predicted_s") is None:
+        raise BadInput("--refit needs the plan's predicted step time per phase "
+                       "(predicted.phases_s), which this plan lacks: write it again with "
+                       "fsdp-plan predict PLAN.yaml --hardware HW.yaml --format json, or re-plan.")
+    comm = result["comm"]["rank0"]
+    profiled = comm.get("step_s") or 0.0
+    scale = st["median_s"] / profiled if profiled else 0.0
+    step_ratio = _ratio(st["median_s"], st["predicted_s"]) or 1.0
+    compute = _ratio(comm.get("compute_s", 0.0) * scale, plan_pred.get("compute_s"))
+    communication = _ratio(comm.get("comm_s", 0.0) * scale, plan_pred.get("total_comm_s"))
+    fw_bw = _ratio(measured.get("forward", 0.0) + measured.get("backward", 0.0),
+                   predicted.get("forward", 0.0) + predicted.get("backward", 0.0))
+    optimizer = _ratio(measured.get("optimizer"), predicted.get("optimizer"))
+    return {"compute": compute or fw_bw or step_ratio,
+            "communication": communication or fw_bw or step_ratio,
+            "optimizer": optimizer or step_ratio}
+
+
+def scaled(hw: Hardware, f: dict[str, float]) -> Hardware:
+    """``hw`` with its times multiplied by the factors (rates divided)."""
+    c, m, o = f["compute"], f["communication"], f["optimizer"]
+    return dataclasses.replace(
+        hw,
+        peak_flops=hw.peak_flops / c, hbm_bandwidth=hw.hbm_bandwidth / c,
+        memory_bandwidth=(hw.memory_bandwidth or 0.8 * hw.hbm_bandwidth) / c,
+        matmul_flops={d: {k: v / c for k, v in cls.items()} for d, cls in hw.matmul_flops.items()},
+        attention_flops={d: v / c for d, v in hw.attention_flops.items()},
+        op_overhead_s=hw.op_overhead_s * c, unit_overhead_s=hw.unit_overhead_s * c,
+        intra_node_bandwidth=hw.intra_node_bandwidth / m,
+        inter_node_bandwidth=hw.inter_node_bandwidth / m,
+        collective_latency_s=hw.collective_latency_s * m,
+        launch_overhead_s=hw.launch_overhead_s * m,
+        collectives={k: {g: {"latency_s": fit.get("latency_s", hw.collective_latency_s) * m,
+                             "bus_bandwidth": fit["bus_bandwidth"] / m}
+                         for g, fit in groups.items()} for k, groups in hw.collectives.items()},
+        optimizer_s_per_param={k: v * o for k, v in hw.optimizer_s_per_param.items()},
+        optimizer_s_per_tensor={k: v * o for k, v in hw.optimizer_s_per_tensor.items()},
+    )
+
+
+def check_refit_path(path: str) -> None:
+    """``--refit``: a .yaml path that can be written, holding a valid hardware file if it
+    exists (``BadInput`` before any worker starts)."""
+    from fsdp_plan.outputs import check_writable
+
+    if not path.endswith((".yaml", ".yml")):
+        raise BadInput(f"--refit {path!r} must name a .yaml hardware file.")
+    if os.path.exists(path):
+        hardware_for("h100", read_hardware_file(path), where=f"--refit {path!r}")
+    check_writable(path, "--refit")
+
+
+def refit(path: str, gpu: str, result: dict[str, Any]) -> tuple[Hardware, dict[str, float]]:
+    """Rewrite the hardware file ``path`` (or write it from the plan's ``gpu`` preset when it
+    does not exist) from ``result``; returns the new hardware and the factors."""
+    from fsdp_plan.outputs import atomic_write_all
+
+    overrides = read_hardware_file(path) if os.path.exists(path) else None
+    base = gpu if gpu in GPUS else "h100"
+    hw = hardware_for(base, overrides if overrides is not None else {},
+                      where=f"--refit {path!r}")
+    f = factors(result)
+    new = dataclasses.replace(scaled(hw, f), source=(
+        f"{hw.source or hw.name}; refit by fsdp-plan bench from {result.get('path', 'a run')} "
+        f"(compute x{f['compute']:.3g}, communication x{f['communication']:.3g}, optimizer "
+        f"x{f['optimizer']:.3g})"))
+    atomic_write_all([(path, hardware_yaml(new, "Hardware file refitted by fsdp-plan bench "
+                                                "--refit (SPEC section 6)."))])
+    return new, f
