@@ -5,8 +5,12 @@
 For each plan: the CUDA allocator's steady-step peak of rank 0 at the plan's real world size
 (fake process group, real CUDA tensors; ``measure.allocator``), next to FSDPMemTracker's
 figure (``measure.memory``) and the planner's prediction; then one real NCCL benchmark at
-world 1 (``bench.timing``, the library behind ``fsdp-plan tune``). Writes ``gpu-check-<device>-<time>.json`` with the
-device name. Needs a GPU; nothing in the tests runs it.
+world 1 (``bench.timing``, the library behind ``fsdp-plan tune``). With ``--calibrate`` it first
+runs ``fsdp-plan calibrate`` on every GPU (NCCL), writes the hardware file beside the result,
+and records each plan's step time predicted at world 1 with that file next to the measured
+one (issue 12: predicted vs measured on a real GPU). Writes
+``gpu-check-<device>-<time>.json`` with the device name. Needs a GPU; nothing in the tests
+runs it.
 """
 
 from __future__ import annotations
@@ -69,11 +73,30 @@ def time_plan(path: str) -> dict[str, Any]:
             "predicted_step_s_at_plan_world": predicted}
 
 
+def predict_at_world(path: str, hardware: Any, world: int = 1) -> float:
+    """The plan's step time predicted with ``hardware`` at ``world`` ranks of plain FSDP (what
+    a world-1 bench measures: no communication to wait for)."""
+    import dataclasses
+
+    from fsdp_plan.api import analyze_model, predict
+    from fsdp_plan.plan import Mesh
+    plan = read_plan(path)
+    loaded = runtime.load_planned_model(plan, None, path)
+    dtype = (plan.mixed_precision or {}).get("param_dtype") or "float32"
+    facts = analyze_model(loaded.source, param_dtype=dtype).facts
+    one = dataclasses.replace(plan, world_size=world, mesh=Mesh(replicate=1, shard=world),
+                              strategy="full")
+    return predict(one, facts, hardware=hardware, gpus_per_node=max(1, world)
+                   ).predicted["step_time_s"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.gpu_check")
     parser.add_argument("plans", nargs="+", metavar="PLAN.yaml")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--no-bench", action="store_true", help="skip the NCCL world-1 bench")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="calibrate the GPUs first and predict each plan with the result")
     args = parser.parse_args(argv)
     import torch
     if not torch.cuda.is_available():
@@ -91,14 +114,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: allocator peak for {path}", file=sys.stderr, flush=True)
         checks.append(check_plan(path))
         print(json.dumps(checks[-1]), flush=True)
+    calibration, hw_text = None, None
+    if args.calibrate:
+        from fsdp_plan.calibrate import calibrate
+        from fsdp_plan.hardware import hardware_yaml
+        print("gpu_check: calibrate (NCCL, every GPU)", file=sys.stderr, flush=True)
+        hw, _raw = calibrate(nproc=torch.cuda.device_count(), backend="nccl")
+        calibration = hw.to_dict()
+        hw_text = hardware_yaml(hw, "Written by python -m fsdp_plan.bench.gpu_check --calibrate.")
     timings = [] if args.no_bench else [time_plan(path) for path in args.plans]
+    if calibration is not None:
+        for t in timings:
+            t["predicted_step_s_calibrated_world1"] = predict_at_world(t["plan"], hw, 1)
+            t["calibrated_error"] = round(t["predicted_step_s_calibrated_world1"]
+                                          / t["median_step_s"] - 1, 4)
     doc = {"device_name": device_name(), "torch": torch.__version__, "git": git_commit(),
            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "checks": checks,
-           "timings": timings}
+           "timings": timings, "calibration": calibration}
     stem = device_name().replace(" ", "-").replace("/", "-")
     path = os.path.join(args.out, f"gpu-check-{stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
     os.makedirs(args.out, exist_ok=True)
     atomic_write_text(path, json.dumps(doc, indent=2) + "\n")
+    if hw_text is not None:
+        atomic_write_text(path.removesuffix(".json") + ".hardware.yaml", hw_text)
     print(f"gpu_check: wrote {path}", file=sys.stderr)
     return 0
 
