@@ -12,8 +12,9 @@ plus the unsharded parameters and gradients that plan keeps live at each boundar
 Cumulative FLOPs (PyTorch's ``flop_registry``, the rules ``FlopCounterMode`` uses; the mode
 itself keeps recomputed tensors alive under checkpointing) are recorded at the same boundaries, giving each module's forward and
 backward compute. With activation checkpointing the timeline changes inside the
-checkpointed blocks only; a second pass with every repeated block checkpointed supplies
-those segments (``Timeline`` per pass; see memory.py for the composition).
+checkpointed blocks only; a second pass with every repeated block fully checkpointed and a
+third with every repeated block selectively checkpointed supply those segments (``Timeline``
+per pass; see timeline.py for the composition, checkpointing.py for the modes).
 """
 
 from __future__ import annotations
