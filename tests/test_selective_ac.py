@@ -237,3 +237,24 @@ def test_hugging_face_llama_replays_under_the_selective_wrapper():
         wrapped.model.layers[i] = checkpoint_module(layer, ops)
     wrapped(input_ids=tokens, labels=tokens).loss.backward()
     assert all(p.grad is not None for p in wrapped.model.layers[0].parameters())
+
+
+@pytest.mark.slow
+def test_llama_8b_between_selective_and_no_checkpointing_beats_both_recipes():
+    """Issue 10's acceptance: Llama 3 8B, world 8, batch 2 x 8192, a budget between the
+    selective-everywhere peak and the no-checkpointing peak (planned in about 10 s)."""
+    source = ModelSource(source=LLAMA, args={"size": "8b"}, batch_size=2, seq_len=8192)
+    facts = analyze_model(source).facts
+    result = plan_from_facts(facts, PlanRequest(source=source, budget_bytes=120 * 10**9,
+                                                world_size=8))
+    recipes = {c.name: c for c in result.recipes}
+    selective = recipes["recipe: torchtitan selective-op AC"]
+    full = recipes["recipe: full AC every block"]
+    none = recipes["recipe: torchtitan (unit per block)"]
+    assert selective.memory.peak_bytes < 108 * 10**9 < none.memory.peak_bytes
+    best = result.best
+    assert best.fits and selective.fits and full.fits
+    assert best.time.step_s < selective.time.step_s < full.time.step_s
+    assert len(best.checkpointed) < len(facts.graph.blocks) or 0 < len(best.selective) < len(
+        best.checkpointed)
+    assert best.selective  # selective blocks save more per recompute second than full ones
