@@ -252,7 +252,7 @@ def test_predict_reproduces_the_searched_plan_exactly(llama):
 
 def test_predict_a_hand_written_torchtitan_plan(llama):
     """One unit per block, every block checkpointed, last block kept unsharded (torchtitan)."""
-    plan = plan_from_facts(llama, request(10**9)).plan
+    plan = plan_from_facts(llama, request(10**9, strategy="full")).plan
     blocks = llama.graph.blocks
     units = [dataclasses.replace(plan.units[0], modules=[b], reshard_after_forward=b != blocks[-1])
              for b in blocks] + [dataclasses.replace(plan.units[-1], modules=[""],
@@ -269,7 +269,7 @@ def test_predict_a_hand_written_torchtitan_plan(llama):
 
 
 def test_predict_refuses_what_it_cannot_model(llama):
-    plan = plan_from_facts(llama, request(10**9)).plan
+    plan = plan_from_facts(llama, request(10**9, strategy="full")).plan
     with pytest.raises(BadInput, match="not repeated blocks"):
         predict(dataclasses.replace(plan, activation_checkpointing=["layers.0.attn"]
                                     if "layers.0.attn" in llama.graph.modules else ["norm"]),

@@ -19,7 +19,9 @@ def planned(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("predict")
     path = str(folder / "plan.yaml")
     code = main([LLAMA, "--model-arg", "size=tiny", "--mem", "2GB", "--world-size", "4",
-                 "--seq-len", "64", "--batch-size", "2", "--format", "json", "--plan", path])
+                 "--strategy", "full",
+                 "--seq-len", "64", "--batch-size", "2", "--format", "json", "--plan", path,
+                 "--strategy", "full"])  # FSDP units to edit (auto may choose DDP: no units)
     assert code == 0
     return path
 
