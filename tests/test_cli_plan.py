@@ -37,7 +37,7 @@ def test_json_trace_policy_and_plan_agree(tmp_path, capsys):
     assert plan["units"][-1]["modules"] == [""]
     events = json.loads(trace.read_text())["traceEvents"]
     lanes = {e["tid"] for e in events if e["ph"] == "X"}
-    assert lanes == {1, 2}
+    assert {1, 2} <= lanes <= {1, 2, 3}  # compute, communication, and waits when any
     assert any(e["name"].startswith("AG ") for e in events)
     assert report["candidates"][0]["peak_bytes"] == plan["predicted"]["peak_bytes"]
 
