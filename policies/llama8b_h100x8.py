@@ -50,14 +50,20 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
+    CPUOffload,
     MixedPrecision,
     ShardingStrategy,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 try:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 except ImportError:  # torch < 2.6 kept FSDP2 under _composable
-    from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
 # The plan: in a generated policy module, fsdp-plan writes it here as a literal.
 PLAN = {'fsdp_plan_version': 1,
@@ -154,9 +160,15 @@ PLAN = {'fsdp_plan_version': 1,
                       'collectives_per_step_fsdp1': {'all_gather': 35,
                                                      'reduce_scatter': 35,
                                                      'all_reduce': 0},
-                      'step_time_s': 0.46546,
-                      'exposed_comm_s': 0.007318,
-                      'hidden_comm_s': 0.11189,
+                      'step_time_s': 0.503248,
+                      'exposed_comm_s': 0.009789,
+                      'comm_tail_s': 0.008383,
+                      'hidden_comm_s': 0.143834,
+                      'phases_s': {'forward': 0.163186,
+                                   'backward': 0.330024,
+                                   'optimizer': 0.010038},
+                      'compute_s': 0.483421,
+                      'total_comm_s': 0.153623,
                       'peak_phase': 'backward (pre_bw norm)',
                       'breakdown': {'sharded_params': 4015130624,
                                     'optimizer_states': 8030262412,
@@ -200,7 +212,9 @@ PLAN = {'fsdp_plan_version': 1,
                                 {'key': 'layers.30', 'params': 218112000, 'shard_numel': 27264000},
                                 {'key': 'layers.31', 'params': 218112000, 'shard_numel': 27264000},
                                 {'key': 'output', 'params': 525336576, 'shard_numel': 65667072},
-                                {'key': '', 'params': 4096, 'shard_numel': 512}]}}
+                                {'key': '', 'params': 4096, 'shard_numel': 512}],
+                      'tokens_per_s': 8139.128,
+                      'mfu': 0.4324}}
 
 # Wrapper layers that FSDP1 and activation checkpointing insert into module FQNs; a plan
 # names modules without them.
@@ -210,6 +224,7 @@ _SHARDING_STRATEGIES = {
     "hybrid": ShardingStrategy.HYBRID_SHARD,
     "grad-op": ShardingStrategy.SHARD_GRAD_OP,
     "none": ShardingStrategy.NO_SHARD,
+    "ddp": ShardingStrategy.NO_SHARD,  # FSDP1 without sharding is the FSDP form of DDP
 }
 _UNIT_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
 
@@ -219,6 +234,8 @@ REDUCE_DTYPE: torch.dtype | None = None
 FSDP1_UNITS: list[str] = []
 """The modules FSDP1 wraps: every module of a grouped unit separately ("" is the root)."""
 FSDP_KWARGS: dict = {}
+DDP_KWARGS: dict = {}
+"""``DistributedDataParallel`` keyword arguments of a DDP plan (empty for FSDP plans)."""
 
 
 def plain_fqn(name: str) -> str:
@@ -245,6 +262,9 @@ def _check_plan() -> None:
         raise ValueError("PLAN has no units, or a unit without modules.")
     if "" in PLAN["activation_checkpointing"]:
         raise ValueError("PLAN checkpoints the root module; only submodules can be wrapped.")
+    if "selective" in checkpoint_modes().values() and not resolve_ops(PLAN.get("selective_ops") or []):
+        raise ValueError("PLAN checkpoints modules selectively but none of its selective_ops "
+                         "is an op of this torch build; list ops such as aten.mm.default.")
     unit_keys = {unit["modules"][0] for unit in PLAN["units"]}
     for kind in ("forward_prefetch", "backward_prefetch"):
         for key, targets in PLAN[kind].items():
@@ -305,15 +325,93 @@ def _find_modules(model: nn.Module, fqns: list, deepest: bool) -> dict:
     return found
 
 
+def resolve_ops(names: list) -> list:
+    """The ``OpOverload`` objects for op names as ``torch.ops`` spells them
+    (``aten.mm.default``); names this torch build lacks (a GPU-only attention kernel on an
+    old release) are skipped, since such an op can never run here."""
+    ops = []
+    for name in names:
+        obj = torch.ops
+        try:
+            for part in name.split("."):
+                obj = getattr(obj, part)
+        except (AttributeError, RuntimeError):
+            continue
+        if isinstance(obj, torch._ops.OpOverload):
+            ops.append(obj)
+    return ops
+
+
+def selective_policy(ops: list):
+    """The per-op policy: save the outputs of ``ops`` (``OpOverload`` objects), recompute the rest."""
+    saved = frozenset(ops)
+
+    def policy(_ctx, op, *_args, **_kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    return policy
+
+
+# Keyword arguments through which a block writes a KV cache (transformers' names across
+# releases). See _no_cache_in_training.
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def _no_cache_in_training(module: nn.Module, args: tuple, kwargs: dict):
+    """Drop a KV cache from a selectively checkpointed block's call while training.
+
+    [Note: selective checkpointing and KV caches]
+    Selective checkpointing replays a block's ops in backward and hands back each saved
+    output by op and invocation index, so the replay must issue exactly the ops the forward
+    did. A block that appends to a KV cache (Hugging Face ``LlamaDecoderLayer`` with the
+    config's default ``use_cache=True``) finds the cache already grown when it is replayed
+    and slices it once more: "aten.slice.Tensor invocation index 4 encountered during
+    backward but not found in storage". transformers' own gradient checkpointing drops the
+    cache for the same reason; a training step never reads it.
+    """
+    if not (module.training and torch.is_grad_enabled()):
+        return None
+    if not any(kwargs.get(k) is not None for k in _CACHE_KWARGS) and not kwargs.get("use_cache"):
+        return None
+    kwargs = {**kwargs, **{k: None for k in _CACHE_KWARGS if k in kwargs}}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def checkpoint_module(module: nn.Module, selective_ops: list | None = None) -> nn.Module:
+    """``module`` in a non-reentrant checkpoint wrapper: full recomputation, or per-op selective
+    (``selective_ops``: ``OpOverload`` objects whose outputs are saved) when given."""
+    if selective_ops is None:
+        return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    policy = selective_policy(selective_ops)
+    wrapper = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                 context_fn=lambda: create_selective_checkpoint_contexts(policy))
+    wrapper.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
+    return wrapper
+
+
+def checkpoint_modes() -> dict:
+    """``{FQN: "full" | "selective"}`` for the plan's checkpointed modules (a version-1 list
+    means full for each)."""
+    value = PLAN["activation_checkpointing"]
+    if isinstance(value, dict):
+        return dict(value)
+    return {fqn: "full" for fqn in value}
+
+
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     """Wrap each module in ``PLAN["activation_checkpointing"]`` with non-reentrant checkpointing.
 
     Each module is replaced in its parent (``setattr`` works for ``nn.ModuleList`` and
-    ``nn.ModuleDict`` children too), so its forward is recomputed in backward. For FSDP2 call it
-    before ``fully_shard`` (``apply_fully_shard`` does); for FSDP1 call it after wrapping, when
-    the checkpoint wrapper goes inside the FSDP1 instance. Modules already wrapped are skipped.
+    ``nn.ModuleDict`` children too), so its forward is recomputed in backward: all of it for
+    ``full``, all but the outputs of ``PLAN["selective_ops"]`` for ``selective``
+    (``create_selective_checkpoint_contexts``). For FSDP2 call it before ``fully_shard``
+    (``apply_fully_shard`` does); for FSDP1 call it after wrapping, when the checkpoint wrapper
+    goes inside the FSDP1 instance. Modules already wrapped are skipped.
     """
-    found = _find_modules(model, PLAN["activation_checkpointing"], deepest=True)
+    modes = checkpoint_modes()
+    saved_ops = resolve_ops(PLAN.get("selective_ops") or [])
+    found = _find_modules(model, list(modes), deepest=True)
     # Resolve every parent before replacing anything: a nested target's parent must be the
     # original module, not a wrapper put in place moments earlier.
     replacements = []
@@ -321,9 +419,10 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
         parent_name, _, attr = name.rpartition(".")
         if attr == "_checkpoint_wrapped_module":
             continue
-        replacements.append((model.get_submodule(parent_name), attr, module))
-    for parent, attr, module in replacements:
-        setattr(parent, attr, checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+        replacements.append((model.get_submodule(parent_name), attr, module,
+                             modes[plain_fqn(name)] == "selective"))
+    for parent, attr, module, selective in replacements:
+        setattr(parent, attr, checkpoint_module(module, saved_ops if selective else None))
     return model
 
 
@@ -362,13 +461,79 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Mo
         modules = [found[fqn][1] for fqn in unit["modules"]]
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
                     reshard_after_forward=bool(unit["reshard_after_forward"]),
-                    mp_policy=MixedPrecisionPolicy(**_unit_precision(unit)))
+                    mp_policy=MixedPrecisionPolicy(**_unit_precision(unit)), **_offload_kwargs())
     # Modules of a grouped unit share one FSDP state, so the first one stands for the unit.
     for key, targets in PLAN["forward_prefetch"].items():
         found[key][1].set_modules_to_forward_prefetch([found[t][1] for t in targets])
     for key, targets in PLAN["backward_prefetch"].items():
         found[key][1].set_modules_to_backward_prefetch([found[t][1] for t in targets])
     return model
+
+
+def prepare_microbatch(model: nn.Module, index: int, count: int) -> None:
+    """Call before micro-batch ``index`` (0-based) of ``count`` in one optimizer step (SPEC 6).
+
+    With ``gradient_sync: last`` FSDP2 skips the reduce-scatter (and HSDP all-reduce) of every
+    micro-batch but the last, accumulating unsharded gradients instead
+    (``set_requires_gradient_sync``); with ``every`` (or one micro-batch) each backward reduces
+    as usual. ``model`` is the root returned by ``apply_fully_shard``."""
+    if not 0 <= index < count:
+        raise ValueError(f"micro-batch index {index} is outside 0..{count - 1}.")
+    if PLAN.get("gradient_sync", "every") == "last" and hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(index == count - 1)
+
+
+def _offload_kwargs() -> dict:
+    """``offload_policy=CPUOffloadPolicy(...)`` for every unit when the plan offloads (SPEC 6):
+    parameters, gradients and optimizer states on the host, the optimizer step on the CPU.
+    Host memory is pinned when a GPU is present (the copies then overlap compute); on a
+    CPU-only machine host and device are one memory and fake tensors cannot be pinned."""
+    if not (PLAN.get("offload") or {}).get("params"):
+        return {}
+    return {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())}
+
+
+def ddp_kwargs(ddp: dict) -> dict:
+    """``DistributedDataParallel`` keyword arguments that build the buckets ``ddp`` describes.
+
+    DDP caps its first bucket at 1 MiB only when ``bucket_cap_mb`` is left at its default
+    (None: 25 MiB); an explicit ``bucket_cap_mb`` caps the first bucket like the others, and
+    any other pair needs ``bucket_cap_mb_list=[first, cap]`` (torch >= 2.13). See
+    [Note: DDP buckets] in fsdp-plan's ddp.py, which reads this same rule."""
+    kwargs = {key: bool(ddp[key]) for key in ("gradient_as_bucket_view", "static_graph",
+                                              "find_unused_parameters")}
+    first, cap = ddp["first_bucket_mb"], ddp["bucket_cap_mb"]
+    if (first, cap) == (1, 25):
+        kwargs["bucket_cap_mb"] = None
+    elif first == cap:
+        kwargs["bucket_cap_mb"] = cap
+    else:
+        kwargs["bucket_cap_mb_list"] = [first, cap]
+    return kwargs
+
+
+def apply_ddp(model: nn.Module, device_ids: list | None = None) -> nn.Module:
+    """Apply a DDP plan: activation checkpointing first, then ``DistributedDataParallel`` with
+    ``DDP_KWARGS`` (and the bf16 gradient compression hook when the plan has it); returns the
+    DDP module. Compute in ``PARAM_DTYPE`` with ``torch.autocast`` in the training loop when it
+    is below float32 (DDP keeps float32 parameters)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if PLAN.get("strategy") != "ddp":
+        raise ValueError(f"PLAN is a {PLAN.get('strategy')!r} plan, not a DDP plan; use "
+                         "apply_fully_shard.")
+    kwargs = dict(DDP_KWARGS)
+    if "bucket_cap_mb_list" in kwargs and "bucket_cap_mb_list" not in (
+            DistributedDataParallel.__init__.__code__.co_varnames):
+        raise ValueError("PLAN caps the first DDP bucket apart from the others, which needs "
+                         "bucket_cap_mb_list (torch >= 2.13); re-plan, or set first_bucket_mb "
+                         "equal to bucket_cap_mb.")
+    apply_activation_checkpointing(model)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    if PLAN["ddp"].get("comm_hook") == "bf16_compress":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+        ddp.register_comm_hook(None, bf16_compress_hook)
+    return ddp
 
 
 class _PlanWrapPolicy:
@@ -442,8 +607,12 @@ def _configure() -> None:
         "forward_prefetch": any(PLAN["forward_prefetch"].values()),
         "limit_all_gathers": True,
         "mixed_precision": _fsdp1_mixed_precision(),
+        **({"cpu_offload": CPUOffload(offload_params=True)}
+           if (PLAN.get("offload") or {}).get("params") else {}),
     })
     auto_wrap_policy = _PlanWrapPolicy(FSDP1_UNITS)
+    if PLAN.get("ddp") is not None:
+        DDP_KWARGS.update(ddp_kwargs(PLAN["ddp"]))
 
 
 _configure()
