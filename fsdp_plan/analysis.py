@@ -404,8 +404,9 @@ def _selective_pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks
     except BadInput as e:
         cause = e.__cause__ if e.__cause__ is not None else e
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        text = text.split(". ")[0].rstrip(".")[:200]  # the first sentence: what did not replay
         return None, {}, (f"selective checkpointing of {kind} blocks does not replay in backward "
-                          f"({type(cause).__name__}: {text[:200]}); full checkpointing only")
+                          f"({type(cause).__name__}: {text}); full checkpointing only")
     recompute = {b: max(0.0, modules[b].bw_flops - plain[b].bw_flops)
                  for b in blocks if b in modules and b in plain}
     return timeline, recompute, ""

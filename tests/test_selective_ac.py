@@ -258,3 +258,25 @@ def test_llama_8b_between_selective_and_no_checkpointing_beats_both_recipes():
     assert len(best.checkpointed) < len(facts.graph.blocks) or 0 < len(best.selective) < len(
         best.checkpointed)
     assert best.selective  # selective blocks save more per recompute second than full ones
+
+
+def test_a_block_that_does_not_replay_is_planned_with_full_checkpointing_only():
+    """tests/fixtures/replay_mismatch.py takes a slice only when replayed: full checkpointing
+    replays it, selective does not; the plan says so in one line and never goes selective."""
+    from pathlib import Path
+
+    model = str(Path(__file__).parent / "fixtures" / "replay_mismatch.py")
+    args = [model, "--batch-size", "64", "--seq-len", "256", "--world-size", "2"]
+    code, out, err = run_cli([*args, "--mem", "25MB"])
+    assert code == 0, err
+    note = [line for line in out.splitlines() if line.startswith("note: selective")]
+    expected = ("note: selective checkpointing of Block blocks does not replay in backward "
+                "(RuntimeError: aten.alias.default encountered during backward but not found in "
+                "storage); full checkpointing only")
+    assert note == [expected]
+    assert "full" in out.split("checkpointed blocks")[1].splitlines()[2]
+    code, out, err = run_cli([*args, "--mem", "25MB", "--format", "json"])
+    data = json.loads(out)
+    assert not isinstance(data["plan"]["activation_checkpointing"], dict)
+    assert all(c["selective_blocks"] == 0 for c in data["candidates"])
+    assert "recipe: torchtitan selective-op AC" not in {c["name"] for c in data["candidates"]}
