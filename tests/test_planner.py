@@ -72,8 +72,8 @@ def test_predicted_peak_matches_fsdp_mem_tracker(tmp_path, model, args, mem, wor
 
 
 @pytest.mark.parametrize("nproc,mesh,extra", [
-    (2, None, []),
-    (4, None, []),
+    (2, None, ["--strategy", "full"]),  # at 1 GB auto would replicate (DDP, tests/test_ddp.py)
+    (4, None, ["--strategy", "full"]),
     (4, (2, 2), ["--gpus-per-node", "2", "--strategy", "hybrid"]),
 ])
 def test_predicted_collectives_match_comm_debug_mode(tmp_path, nproc, mesh, extra):
