@@ -298,6 +298,9 @@ def suggestions(smallest: Candidate, request: PlanRequest) -> str:
     states = smallest.memory.breakdown.get("sharded_params", 0) + smallest.memory.breakdown.get(
         "optimizer_states", 0)
     tips = []
+    if request.strategy == "ddp":  # DDP cannot shard: every rank holds all model states
+        tips.append("sharding (--strategy auto or full): DDP keeps every parameter, gradient "
+                    "and optimizer state on each GPU")
     if states > limit:
         need = int(request.world_size * states / max(limit, 1)) + 1
         tips.append(f"more GPUs (the sharded parameters and optimizer states alone take "

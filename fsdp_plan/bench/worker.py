@@ -103,7 +103,8 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     def micro_batches() -> None:  # every micro-batch of one optimizer step (SPEC 6)
         runtime.micro_batches(model, loaded, inputs, policy)
 
-    for _ in range(warmup):
+    # DDP rebuilds its buckets in its second forward (and broadcasts them): count after it
+    for _ in range(max(warmup, 2 if hasattr(model, "_get_ddp_logging_data") else 0)):
         begin("warm-up")
         micro_batches()
         runtime.finish_step(model, optimizer)

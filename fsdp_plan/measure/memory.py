@@ -132,6 +132,9 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     ``policy_module`` is the generated module (``apply_fully_shard(model, mesh)``); the mesh is
     the plan's (1-D shard mesh, or 2-D ``("replicate", "shard")``) at its real world size.
     """
+    if plan.strategy == "ddp":  # no shards: a real one-rank run measures it (measure/ddp.py)
+        from fsdp_plan.measure.ddp import measure_ddp_peak
+        return measure_ddp_peak(loaded, plan)
     if fsdp_version != 2:
         raise BadInput("verify measures FSDP2 (fully_shard) plans only: PyTorch's FSDPMemTracker "
                        "does not track FSDP1 modules. Use bench --fsdp1 on GPUs for FSDP1 memory.")
