@@ -39,9 +39,11 @@ if os.path.exists(os.path.join(ROOT, "fsdp_plan", "cli", "predict.py")) and "pre
 
 @pytest.fixture(scope="module")
 def base_doc(tmp_path_factory) -> dict:
-    """The tiny Llama planned at 2 MB: one unit per block, checkpointing, forward prefetch."""
+    """The tiny Llama planned at 1.9 MB: a unit per block and per top-level module,
+    checkpointing, forward prefetch (at 2 MB it now fits without checkpointing, which costs a
+    replay of each checkpointed block's ops)."""
     path = tmp_path_factory.mktemp("base") / "plan.yaml"
-    assert main([LLAMA, *TINY, "--mem", "2MB", "--plan", str(path), "--format", "json"]) == 0
+    assert main([LLAMA, *TINY, "--mem", "1.9MB", "--plan", str(path), "--format", "json"]) == 0
     doc = yaml.safe_load(path.read_text())
     doc["model"]["source"] = LLAMA  # absolute: the plans below live in other folders
     assert [u["modules"] for u in doc["units"]][-1] == [""] and len(doc["units"]) > 2
@@ -127,10 +129,10 @@ CASES = {
         lambda d: d.update(forward_prefetch={"norm": [first_key(d)]}),
         ["forward_prefetch['norm']", "not a unit key"]),
     "prefetch target not a unit": (
-        lambda d: d.update(backward_prefetch={first_key(d): ["layers.1.attention"]}),
+        lambda d: d.update(backward_prefetch={"layers.0": ["layers.1.attention"]}),
         ["backward_prefetch['layers.0'][0]", "not a unit key"]),
     "unit prefetching itself": (
-        lambda d: d.update(backward_prefetch={first_key(d): [first_key(d)]}),
+        lambda d: d.update(backward_prefetch={"layers.0": ["layers.0"]}),
         ["backward_prefetch['layers.0'][0]", "itself"]),
     "root checkpointed": (
         lambda d: d.update(activation_checkpointing=[""]),
@@ -195,7 +197,7 @@ CASES = {
     "module in two units": (lambda d: d["units"][1]["modules"].append(first_key(d)),
                             ["units[1].modules[1]", "already in units[0]"]),
     "parent before child": (lambda d: d["units"].insert(0, {"modules": ["layers"]}),
-                            ["units[1].modules[0]", "after its parent 'layers'"]),
+                            ["modules[0]", "after its parent 'layers'"]),
     "empty modules": (lambda d: d["units"][0].update(modules=[]),
                       ["units[0].modules is empty"]),
     "module not a string": (lambda d: d["units"][0].update(modules=[5]),
