@@ -541,7 +541,7 @@ def search(evaluator: Evaluator) -> list[Candidate]:
                     if not found:
                         break  # the least-memory variant cannot fit: the others cannot either
                     results.append(rank(found)[0])
-    if settings.strategy == "ddp":  # DDP beside FSDP, on the same models and clock
+    if settings.strategy in ("auto", "ddp"):  # DDP beside FSDP, on the same models and clock
         from fsdp_plan.ddp import ddp_candidates
         results.extend(ddp_candidates(evaluator.graph, evaluator.analysis, settings))
     return rank(results)

@@ -223,3 +223,33 @@ def test_buckets_counts_and_peak_equal_ddp_on_gloo(facts):
                 k: v for k, v in e.collectives.items() if v}
         measured = ranks[0]["peak_bytes"]
         assert abs(e.memory.peak_bytes - measured) / measured <= 0.05, (key, measured)
+
+
+def auto_request(budget: int) -> PlanRequest:
+    return PlanRequest(source=source(LLAMA, "tiny", batch=1, seq=64), budget_bytes=budget,
+                       world_size=8, strategy="auto")
+
+
+def test_auto_picks_ddp_when_it_fits_and_is_faster_and_says_why():
+    from fsdp_plan.ddp import DDPCandidate, why_line
+
+    request = auto_request(8 * 10**9)
+    f = analyze_model(request.source, param_dtype=request.param_dtype).facts
+    result = plan_from_facts(f, request)
+    fsdp = [c for c in result.ranked if c.fits and not isinstance(c, DDPCandidate)]
+    assert isinstance(result.best, DDPCandidate) and result.plan.strategy == "ddp"
+    assert result.best.time.step_s < min(c.time.step_s for c in fsdp)
+    line = why_line(result.ranked)
+    assert line.startswith(f"why: {result.best.name} wins") and "\n" not in line
+    assert fsdp[0].name in line
+
+
+def test_auto_keeps_fsdp_when_ddp_does_not_fit_and_says_why():
+    from fsdp_plan.ddp import DDPCandidate, why_line
+
+    request = auto_request(5 * 10**6)  # the model states fit sharded, not replicated
+    f = analyze_model(request.source, param_dtype=request.param_dtype).facts
+    result = plan_from_facts(f, request)
+    assert result.plan.strategy != "ddp"
+    assert any(isinstance(c, DDPCandidate) and not c.fits for c in result.ranked)
+    assert "DDP does not fit" in why_line(result.ranked)
