@@ -24,7 +24,7 @@ MANY = os.path.join(ROOT, "benchmarks", "models", "many_modules.py")
 CASES = [
     ("llama 8b", LLAMA, {"size": "8b"}, 80 * 10**9, 8, 4096),
     ("llama 70b", LLAMA, {"size": "70b"}, 80 * 10**9, 64, 4096),
-    ("llama 405b", LLAMA, {"size": "405b"}, 80 * 10**9, 128, 4096),
+    ("llama 405b", LLAMA, {"size": "405b"}, 80 * 10**9, 512, 4096),
     ("2,006 modules", MANY, {"n": 667}, 10**9, 8, 8),
     ("10,006 modules", MANY, {"n": 3333}, 10**9, 8, 8),
 ]
