@@ -32,12 +32,17 @@ from typing import Any
 from fsdp_plan.errors import BadInput
 from fsdp_plan.hardware import Hardware
 
-MESSAGE_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23)
+MESSAGE_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23, 1 << 26)
 """Bytes of the full (gathered / reduced) buffer of each timed collective."""
-_SHAPES = {"small": (64, 512, 512), "medium": (256, 512, 512), "large": (1024, 1024, 1024)}
-"""(M, K, N) per shape class; the smallest dimension decides the class (facts.py)."""
-_GPU_SHAPES = {"small": (64, 4096, 4096), "medium": (512, 4096, 4096),
-               "large": (4096, 4096, 4096)}
+_SHAPES = {"small": ((64, 768, 768), (768, 64, 768), (768, 768, 64)),
+           "medium": ((256, 768, 768), (768, 256, 768), (768, 768, 256)),
+           "large": ((1024, 1024, 1024),)}
+"""(M, K, N) shapes per class; the smallest dimension decides the class (facts.py). A class's
+rate is the harmonic mean of its shapes': training multiplies activations by weights (M
+small in decode-like shapes) and, for weight gradients, over the tokens (K small)."""
+_GPU_SHAPES = {"small": ((64, 4096, 4096), (4096, 64, 4096), (4096, 4096, 64)),
+               "medium": ((512, 4096, 4096), (4096, 512, 4096), (4096, 4096, 512)),
+               "large": ((4096, 4096, 4096),)}
 
 
 def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeat: int,
@@ -108,12 +113,15 @@ def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
         matmul[name] = {}
-        for cls, (m, k, n) in shapes.items():
-            a = torch.randn(m, k, device=device, dtype=dtype)
-            b = torch.randn(k, n, device=device, dtype=dtype)
-            t = _timed(lambda a=a, b=b: torch.mm(a, b), sync, repeat)
-            work = max(t - (0.0 if device.type == "cuda" else overhead), t * 0.05)
-            matmul[name][cls] = 2.0 * m * k * n / work
+        for cls, dims in shapes.items():
+            seconds = flops = 0.0
+            for m, k, n in dims:
+                a = torch.randn(m, k, device=device, dtype=dtype)
+                b = torch.randn(k, n, device=device, dtype=dtype)
+                t = _timed(lambda a=a, b=b: torch.mm(a, b), sync, repeat)
+                seconds += max(t - (0.0 if device.type == "cuda" else overhead), t * 0.05)
+                flops += 2.0 * m * k * n
+            matmul[name][cls] = flops / seconds
     out["matmul_flops"] = matmul
 
     # 3. attention: SDPA forward + backward
@@ -135,8 +143,9 @@ def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict
             0.0 if device.type == "cuda" else overhead), t * 0.05)
     out["attention_flops"] = attention
 
-    # 4. memory-bound elementwise ops: bytes read + written per second
-    n = (1 << 26) if device.type == "cuda" else (1 << 20)
+    # 4. memory-bound elementwise ops: bytes read + written per second, on tensors larger
+    # than any cache (small ones are dominated by the per-op overhead, counted apart)
+    n = (1 << 26) if device.type == "cuda" else (1 << 23)
     a = torch.randn(n, device=device)
     b = torch.randn(n, device=device)
 
