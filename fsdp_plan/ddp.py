@@ -326,7 +326,11 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     """Forward, then backward with each bucket's all-reduce issued when it is ready and all
     earlier buckets were issued (the reducer launches buckets in order), on one
     communication stream; compute overlapping a collective slows by ``hw.contention`` as in
-    [Note: two-stream simulation]. The tail is what is left after backward."""
+    [Note: two-stream simulation]. The tail is what is left after backward. Where the
+    hardware file says collectives do not overlap compute (``comm_overlaps_compute: false``,
+    gloo on a CPU, as the FSDP simulation reads it too) backward waits for each all-reduce,
+    counted as exposed communication: the reducer's gloo threads then share the few cores
+    backward runs on."""
     times = _event_times(events, hw, dtype)
     n = len(events)
     bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
@@ -336,17 +340,23 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     busy: list[tuple[float, float]] = []
     comm_free = 0.0
 
+    overlaps = getattr(hw, "comm_overlaps_compute", True)
+
     def issue(label: str, at: float, duration: float) -> None:
-        nonlocal comm_free
+        nonlocal comm_free, now, waited
         start = max(at, comm_free)
         comm_free = start + duration
         busy.append((start, comm_free))
         spans.append(("comm", label, start, comm_free))
+        if not overlaps:  # gloo on a CPU: the all-reduce takes the cores backward needs
+            spans.append(("wait", f"wait {label}", now, comm_free))
+            waited += comm_free - now
+            now = comm_free
 
     def overlap(start: float, end: float) -> float:
         return sum(max(0.0, min(end, e) - max(start, s)) for s, e in busy if e > start)
 
-    now, unslowed_at, contention = forward, forward, 0.0
+    now, unslowed_at, contention, waited = forward, forward, 0.0, 0.0
 
     def compute_until(target: float, label: str) -> None:
         nonlocal now, unslowed_at, contention
@@ -380,10 +390,11 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     spans.append(("compute", "optimizer", end, end + optimizer_s))
     total_comm = sum(e - s for s, e in busy)
     backward = times[-1] - forward
-    return _step_time(step_s=forward + backward + contention + tail + optimizer_s,
-                      forward_s=forward, backward_s=backward + contention, exposed_comm_s=tail,
-                      total_comm_s=total_comm, optimizer_s=optimizer_s, bubbles_s=0.0,
-                      contention_s=contention, comm_tail_s=tail, spans=spans)
+    return _step_time(step_s=forward + backward + contention + waited + tail + optimizer_s,
+                      forward_s=forward, backward_s=backward + contention,
+                      exposed_comm_s=waited + tail, total_comm_s=total_comm,
+                      optimizer_s=optimizer_s, bubbles_s=waited, contention_s=contention,
+                      comm_tail_s=tail, spans=spans)
 
 
 # --- memory -----------------------------------------------------------------------------------

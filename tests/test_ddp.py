@@ -253,3 +253,20 @@ def test_auto_keeps_fsdp_when_ddp_does_not_fit_and_says_why():
     assert result.plan.strategy != "ddp"
     assert any(isinstance(c, DDPCandidate) and not c.fits for c in result.ranked)
     assert "DDP does not fit" in why_line(result.ranked)
+
+
+def test_without_overlap_backward_waits_for_every_all_reduce(facts):
+    """A hardware file whose collectives hold the compute cores (gloo on a CPU): every
+    all-reduce is exposed, so fewer buckets (less latency) are faster."""
+    f = facts[(LLAMA, "tiny")]
+    hw = dataclasses.replace(hardware_for("h100"), comm_overlaps_compute=False,
+                             collective_latency_s=1e-3)
+    common = {"hw": hw, "world_size": 8, "gpus_per_node": 8, "optimizer": "adamw",
+              "precision": precision_of("float32", "float32"), "dtype": "float32"}
+    small = evaluate_ddp(f.graph, f.analysis, DDPConfig(bucket_cap_mb=0.05,
+                                                        first_bucket_mb=0.05), **common)
+    one = evaluate_ddp(f.graph, f.analysis, DDPConfig(bucket_cap_mb=400,
+                                                      first_bucket_mb=400), **common)
+    for e in (small, one):
+        assert e.time.exposed_comm_s == pytest.approx(e.time.total_comm_s)
+    assert small.time.step_s > one.time.step_s
