@@ -52,9 +52,12 @@ def _summary(hw: Any) -> str:
         for g, fit in groups.items():
             lines.append(f"  {kind} x{g}: latency {fit['latency_s'] * 1e6:.0f} us, bus "
                          f"bandwidth {fit['bus_bandwidth'] / 1e9:.2f} GB/s")
-    lines.append(f"  contention under a collective: {hw.contention:.0%}")
-    lines.append("  optimizer: " + ", ".join(f"{o} {v * 1e9:.2f} ns/param"
-                                             for o, v in hw.optimizer_s_per_param.items()))
+    beside = (f"runs, slowed {hw.contention:.0%}" if hw.comm_overlaps_compute
+              else "waits (no overlap)")
+    lines.append(f"  compute beside a collective: {beside}")
+    lines.append("  optimizer: " + ", ".join(
+        f"{o} {v * 1e9:.2f} ns/param + {hw.optimizer_s_per_tensor.get(o, 0.0) * 1e6:.0f} us/tensor"
+        for o, v in hw.optimizer_s_per_param.items()))
     return "\n".join(lines)
 
 
