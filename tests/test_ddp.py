@@ -270,3 +270,27 @@ def test_without_overlap_backward_waits_for_every_all_reduce(facts):
     for e in (small, one):
         assert e.time.exposed_comm_s == pytest.approx(e.time.total_comm_s)
     assert small.time.step_s > one.time.step_s
+
+
+@pytest.mark.slow
+def test_bench_and_verify_hold_a_ddp_plan_against_what_ddp_did(tmp_path, capsys):
+    """bench on 2 gloo ranks: the buckets DDP built, the counts and the MemTracker peak equal
+    the plan's prediction; verify measures the same peak on a real one-rank run."""
+    import json
+
+    plan_path = tmp_path / "p.yaml"
+    assert main([RESNET, "--model-arg", "size=tiny", "--mem", "8GB", "--world-size", "8",
+                 "--batch-size", "4", "--strategy", "ddp", "--param-dtype", "fp32",
+                 "--plan", str(plan_path), "--format", "json"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "results"
+    assert main(["bench", str(plan_path), "--nproc", "2", "--steps", "2", "--out", str(out),
+                 "--format", "json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ddp_buckets"]["measured"] == result["ddp_buckets"]["predicted"]
+    assert result["collectives"]["measured"]["broadcast"] == 2  # batch norm: float + int64
+    peak, predicted = result["memory"]["peak_bytes"], result["memory"]["predicted_bytes"]
+    assert abs(predicted - peak) / peak <= 0.05
+    assert main(["verify", str(plan_path), "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["relative_error"] <= 0.05
