@@ -646,7 +646,9 @@ def _ms(seconds: float) -> str:
 
 def why_line(ranked: list[Candidate]) -> str:
     """One line: why the winner beat the best candidate of the other kind (DDP vs FSDP/HSDP),
-    on the same clock; empty when only one kind was planned or fits."""
+    on the same clock; empty when only one kind was planned."""
+    from fsdp_plan.sizes import format_bytes
+
     fitting = [c for c in ranked if c.fits]
     if not fitting:
         return ""
@@ -654,26 +656,19 @@ def why_line(ranked: list[Candidate]) -> str:
     is_ddp = isinstance(best, DDPCandidate)
     other = next((c for c in fitting if isinstance(c, DDPCandidate) != is_ddp), None)
     if other is None:
-        if is_ddp:
-            return ""
         ddp = next((c for c in ranked if isinstance(c, DDPCandidate)), None)
-        if ddp is None:
+        if is_ddp or ddp is None:
             return ""
-        return (f"why: {best.name} wins; DDP does not fit (its peak "
-                f"{ddp.memory.peak_bytes / 2**30:.2f} GiB holds every parameter, gradient and "
-                f"optimizer state on each GPU).")
+        return (f"why: {best.name} wins; DDP does not fit: its peak "
+                f"{format_bytes(ddp.memory.peak_bytes)} holds every parameter, gradient and "
+                "optimizer state on each GPU.")
     b, o = best.time, other.time
-    if is_ddp:
-        return (f"why: {best.name} wins: step {_ms(b.step_s)} vs {_ms(o.step_s)} "
-                f"for {other.name}: no parameter all-gathers (FSDP waits "
-                f"{_ms(o.exposed_comm_s)} for communication and moves "
-                f"{_ms(o.total_comm_s)} of it), DDP's bucket all-reduces leave a "
-                f"{_ms(b.exposed_comm_s)} tail.")
-    return (f"why: {best.name} wins: step {_ms(b.step_s)} vs {_ms(o.step_s)} for "
-            f"{other.name}: DDP's gradient all-reduce ({_ms(o.total_comm_s)}) leaves a "
-            f"{_ms(o.exposed_comm_s)} tail after backward; FSDP exposes "
-            f"{_ms(b.exposed_comm_s)} and its peak is {b.memory.peak_bytes / 2**30:.2f} "
-            f"GiB vs {o.memory.peak_bytes / 2**30:.2f} GiB.")
+    ddp, fsdp = (b, o) if is_ddp else (o, b)
+    return (f"why: {best.name} wins: step {_ms(b.step_s)} vs {_ms(o.step_s)} for {other.name}; "
+            f"DDP (no parameter all-gathers, gradient buckets all-reduced during backward) "
+            f"exposes {_ms(ddp.exposed_comm_s)} of {_ms(ddp.total_comm_s)} communication, "
+            f"FSDP/HSDP {_ms(fsdp.exposed_comm_s)} of {_ms(fsdp.total_comm_s)}; peak "
+            f"{format_bytes(best.memory.peak_bytes)} vs {format_bytes(other.memory.peak_bytes)}.")
 
 
 def report_lines(best: Candidate, ranked: list[Candidate]) -> list[str]:
