@@ -412,13 +412,16 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     float32 runs under ``torch.autocast``, which keeps a low-precision copy of each weight
     from its forward use to its backward."""
     params = graph.total_param_bytes
-    num_tensors = sum(len(m.param_shapes) for m in graph.modules.values())
+    # a parameter that never gets a gradient gets no optimizer state and no step temporary
+    unused = unused_parameters(graph, analysis)
+    trained = params - sum(p.nbytes for p in unused)
+    num_tensors = sum(len(m.param_shapes) for m in graph.modules.values()) - len(unused)
     states = OPTIMIZER_STATES.get(optimizer, 0)
     static = {
         "params": params,
         "gradient_buckets": params,
-        "optimizer_states": states * params + (4 * num_tensors if optimizer in ("adamw", "adam")
-                                               else 0),
+        "optimizer_states": states * trained + (4 * num_tensors if optimizer in ("adamw", "adam")
+                                                else 0),
         "buffers": graph.total_buffer_bytes,
         "inputs": analysis.input_bytes,
     }
@@ -432,7 +435,7 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     step = {**static, "activations": activations}
     if autocast:
         step["autocast_weights"] = autocast
-    opt_temp = params if states else 0
+    opt_temp = trained if states else 0
     if base + opt_temp > base + activations + autocast:
         return MemoryEstimate(peak_bytes=base + opt_temp, phase="optimizer step",
                               breakdown={**static, "optimizer_temporaries": opt_temp})
