@@ -206,6 +206,10 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
 
     if parent_pid is not None:
         _die_with_parent(parent_pid)
+    # The parent's stdout is its report (--format json must stay one document): whatever the
+    # model or torch prints in a worker goes to stderr.
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = WorkerContext(rank=rank, world_size=nproc, local_rank=rank, workdir=workdir)
