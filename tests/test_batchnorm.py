@@ -231,6 +231,7 @@ def test_planned_resnet_records_float32_units_and_verify_catches_a_plan_without(
     plan_path, policy_path = tmp_path / "resnet.yaml", tmp_path / "resnet.py"
     code, _, err = run_cli([RESNET, "--model-arg", "size=tiny", "--mem", "1GB",
                             "--world-size", "2", "--batch-size", "4", "--param-dtype", "bf16",
+                            "--strategy", "full",  # at 1 GB auto would replicate (DDP)
                             "--plan", str(plan_path), "-o", str(policy_path)])
     assert code == 0, err
     document = yaml.safe_load(plan_path.read_text())
