@@ -129,9 +129,6 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
                       "phases": _phases(ranks, _step_times(ranks)["median_s"],
                                         predicted.get("phases_s"))},
         "memory": {**memory, "predicted_bytes": predicted.get("peak_bytes")},
-        **({"ddp_buckets": {"measured": ranks[0]["ddp_buckets"],
-                            "predicted": predicted.get("buckets")}}
-           if ranks[0].get("ddp_buckets") is not None else {}),
         "predicted_extra": {k: predicted.get(k) for k in ("compute_s", "total_comm_s")},
         **({"ddp_buckets": {"measured": ranks[0]["ddp_buckets"],
                             "predicted": predicted.get("buckets")}}
