@@ -29,7 +29,7 @@ walks only the unit boundaries and reads activation maxima between them from a s
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from dataclasses import dataclass, field
 
 from fsdp_plan.errors import BadInput
@@ -190,7 +190,7 @@ class ActivationProfile:
         key = tuple(unit.modules)
         if key not in self._windows:
             self._windows[key] = self._find_windows(unit)
-        return dataclasses.replace(self._windows[key])
+        return copy.copy(self._windows[key])
 
     def _find_windows(self, unit: UnitSpec) -> UnitWindows:
         end = len(self.events) - 1
@@ -232,6 +232,7 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
     extra: dict[tuple[int, int], list[tuple[int, str]]] = {}
     for at, nbytes, cat in instants:
         extra.setdefault(at, []).append((nbytes, cat))
+    extra_bytes = {at: sum(b for b, _ in items) for at, items in extra.items()}
     points = {(0, -1), (n - 1, -1)}
     for start, end, _, _ in live:
         points.update({(start[0], -1), start, (end[0], -1)})
@@ -255,7 +256,7 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
         while d < len(deltas) and deltas[d][0] <= point:
             running += deltas[d][1]
             d += 1
-        added = sum(b for b, _ in extra.get(point, ())) if point[1] != -1 else 0
+        added = extra_bytes.get(point, 0) if point[1] != -1 else 0
         total = base + activation_at(point, prev_event) + running + added
         if total > best_total:
             best_total, best_at, best_prev = total, i, prev_event

@@ -247,6 +247,22 @@ class Evaluator:
                                               precision=s.precision),
         )
 
+    def _unit_ops(self, unit: UnitSpec, own_fw, own_bw
+                  ) -> tuple[dict[str, float], dict[str, float]]:
+        """The op counters of the modules a unit owns, cached by those modules (the search
+        times the same units under many prefetch and strategy choices)."""
+        if not hasattr(self, "_ops_cache"):
+            self._ops_cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
+        key = tuple(unit.owned_modules)
+        if key not in self._ops_cache:
+            fw_ops: dict[str, float] = {}
+            bw_ops: dict[str, float] = {}
+            for m in unit.owned_modules:
+                add_ops(fw_ops, own_fw.get(m))
+                add_ops(bw_ops, own_bw.get(m))
+            self._ops_cache[key] = (fw_ops, bw_ops)
+        return self._ops_cache[key]
+
     def _block_mode(self, block: str, mode: str) -> BlockMode:
         cost = self.block_cost.get(block, {}).get(mode)
         if cost is None:  # a hand-written plan on blocks without aligned segments
@@ -272,11 +288,7 @@ class Evaluator:
         costs: list[UnitCost] = []
         for u in units:
             fw, bw, owned = self._unit_flops(u)
-            fw_ops: dict[str, float] = {}
-            bw_ops: dict[str, float] = {}
-            for m in owned:
-                add_ops(fw_ops, own_fw.get(m))
-                add_ops(bw_ops, own_bw.get(m))
+            fw_ops, bw_ops = self._unit_ops(u, own_fw, own_bw)
             # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
             # its unit's backward: [Note: recompute time].
             recompute_s = sum(m.recompute_s for m in block_modes if m.block in owned)

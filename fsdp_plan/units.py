@@ -9,6 +9,7 @@ already manages). Parameters shared between modules (tied embeddings) must sit i
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 
@@ -53,14 +54,40 @@ def owner_unit(fqn: str, unit_of_module: dict[str, int]) -> int:
         probe = probe.rpartition(".")[0]
 
 
+_UNIT_CACHE: dict[tuple[tuple[str, ...], ...] | int, object] = {}
+"""Layouts of the last graph asked about (``_UNIT_CACHE[0]`` is that graph)."""
+
+
 def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool],
                 shard_size: int) -> list[UnitSpec]:
-    """Units for ``groups`` (children first; the root ``[""]`` is appended when missing)."""
+    """Units for ``groups`` (children first; the root ``[""]`` is appended when missing).
+
+    What a layout holds does not depend on ``reshard``: it is built once per graph, layout
+    and shard size (the search asks for the same layout under many choices) and each call
+    gets its own ``UnitSpec`` objects with the ``reshard_after_forward`` asked for."""
     groups = [list(g) for g in groups]
     reshard = list(reshard)
     if not groups or groups[-1] != [""]:
         groups.append([""])
         reshard.append(False)
+    if _UNIT_CACHE.get(0) is not graph:
+        _UNIT_CACHE.clear()
+        _UNIT_CACHE[0] = graph
+    key = (tuple(tuple(g) for g in groups), (shard_size,))
+    if key not in _UNIT_CACHE:
+        _UNIT_CACHE[key] = _build_units(graph, groups, shard_size)
+    built: list[UnitSpec] = _UNIT_CACHE[key]  # type: ignore[assignment]
+    out = []
+    for template, r in zip(built, reshard):
+        unit = copy.copy(template)  # shares the layout's lists, which nothing changes
+        unit.reshard_after_forward = r
+        out.append(unit)
+    return out
+
+
+def _build_units(graph: ModuleGraph, groups: list[list[str]], shard_size: int
+                 ) -> list[UnitSpec]:
+    reshard = [True] * len(groups)
     units = [UnitSpec(modules=g, reshard_after_forward=r,
                       full_precision=all(graph.modules[m].keeps_full_precision for m in g))
              for g, r in zip(groups, reshard)]
