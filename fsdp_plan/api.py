@@ -218,6 +218,23 @@ def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact:
                     digest=source_digest(source), notes=list(loaded.notes))
 
 
+def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:
+    """The facts a plan is predicted from: ``loaded`` analysed at the plan's compute dtype
+    (``predict``, ``verify`` and ``tune`` all start here)."""
+    return analyze_loaded(loaded, param_dtype=plan.mixed_precision.get("param_dtype")
+                          or "float32").facts
+
+
+def plan_hardware(plan: Plan, *, gpu: str | None = None, hardware_file: str | None = None
+                  ) -> Hardware:
+    """The hardware a plan is timed on: ``gpu`` or the plan's own preset, with a hardware
+    file's figures (``--hardware``, e.g. from ``fsdp-plan calibrate``) over it."""
+    from fsdp_plan.cost import read_hardware_file
+    overrides = read_hardware_file(hardware_file) if hardware_file else None
+    return hardware_for(gpu or plan.gpu or "h100", overrides,
+                        where=f"--hardware {hardware_file!r}")
+
+
 def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
     """Analyse the model, search, and return the fastest plan that fits (``NoFeasiblePlan`` if
     none does)."""

@@ -81,10 +81,6 @@ def padded_numels(graph: ModuleGraph, shard: int) -> dict[str, int]:
     return total
 
 
-def padded_numel(graph: ModuleGraph, fqn: str, shard: int) -> int:
-    """Parameters under ``fqn`` as FSDP2 gathers them: dim 0 padded to a multiple of ``shard``."""
-    return padded_numels(graph, shard)[fqn]
-
 
 def block_costs(graph: ModuleGraph, analysis: Analysis, stack: list[str], setup: CommSetup
                 ) -> list[BlockCost]:

@@ -78,18 +78,15 @@ def format_report(data: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_plan.api import analyze_model, predict
-    from fsdp_plan.cost import hardware_for
+    from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
     from fsdp_plan.measure import runtime
 
     plan = read_plan(args.plan)
-    hardware = hardware_for(args.gpu or plan.gpu or "h100", _read_hardware(args.hardware))
+    hardware = plan_hardware(plan, gpu=args.gpu, hardware_file=args.hardware)
     gpus_per_node = args.gpus_per_node or int(plan.predicted.get("gpus_per_node", 0) or 8)
-    source = runtime.source_from_plan(plan, args.model, args.plan)
-    analyzed = analyze_model(source, param_dtype=plan.mixed_precision.get("param_dtype")
-                             or "float32")
-    runtime.check_model_matches(plan, analyzed.loaded)
-    prediction = predict(plan, analyzed.facts, hardware=hardware, gpus_per_node=gpus_per_node)
+    loaded = runtime.load_planned_model(plan, args.model, args.plan)
+    prediction = predict(plan, analyze_for_plan(plan, loaded), hardware=hardware,
+                         gpus_per_node=gpus_per_node)
     data = gather_data(plan, prediction.predicted, prediction.limit_bytes, prediction.fits)
     print(json.dumps(data, indent=2) if args.format == "json" else format_report(data))
     if not prediction.fits:
@@ -100,9 +97,3 @@ def run(args: argparse.Namespace) -> int:
                              smallest_peak_bytes=prediction.predicted["peak_bytes"])
     return 0
 
-
-def _read_hardware(path: str | None) -> dict[str, Any] | None:
-    if not path:
-        return None
-    from fsdp_plan.cost import read_hardware_file
-    return read_hardware_file(path)

@@ -64,7 +64,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from fsdp_plan.api import analyze_loaded
+    from fsdp_plan.api import analyze_for_plan, plan_hardware
     from fsdp_plan.bench.results import plan_hash
     from fsdp_plan.bench.timing import time_plans
     from fsdp_plan.measure import runtime
@@ -74,8 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     plan = read_plan(args.plan)
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
-    facts = analyze_loaded(loaded, param_dtype=plan.mixed_precision.get("param_dtype")
-                           or "float32").facts
+    facts = analyze_for_plan(plan, loaded)
     replicate, shard = plan.mesh.replicate, plan.mesh.shard
     mesh = (1, args.nproc) if replicate == 1 else (args.nproc // shard, shard)
     if mesh[0] * mesh[1] != args.nproc:
@@ -89,11 +88,7 @@ def run(args: argparse.Namespace) -> int:
     def bench(plans):
         return time_plans(loaded.source, plans, nproc=args.nproc, mesh=mesh, steps=args.steps,
                           warmup=args.warmup)
-    hardware = None
-    if args.hardware:
-        from fsdp_plan.cost import hardware_for, read_hardware_file
-        hardware = hardware_for(plan.gpu or "h100", read_hardware_file(args.hardware),
-                                where=f"--hardware {args.hardware!r}")
+    hardware = plan_hardware(plan, hardware_file=args.hardware) if args.hardware else None
     result = tune(plan, facts, bench, budget_s=args.budget_minutes * 60, hardware=hardware,
                   progress=progress)
     import torch

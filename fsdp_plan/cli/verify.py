@@ -191,11 +191,9 @@ def run(args: argparse.Namespace) -> int:
 
 def fresh_prediction(plan: Plan, loaded) -> tuple[dict[str, Any] | None, str | None]:
     """The plan's prediction as it is now, or None and the reason it cannot be predicted."""
-    from fsdp_plan.api import analyze_loaded, predict
+    from fsdp_plan.api import analyze_for_plan, predict
     try:
-        analyzed = analyze_loaded(loaded, param_dtype=plan.mixed_precision.get("param_dtype")
-                                  or "float32")
-        return predict(plan, analyzed.facts).predicted, None
+        return predict(plan, analyze_for_plan(plan, loaded)).predicted, None
     except BadInput as e:
         return None, (f"the plan cannot be predicted as written ({e}); the measurement is held "
                       "against the plan file's stored prediction.")
