@@ -125,13 +125,15 @@ def plan_with_choices(facts: ModelFacts, request: PlanRequest, *, digest: str = 
     else:
         result = plan_from_facts(facts, request, digest=digest, notes=notes)
     if request.grad_accum_steps > 1 and not getattr(result.best, "offload", None):
-        result = _with_sync_choice(facts, request, result, reasons)
+        result, request = _with_sync_choice(facts, request, result, reasons)
     _record(result, request, facts, reasons)
     return result
 
 
 def _with_sync_choice(facts: ModelFacts, request: PlanRequest, result: PlanResult,
-                      reasons: list[str]) -> PlanResult:
+                      reasons: list[str]) -> tuple[PlanResult, PlanRequest]:
+    """The faster of reducing after every micro-batch and only after the last, with the
+    request that produced it."""
     from fsdp_plan.api import to_plan
     last_request = dataclasses.replace(request, gradient_sync="last")
     evaluator = Evaluator(facts.graph, facts.analysis, last_request.settings())
@@ -146,12 +148,12 @@ def _with_sync_choice(facts: ModelFacts, request: PlanRequest, result: PlanResul
                        selective_ops=facts.analysis.selective_ops)
         plan.model.update({k: v for k, v in result.plan.model.items() if k == "notes"})
         return dataclasses.replace(result, plan=plan, best=other,
-                                   ranked=[other, *result.ranked])
+                                   ranked=[other, *result.ranked]), last_request
     why = ("its held unsharded gradients do not fit" if not other.fits
            else f"it is not faster ({other.time.step_s:.4g} s vs {every_s:.4g} s)")
     reasons.append(f"reduce gradients after every micro-batch: reducing only after the last, "
                    f"{why}")
-    return result
+    return result, request
 
 
 def _record(result: PlanResult, request: PlanRequest, facts: ModelFacts,
@@ -160,8 +162,6 @@ def _record(result: PlanResult, request: PlanRequest, facts: ModelFacts,
     plan = result.plan
     plan.grad_accum_steps = request.grad_accum_steps
     plan.gradient_sync = request.gradient_sync if request.grad_accum_steps > 1 else "every"
-    if result.best.name.endswith("sync-last"):
-        plan.gradient_sync = "last"
     if plan.grad_accum_steps > 1:
         plan.fsdp_plan_version = 2
     rate = throughput(result.best, facts, micro_batch=request.source.batch_size,

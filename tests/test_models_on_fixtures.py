@@ -280,3 +280,18 @@ def test_predict_refuses_what_it_cannot_model(llama):
             predict(dataclasses.replace(plan, forward_prefetch={keys[0]: [keys[2]]}), llama)
     with pytest.raises(BadInput, match="does not have|not have"):
         predict(dataclasses.replace(plan, activation_checkpointing=["no.such.block"]), llama)
+
+
+def test_accumulation_records_the_gradient_sync_it_chose(llama):
+    """With room for the held gradients, reducing only after the last of 4 micro-batches
+    skips three reduce-scatters: the plan says so and counts one per unit."""
+    from fsdp_plan.throughput import plan_with_choices
+    req = dataclasses.replace(request(10**12, strategy="full"), grad_accum_steps=4)
+    result = plan_with_choices(llama, req)
+    plan = result.plan
+    assert plan.grad_accum_steps == 4 and plan.fsdp_plan_version == 2
+    assert plan.gradient_sync == "last"
+    assert any(r.startswith("reduce gradients only after the last") for r in result.reasons)
+    units = len([u for u in result.best.units if u.numel])
+    assert plan.predicted["collectives_per_step"]["reduce_scatter"] == units
+    assert plan.predicted["tokens_per_s"] > 0

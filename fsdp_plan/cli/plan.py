@@ -108,10 +108,6 @@ def _batch_size(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a whole number nor auto") from None
 
 
-def _dtype(name: str, flag: str) -> str:
-    return canonical_dtype(name, flag)
-
-
 def validate(args: argparse.Namespace) -> dict[str, Any]:
     """Check every input before any work (nothing imported from torch, no user code run);
     returns parsed values."""
@@ -152,9 +148,9 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
                   outputs)
     overrides = read_hardware_file(args.hardware) if args.hardware else None
     hardware = hardware_for(args.gpu, overrides, where=f"--hardware {args.hardware!r}")
-    param_dtype = _dtype(args.param_dtype, "--param-dtype")
+    param_dtype = canonical_dtype(args.param_dtype, "--param-dtype")
     reduce_dtype = ("auto" if args.reduce_dtype.lower() == "auto"
-                    else _dtype(args.reduce_dtype, "--reduce-dtype"))
+                    else canonical_dtype(args.reduce_dtype, "--reduce-dtype"))
     if args.output and not args.output.endswith(".py"):
         raise BadInput(f"-o {args.output!r} must name a .py file (the generated policy module).")
     for what, path in outputs:
