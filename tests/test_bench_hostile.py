@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -347,7 +348,9 @@ def _start_bench(plan: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path
 
     threading.Thread(target=drain, daemon=True).start()
     deadline = time.monotonic() + 240
-    while not any("step 3/" in line for line in lines):
+    # progress is polled, so a step's line may be skipped: wait for step 3 or later
+    while not any(int(m.group(1)) >= 3 for line in lines
+                  for m in [re.search(r"step (\d+)/", line)] if m):
         assert proc.poll() is None, "".join(lines)
         assert time.monotonic() < deadline, "".join(lines)
         time.sleep(0.2)

@@ -23,8 +23,9 @@ FACTS = Path(ROOT) / "tests" / "fixtures" / "tiny_llama_facts.json"
 def bad_baseline(tmp_path) -> str:
     """Root only, no prefetch, every block fully checkpointed: recomputation for nothing."""
     path = tmp_path / "baseline.yaml"
+    # enough tokens that recomputing every block costs far more than the timing noise
     assert main([LLAMA, "--model-arg", "size=tiny", "--mem", "1GB", "--world-size", "2",
-                 "--seq-len", "64", "--batch-size", "2", "--strategy", "full", "--format",
+                 "--seq-len", "256", "--batch-size", "4", "--strategy", "full", "--format",
                  "json", "--plan", str(path)]) == 0
     doc = yaml.safe_load(path.read_text())
     doc["units"] = [{"modules": [""], "reshard_after_forward": False}]
@@ -91,13 +92,21 @@ def test_tune_improves_a_bad_baseline_on_gloo(tmp_path, capsys):
     baseline = bad_baseline(tmp_path)
     out = tmp_path / "results"
     capsys.readouterr()
-    assert main(["tune", baseline, "--nproc", "2", "--steps", "6", "--warmup", "1",
+    assert main(["tune", baseline, "--nproc", "2", "--steps", "8", "--warmup", "2",
                  "--budget-minutes", "4", "--out", str(out), "--format", "json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert record["best_p50_s"] < record["baseline_p50_s"]
-    assert any(t["kept"] and t["knob"] != "baseline" for t in record["trials"])
+    trials = {(t["knob"], t["change"]): t for t in record["trials"]}
+    # dropping the recomputation is measured faster than the bad baseline...
+    assert trials[("checkpointing", "4 -> 0 blocks")]["p50_step_s"] < record["baseline_p50_s"]
+    # ...and a change is kept exactly when it beat the best by more than the measured noise
+    kept = [t for t in record["trials"] if t["kept"] and t["knob"] != "baseline"]
+    best = record["baseline_p50_s"]
+    for t in kept:
+        assert t["p50_step_s"] < best * (1 - record["noise"])
+        best = t["p50_step_s"]
+    assert record["best_p50_s"] == pytest.approx(best)
     assert read_plan(record["rollback_plan"]).to_dict() == read_plan(baseline).to_dict()
-    best = read_plan(record["best_plan"])
-    assert best.to_dict() != read_plan(baseline).to_dict()
+    changed = read_plan(record["best_plan"]).to_dict() != read_plan(baseline).to_dict()
+    assert changed == bool(kept)
     assert record["torch"] and record["plan_hash"]
     assert len(list(out.glob("tune-*.json"))) == 1
