@@ -12,6 +12,7 @@ checked afterwards by ``fsdp_plan.plan_check``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import yaml
@@ -118,7 +119,7 @@ def _scan(text: str, loader: type, where: str) -> None:
             if total > MAX_NODES:
                 raise BadInput(f"{where} holds more than {MAX_NODES:,} values; it is not a plan.")
 
-    for event in yaml.parse(text, Loader=loader):
+    for event in _events(text, loader, where):
         if isinstance(event, yaml.NodeEvent):
             tag = getattr(event, "tag", None)
             if tag is not None:
@@ -162,6 +163,19 @@ def _scan(text: str, loader: type, where: str) -> None:
                 open_anchors.remove(anchor)
                 sizes[anchor] = size
             add(size, event)
+
+
+def _events(text: str, loader: type, where: str) -> Iterator[Any]:
+    """The YAML events of ``text``. Newer libyaml builds stop at their own flow-nesting limit
+    (about 1,000) while scanning ahead, before the depth check in ``_scan`` sees an event; that
+    refusal is reported in the same words as ours so every build says the same thing."""
+    try:
+        yield from yaml.parse(text, Loader=loader)
+    except yaml.YAMLError as e:
+        if "nesting depth" in str(e):
+            raise BadInput(f"{where} nests lists or mappings more than {MAX_DEPTH} deep "
+                           f"({one_line(e, 120)}); a plan nests 4 deep.") from e
+        raise
 
 
 def resolve_candidates(source: str, plan_path: str | None) -> list[str]:

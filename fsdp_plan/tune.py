@@ -8,7 +8,12 @@ plan's neighbours, each one knob away (forward and backward prefetch depth, the 
 layout, how many blocks are checkpointed, whether the last block reshards), predicts them
 with the planner's models (``api.predict``), drops those that do not fit the budget, and
 benches the ``max_per_round`` predicted fastest with the same seed and data on one set of
-workers. The fastest is kept only when it beats the best so far by more than the noise;
+workers. The best so far is benched again in the same launch, first and last, so the
+proposals are compared with a reference taken on the same workers around them: a machine
+that slows down or speeds up between launches (another job starting, a clock ramping) then
+moves both sides of the comparison alike, and linear drift within the launch cancels in the
+mean of the two reference runs. The fastest is kept only when it beats that reference by
+more than the noise;
 the loop stops when a round keeps nothing, after ``max_rounds``, or when the time budget
 is spent. The best plan and the baseline (the rollback) are written with every measurement.
 """
@@ -40,6 +45,8 @@ class Trial:
     step_times_s: list[list[float]] = field(default_factory=list)
     """Per rank, the steady steps' seconds."""
     kept: bool = False
+    reference_p50_s: float | None = None
+    """The best so far, re-measured in the same launch (mean of the runs before and after)."""
 
     @property
     def rank_medians(self) -> list[float]:
@@ -63,7 +70,8 @@ class Trial:
     def row(self) -> dict[str, Any]:
         return {"knob": self.knob, "change": self.change, "predicted_step_s": self.predicted_step_s,
                 "p50_step_s": self.p50_s, "p99_step_s": self.p99_s,
-                "slowest_rank": self.slowest_rank, "kept": self.kept}
+                "slowest_rank": self.slowest_rank, "kept": self.kept,
+                "reference_p50_s": self.reference_p50_s}
 
 
 def noise_of(trial: Trial) -> float:
@@ -149,6 +157,16 @@ class TuneResult:
     rounds: int
     stopped: str
 
+    @property
+    def gain(self) -> float:
+        """How much faster the best plan is than the baseline, chained from each kept
+        change's same-launch comparison (free of drift between launches)."""
+        ratio = 1.0
+        for t in self.trials:
+            if t.kept and t.reference_p50_s:
+                ratio *= t.p50_s / t.reference_p50_s
+        return 1 - ratio
+
 
 def tune(plan: Plan, facts: ModelFacts, bench, *, budget_s: float, max_rounds: int = 4,
          max_per_round: int = 4, hardware=None, progress=None) -> TuneResult:
@@ -190,14 +208,19 @@ def tune(plan: Plan, facts: ModelFacts, bench, *, budget_s: float, max_rounds: i
         if not proposals:
             stopped = "no untried neighbour fits the budget"
             break
-        for trial, times in zip(proposals, bench([p.plan for p in proposals])):
+        measured = bench([best.plan, *(p.plan for p in proposals), best.plan])
+        before, after = (Trial(knob=best.knob, change=best.change, plan=best.plan,
+                               step_times_s=times) for times in (measured[0], measured[-1]))
+        reference = (before.p50_s + after.p50_s) / 2
+        for trial, times in zip(proposals, measured[1:-1]):
             trial.step_times_s = times
+            trial.reference_p50_s = reference
         trials += proposals
         winner = min(proposals, key=lambda t: t.p50_s)
         if progress:
             progress(f"round {rounds}: best neighbour {winner.knob} ({winner.change}) "
-                     f"{winner.p50_s:.4g} s vs {best.p50_s:.4g} s")
-        if winner.p50_s < best.p50_s * (1 - noise):
+                     f"{winner.p50_s:.4g} s vs {reference:.4g} s for the best so far")
+        if winner.p50_s < reference * (1 - noise):
             winner.kept = True
             best = winner
         else:

@@ -483,6 +483,18 @@ def test_reading_uses_the_c_loader_when_there_is_one():
         assert plan_read._loader() is yaml.CSafeLoader
 
 
+def test_a_parser_with_its_own_nesting_limit_says_the_same(monkeypatch):
+    """Newer libyaml builds refuse ~1,000 open flow levels while scanning ahead, before any
+    event reaches the depth check; the refusal reads the same on every build."""
+    def parse_with_a_limit(text, Loader):
+        yield yaml.StreamStartEvent()
+        raise yaml.scanner.ScannerError("while increasing flow level", None,
+                                        "exceeded maximum nesting depth", None)
+    monkeypatch.setattr(yaml, "parse", parse_with_a_limit)
+    with pytest.raises(BadInput, match="more than 64 deep"):
+        parse_plan_text(b"model: [[[[]]]]\n")
+
+
 # --- main: every error is one paragraph ---------------------------------------------------------
 
 @pytest.mark.parametrize("error, code, needle", [
