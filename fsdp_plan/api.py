@@ -39,6 +39,7 @@ from fsdp_plan.search import (
     Evaluator,
     SearchSettings,
     choose,
+    cycle_collector_paused,
     search,
     standard_recipes,
 )
@@ -262,13 +263,14 @@ def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = ""
                     notes: list[str] | None = None) -> PlanResult:
     """The search over ``facts``: a pure function (no model, no torch)."""
     started = time.perf_counter()
-    evaluator = Evaluator(facts.graph, facts.analysis, request.settings())
-    recipes = standard_recipes(evaluator)
-    ranked = choose(search(evaluator), recipes, request.strategy)
-    best = ranked[0]
-    if not best.fits:
-        best = _offload_or_raise(evaluator, ranked, recipes, request)
-        ranked = [best, *ranked]
+    with cycle_collector_paused():
+        evaluator = Evaluator(facts.graph, facts.analysis, request.settings())
+        recipes = standard_recipes(evaluator)
+        ranked = choose(search(evaluator), recipes, request.strategy)
+        best = ranked[0]
+        if not best.fits:
+            best = _offload_or_raise(evaluator, ranked, recipes, request)
+            ranked = [best, *ranked]
     plan = to_plan(best, request, numel=facts.graph.total_numel, digest=digest,
                    selective_ops=facts.analysis.selective_ops)
     if getattr(best, "offload", None):

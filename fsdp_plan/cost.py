@@ -154,7 +154,7 @@ def collective_time(hw: Hardware, nbytes: float, group: int, crosses_nodes: bool
     return hw.launch_overhead_s + latency + factor * (group - 1) / group * nbytes / bw
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class UnitCost:
     """Times of one unit: compute per pass and its collectives."""
 

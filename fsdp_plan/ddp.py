@@ -246,10 +246,11 @@ def assign_by_size(sizes: list[int], limits: list[int]) -> list[list[int]]:
     return buckets
 
 
-def build_buckets(graph: ModuleGraph, events: list[Event], config: DDPConfig
-                  ) -> tuple[list[Bucket], list[GradParam]]:
-    """The buckets DDP builds after its rebuild, and its parameters (see [Note: DDP buckets])."""
-    params = grad_parameters(graph, events)
+def build_buckets(graph: ModuleGraph, events: list[Event], config: DDPConfig,
+                  params: list[GradParam] | None = None) -> tuple[list[Bucket], list[GradParam]]:
+    """The buckets DDP builds after its rebuild, and its parameters (see [Note: DDP buckets]);
+    ``params`` is ``grad_parameters(graph, events)`` when the caller already has it."""
+    params = grad_parameters(graph, events) if params is None else params
     last = len(events) - 1
     backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), last)
     if rebuilds(config):
@@ -451,10 +452,12 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
 
 def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, hw: Hardware,
                  world_size: int, gpus_per_node: int, precision: Precision, optimizer: str,
-                 dtype: str = "bfloat16") -> DDPEvaluation:
-    """Buckets, memory, collectives and step time of one DDP configuration."""
+                 dtype: str = "bfloat16", params: list[GradParam] | None = None
+                 ) -> DDPEvaluation:
+    """Buckets, memory, collectives and step time of one DDP configuration (``params``: the
+    model's ``grad_parameters``, computed once when several configurations are evaluated)."""
     events = analysis.timeline.events
-    buckets, params = build_buckets(graph, events, config)
+    buckets, params = build_buckets(graph, events, config, params)
     unused = [p.index for p in params if p.ready_event is None]
     numel = graph.total_numel
     optimizer_s = _optimizer_seconds(hw, optimizer, numel, precision.orig_bytes, dtype)
@@ -490,12 +493,15 @@ def buffer_broadcasts(graph: ModuleGraph) -> int:
 
 
 def config_options(graph: ModuleGraph, analysis: Analysis, *, compress: bool,
-                   caps: tuple[int, ...] = CAP_GRID_MB) -> list[DDPConfig]:
+                   caps: tuple[int, ...] = CAP_GRID_MB, unused: bool | None = None
+                   ) -> list[DDPConfig]:
     """The configurations the search tries: each cap with a first bucket as large (an explicit
     ``bucket_cap_mb``) or of 1 MiB, ``find_unused_parameters`` exactly when a parameter gets no
     gradient. ``static_graph`` stays off: one traced step cannot show that the graph never
-    changes (data-dependent control flow), and it changes no bucket or byte here."""
-    unused = bool(unused_parameters(graph, analysis))
+    changes (data-dependent control flow), and it changes no bucket or byte here. ``unused``
+    (whether any parameter gets no gradient) spares recomputing it when the caller knows."""
+    if unused is None:
+        unused = bool(unused_parameters(graph, analysis))
     out = []
     for cap in caps:
         for first in sorted({cap, min(cap, DEFAULT_FIRST_BUCKET_MB)}, reverse=True):
@@ -572,13 +578,14 @@ def _label(config: DDPConfig) -> str:
 
 
 def evaluate_settings(graph: ModuleGraph, analysis: Analysis, settings: SearchSettings,
-                      config: DDPConfig) -> DDPEvaluation:
+                      config: DDPConfig, params: list[GradParam] | None = None
+                      ) -> DDPEvaluation:
     """``evaluate_ddp`` with the search's settings."""
     assert settings.hardware is not None
     return evaluate_ddp(graph, analysis, config, hw=settings.hardware,
                         world_size=settings.world_size, gpus_per_node=settings.gpus_per_node,
                         precision=settings.precision, optimizer=settings.optimizer,
-                        dtype=analysis.param_dtype)
+                        dtype=analysis.param_dtype, params=params)
 
 
 def ddp_candidates(graph: ModuleGraph, analysis: Analysis, settings: SearchSettings
@@ -587,8 +594,10 @@ def ddp_candidates(graph: ModuleGraph, analysis: Analysis, settings: SearchSetti
     differ from it), for ``search`` to rank beside the FSDP candidates. The bf16 compression
     hook is used only when the user allowed a reduced-precision gradient reduction."""
     compress = settings.precision.reduce_bytes < 4
-    evaluations = [evaluate_settings(graph, analysis, settings, c)
-                   for c in config_options(graph, analysis, compress=compress)]
+    params = grad_parameters(graph, analysis.timeline.events)
+    unused = any(p.ready_event is None for p in params)
+    evaluations = [evaluate_settings(graph, analysis, settings, c, params)
+                   for c in config_options(graph, analysis, compress=compress, unused=unused)]
     best = best_config(evaluations)
     out = [_candidate(graph, best, settings, _label(best.config))]
     default = next(e for e in evaluations

@@ -269,13 +269,43 @@ def _raised_by_the_call(error: BaseException) -> bool:
     return bool(frames) and frames[-1][0].f_code is build_on_meta.__code__
 
 
+_INITIALISERS = ("constant_", "dirac_", "eye_", "kaiming_normal_", "kaiming_uniform_", "normal_",
+                 "ones_", "orthogonal_", "sparse_", "trunc_normal_", "uniform_",
+                 "xavier_normal_", "xavier_uniform_", "zeros_")
+
+
+@contextlib.contextmanager
+def initialisers_skipped() -> Iterator[None]:
+    """Make ``torch.nn.init``'s in-place initialisers return their tensor untouched.
+
+    On the meta device they write no values, yet each call still dispatches through the
+    device mode and Python decompositions: 6,668 ``nn.Linear`` took 2.1 s to build with them
+    and 0.5 s without. The analysis reads shapes and dtypes only. Transformers'
+    ``no_init_weights`` does the same while it builds a model whose weights it will load.
+    Initialisers imported by name before the build, and tensor methods such as
+    ``weight.normal_()``, still run (slower, same result)."""
+    import torch.nn.init as init
+    saved = {name: getattr(init, name) for name in _INITIALISERS if hasattr(init, name)}
+
+    def skip(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+    try:
+        for name in saved:
+            setattr(init, name, skip)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(init, name, fn)
+
+
 def build_on_meta(factory: Callable[..., nn.Module], source: ModelSource) -> nn.Module:
-    """Call the factory under ``torch.device('meta')`` and check it returned an ``nn.Module``."""
+    """Call the factory under ``torch.device('meta')`` (initialisers skipped: they write no
+    values there) and check it returned an ``nn.Module``."""
     _check_arguments(factory, source)
     path = _factory_file(factory, source)
     call = _call_text(source)
     try:
-        with torch.device("meta"), user_code_output_to_stderr(call, path):
+        with torch.device("meta"), initialisers_skipped(), user_code_output_to_stderr(call, path):
             model = factory(**source.args)
     except BadInput:
         raise
