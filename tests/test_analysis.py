@@ -148,3 +148,32 @@ def test_unit_flops_add_up_on_hugging_face_models(name):
     path = os.path.join(ROOT, "examples", "hf", f"{name}.json")
     _unit_flops_add_up(load_model(ModelSource(source=path, kind="hf-config", batch_size=2,
                                               seq_len=16)))
+
+
+def test_initialisers_are_skipped_only_while_building_on_meta(tmp_path):
+    """The meta build skips torch.nn.init's writes (there are no values to write) and puts
+    them back afterwards, also when the factory raises."""
+    import torch.nn.init as init
+
+    from fsdp_plan.errors import BadInput
+    before = init.kaiming_uniform_
+    path = tmp_path / "m.py"
+    path.write_text(
+        "import torch\nfrom torch import nn\n"
+        "calls = []\n"
+        "def build_model(fail=False):\n"
+        "    m = nn.Linear(8, 4)\n"
+        "    calls.append(nn.init.normal_(m.weight) is m.weight)\n"
+        "    if fail:\n"
+        "        raise ValueError('boom')\n"
+        "    return m\n"
+        "def example_inputs(batch_size, seq_len):\n"
+        "    return (torch.randn(batch_size, 8),)\n")
+    loaded = load_model(ModelSource(source=str(path)))
+    assert loaded.model.weight.is_meta and tuple(loaded.model.weight.shape) == (4, 8)
+    assert init.kaiming_uniform_ is before
+    with pytest.raises(BadInput, match="boom"):
+        load_model(ModelSource(source=str(path), args={"fail": True}))
+    assert init.kaiming_uniform_ is before and init.normal_ is not None
+    real = torch.empty(3)
+    assert init.zeros_(real) is real and float(real.abs().sum()) == 0.0
