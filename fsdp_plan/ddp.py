@@ -323,7 +323,8 @@ def _step_time(**fields: Any) -> StepTime:
 def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, world_size: int,
                   gpus_per_node: int, dtype: str, optimizer_s: float,
                   compress: bool = False, used_map_bytes: int = 0,
-                  ready_out: list[float] | None = None) -> StepTime:
+                  ready_out: list[float] | None = None,
+                  event_times: list[float] | None = None) -> StepTime:
     """Forward, then backward with each bucket's all-reduce issued when it is ready and all
     earlier buckets were issued (the reducer launches buckets in order), on one
     communication stream; compute overlapping a collective slows by ``hw.contention`` as in
@@ -331,8 +332,9 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     hardware file says collectives do not overlap compute (``comm_overlaps_compute: false``,
     gloo on a CPU, as the FSDP simulation reads it too) backward waits for each all-reduce,
     counted as exposed communication: the reducer's gloo threads then share the few cores
-    backward runs on."""
-    times = _event_times(events, hw, dtype)
+    backward runs on. ``event_times`` is ``_event_times(events, hw, dtype)`` when the caller
+    already has it (the same for every bucket size)."""
+    times = _event_times(events, hw, dtype) if event_times is None else event_times
     n = len(events)
     bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
     forward = times[bw_start]
@@ -401,7 +403,7 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
 # --- memory -----------------------------------------------------------------------------------
 
 def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, optimizer: str,
-               config: DDPConfig) -> MemoryEstimate:
+               config: DDPConfig, unused: list[GradParam] | None = None) -> MemoryEstimate:
     """Per-rank peak of a steady DDP step (every rank holds everything).
 
     Always alive: fp32 parameters, the bucket storage (which is the gradients under
@@ -414,7 +416,8 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     from its forward use to its backward."""
     params = graph.total_param_bytes
     # a parameter that never gets a gradient gets no optimizer state and no step temporary
-    unused = unused_parameters(graph, analysis)
+    if unused is None:
+        unused = unused_parameters(graph, analysis)
     trained = params - sum(p.nbytes for p in unused)
     num_tensors = sum(len(m.param_shapes) for m in graph.modules.values()) - len(unused)
     states = OPTIMIZER_STATES.get(optimizer, 0)
@@ -452,8 +455,8 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
 
 def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, hw: Hardware,
                  world_size: int, gpus_per_node: int, precision: Precision, optimizer: str,
-                 dtype: str = "bfloat16", params: list[GradParam] | None = None
-                 ) -> DDPEvaluation:
+                 dtype: str = "bfloat16", params: list[GradParam] | None = None,
+                 event_times: list[float] | None = None) -> DDPEvaluation:
     """Buckets, memory, collectives and step time of one DDP configuration (``params``: the
     model's ``grad_parameters``, computed once when several configurations are evaluated)."""
     events = analysis.timeline.events
@@ -466,8 +469,9 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
                          gpus_per_node=gpus_per_node, dtype=dtype, optimizer_s=optimizer_s,
                          compress=config.comm_hook == "bf16_compress",
                          used_map_bytes=4 * len(params) if config.find_unused_parameters else 0,
-                         ready_out=ready)
-    memory = ddp_memory(graph, analysis, precision, optimizer, config)
+                         ready_out=ready, event_times=event_times)
+    memory = ddp_memory(graph, analysis, precision, optimizer, config,
+                        [p for p in params if p.ready_event is None])
     collectives = {"all_gather": 0, "reduce_scatter": 0,
                    "all_reduce": len(buckets) + (1 if config.find_unused_parameters else 0)}
     if buffer_broadcasts(graph):
@@ -578,14 +582,14 @@ def _label(config: DDPConfig) -> str:
 
 
 def evaluate_settings(graph: ModuleGraph, analysis: Analysis, settings: SearchSettings,
-                      config: DDPConfig, params: list[GradParam] | None = None
-                      ) -> DDPEvaluation:
+                      config: DDPConfig, params: list[GradParam] | None = None,
+                      event_times: list[float] | None = None) -> DDPEvaluation:
     """``evaluate_ddp`` with the search's settings."""
     assert settings.hardware is not None
     return evaluate_ddp(graph, analysis, config, hw=settings.hardware,
                         world_size=settings.world_size, gpus_per_node=settings.gpus_per_node,
                         precision=settings.precision, optimizer=settings.optimizer,
-                        dtype=analysis.param_dtype, params=params)
+                        dtype=analysis.param_dtype, params=params, event_times=event_times)
 
 
 def ddp_candidates(graph: ModuleGraph, analysis: Analysis, settings: SearchSettings
@@ -594,9 +598,12 @@ def ddp_candidates(graph: ModuleGraph, analysis: Analysis, settings: SearchSetti
     differ from it), for ``search`` to rank beside the FSDP candidates. The bf16 compression
     hook is used only when the user allowed a reduced-precision gradient reduction."""
     compress = settings.precision.reduce_bytes < 4
+    # what every bucket size shares: the parameters, their ready events, the compute clock
     params = grad_parameters(graph, analysis.timeline.events)
     unused = any(p.ready_event is None for p in params)
-    evaluations = [evaluate_settings(graph, analysis, settings, c, params)
+    assert settings.hardware is not None
+    times = _event_times(analysis.timeline.events, settings.hardware, analysis.param_dtype)
+    evaluations = [evaluate_settings(graph, analysis, settings, c, params, times)
                    for c in config_options(graph, analysis, compress=compress, unused=unused)]
     best = best_config(evaluations)
     out = [_candidate(graph, best, settings, _label(best.config))]

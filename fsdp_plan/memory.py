@@ -199,6 +199,13 @@ class ActivationProfile:
             self._windows[key] = self._find_windows(unit)
         return self._windows[key].copy()
 
+    def ran(self, unit: UnitSpec) -> bool:
+        """Whether ``unit``'s modules ran forward (no copy made)."""
+        key = tuple(unit.modules)
+        if key not in self._windows:
+            self._windows[key] = self._find_windows(unit)
+        return self._windows[key].ran
+
     def _find_windows(self, unit: UnitSpec) -> UnitWindows:
         end = len(self.events) - 1
         if unit.modules == [""]:

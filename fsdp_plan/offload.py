@@ -128,7 +128,7 @@ def with_offload(evaluator: Evaluator, candidate: Candidate) -> OffloadCandidate
 def _runnable(evaluator: Evaluator, candidate: Candidate) -> bool:
     """Whether every unit with parameters runs forward (as ``Evaluator.evaluate`` requires)."""
     profile = _profile(evaluator, candidate)
-    return all(profile.windows(u).ran or u.numel == 0 or u.modules == [""]
+    return all(profile.ran(u) or u.numel == 0 or u.modules == [""]
                for u in candidate.units)
 
 

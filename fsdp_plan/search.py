@@ -223,7 +223,7 @@ class Evaluator:
         profile = self.profile(which, selective)
         memory = estimate_peak(profile, units, ctx, forward_prefetch=forward_prefetch,
                                backward_prefetch=backward_prefetch)
-        ran = [profile.windows(u).ran for u in units]
+        ran = [profile.ran(u) for u in units]
         # FSDP2 unshards a unit in its forward pre-hook: a unit that never runs forward
         # (a container such as ModuleList) would leave its parameters sharded.
         runnable = all(r or u.numel == 0 or u.modules == [""] for r, u in zip(ran, units))
@@ -546,17 +546,17 @@ def search(evaluator: Evaluator) -> list[Candidate]:
     results: list[Candidate] = []
     layouts = block_layouts(evaluator.graph, settings.precision.lowers_precision, evaluator)
     paths = evaluator.checkpoint_options()
+    blocks = set(evaluator.graph.blocks)
     for strategy, replicate, shard in strategies_for(settings):
         for layout_name, groups in layouts.items():
             n = len(groups)
-            grouped = any(len(g) > 1 and g[0] in evaluator.graph.blocks for g in groups)
+            grouped = any(len(g) > 1 and g[0] in blocks for g in groups)
             if grouped and strategy == "grad-op":
                 # A grouped unit kept unsharded after forward measured 3.6% over its
                 # prediction (HF Llama, FSDPMemTracker); grouped units are planned only where
                 # they reshard after forward, where the model is checked (within 2.5%, over).
                 continue
-            last_block = max((i for i, g in enumerate(groups) if g[0] in evaluator.graph.blocks),
-                             default=None)
+            last_block = max((i for i, g in enumerate(groups) if g[0] in blocks), default=None)
             keep_options = ([False, True] if last_block is not None and strategy != "grad-op"
                             and not (grouped and len(groups[last_block]) > 1) else [False])
             for keep_last in keep_options:

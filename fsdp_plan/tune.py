@@ -142,7 +142,8 @@ def neighbours(plan: Plan, facts: ModelFacts) -> list[tuple[str, str, Plan]]:
             out.append(("checkpointing", f"{len(names)} -> 0 blocks",
                         dataclasses.replace(plan, activation_checkpointing=[], predicted={})))
     if blocks and len(names) < len(blocks):
-        more = [b for b in blocks if b in names or b == blocks[len(names)]]
+        chosen = set(names)
+        more = [b for b in blocks if b in chosen or b == blocks[len(names)]]
         out.append(("checkpointing", f"{len(names)} -> {len(more)} blocks",
                     dataclasses.replace(plan, activation_checkpointing=more, predicted={})))
     return out

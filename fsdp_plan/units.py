@@ -9,7 +9,6 @@ already manages). Parameters shared between modules (tied embeddings) must sit i
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field
 
@@ -37,6 +36,14 @@ class UnitSpec:
     @property
     def key(self) -> str:
         return self.modules[0]
+
+    def with_reshard(self, reshard_after_forward: bool) -> UnitSpec:
+        """A copy sharing this unit's lists (nothing changes them) with its own reshard choice;
+        the search makes one per unit per candidate, so it avoids ``copy.copy`` (3x slower)."""
+        return UnitSpec(modules=self.modules, reshard_after_forward=reshard_after_forward,
+                        numel=self.numel, shard_numel=self.shard_numel,
+                        num_params=self.num_params, owned_modules=self.owned_modules,
+                        param_modules=self.param_modules, full_precision=self.full_precision)
 
     def unsharded_numel(self, shard_size: int) -> int:
         """Elements of the all-gathered (padded) parameters."""
@@ -77,12 +84,7 @@ def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool]
     if key not in _UNIT_CACHE:
         _UNIT_CACHE[key] = _build_units(graph, groups, shard_size)
     built: list[UnitSpec] = _UNIT_CACHE[key]  # type: ignore[assignment]
-    out = []
-    for template, r in zip(built, reshard):
-        unit = copy.copy(template)  # shares the layout's lists, which nothing changes
-        unit.reshard_after_forward = r
-        out.append(unit)
-    return out
+    return [template.with_reshard(r) for template, r in zip(built, reshard)]
 
 
 def _build_units(graph: ModuleGraph, groups: list[list[str]], shard_size: int
