@@ -28,6 +28,7 @@ Facts without op counters (written before they existed) fall back to FLOPs at
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -123,6 +124,26 @@ def optimizer_time(hw: Hardware, rates: Rates, optimizer: str, shard_numel: int,
     if optimizer == "none":
         return 0.0
     return shard_numel * orig_bytes * (3 + 2 * states) / rates.memory
+
+
+def fsdp_copy_time(hw: Hardware, rates: Rates, nbytes: float, kind: str) -> float:
+    """FSDP2's own time around one unit's ``kind`` collective of ``nbytes`` (the gathered
+    parameters, or the unsharded gradients): copies into and out of the flat buffer, its
+    allocation and the gradient division. From the hardware file's per-byte table when it has
+    one (interpolated in log bytes between the measured unit sizes, the nearest outside
+    them), else two passes over the bytes at the memory bandwidth."""
+    table = hw.fsdp_s_per_byte.get(kind)
+    if not table:
+        return 2 * nbytes / rates.memory
+    points = sorted((int(size), s) for size, s in table.items())
+    if nbytes <= points[0][0]:
+        return nbytes * points[0][1]
+    if nbytes >= points[-1][0]:
+        return nbytes * points[-1][1]
+    at = bisect.bisect_right([size for size, _ in points], nbytes)
+    (x0, y0), (x1, y1) = points[at - 1], points[at]
+    share = math.log(nbytes / x0) / math.log(x1 / x0)
+    return nbytes * (y0 + share * (y1 - y0))
 
 
 def _fit(hw: Hardware, kind: str, group: int) -> Mapping[str, float] | None:

@@ -32,6 +32,7 @@ from fsdp_plan.cost import (
     collective_time,
     compute_time,
     exclusive_ops,
+    fsdp_copy_time,
     optimizer_time,
     simulate_step,
 )
@@ -302,7 +303,6 @@ class Evaluator:
             if base is None:
                 fw_ops, bw_ops = self._unit_ops(u, own_fw, own_bw)
                 unsharded = u.unsharded_numel(shard)
-                # FSDP copies gathered parameters out of, and gradients into, flat buffers.
                 ag_bytes = unsharded * p.unit_param_bytes(u)
                 rs_bytes = unsharded * p.reduce_bytes
                 base = self._cost_cache[key] = UnitCost(
@@ -310,10 +310,11 @@ class Evaluator:
                     fw_compute_s=compute_time(rates, fw_ops, fw) + hw.unit_overhead_s,
                     bw_compute_s=compute_time(rates, bw_ops, bw) + hw.unit_overhead_s,
                     all_gather_s=collective_time(hw, ag_bytes, shard, shard_crosses)
-                    + 2 * ag_bytes / rates.memory if u.numel else 0.0,
+                    + fsdp_copy_time(hw, rates, ag_bytes, "all_gather") if u.numel else 0.0,
                     reduce_scatter_s=collective_time(hw, rs_bytes, shard, shard_crosses,
                                                      "reduce_scatter")
-                    + 2 * rs_bytes / rates.memory if u.numel else 0.0,
+                    + fsdp_copy_time(hw, rates, rs_bytes, "reduce_scatter")
+                    if u.numel else 0.0,
                     all_reduce_s=collective_time(hw, u.shard_numel * p.reduce_bytes, replicate,
                                                  s.world_size > s.gpus_per_node, "all_reduce")
                     if replicate > 1 and u.numel else 0.0,

@@ -181,7 +181,9 @@ def test_an_old_hardware_file_still_reads_and_a_calibrated_one_round_trips(tmp_p
         "attention_flops": {"float32": 2e9}, "memory_bandwidth": 3e10, "op_overhead_s": 5e-6,
         "async_launch": False, "collectives": {"all_gather": {"2": {"latency_s": 3e-4,
                                                                    "bus_bandwidth": 1e9}}},
-        "optimizer_s_per_param": {"adamw": 1e-8}, "unit_overhead_s": 1e-3, "source": "test"})
+        "optimizer_s_per_param": {"adamw": 1e-8}, "unit_overhead_s": 1e-3,
+        "fsdp_s_per_byte": {"all_gather": {"8388608": 2e-10, 134217728: 8e-10}},
+        "source": "test"})
     path = tmp_path / "hw.yaml"
     path.write_text(hardware_yaml(mine, "written by a test"))
     again = hardware_for(mine.name, yaml.safe_load(path.read_text()))
@@ -207,6 +209,10 @@ def test_an_old_hardware_file_still_reads_and_a_calibrated_one_round_trips(tmp_p
     ({"op_overhead_s": -1}, ["op_overhead_s", "out of range"]),
     ({"optimizer_s_per_param": {"lion": 1e-9}}, ["unknown keys lion", "adamw"]),
     ({"source": 5}, ["source", "text"]),
+    ({"fsdp_s_per_byte": {"all_reduce": {}}}, ["unknown keys all_reduce", "reduce_scatter"]),
+    ({"fsdp_s_per_byte": {"all_gather": {"big": 1e-9}}}, ["unit size 'big'", "bytes"]),
+    ({"fsdp_s_per_byte": {"all_gather": {"1024": -1}}}, ["fsdp_s_per_byte.all_gather.1024",
+                                                          "out of range"]),
 ])
 def test_bad_per_op_fields_are_refused_by_name(overrides, words):
     with pytest.raises(BadInput) as e:
@@ -224,6 +230,18 @@ def test_fit_recovers_latency_and_bandwidth():
     assert fit["latency_s"] == pytest.approx(2e-4, rel=1e-6)
     assert fit["bus_bandwidth"] == pytest.approx(1e9, rel=1e-6)
     assert math.isfinite(_fit(sizes, [1e-3] * 4, 2, 1.0)["bus_bandwidth"])
+
+
+def test_fit_takes_the_bandwidth_of_the_largest_message():
+    """gloo moves 2-8 MiB messages at twice the rate of the 128 MiB ones FSDP's units send:
+    the fit must predict the large ones, not average the two regimes."""
+    from fsdp_plan.calibrate import _fit
+    sizes = [1 << 12, 1 << 16, 1 << 21, 1 << 23, 1 << 27]
+    bandwidth = {1 << 21: 1e9, 1 << 23: 1e9}
+    times = [3e-4 + 0.5 * s / bandwidth.get(s, 0.5e9) for s in sizes]
+    fit = _fit(sizes, times, 2, 1.0)
+    assert fit["bus_bandwidth"] == pytest.approx(0.5e9, rel=1e-3)
+    assert fit["latency_s"] == pytest.approx(3e-4, rel=1e-3)
 
 
 # --- the calibrate command ------------------------------------------------------------------
@@ -261,6 +279,8 @@ def test_calibrate_writes_a_hardware_file_that_plans_read(tmp_path, capsys):
     assert all("2" in g for g in hw.collectives.values())
     assert hw.matmul_flops["float32"]["large"] > 1e8 and hw.op_overhead_s > 0
     assert hw.h2d_bandwidth == 0 and "skipped" in out.read_text()
+    assert {k: len(v) for k, v in hw.fsdp_s_per_byte.items()} == {"all_gather": 4,
+                                                                  "reduce_scatter": 4}
     assert "matmul float32" in capsys.readouterr().out
 
 
@@ -272,6 +292,22 @@ def test_without_overlap_compute_waits_for_every_collective(llama):
         check_parts(t)
         assert t.hidden_comm_s == pytest.approx(0.0, abs=1e-12)
         assert t.contention_s == pytest.approx(0.0, abs=1e-15)
+
+
+def test_fsdp_copy_time_reads_the_measured_table_by_unit_size():
+    """Per byte as measured at each unit size, interpolated in log bytes between them (a 32
+    MiB unit halfway between 8 and 128 MiB), the nearest figure outside; two passes at the
+    memory bandwidth without a table."""
+    from fsdp_plan.cost import fsdp_copy_time
+    mib = 2**20
+    hw = hardware_for("h100", {"fsdp_s_per_byte": {"all_gather": {8 * mib: 2e-10,
+                                                                  128 * mib: 1e-9}}})
+    rates = Rates.of(hw)
+    assert fsdp_copy_time(hw, rates, 8 * mib, "all_gather") == pytest.approx(8 * mib * 2e-10)
+    assert fsdp_copy_time(hw, rates, 32 * mib, "all_gather") == pytest.approx(32 * mib * 6e-10)
+    assert fsdp_copy_time(hw, rates, mib, "all_gather") == pytest.approx(mib * 2e-10)
+    assert fsdp_copy_time(hw, rates, 1024 * mib, "all_gather") == pytest.approx(1024 * mib * 1e-9)
+    assert fsdp_copy_time(hw, rates, mib, "reduce_scatter") == pytest.approx(2 * mib / rates.memory)
 
 
 def test_optimizer_time_counts_parameters_and_tensors():

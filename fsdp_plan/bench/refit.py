@@ -62,6 +62,8 @@ def scaled(hw: Hardware, f: dict[str, float]) -> Hardware:
         matmul_flops={d: {k: v / c for k, v in cls.items()} for d, cls in hw.matmul_flops.items()},
         attention_flops={d: v / c for d, v in hw.attention_flops.items()},
         op_overhead_s=hw.op_overhead_s * c, unit_overhead_s=hw.unit_overhead_s * c,
+        fsdp_s_per_byte={k: {b: v * m for b, v in sizes.items()}
+                         for k, sizes in hw.fsdp_s_per_byte.items()},
         intra_node_bandwidth=hw.intra_node_bandwidth / m,
         inter_node_bandwidth=hw.inter_node_bandwidth / m,
         collective_latency_s=hw.collective_latency_s * m,

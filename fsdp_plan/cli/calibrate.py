@@ -46,6 +46,9 @@ def _summary(hw: Any) -> str:
     lines.append(f"  memory-bound ops: {hw.memory_bandwidth / 1e9:,.2f} GB/s; op overhead "
                  f"{hw.op_overhead_s * 1e6:.1f} us; FSDP unit overhead "
                  f"{hw.unit_overhead_s * 1e6:.1f} us per pass")
+    for kind, sizes in hw.fsdp_s_per_byte.items():
+        shown = ", ".join(f"{int(b) / 2**20:g} MiB {v * 1e9:.2f}" for b, v in sizes.items())
+        lines.append(f"  FSDP around {kind} (ns per byte, by unit size): {shown}")
     lines.append("  host-to-device: " + (f"{hw.h2d_bandwidth / 1e9:.1f} GB/s"
                                          if hw.h2d_bandwidth else "skipped (no device on a CPU)"))
     for kind, groups in hw.collectives.items():

@@ -26,6 +26,12 @@ Per-op fields (all optional):
 - ``optimizer_s_per_param``: ``{adamw|sgd: seconds}`` per parameter of the rank's shard, and
   ``optimizer_s_per_tensor`` per parameter tensor (dispatch through FSDP2's DTensors);
 - ``unit_overhead_s``: host time FSDP spends per unit per pass (hooks, copy-in/out bookkeeping);
+- ``fsdp_s_per_byte``: ``{all_gather|reduce_scatter: {UNIT_BYTES: seconds per byte}}``, what
+  FSDP2 spends per byte of a unit's gathered parameters around its all-gather (copy-in,
+  copy-out, allocation) and per byte of its unsharded gradients around its reduce-scatter
+  (copy-in, division, copy into the sharded gradient), measured at a few unit sizes (a CPU's
+  allocator hands large buffers out as fresh pages, so large units cost more per byte) and
+  interpolated between them; absent, two passes over the bytes at ``memory_bandwidth``;
 - ``comm_overlaps_compute``: false where a collective holds the thread that computes (gloo);
 - ``h2d_bandwidth``: host-to-device copy bytes/s (offload); 0 where there is no device;
 - ``source``: free text saying where the figures come from.
@@ -80,6 +86,9 @@ class Hardware:
     optimizer_s_per_tensor: Mapping[str, float] = field(default_factory=dict)
     """Seconds per parameter tensor of an optimizer step (FSDP2's DTensor dispatch per op)."""
     unit_overhead_s: float = 0.0
+    fsdp_s_per_byte: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """FSDP2's own seconds per byte around a unit's all-gather and reduce-scatter, by unit
+    bytes (empty: two passes at ``memory_bandwidth``)."""
     source: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,6 +123,8 @@ _RANGES: dict[str, tuple[float, bool, float, str, str]] = {
     "op_overhead_s": (0.0, True, 1.0, "seconds per op", "5e-6"),
     "h2d_bandwidth": (0.0, True, 1e15, "bytes/s (0: none)", "50e9"),
     "unit_overhead_s": (0.0, True, 10.0, "seconds per FSDP unit and pass", "100e-6"),
+    "fsdp_s_per_byte": (0.0, True, 1e-6, "seconds per byte",
+                        "{all_gather: {134217728: 1e-12}}"),
     # nested values, checked with these bounds
     "matmul_flops": (0.0, False, 1e18, "FLOP/s", "{bfloat16: {large: 7e14}}"),
     "attention_flops": (0.0, False, 1e18, "FLOP/s", "{bfloat16: 4e14}"),
@@ -121,7 +132,8 @@ _RANGES: dict[str, tuple[float, bool, float, str, str]] = {
     "bus_bandwidth": (0.0, False, 1e15, "bytes/s", "360e9"),
     "optimizer_s_per_param": (0.0, True, 1.0, "seconds per parameter", "{adamw: 2e-12}"),
 }
-_NESTED = {"matmul_flops", "attention_flops", "collectives", "optimizer_s_per_param",
+_NESTED = {"matmul_flops", "attention_flops", "collectives", "fsdp_s_per_byte",
+           "optimizer_s_per_param",
            "optimizer_s_per_tensor"}
 
 
@@ -177,6 +189,19 @@ def _nested(key: str, value: object, where: str) -> dict[str, Any]:
         per_dtype = _mapping(value, key, where, "attention_flops: {bfloat16: 4e14}")
         _keys(per_dtype, DTYPES, key, where)
         return {d: _number(key, v, where, f"{key}.{d}") for d, v in per_dtype.items()}
+    if key == "fsdp_s_per_byte":
+        kinds = _mapping(value, key, where, "fsdp_s_per_byte: {all_gather: {134217728: 1e-12}}")
+        _keys(kinds, ("all_gather", "reduce_scatter"), key, where)
+        table: dict[str, Any] = {}
+        for kind, sizes in kinds.items():
+            sizes = _mapping(sizes, f"{key}.{kind}", where, "{134217728: 1e-12}")
+            for size in sizes:
+                if isinstance(size, bool) or not str(size).isdigit() or int(size) < 1:
+                    raise BadInput(f"{where}: {key}.{kind}: the unit size {size!r} must be a "
+                                   "whole number of bytes, at least 1.")
+            table[kind] = {str(int(size)): _number(key, v, where, f"{key}.{kind}.{size}")
+                           for size, v in sizes.items()}
+        return table
     if key in ("optimizer_s_per_param", "optimizer_s_per_tensor"):
         per_opt = _mapping(value, key, where, f"{key}: {{adamw: 2e-12}}")
         _keys(per_opt, ("adamw", "adam", "sgd"), key, where)
