@@ -279,8 +279,10 @@ def test_calibrate_writes_a_hardware_file_that_plans_read(tmp_path, capsys):
     assert all("2" in g for g in hw.collectives.values())
     assert hw.matmul_flops["float32"]["large"] > 1e8 and hw.op_overhead_s > 0
     assert hw.h2d_bandwidth == 0 and "skipped" in out.read_text()
-    assert {k: len(v) for k, v in hw.fsdp_s_per_byte.items()} == {"all_gather": 4,
-                                                                  "reduce_scatter": 4}
+    from fsdp_plan.calibrate import FSDP_UNIT_SHAPES
+    sizes = {str(d * d * layers * 4) for d, layers in FSDP_UNIT_SHAPES["cpu"]}
+    assert {k: set(v) for k, v in hw.fsdp_s_per_byte.items()} == {"all_gather": sizes,
+                                                                  "reduce_scatter": sizes}
     assert "matmul float32" in capsys.readouterr().out
 
 
