@@ -380,11 +380,12 @@ def _fsdp_bytes(device: Any, sync: Callable[[], None], repeat: int,
 
     world = dist.get_world_size()
 
+    from fsdp_plan.cost import collective_time
+    fitted_only = Hardware(name="fits", peak_flops=1.0, launch_overhead_s=0.0,
+                           collectives=collectives)  # the cost model's rule on the fits above
+
     def fitted(kind: str, nbytes: int) -> float:
-        fit = (collectives.get(kind) or {}).get(str(world))
-        if world == 1 or not fit:
-            return 0.0
-        return fit["latency_s"] + (world - 1) / world * nbytes / fit["bus_bandwidth"]
+        return collective_time(fitted_only, nbytes, world, False, kind)
     table: dict[str, dict[str, float]] = {"all_gather": {}, "reduce_scatter": {}}
     for d, layers in FSDP_UNIT_SHAPES["cuda" if device.type == "cuda" else "cpu"]:
         torch.manual_seed(0)

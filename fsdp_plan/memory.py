@@ -194,17 +194,18 @@ class ActivationProfile:
 
         A fresh copy each call (``estimate_peak`` adjusts it); cached by the unit's modules,
         since the search evaluates the same units under many prefetch and strategy choices."""
-        key = tuple(unit.modules)
-        if key not in self._windows:
-            self._windows[key] = self._find_windows(unit)
-        return self._windows[key].copy()
+        return self._cached_windows(unit).copy()
 
     def ran(self, unit: UnitSpec) -> bool:
         """Whether ``unit``'s modules ran forward (no copy made)."""
+        return self._cached_windows(unit).ran
+
+    def _cached_windows(self, unit: UnitSpec) -> UnitWindows:
+        """The shared windows of ``unit``: callers must not change them."""
         key = tuple(unit.modules)
         if key not in self._windows:
             self._windows[key] = self._find_windows(unit)
-        return self._windows[key].ran
+        return self._windows[key]
 
     def _find_windows(self, unit: UnitSpec) -> UnitWindows:
         end = len(self.events) - 1

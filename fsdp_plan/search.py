@@ -127,6 +127,10 @@ class Evaluator:
         self.exclusive_fw, self.exclusive_bw = _exclusive_flops(graph, analysis)
         self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks if b in analysis.modules}
         self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
+        self._ops_cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
+        self._cost_cache: dict[tuple, UnitCost] = {}
+        """A unit's times without recompute, by what it owns, its bytes and the mesh."""
+        self._param_tensors = sum(len(i.param_shapes) for i in graph.modules.values())
         self.block_cost = self._block_costs()
 
     def _block_costs(self) -> dict[str, dict[str, BlockMode]]:
@@ -255,8 +259,6 @@ class Evaluator:
                   ) -> tuple[dict[str, float], dict[str, float]]:
         """The op counters of the modules a unit owns, cached by those modules (the search
         times the same units under many prefetch and strategy choices)."""
-        if not hasattr(self, "_ops_cache"):
-            self._ops_cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
         key = tuple(unit.owned_modules)
         if key not in self._ops_cache:
             fw_ops: dict[str, float] = {}
@@ -290,8 +292,6 @@ class Evaluator:
         p = s.precision
         shard_crosses = shard > s.gpus_per_node
         recompute_of = {m.block: m.recompute_s for m in block_modes}
-        if not hasattr(self, "_cost_cache"):
-            self._cost_cache: dict[tuple, UnitCost] = {}
         costs: list[UnitCost] = []
         for u in units:
             fw, bw, owned = self._unit_flops(u)
@@ -330,8 +330,6 @@ class Evaluator:
         root = [c for c in costs if c.key == "<root>"]
         ordered = root + [c for c in costs if c.key != "<root>"]
         total_shard = sum(u.shard_numel for u in units)
-        if not hasattr(self, "_param_tensors"):
-            self._param_tensors = sum(len(i.param_shapes) for i in self.graph.modules.values())
         optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, p.orig_bytes,
                                      OPTIMIZER_STATES.get(s.optimizer, 0), self._param_tensors)
         step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,

@@ -34,6 +34,12 @@ NOISE_FLOOR = 0.02
 """Never trust a gain below 2% of step time, however quiet the baseline looked."""
 
 
+def p50_of(step_times_s: list[list[float]]) -> float:
+    """The slowest rank's median step: ranks wait for each other at every collective."""
+    medians = [statistics.median(times) for times in step_times_s if times]
+    return max(medians) if medians else float("inf")
+
+
 @dataclass(kw_only=True)
 class Trial:
     """One benched plan: which knob changed from the best so far, predicted and measured."""
@@ -54,8 +60,7 @@ class Trial:
 
     @property
     def p50_s(self) -> float:
-        """The slowest rank's median step: ranks wait for each other at every collective."""
-        return max(self.rank_medians) if self.rank_medians else float("inf")
+        return p50_of(self.step_times_s)
 
     @property
     def p99_s(self) -> float:
@@ -210,9 +215,7 @@ def tune(plan: Plan, facts: ModelFacts, bench, *, budget_s: float, max_rounds: i
             stopped = "no untried neighbour fits the budget"
             break
         measured = bench([best.plan, *(p.plan for p in proposals), best.plan])
-        before, after = (Trial(knob=best.knob, change=best.change, plan=best.plan,
-                               step_times_s=times) for times in (measured[0], measured[-1]))
-        reference = (before.p50_s + after.p50_s) / 2
+        reference = (p50_of(measured[0]) + p50_of(measured[-1])) / 2
         for trial, times in zip(proposals, measured[1:-1]):
             trial.step_times_s = times
             trial.reference_p50_s = reference
