@@ -158,21 +158,47 @@ def _fit(hw: Hardware, kind: str, group: int) -> Mapping[str, float] | None:
 
 
 def collective_time(hw: Hardware, nbytes: float, group: int, crosses_nodes: bool,
-                    kind: str = "all_gather") -> float:
+                    kind: str = "all_gather", *, ranks_per_node: int = 1) -> float:
     """Ring time of one collective over ``group`` ranks moving ``nbytes`` (the full buffer):
-    ``launch + latency + factor * (g - 1) / g * nbytes / bus_bandwidth`` with the hardware
-    file's fitted latency and bus bandwidth for ``kind`` inside a node, the preset's link
-    figures otherwise (and across nodes)."""
+    ``launch + latency + factor * (g - 1) / g * nbytes / bus_bandwidth``.
+
+    Inside a node the bus bandwidth and latency are the hardware file's fitted curve for
+    ``kind`` (else the link figures). Across nodes see [Note: bandwidth across nodes]: a group
+    with ``ranks_per_node`` ranks on each node reaches ``ranks_per_node`` times each GPU's
+    network share, never more than it reaches inside a node."""
     if group <= 1:
         return hw.launch_overhead_s
     factor = 2.0 if kind == "all_reduce" else 1.0
-    fit = None if crosses_nodes else _fit(hw, kind, group)
+    local = max(1, min(ranks_per_node, group))
+    fit = _fit(hw, kind, local if crosses_nodes else group)
     if fit is not None:
         latency, bw = fit.get("latency_s", hw.collective_latency_s), fit["bus_bandwidth"]
     else:
+        latency, bw = hw.collective_latency_s, hw.intra_node_bandwidth
+    if crosses_nodes:
         latency = hw.collective_latency_s
-        bw = hw.inter_node_bandwidth if crosses_nodes else hw.intra_node_bandwidth
+        bw = min(bw, local * hw.inter_node_bandwidth)
     return hw.launch_overhead_s + latency + factor * (group - 1) / group * nbytes / bw
+
+
+# [Note: bandwidth across nodes]
+# ``inter_node_bandwidth`` is one GPU's share of its node's network (HGX/DGX nodes: one NIC
+# per GPU, e.g. 400 Gb/s NDR ~ 40-45 GB/s achieved). In every data-parallel collective all
+# GPUs of a node take part at once, each in its own group, so a group with k ranks on a node
+# has k NICs' worth of bandwidth there: NCCL runs a ring channel through each NIC, and a node
+# must take in (n-1)/n of an all-gather's bytes through them while each GPU takes in
+# (N-1)/N over NVLink. The bus bandwidth is therefore min(intra-node, k x inter_node): full
+# sharding over several 8-GPU nodes is about as fast as inside one (NCCL tests on DGX A100
+# clusters: ~185 GB/s all-reduce bus bandwidth across nodes with 8 x HDR, 8 x 23 GB/s), while
+# an HSDP replica group (one rank per node) runs at one NIC's rate.
+
+
+def ranks_per_node_in(group: int, stride: int, gpus_per_node: int) -> int:
+    """Ranks of a group on each node it spans, for a group of ``group`` ranks ``stride``
+    apart (a mesh's shard dimension: stride 1; its replicate dimension: stride = shard)."""
+    if stride >= gpus_per_node:
+        return 1
+    return max(1, min(group, gpus_per_node // stride))
 
 
 @dataclass(kw_only=True, frozen=True)

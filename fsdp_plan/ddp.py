@@ -51,7 +51,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_plan.cost import Hardware, StepTime, collective_time
+from fsdp_plan.cost import Hardware, StepTime, collective_time, ranks_per_node_in
 from fsdp_plan.facts import Analysis, Event, ModuleGraph
 from fsdp_plan.memory import OPTIMIZER_STATES, MemoryEstimate, Precision
 from fsdp_plan.search import Candidate, SearchSettings
@@ -339,6 +339,7 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
     forward = times[bw_start]
     crosses = world_size > gpus_per_node
+    local = ranks_per_node_in(world_size, 1, gpus_per_node)
     spans: list[tuple[str, str, float, float]] = [("compute", "FW", 0.0, forward)]
     busy: list[tuple[float, float]] = []
     comm_free = 0.0
@@ -379,11 +380,13 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
             ready_out.append(now)
         wire = bucket.nbytes / 2 if compress else bucket.nbytes
         issue(f"AR bucket {i} ({wire / MIB:.1f} MiB)", now,
-              collective_time(hw, wire, world_size, crosses, "all_reduce"))
+              collective_time(hw, wire, world_size, crosses, "all_reduce",
+                                  ranks_per_node=local))
     compute_until(times[-1], "BW")
     if used_map_bytes:
         issue("AR used-parameter map", now,
-              collective_time(hw, used_map_bytes, world_size, crosses, "all_reduce"))
+              collective_time(hw, used_map_bytes, world_size, crosses, "all_reduce",
+                              ranks_per_node=local))
     bw_end = now
     comm_finish = max((e for _, e in busy), default=bw_end)
     tail = max(0.0, comm_finish - bw_end)

@@ -60,6 +60,8 @@ class CommSetup:
     hardware: Hardware
     shard: int
     crosses_nodes: bool
+    ranks_per_node: int = 8
+    """Shard-group ranks on each node ([Note: bandwidth across nodes])."""
     param_bytes: int = 2
     reduce_bytes: int = 4
     regather: bool = True
@@ -104,9 +106,10 @@ def unit_seconds(group: list[BlockCost], setup: CommSetup, *, first: bool, last:
     gather = sum(c.gather_bytes for c in group)
     reduce = sum(c.reduce_bytes for c in group)
     hw = setup.hardware
-    all_gather = collective_time(hw, gather, setup.shard, setup.crosses_nodes)
+    all_gather = collective_time(hw, gather, setup.shard, setup.crosses_nodes,
+                                 ranks_per_node=setup.ranks_per_node)
     reduce_scatter = collective_time(hw, reduce, setup.shard, setup.crosses_nodes,
-                                     "reduce_scatter")
+                                     "reduce_scatter", ranks_per_node=setup.ranks_per_node)
     comm = all_gather * (2 if setup.regather else 1) + reduce_scatter
     seconds = max(sum(c.compute_s for c in group), comm)
     if first:

@@ -3,6 +3,7 @@ calibration. The step-time checks run on the JSON fixture, without torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -18,6 +19,7 @@ from fsdp_plan.cost import (
     collective_time,
     compute_time,
     hardware_for,
+    ranks_per_node_in,
     simulate_step,
 )
 from fsdp_plan.errors import BadInput
@@ -154,9 +156,40 @@ def test_collective_time_uses_the_fitted_curve():
     # no fit for reduce-scatter: the link figures
     assert collective_time(hw, 1e9, 8, False, "reduce_scatter") == pytest.approx(
         hw.collective_latency_s + 7 / 8 * 1e9 / hw.intra_node_bandwidth)
-    # across nodes: the inter-node bandwidth
+    # across nodes, one rank per node (an HSDP replica group): one GPU's network share, but
+    # never more than the fitted curve reaches inside a node (1 GB/s here)
     assert collective_time(hw, 1e9, 16, True) == pytest.approx(
-        hw.collective_latency_s + 15 / 16 * 1e9 / hw.inter_node_bandwidth)
+        hw.collective_latency_s + 15 / 16 * 1e9 / 1e9)
+    fast = hardware_for("h100", {"launch_overhead_s": 0})
+    assert collective_time(fast, 1e9, 16, True) == pytest.approx(
+        fast.collective_latency_s + 15 / 16 * 1e9 / fast.inter_node_bandwidth)
+
+
+def test_a_group_with_k_ranks_per_node_uses_k_network_shares_up_to_the_node_links():
+    """[Note: bandwidth across nodes]: full sharding over two 8-GPU nodes runs at 8 NICs'
+    worth (capped by NVLink), a replica group with one rank per node at one NIC's."""
+    hw = dataclasses.replace(hardware_for("h100"), launch_overhead_s=0.0,
+                             collective_latency_s=0.0, intra_node_bandwidth=360e9,
+                             inter_node_bandwidth=40e9, collectives={})
+    one = collective_time(hw, 1e9, 16, True, ranks_per_node=1)
+    two = collective_time(hw, 1e9, 16, True, ranks_per_node=2)
+    eight = collective_time(hw, 1e9, 16, True, ranks_per_node=8)
+    assert one == pytest.approx(15 / 16 * 1e9 / 40e9)
+    assert two == pytest.approx(one / 2)
+    assert eight == pytest.approx(15 / 16 * 1e9 / 320e9)
+    wide = dataclasses.replace(hw, inter_node_bandwidth=100e9)  # 8 x 100 > NVLink's 360
+    assert collective_time(wide, 1e9, 16, True, ranks_per_node=8) == pytest.approx(
+        15 / 16 * 1e9 / 360e9)
+    # never faster across nodes than inside one node for the same group size
+    assert eight >= collective_time(hw, 1e9, 16, False)
+
+
+def test_ranks_per_node_of_mesh_dimensions():
+    assert ranks_per_node_in(64, 1, 8) == 8        # shard over 8 nodes
+    assert ranks_per_node_in(4, 1, 8) == 4         # shard inside a node
+    assert ranks_per_node_in(16, 8, 8) == 1        # HSDP 16 x 8: replicas one per node
+    assert ranks_per_node_in(16, 4, 8) == 2        # HSDP 16 x 4: two replicas per node
+    assert ranks_per_node_in(8, 16, 8) == 1        # shard spans two nodes
 
 
 # --- hardware files -------------------------------------------------------------------------

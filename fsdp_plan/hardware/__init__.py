@@ -66,7 +66,9 @@ class Hardware:
     intra_node_bandwidth: float = 360e9
     """Achieved bus bandwidth of collectives inside a node, bytes/s per GPU."""
     inter_node_bandwidth: float = 40e9
-    """Achieved bus bandwidth across nodes (e.g. 400 Gb/s InfiniBand per GPU)."""
+    """One GPU's achieved share of its node's network, bytes/s (400 Gb/s InfiniBand per GPU:
+    ~40 GB/s). A group with k ranks per node crosses nodes at k times this, capped by the
+    intra-node bandwidth ([Note: bandwidth across nodes] in cost.py)."""
     collective_latency_s: float = 20e-6
     launch_overhead_s: float = 10e-6
     """Host cost of issuing one collective."""
@@ -115,7 +117,7 @@ _RANGES: dict[str, tuple[float, bool, float, str, str]] = {
     "efficiency": (0.0, False, 1.0, "share of peak, a fraction", "0.5"),
     "hbm_bandwidth": (0.0, False, 1e15, "bytes/s", "3.35e12"),
     "intra_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU", "360e9"),
-    "inter_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU", "40e9"),
+    "inter_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU (its NIC share)", "40e9"),
     "collective_latency_s": (0.0, True, 10.0, "seconds", "20e-6"),
     "launch_overhead_s": (0.0, True, 10.0, "seconds", "10e-6"),
     "contention": (0.0, True, 10.0, "fractional compute slowdown", "0.1"),
