@@ -6,6 +6,7 @@ embedding and output head, laid out like torchtitan's Llama (``tok_embeddings``,
 Llama 3 shapes, so the parameter counts match the released checkpoints exactly:
 
     8b   8,030,261,248      70b  70,553,706,496      405b  405,853,388,800
+    llama2-13b  13,015,864,320      llama2-70b  68,976,648,192
 
 and ``tiny`` / ``small`` sizes that train on a CPU in seconds.
 
@@ -43,6 +44,12 @@ SIZES: dict[str, LlamaConfig] = {
     "8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336),
     "70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672),
     "405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248),
+    # Llama 2 (32,000-token vocabulary, 4,096-token context): the shapes torchtitan's first
+    # published FSDP2 runs trained (benchmarks/published_runs.py).
+    "llama2-13b": LlamaConfig(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824,
+                              vocab_size=32000, rope_theta=10000.0, max_seq_len=4096),
+    "llama2-70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+                              vocab_size=32000, rope_theta=10000.0, max_seq_len=4096),
 }
 
 
@@ -53,7 +60,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x.float()  # one float32 copy, saved once for both uses (as torchtitan's)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
 
@@ -144,7 +152,8 @@ class Llama(nn.Module):
 
 
 def build_model(size: str = "tiny", n_layers: int | None = None) -> Llama:
-    """The Llama 3 shape ``size`` (tiny, small, 1b, 8b, 70b, 405b); ``n_layers`` overrides depth."""
+    """The Llama shape ``size`` (tiny, small, 1b, 8b, 70b, 405b, llama2-13b, llama2-70b);
+    ``n_layers`` overrides depth."""
     if size not in SIZES:
         raise ValueError(f"unknown Llama size {size!r}; choose one of {', '.join(SIZES)}")
     cfg = SIZES[size]

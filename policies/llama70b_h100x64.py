@@ -3,7 +3,7 @@
 World size 64 on a mesh of 1 replicate x 64 shard ranks (strategy full);
 83 fully_shard units; 80 module(s) with activation checkpointing.
 Budget 80.0 GB (74.5 GiB) per GPU, headroom 8.0 GB (7.5 GiB);
-predicted peak 71.7 GB (66.8 GiB) per rank.
+predicted peak 71.5 GB (66.6 GiB) per rank.
 
 The exact plan is PLAN below; edit the plan and re-run fsdp-plan rather than this file.
 
@@ -74,7 +74,7 @@ PLAN = {'fsdp_plan_version': 2,
                   'seq_len': 4096,
                   'kind': 'file',
                   'params': 70553706496,
-                  'digest': 'b191b2533968fb34'},
+                  'digest': '9a75a4acdde64dc2'},
         'budget_bytes': 80000000000,
         'headroom_bytes': 8000000000,
         'world_size': 64,
@@ -339,32 +339,32 @@ PLAN = {'fsdp_plan_version': 2,
         'mixed_precision': {'param_dtype': 'bfloat16', 'reduce_dtype': 'float32'},
         'optimizer': 'adamw',
         'gpu': 'h100',
-        'predicted': {'peak_bytes': 71720259924,
+        'predicted': {'peak_bytes': 71518916948,
                       'collectives_per_step': {'all_gather': 164,
                                                'reduce_scatter': 83,
                                                'all_reduce': 0},
                       'collectives_per_step_fsdp1': {'all_gather': 165,
                                                      'reduce_scatter': 83,
                                                      'all_reduce': 0},
-                      'step_time_s': 4.043525,
+                      'step_time_s': 4.020444,
                       'exposed_comm_s': 0.041365,
                       'comm_tail_s': 0.026876,
                       'hidden_comm_s': 2.099005,
-                      'phases_s': {'forward': 1.181335,
-                                   'backward': 2.851166,
+                      'phases_s': {'forward': 1.169759,
+                                   'backward': 2.839662,
                                    'optimizer': 0.011024},
-                      'compute_s': 3.991136,
+                      'compute_s': 3.968055,
                       'total_comm_s': 2.14037,
-                      'peak_phase': 'backward (post_bw layers.79.feed_forward.w1)',
+                      'peak_phase': 'backward (post_bw layers.79.ffn_norm)',
                       'breakdown': {'sharded_params': 4409606656,
                                     'optimizer_states': 8819216204,
                                     'buffers': 4194304,
                                     'inputs': 32768,
                                     'unsharded_params': 3422633984,
-                                    'unsharded_grads': 469778432,
+                                    'unsharded_grads': 1409302528,
                                     'comm_buffers': 4202692608,
                                     'sharded_grads': 65667072,
-                                    'activations': 50326437896},
+                                    'activations': 49185570824},
                       'units': [{'key': 'tok_embeddings',
                                  'params': 1050673152,
                                  'shard_numel': 16416768},
@@ -452,10 +452,10 @@ PLAN = {'fsdp_plan_version': 2,
                                 {'key': '', 'params': 8192, 'shard_numel': 128}],
                       'activation_checkpointing': {'full': 23,
                                                    'selective': 57,
-                                                   'saved_bytes': 112853516288,
-                                                   'recompute_s': 0.356461},
-                      'tokens_per_s': 1012.978,
-                      'mfu': 0.4656}}
+                                                   'saved_bytes': 91378679808,
+                                                   'recompute_s': 0.344957},
+                      'tokens_per_s': 1018.793,
+                      'mfu': 0.4683}}
 
 # Wrapper layers that FSDP1 and activation checkpointing insert into module FQNs; a plan
 # names modules without them.

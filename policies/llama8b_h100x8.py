@@ -3,7 +3,7 @@
 World size 8 on a mesh of 1 replicate x 8 shard ranks (strategy grad-op);
 35 fully_shard units; 0 module(s) with activation checkpointing.
 Budget 80.0 GB (74.5 GiB) per GPU, headroom 8.0 GB (7.5 GiB);
-predicted peak 66.9 GB (62.3 GiB) per rank.
+predicted peak 62.6 GB (58.3 GiB) per rank.
 
 The exact plan is PLAN below; edit the plan and re-run fsdp-plan rather than this file.
 
@@ -74,7 +74,7 @@ PLAN = {'fsdp_plan_version': 1,
                   'seq_len': 4096,
                   'kind': 'file',
                   'params': 8030261248,
-                  'digest': 'b6b6e4324e101b00'},
+                  'digest': 'dcfcd59149f11ece'},
         'budget_bytes': 80000000000,
         'headroom_bytes': 8000000000,
         'world_size': 8,
@@ -153,21 +153,21 @@ PLAN = {'fsdp_plan_version': 1,
         'mixed_precision': {'param_dtype': 'bfloat16', 'reduce_dtype': 'float32'},
         'optimizer': 'adamw',
         'gpu': 'h100',
-        'predicted': {'peak_bytes': 66912713876,
+        'predicted': {'peak_bytes': 62550637716,
                       'collectives_per_step': {'all_gather': 35,
                                                'reduce_scatter': 35,
                                                'all_reduce': 0},
                       'collectives_per_step_fsdp1': {'all_gather': 35,
                                                      'reduce_scatter': 35,
                                                      'all_reduce': 0},
-                      'step_time_s': 0.503248,
+                      'step_time_s': 0.500911,
                       'exposed_comm_s': 0.009789,
                       'comm_tail_s': 0.008383,
                       'hidden_comm_s': 0.143834,
-                      'phases_s': {'forward': 0.163186,
+                      'phases_s': {'forward': 0.160849,
                                    'backward': 0.330024,
                                    'optimizer': 0.010038},
-                      'compute_s': 0.483421,
+                      'compute_s': 0.481084,
                       'total_comm_s': 0.153623,
                       'peak_phase': 'backward (pre_bw norm)',
                       'breakdown': {'sharded_params': 4015130624,
@@ -175,7 +175,7 @@ PLAN = {'fsdp_plan_version': 1,
                                     'buffers': 4194304,
                                     'inputs': 32768,
                                     'unsharded_params': 16060522496,
-                                    'activations': 38802571272},
+                                    'activations': 34440495112},
                       'units': [{'key': 'tok_embeddings',
                                  'params': 525336576,
                                  'shard_numel': 65667072},
@@ -213,8 +213,8 @@ PLAN = {'fsdp_plan_version': 1,
                                 {'key': 'layers.31', 'params': 218112000, 'shard_numel': 27264000},
                                 {'key': 'output', 'params': 525336576, 'shard_numel': 65667072},
                                 {'key': '', 'params': 4096, 'shard_numel': 512}],
-                      'tokens_per_s': 8139.128,
-                      'mfu': 0.4324}}
+                      'tokens_per_s': 8177.098,
+                      'mfu': 0.4344}}
 
 # Wrapper layers that FSDP1 and activation checkpointing insert into module FQNs; a plan
 # names modules without them.

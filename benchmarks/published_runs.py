@@ -1,0 +1,157 @@
+"""The clock against published real-GPU FSDP2 runs (issue 12): torchtitan's own numbers.
+
+    python benchmarks/published_runs.py [--out benchmarks/results/published_runs.txt]
+
+Each run below is a torchtitan FSDP2 (1D, eager, bf16 parameters, fp32 reduction, AdamW)
+training run whose tokens per second per GPU its authors published, with the shape, local
+batch, sequence length and activation checkpointing they used. The published step time is
+``local batch x sequence / (tokens/s per GPU)``. The prediction is the matching standard recipe
+(one ``fully_shard`` per block plus the root, as torchtitan wraps; no AC, torchtitan's
+per-op selective AC, or full AC on every block) on the GPU preset, through the library API,
+exactly as ``fsdp-plan`` ranks it. Nothing here is fitted to these numbers.
+
+What differs from the published setups, and which way it pulls the prediction:
+- torchtitan's selective "op" policy recomputes every second matmul; the plans here save
+  every matmul (a stateless policy): less recompute (prediction faster) and more saved
+  activations (predicted peak higher).
+- The 2024-12 H100s are Grand Teton's 96 GB HBM2e parts (2.4 TB/s) at a 500 W power limit;
+  the h100 preset is the 700 W SXM5 with 3.35 TB/s HBM3 (prediction faster).
+- Published memory is ``max_memory_reserved`` (the allocator's cache included); the predicted
+  peak is allocated bytes, which should come out at or below it.
+
+Sources (all in github.com/pytorch/torchtitan):
+- ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables 1 and 3 (torch 1963fc8, 2024-12-23).
+- ``docs/performance.md`` at 1ea476e9f (2024-04-24): Llama 3 and Llama 2 on 64 A100 80 GB;
+  the train configs of that commit give the sequence lengths (8192 for Llama 3, 4096 for
+  Llama 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fsdp_plan.api import PlanRequest, make_plan
+from fsdp_plan.cost import hardware_for
+from fsdp_plan.errors import NoFeasiblePlan
+from fsdp_plan.source import ModelSource
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GIB = 2**30
+RECIPES = {"none": "recipe: torchtitan (unit per block)",
+           "op": "recipe: torchtitan selective-op AC",
+           "full": "recipe: full AC every block"}
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    source: str
+    size: str
+    gpu: str
+    gpu_memory_gib: int
+    world_size: int
+    batch: int
+    seq_len: int
+    ac: str
+    """none, op (selective per op) or full."""
+    tokens_per_s_per_gpu: float
+    memory_gib: float | None = None
+
+    @property
+    def step_s(self) -> float:
+        return self.batch * self.seq_len / self.tokens_per_s_per_gpu
+
+    @property
+    def label(self) -> str:
+        return (f"{self.size} {self.world_size}x{self.gpu} b{self.batch} s{self.seq_len} "
+                f"AC {self.ac}")
+
+
+H100_2412 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+A100_2404 = "torchtitan docs/performance.md @1ea476e9f"
+RUNS = [
+    PublishedRun(source=H100_2412 + " T1", size="8b", gpu="h100", gpu_memory_gib=96,
+                 world_size=8, batch=2, seq_len=8192, ac="op", tokens_per_s_per_gpu=5762,
+                 memory_gib=82.4),
+    PublishedRun(source=H100_2412 + " T3", size="8b", gpu="h100", gpu_memory_gib=96,
+                 world_size=128, batch=2, seq_len=8192, ac="op", tokens_per_s_per_gpu=5605,
+                 memory_gib=67.0),
+    PublishedRun(source=A100_2404, size="8b", gpu="a100", gpu_memory_gib=80, world_size=64,
+                 batch=1, seq_len=8192, ac="op", tokens_per_s_per_gpu=2973),
+    PublishedRun(source=A100_2404, size="70b", gpu="a100", gpu_memory_gib=80, world_size=64,
+                 batch=1, seq_len=8192, ac="full", tokens_per_s_per_gpu=331),
+    PublishedRun(source=A100_2404, size="llama2-13b", gpu="a100", gpu_memory_gib=80,
+                 world_size=64, batch=2, seq_len=4096, ac="none", tokens_per_s_per_gpu=2162),
+    PublishedRun(source=A100_2404, size="llama2-13b", gpu="a100", gpu_memory_gib=80,
+                 world_size=64, batch=2, seq_len=4096, ac="op", tokens_per_s_per_gpu=1904),
+    PublishedRun(source=A100_2404, size="llama2-70b", gpu="a100", gpu_memory_gib=80,
+                 world_size=64, batch=1, seq_len=4096, ac="op", tokens_per_s_per_gpu=355),
+    PublishedRun(source=A100_2404, size="llama2-70b", gpu="a100", gpu_memory_gib=80,
+                 world_size=64, batch=2, seq_len=4096, ac="full", tokens_per_s_per_gpu=353),
+]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    run: PublishedRun
+    predicted_s: float
+    predicted_peak_gib: float
+    planned_s: float | None
+    """The planner's own plan at the GPU's memory: never slower than the recipe that fits."""
+
+
+def predict_run(run: PublishedRun) -> Outcome:
+    source = ModelSource(source=os.path.join(ROOT, "examples", "llama.py"),
+                         args={"size": run.size}, batch_size=run.batch, seq_len=run.seq_len)
+    request = PlanRequest(source=source, budget_bytes=run.gpu_memory_gib * GIB,
+                          world_size=run.world_size, hardware=hardware_for(run.gpu))
+    try:
+        result = make_plan(request)
+        planned: float | None = result.best.time.step_s
+    except NoFeasiblePlan:  # the recipe is still predicted, on a budget nothing exceeds
+        result = make_plan(dataclasses.replace(request, budget_bytes=100 * request.budget_bytes,
+                                               headroom_bytes=None))
+        planned = None
+    recipe = next(r for r in result.recipes if r.name == RECIPES[run.ac])
+    return Outcome(run=run, predicted_s=recipe.time.step_s,
+                   predicted_peak_gib=recipe.memory.peak_bytes / GIB, planned_s=planned)
+
+
+def report(outcomes: list[Outcome]) -> str:
+    lines = [f"{'run':<38} {'published s':>11} {'predicted s':>11} {'error':>7} "
+             f"{'peak GiB pred/pub':>17} {'planner s':>9}  source"]
+    errors = []
+    for o in outcomes:
+        r = o.run
+        error = o.predicted_s / r.step_s - 1
+        errors.append(error)
+        memory = (f"{o.predicted_peak_gib:.1f}/{r.memory_gib:.1f}" if r.memory_gib
+                  else f"{o.predicted_peak_gib:.1f}/-")
+        planned = f"{o.planned_s:.3f}" if o.planned_s is not None else "none"
+        lines.append(f"{r.label:<38} {r.step_s:>11.3f} {o.predicted_s:>11.3f} {error:>+7.1%} "
+                     f"{memory:>17} {planned:>9}  {r.source}")
+    lines.append("")
+    lines.append(f"{len(errors)} runs: median |error| {statistics.median(abs(e) for e in errors):.1%}, "
+                 f"worst {max(errors, key=abs):+.1%}, mean {statistics.mean(errors):+.1%}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="also write the table here")
+    args = parser.parse_args()
+    text = report([predict_run(run) for run in RUNS])
+    print(text)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
