@@ -135,3 +135,19 @@ def test_tune_improves_a_bad_baseline_on_gloo(tmp_path, capsys):
     assert changed == bool(kept)
     assert record["torch"] and record["plan_hash"]
     assert len(list(out.glob("tune-*.json"))) == 1
+
+
+def test_interleaved_timing_runs_every_plan_side_by_side(tmp_path):
+    """[Note: interleaved timing]: one launch builds both plans and times their steps in turn;
+    each plan gets its own steady steps per rank, warm-up excluded."""
+    from fsdp_plan.bench.timing import time_plans
+    from fsdp_plan.source import ModelSource
+    checkpointed = read_plan(bad_baseline(tmp_path))
+    plain = Plan.from_dict({**checkpointed.to_dict(), "activation_checkpointing": []})
+    source = ModelSource(source=LLAMA, args={"size": "tiny"}, batch_size=2, seq_len=32)
+    runs = time_plans(source, [checkpointed, plain], nproc=2, mesh=(1, 2), steps=3, warmup=1,
+                      interleave=True)
+    assert len(runs) == 2
+    for per_rank in runs:
+        assert len(per_rank) == 2 and all(len(steps) == 3 for steps in per_rank)
+        assert all(0 < t < 60 for steps in per_rank for t in steps)

@@ -3,6 +3,14 @@
 ``fsdp-plan tune`` compares neighbouring plans, so each is built from the same seed, fed the
 same data and timed the same way: warm-up steps excluded, then ``steps`` whole optimizer
 steps (every micro-batch and the optimizer step), each bracketed by a device sync.
+
+[Note: interleaved timing]
+Plans timed one after another see different machines when the machine drifts: on a shared
+2-core host the same GPT-2 plan measured 2.5 s and 3.2 s twenty minutes apart, far more than
+the 2-5% that separates the plans being ranked. ``interleave=True`` builds every plan's model
+first and then runs one step of each in turn, so drift lands on all of them alike and their
+medians can be ranked (a paired comparison). It holds every model at once: for small models
+(the CPU closed loop), not for a large model on a full GPU.
 """
 
 from __future__ import annotations
@@ -32,36 +40,52 @@ def _time_worker(ctx: Any, payload: dict[str, Any]) -> list[list[float]]:
             torch.cuda.synchronize(device)
         dist.barrier()
 
-    results = []
-    for n, job in enumerate(payload["jobs"]):
+    def time_step(worker: Any) -> float:
+        sync()
+        started = time.perf_counter()
+        runtime.micro_batches(worker.model, worker.loaded, worker.inputs, worker.policy)
+        runtime.finish_step(worker.model, worker.optimizer)
+        sync()
+        return time.perf_counter() - started
+
+    def build(n: int, job: dict[str, Any]) -> Any:
         ctx.report(phase="plan", step=n + 1, steps=len(payload["jobs"]))
-        worker = build_planned_worker(loaded, device, policy_source=job["policy_source"],
-                                      mesh=job["mesh"], fsdp_version=2,
-                                      optimizer=job["optimizer"], rank=ctx.rank)
-        times = []
-        for step in range(payload["warmup"] + payload["steps"]):
-            sync()
-            started = time.perf_counter()
-            runtime.micro_batches(worker.model, worker.loaded, worker.inputs, worker.policy)
-            runtime.finish_step(worker.model, worker.optimizer)
-            sync()
-            if step >= payload["warmup"]:
-                times.append(time.perf_counter() - started)
-        results.append(times)
-        del worker
+        return build_planned_worker(loaded, device, policy_source=job["policy_source"],
+                                    mesh=job["mesh"], fsdp_version=2,
+                                    optimizer=job["optimizer"], rank=ctx.rank)
+
+    results: list[list[float]] = []
+    if payload.get("interleave"):  # [Note: interleaved timing]
+        workers = [build(n, job) for n, job in enumerate(payload["jobs"])]
+        for worker in workers:
+            for _ in range(payload["warmup"]):
+                time_step(worker)
+        results = [[] for _ in workers]
+        for _ in range(payload["steps"]):
+            for times, worker in zip(results, workers):
+                times.append(time_step(worker))
+        del workers
+    else:
+        for n, job in enumerate(payload["jobs"]):
+            worker = build(n, job)
+            times = [time_step(worker) for _ in range(payload["warmup"] + payload["steps"])]
+            results.append(times[payload["warmup"]:])
+            del worker
     dist.destroy_process_group()
     return results
 
 
 def time_plans(source: ModelSource, plans: list[Plan], *, nproc: int, mesh: tuple[int, int],
-               steps: int, warmup: int, timeout_s: float = 300.0) -> list[list[list[float]]]:
-    """Per plan, per rank, the steady steps' seconds."""
+               steps: int, warmup: int, timeout_s: float = 300.0,
+               interleave: bool = False) -> list[list[list[float]]]:
+    """Per plan, per rank, the steady steps' seconds; ``interleave`` times the plans' steps in
+    turn on models built side by side ([Note: interleaved timing])."""
     from fsdp_plan.measure import runtime
     from fsdp_plan.measure.worker_setup import source_payload
     jobs = [{"policy_source": runtime.policy_source(plan), "mesh": list(mesh),
              "optimizer": plan.optimizer} for plan in plans]
     payload = {"source": source_payload(source), "jobs": jobs, "steps": steps,
-               "warmup": warmup}
+               "warmup": warmup, "interleave": interleave}
     per_rank = launch("fsdp_plan.bench.timing:_time_worker", payload, nproc=nproc,
                       timeout_s=timeout_s)
     return [[rank_result[i] for rank_result in per_rank] for i in range(len(plans))]
