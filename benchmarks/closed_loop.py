@@ -116,6 +116,28 @@ def wins(faster: list[float], slower: list[float]) -> str:
     return f"{sum(a < b for a, b in zip(faster, slower))}/{len(faster)}"
 
 
+RESOLVED_SHARE = 0.75
+"""A pair's measured order counts as resolved when one plan's step beat the other's in at
+least this share of the interleaved rounds; below it the pair is a tie within the noise."""
+
+
+def pair_verdicts(steps: dict[str, list[float]], predicted: dict[str, float]) -> list[str]:
+    """For every pair of plans: resolved (and whether the prediction orders it the same way)
+    or a tie. The strict order check above ranks ties too; this says which pairs it rests on."""
+    out = []
+    for a, b in itertools.combinations(steps, 2):
+        rounds = len(steps[a])
+        a_wins = sum(x < y for x, y in zip(steps[a], steps[b]))
+        if max(a_wins, rounds - a_wins) < RESOLVED_SHARE * rounds:
+            out.append(f"{a} ~ {b}: tie ({a_wins}/{rounds} rounds)")
+            continue
+        faster, slower = (a, b) if a_wins > rounds - a_wins else (b, a)
+        agrees = predicted[faster] < predicted[slower]
+        out.append(f"{faster} < {slower} ({max(a_wins, rounds - a_wins)}/{rounds} rounds): "
+                   f"{'predicted the same' if agrees else 'PREDICTED THE OTHER WAY'}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
@@ -203,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{'same' if same else 'DIFFERENT: ' + ' < '.join(order(predicted))}; refit "
             f"{'same' if same2 else 'DIFFERENT: ' + ' < '.join(order(after))}; bench "
             f"launches {' < '.join(order(median))}")
+        say(f"{model:11s} pairs: " + "; ".join(pair_verdicts(steps, predicted)))
     for label, good in (("calibrated file", ok), ("refitted file", ok_refit)):
         say(f"{label}: " + ("ACCEPTED: all within 25% and every order matches" if good else
                             "NOT ACCEPTED (see OFF / DIFFERENT above)"))
