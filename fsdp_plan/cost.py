@@ -188,9 +188,10 @@ def collective_time(hw: Hardware, nbytes: float, group: int, crosses_nodes: bool
 # has k NICs' worth of bandwidth there: NCCL runs a ring channel through each NIC, and a node
 # must take in (n-1)/n of an all-gather's bytes through them while each GPU takes in
 # (N-1)/N over NVLink. The bus bandwidth is therefore min(intra-node, k x inter_node): full
-# sharding over several 8-GPU nodes is about as fast as inside one (NCCL tests on DGX A100
-# clusters: ~185 GB/s all-reduce bus bandwidth across nodes with 8 x HDR, 8 x 23 GB/s), while
-# an HSDP replica group (one rank per node) runs at one NIC's rate.
+# sharding over several 8-GPU nodes with a NIC per GPU runs at 8 NICs' worth (on H100 with
+# 400 Gb/s NICs, close to its NVLink figure), while an HSDP replica group (one rank per node)
+# runs at one NIC's rate. Checked against torchtitan's published 64-A100 runs
+# (benchmarks/published_runs.py): one NIC for the whole ring had predicted them 38-44% slow.
 
 
 def ranks_per_node_in(group: int, stride: int, gpus_per_node: int) -> int:
