@@ -111,9 +111,9 @@ def paired(source: ModelSource, plans: dict, nproc: int, steps: int, warmup: int
             for name, per_rank in zip(plans, runs)}
 
 
-def wins(faster: list[float], slower: list[float]) -> str:
-    """How often the first plan's step beat the second's in the same interleaved round."""
-    return f"{sum(a < b for a, b in zip(faster, slower))}/{len(faster)}"
+def beats(first: list[float], second: list[float]) -> int:
+    """Interleaved rounds in which the first plan's step was faster than the second's."""
+    return sum(a < b for a, b in zip(first, second))
 
 
 RESOLVED_SHARE = 0.75
@@ -127,7 +127,7 @@ def pair_verdicts(steps: dict[str, list[float]], predicted: dict[str, float]) ->
     out = []
     for a, b in itertools.combinations(steps, 2):
         rounds = len(steps[a])
-        a_wins = sum(x < y for x, y in zip(steps[a], steps[b]))
+        a_wins = beats(steps[a], steps[b])
         if max(a_wins, rounds - a_wins) < RESOLVED_SHARE * rounds:
             out.append(f"{a} ~ {b}: tie ({a_wins}/{rounds} rounds)")
             continue
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         say(f"{model:11s} interleaved launch: " + ", ".join(
             f"{n} {in_turn[n] * 1e3:.1f} ms ({predicted[n] / in_turn[n] - 1:+.1%})"
             for n in plans) + "; " + ", ".join(
-            f"{a} < {b} in {wins(steps[a], steps[b])} rounds" for a, b in itertools.pairwise(ranked)))
+            f"{a} < {b} in {beats(steps[a], steps[b])}/{len(steps[a])} rounds" for a, b in itertools.pairwise(ranked)))
         same, same2 = order(predicted) == ranked, order(after) == ranked
         ok &= same
         ok_refit &= same2

@@ -385,7 +385,7 @@ def _fsdp_bytes(device: Any, sync: Callable[[], None], repeat: int,
                            collectives=collectives)  # the cost model's rule on the fits above
 
     def fitted(kind: str, nbytes: int) -> float:
-        return collective_time(fitted_only, nbytes, world, False, kind)
+        return collective_time(fitted_only, nbytes, world, kind)
     table: dict[str, dict[str, float]] = {"all_gather": {}, "reduce_scatter": {}}
     for d, layers in FSDP_UNIT_SHAPES["cuda" if device.type == "cuda" else "cpu"]:
         torch.manual_seed(0)

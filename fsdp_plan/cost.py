@@ -157,20 +157,22 @@ def _fit(hw: Hardware, kind: str, group: int) -> Mapping[str, float] | None:
     return fits[str(below[-1] if below else sizes[0])]
 
 
-def collective_time(hw: Hardware, nbytes: float, group: int, crosses_nodes: bool,
-                    kind: str = "all_gather", *, ranks_per_node: int = 1) -> float:
+def collective_time(hw: Hardware, nbytes: float, group: int, kind: str = "all_gather", *,
+                    ranks_per_node: int | None = None) -> float:
     """Ring time of one collective over ``group`` ranks moving ``nbytes`` (the full buffer):
     ``launch + latency + factor * (g - 1) / g * nbytes / bus_bandwidth``.
 
-    Inside a node the bus bandwidth and latency are the hardware file's fitted curve for
-    ``kind`` (else the link figures). Across nodes see [Note: bandwidth across nodes]: a group
-    with ``ranks_per_node`` ranks on each node reaches ``ranks_per_node`` times each GPU's
-    network share, never more than it reaches inside a node."""
+    ``ranks_per_node``: the group's ranks on each node it spans (``ranks_per_node_in``);
+    ``None`` when the whole group sits in one node. Inside a node the bus bandwidth and
+    latency are the hardware file's fitted curve for ``kind`` (else the link figures). A group
+    larger than its ranks per node crosses nodes, see [Note: bandwidth across nodes]: it
+    reaches ``ranks_per_node`` times each GPU's network share, never more than inside a node."""
     if group <= 1:
         return hw.launch_overhead_s
     factor = 2.0 if kind == "all_reduce" else 1.0
-    local = max(1, min(ranks_per_node, group))
-    fit = _fit(hw, kind, local if crosses_nodes else group)
+    local = group if ranks_per_node is None else max(1, min(ranks_per_node, group))
+    crosses_nodes = group > local
+    fit = _fit(hw, kind, local)
     if fit is not None:
         latency, bw = fit.get("latency_s", hw.collective_latency_s), fit["bus_bandwidth"]
     else:

@@ -338,7 +338,6 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     n = len(events)
     bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
     forward = times[bw_start]
-    crosses = world_size > gpus_per_node
     local = ranks_per_node_in(world_size, 1, gpus_per_node)
     spans: list[tuple[str, str, float, float]] = [("compute", "FW", 0.0, forward)]
     busy: list[tuple[float, float]] = []
@@ -380,12 +379,11 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
             ready_out.append(now)
         wire = bucket.nbytes / 2 if compress else bucket.nbytes
         issue(f"AR bucket {i} ({wire / MIB:.1f} MiB)", now,
-              collective_time(hw, wire, world_size, crosses, "all_reduce",
-                                  ranks_per_node=local))
+              collective_time(hw, wire, world_size, "all_reduce", ranks_per_node=local))
     compute_until(times[-1], "BW")
     if used_map_bytes:
         issue("AR used-parameter map", now,
-              collective_time(hw, used_map_bytes, world_size, crosses, "all_reduce",
+              collective_time(hw, used_map_bytes, world_size, "all_reduce",
                               ranks_per_node=local))
     bw_end = now
     comm_finish = max((e for _, e in busy), default=bw_end)

@@ -55,13 +55,13 @@ class BlockCost:
 
 @dataclass(kw_only=True, frozen=True)
 class CommSetup:
-    """The collectives' shape: shard group size, whether it crosses nodes, dtypes."""
+    """The collectives' shape: shard group size, its ranks per node, dtypes."""
 
     hardware: Hardware
     shard: int
-    crosses_nodes: bool
-    ranks_per_node: int = 8
-    """Shard-group ranks on each node ([Note: bandwidth across nodes])."""
+    ranks_per_node: int | None = None
+    """Shard-group ranks on each node it spans; ``None``: the group sits in one node
+    ([Note: bandwidth across nodes])."""
     param_bytes: int = 2
     reduce_bytes: int = 4
     regather: bool = True
@@ -106,10 +106,9 @@ def unit_seconds(group: list[BlockCost], setup: CommSetup, *, first: bool, last:
     gather = sum(c.gather_bytes for c in group)
     reduce = sum(c.reduce_bytes for c in group)
     hw = setup.hardware
-    all_gather = collective_time(hw, gather, setup.shard, setup.crosses_nodes,
-                                 ranks_per_node=setup.ranks_per_node)
-    reduce_scatter = collective_time(hw, reduce, setup.shard, setup.crosses_nodes,
-                                     "reduce_scatter", ranks_per_node=setup.ranks_per_node)
+    all_gather = collective_time(hw, gather, setup.shard, ranks_per_node=setup.ranks_per_node)
+    reduce_scatter = collective_time(hw, reduce, setup.shard, "reduce_scatter",
+                                     ranks_per_node=setup.ranks_per_node)
     comm = all_gather * (2 if setup.regather else 1) + reduce_scatter
     seconds = max(sum(c.compute_s for c in group), comm)
     if first:

@@ -291,7 +291,6 @@ class Evaluator:
             self._own_ops = exclusive_ops(set(self.graph.modules), self.analysis.modules)
         own_fw, own_bw = self._own_ops
         p = s.precision
-        shard_crosses = shard > s.gpus_per_node
         shard_local = ranks_per_node_in(shard, 1, s.gpus_per_node)
         replicate_local = ranks_per_node_in(replicate, shard, s.gpus_per_node)
         recompute_of = {m.block: m.recompute_s for m in block_modes}
@@ -312,16 +311,14 @@ class Evaluator:
                     key=u.key or "<root>",
                     fw_compute_s=compute_time(rates, fw_ops, fw) + hw.unit_overhead_s,
                     bw_compute_s=compute_time(rates, bw_ops, bw) + hw.unit_overhead_s,
-                    all_gather_s=collective_time(hw, ag_bytes, shard, shard_crosses,
-                                                 ranks_per_node=shard_local)
+                    all_gather_s=collective_time(hw, ag_bytes, shard, ranks_per_node=shard_local)
                     + fsdp_copy_time(hw, rates, ag_bytes, "all_gather") if u.numel else 0.0,
-                    reduce_scatter_s=collective_time(hw, rs_bytes, shard, shard_crosses,
-                                                     "reduce_scatter", ranks_per_node=shard_local)
+                    reduce_scatter_s=collective_time(hw, rs_bytes, shard, "reduce_scatter",
+                                                     ranks_per_node=shard_local)
                     + fsdp_copy_time(hw, rates, rs_bytes, "reduce_scatter")
                     if u.numel else 0.0,
                     all_reduce_s=collective_time(hw, u.shard_numel * p.reduce_bytes, replicate,
-                                                 s.world_size > s.gpus_per_node, "all_reduce",
-                                                 ranks_per_node=replicate_local)
+                                                 "all_reduce", ranks_per_node=replicate_local)
                     if replicate > 1 and u.numel else 0.0,
                     regather=u.reshard_after_forward,
                 )
@@ -434,7 +431,6 @@ def _grouped_layouts(evaluator: Evaluator) -> dict[int, list[list[str]]]:
     if s.hardware is None or s.world_size <= 1:
         return {}
     setup = CommSetup(hardware=s.hardware, shard=s.world_size,
-                      crosses_nodes=s.world_size > s.gpus_per_node,
                       ranks_per_node=ranks_per_node_in(s.world_size, 1, s.gpus_per_node),
                       param_bytes=s.precision.param_bytes, reduce_bytes=s.precision.reduce_bytes)
     return grouped_block_layouts(evaluator.graph, evaluator.analysis, setup)

@@ -150,18 +150,18 @@ def test_collective_time_uses_the_fitted_curve():
         2: {"latency_s": 1e-3, "bus_bandwidth": 1e9}, 8: {"latency_s": 2e-3,
                                                           "bus_bandwidth": 2e9}}},
         "launch_overhead_s": 0})
-    assert collective_time(hw, 1e9, 2, False) == pytest.approx(1e-3 + 0.5)
-    assert collective_time(hw, 1e9, 8, False) == pytest.approx(2e-3 + 7 / 8 * 0.5)
-    assert collective_time(hw, 1e9, 4, False) == pytest.approx(1e-3 + 3 / 4)  # nearest below
+    assert collective_time(hw, 1e9, 2) == pytest.approx(1e-3 + 0.5)
+    assert collective_time(hw, 1e9, 8) == pytest.approx(2e-3 + 7 / 8 * 0.5)
+    assert collective_time(hw, 1e9, 4) == pytest.approx(1e-3 + 3 / 4)  # nearest below
     # no fit for reduce-scatter: the link figures
-    assert collective_time(hw, 1e9, 8, False, "reduce_scatter") == pytest.approx(
+    assert collective_time(hw, 1e9, 8, "reduce_scatter") == pytest.approx(
         hw.collective_latency_s + 7 / 8 * 1e9 / hw.intra_node_bandwidth)
     # across nodes, one rank per node (an HSDP replica group): one GPU's network share, but
     # never more than the fitted curve reaches inside a node (1 GB/s here)
-    assert collective_time(hw, 1e9, 16, True) == pytest.approx(
+    assert collective_time(hw, 1e9, 16, ranks_per_node=1) == pytest.approx(
         hw.collective_latency_s + 15 / 16 * 1e9 / 1e9)
     fast = hardware_for("h100", {"launch_overhead_s": 0})
-    assert collective_time(fast, 1e9, 16, True) == pytest.approx(
+    assert collective_time(fast, 1e9, 16, ranks_per_node=1) == pytest.approx(
         fast.collective_latency_s + 15 / 16 * 1e9 / fast.inter_node_bandwidth)
 
 
@@ -171,17 +171,17 @@ def test_a_group_with_k_ranks_per_node_uses_k_network_shares_up_to_the_node_link
     hw = dataclasses.replace(hardware_for("h100"), launch_overhead_s=0.0,
                              collective_latency_s=0.0, intra_node_bandwidth=360e9,
                              inter_node_bandwidth=40e9, collectives={})
-    one = collective_time(hw, 1e9, 16, True, ranks_per_node=1)
-    two = collective_time(hw, 1e9, 16, True, ranks_per_node=2)
-    eight = collective_time(hw, 1e9, 16, True, ranks_per_node=8)
+    one = collective_time(hw, 1e9, 16, ranks_per_node=1)
+    two = collective_time(hw, 1e9, 16, ranks_per_node=2)
+    eight = collective_time(hw, 1e9, 16, ranks_per_node=8)
     assert one == pytest.approx(15 / 16 * 1e9 / 40e9)
     assert two == pytest.approx(one / 2)
     assert eight == pytest.approx(15 / 16 * 1e9 / 320e9)
     wide = dataclasses.replace(hw, inter_node_bandwidth=100e9)  # 8 x 100 > NVLink's 360
-    assert collective_time(wide, 1e9, 16, True, ranks_per_node=8) == pytest.approx(
+    assert collective_time(wide, 1e9, 16, ranks_per_node=8) == pytest.approx(
         15 / 16 * 1e9 / 360e9)
     # never faster across nodes than inside one node for the same group size
-    assert eight >= collective_time(hw, 1e9, 16, False)
+    assert eight >= collective_time(hw, 1e9, 16)
 
 
 def test_ranks_per_node_of_mesh_dimensions():

@@ -56,7 +56,7 @@ def _costs(n, compute_s, gather_bytes):
 def _setup(**kw):
     from fsdp_plan.cost import hardware_for
     from fsdp_plan.grouping import CommSetup
-    return CommSetup(hardware=hardware_for("h100"), shard=8, crosses_nodes=False, **kw)
+    return CommSetup(hardware=hardware_for("h100"), shard=8, **kw)
 
 
 def test_latency_bound_blocks_are_grouped_up_to_the_allowance():
@@ -85,8 +85,8 @@ def test_weight_is_the_slower_stream_plus_exposed_ends():
     setup = _setup()
     hw = setup.hardware
     group = _costs(2, compute_s=1e-3, gather_bytes=10**6)
-    ag = collective_time(hw, 2 * 10**6, 8, False)
-    rs = collective_time(hw, 4 * 10**6, 8, False, "reduce_scatter")
+    ag = collective_time(hw, 2 * 10**6, 8)
+    rs = collective_time(hw, 4 * 10**6, 8, "reduce_scatter")
     middle = unit_seconds(group, setup, first=False, last=False)
     assert middle == pytest.approx(max(2e-3, 2 * ag + rs), rel=1e-6)
     assert unit_seconds(group, setup, first=True, last=True) == pytest.approx(
