@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts, predict
 from fsdp_plan.bench.timing import time_plans
-from fsdp_plan.cost import hardware_for, read_hardware_file
-from fsdp_plan.plan import write_plan
-from fsdp_plan.source import ModelSource
+from fsdp_plan.cost.hardware import hardware_for, read_hardware_file
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.plan.document import write_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = {

@@ -12,7 +12,7 @@
 Small buckets start their all-reduces early but pay launch and latency per bucket; large ones
 start late and leave a tail after backward. For each cap (first bucket as large) the script
 prints the bucket count, the step time, the communication tail and the compute slowdown from
-overlap, then the cap ``--strategy ddp`` chooses (over ``fsdp_plan.ddp.CAP_GRID_MB``, first
+overlap, then the cap ``--strategy ddp`` chooses (over ``fsdp_plan.search.ddp.CAP_GRID_MB``, first
 bucket as large or 1 MiB) and checks that it is at the curve's minimum. The model is analysed
 once (fake tensors, three blocks analysed and repeated); the sweep is pure arithmetic.
 """
@@ -46,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fsdp_plan.api import PlanRequest, analyze_model
-    from fsdp_plan.cost import hardware_for, read_hardware_file
-    from fsdp_plan.ddp import MIB, best_config, config_options, evaluate_settings, sweep
-    from fsdp_plan.source import ModelSource
+    from fsdp_plan.cost.hardware import hardware_for, read_hardware_file
+    from fsdp_plan.model.source import ModelSource
+    from fsdp_plan.search.ddp import MIB, best_config, config_options, evaluate_settings, sweep
 
     started = time.perf_counter()
     source = ModelSource(source=args.model, args={"size": args.size}, batch_size=args.batch_size,
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 def closed_loop(args: argparse.Namespace, source, curve) -> bool:
     """Measured median step time per cap on gloo ranks beside the prediction; True when the
     measured best cap is within one sweep step of the predicted best."""
-    from fsdp_plan.ddp import ddp_api_kwargs
     from fsdp_plan.measure.ddp import measure_ddp_many
+    from fsdp_plan.search.ddp import ddp_api_kwargs
 
     jobs = [{"source": source, "ddp_kwargs": ddp_api_kwargs(e.config), "optimizer": "adamw",
              "steps": args.measure_steps} for e in curve]

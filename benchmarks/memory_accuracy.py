@@ -13,11 +13,11 @@ import os
 import sys
 
 from fsdp_plan.api import PlanRequest, make_plan
-from fsdp_plan.emit import load_policy_module
-from fsdp_plan.errors import NoFeasiblePlan
+from fsdp_plan.common.errors import NoFeasiblePlan
+from fsdp_plan.common.sizes import parse_bytes
 from fsdp_plan.measure.memory import measure_peak
-from fsdp_plan.sizes import parse_bytes
-from fsdp_plan.source import ModelSource, parse_model_args
+from fsdp_plan.model.source import ModelSource, parse_model_args
+from fsdp_plan.plan.emit import load_policy_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -95,9 +95,9 @@ def modes_for(blocks: list[str], kind: str) -> dict[str, str]:
 def run_modes(cases: list[tuple]) -> None:
     """Predicted vs FSDPMemTracker for plans with selective and mixed checkpointing modes."""
     from fsdp_plan.api import predict
-    from fsdp_plan.checkpointing import DEFAULT_SELECTIVE_OPS
-    from fsdp_plan.emit import render_policy_module
-    from fsdp_plan.plan import Plan
+    from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
+    from fsdp_plan.plan.document import Plan
+    from fsdp_plan.plan.emit import render_policy_module
 
     for model, margs, batch, seq, world, kind in cases:
         hf = {"kind": "hf-config", "entry": "from_config"} if model.endswith(".json") else {}

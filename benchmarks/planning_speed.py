@@ -33,8 +33,8 @@ QUICK = ("llama 70b", "10,006 modules")
 _CHILD = """
 import json, resource, sys, time
 from fsdp_plan.api import PlanRequest, make_plan
-from fsdp_plan.search import Evaluator
-from fsdp_plan.source import ModelSource
+from fsdp_plan.search.fsdp import Evaluator
+from fsdp_plan.model.source import ModelSource
 spec = json.loads(sys.argv[1])
 count = [0]
 evaluate = Evaluator.evaluate

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fsdp_plan.api import PlanRequest, make_plan
-from fsdp_plan.cost import hardware_for
-from fsdp_plan.errors import NoFeasiblePlan
-from fsdp_plan.source import ModelSource
+from fsdp_plan.common.errors import NoFeasiblePlan
+from fsdp_plan.cost.hardware import hardware_for
+from fsdp_plan.model.source import ModelSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 2**30

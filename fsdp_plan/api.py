@@ -6,7 +6,7 @@ Every front end calls these (the ``fsdp-plan`` command, ``benchmarks/``,
 Example usage::
 
     from fsdp_plan.api import PlanRequest, make_plan
-    from fsdp_plan.source import ModelSource
+    from fsdp_plan.model.source import ModelSource
 
     result = make_plan(PlanRequest(
         source=ModelSource(source="examples/llama.py", args={"size": "8b"}, seq_len=4096),
@@ -28,13 +28,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fsdp_plan.checkpointing import DEFAULT_SELECTIVE_OPS, modes_mapping
-from fsdp_plan.cost import Hardware, hardware_for, step_phases
-from fsdp_plan.errors import BadInput, NoFeasiblePlan
-from fsdp_plan.facts import ModelFacts
-from fsdp_plan.memory import DTYPE_BYTES, OPTIMIZER_STATES, Precision, canonical_dtype
-from fsdp_plan.plan import Mesh, Plan, Unit
-from fsdp_plan.search import (
+from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
+from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.cost.hardware import Hardware, hardware_for
+from fsdp_plan.cost.memory import DTYPE_BYTES, OPTIMIZER_STATES, Precision, canonical_dtype
+from fsdp_plan.cost.step_time import step_phases
+from fsdp_plan.cost.units import unit_mixed_precision
+from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS, modes_mapping
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.plan.document import Mesh, Plan, Unit
+from fsdp_plan.search.fsdp import (
     Candidate,
     Evaluator,
     SearchSettings,
@@ -43,12 +47,9 @@ from fsdp_plan.search import (
     search,
     standard_recipes,
 )
-from fsdp_plan.sizes import format_bytes
-from fsdp_plan.source import ModelSource
-from fsdp_plan.units import unit_mixed_precision
 
 if TYPE_CHECKING:
-    from fsdp_plan.load import LoadedModel
+    from fsdp_plan.model.load import LoadedModel
 
 Progress = Callable[[str], None]
 
@@ -148,16 +149,16 @@ class PlanResult:
 
     def policy_source(self) -> str:
         """The generated policy module (SPEC section 4)."""
-        from fsdp_plan.emit import render_policy_module
+        from fsdp_plan.plan.emit import render_policy_module
         return render_policy_module(self.plan)
 
     def plan_yaml(self) -> str:
-        from fsdp_plan.plan import plan_to_yaml
+        from fsdp_plan.plan.document import plan_to_yaml
         return plan_to_yaml(self.plan)
 
     def trace_json(self) -> str:
         """The predicted step as a Chrome trace."""
-        from fsdp_plan.report import chrome_trace
+        from fsdp_plan.plan.report import chrome_trace
         return chrome_trace(self.best.time)
 
     def relocate_source(self, folder: str) -> None:
@@ -171,7 +172,7 @@ class PlanResult:
     def write(self, *, policy: str | None = None, plan: str | None = None,
               trace: str | None = None) -> list[str]:
         """Write the chosen outputs all-or-nothing; returns the paths written."""
-        from fsdp_plan.outputs import atomic_write_all
+        from fsdp_plan.common.files import atomic_write_all
         outputs = [(path, render()) for path, render in ((policy, self.policy_source),
                                                          (plan, self.plan_yaml),
                                                          (trace, self.trace_json)) if path]
@@ -188,7 +189,7 @@ def precision_of(param_dtype: str, reduce_dtype: str) -> Precision:
 def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: bool = False,
                   progress: Progress | None = None) -> Analyzed:
     """Build the model on ``meta`` and run the fake forward + backward (analysis.py)."""
-    from fsdp_plan.load import load_model
+    from fsdp_plan.model.load import load_model
     return analyze_loaded(load_model(source), param_dtype=param_dtype, exact=exact,
                           progress=progress)
 
@@ -198,9 +199,9 @@ def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact:
     """``analyze_model`` for a model already loaded (verify and predict load it to check it)."""
     import torch
 
-    from fsdp_plan.analysis import analyze
-    from fsdp_plan.graph import build_module_graph
-    from fsdp_plan.source import source_digest
+    from fsdp_plan.facts.analysis import analyze
+    from fsdp_plan.facts.graph import build_module_graph
+    from fsdp_plan.model.source import source_digest
 
     source = loaded.source
     graph = build_module_graph(loaded.model)
@@ -211,7 +212,7 @@ def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact:
             progress(f"note: {note}")
         progress(f"analysing {graph.total_numel:,} parameters, batch {source.batch_size} x "
                  f"sequence {source.seq_len}")
-    from fsdp_plan.load import user_code_output_to_stderr
+    from fsdp_plan.model.load import user_code_output_to_stderr
     with user_code_output_to_stderr():  # the model's print()s: stdout is the report's
         analysis = analyze(loaded, param_dtype=getattr(torch, canonical_dtype(param_dtype)),
                            blocks=graph.blocks, exact=exact, progress=progress)
@@ -230,7 +231,7 @@ def plan_hardware(plan: Plan, *, gpu: str | None = None, hardware_file: str | No
                   ) -> Hardware:
     """The hardware a plan is timed on: ``gpu`` or the plan's own preset, with a hardware
     file's figures (``--hardware``, e.g. from ``fsdp-plan calibrate``) over it."""
-    from fsdp_plan.cost import read_hardware_file
+    from fsdp_plan.cost.hardware import read_hardware_file
     overrides = read_hardware_file(hardware_file) if hardware_file else None
     return hardware_for(gpu or plan.gpu or "h100", overrides,
                         where=f"--hardware {hardware_file!r}")
@@ -241,7 +242,7 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
     none does)."""
     started = time.perf_counter()
     if request.global_batch_size is not None or request.auto_batch:
-        from fsdp_plan.throughput import plan_micro_batches
+        from fsdp_plan.search.batching import plan_micro_batches
         result = plan_micro_batches(request, progress)
         result.seconds = time.perf_counter() - started
         return result
@@ -251,7 +252,7 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
         graph = analyzed.facts.graph
         progress(f"searching units, prefetch and checkpointing over {len(graph.modules):,} "
                  f"modules ({len(graph.blocks)} repeated blocks)")
-    from fsdp_plan.throughput import plan_with_choices
+    from fsdp_plan.search.batching import plan_with_choices
     result = plan_with_choices(analyzed.facts, request, digest=analyzed.digest,
                                notes=analyzed.notes)
     result.seconds = time.perf_counter() - started
@@ -287,7 +288,7 @@ def _offload_or_raise(evaluator: Evaluator, ranked: list[Candidate], recipes: li
                       request: PlanRequest) -> Candidate:
     """Nothing fits on the device: the fastest offloaded plan that fits when the user allowed
     offload, else ``NoFeasiblePlan`` saying whether offload would fit and at what peak."""
-    from fsdp_plan.offload import best_offloaded
+    from fsdp_plan.search.offload import best_offloaded
     smallest = min(ranked + recipes, key=lambda c: c.memory.peak_bytes)
     offloaded = best_offloaded(evaluator, ranked + recipes)
     if offloaded is not None and offloaded.fits and request.allow_offload:
@@ -371,7 +372,7 @@ def prefetch_depths(plan: Plan) -> tuple[int, int]:
 def predicted_block(candidate: Candidate) -> dict[str, Any]:
     """The plan file's ``predicted`` mapping for an evaluated candidate (SPEC section 3); a
     DDP plan adds its gradient buckets (SPEC 6, ddp.py)."""
-    from fsdp_plan.ddp import ddp_predicted
+    from fsdp_plan.search.ddp import ddp_predicted
     return {**_fsdp_predicted_block(candidate), **ddp_predicted(candidate)}
 
 
@@ -409,7 +410,7 @@ def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str,
             selective_ops: list[str] | None = None) -> Plan:
     """The SPEC plan document for an evaluated candidate (version 2, with a mapping of modes
     and the saved ops, when a block is selectively checkpointed)."""
-    from fsdp_plan.ddp import ddp_plan_block
+    from fsdp_plan.search.ddp import ddp_plan_block
     forward, backward = prefetch_maps([u.key for u in best.units], best.forward_prefetch,
                                       best.backward_prefetch)
     return Plan(
@@ -456,7 +457,7 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
     graph = facts.graph
     hardware = hardware or hardware_for(plan.gpu if plan.gpu else "h100")
     if plan.strategy == "ddp":  # one replicated model and its gradient buckets (ddp.py)
-        from fsdp_plan.ddp import ddp_plan_candidate
+        from fsdp_plan.search.ddp import ddp_plan_candidate
         ddp = ddp_plan_candidate(plan, facts, hardware=hardware, gpus_per_node=gpus_per_node)
         return Prediction(candidate=ddp, predicted=predicted_block(ddp),
                           limit_bytes=plan.budget_bytes - plan.headroom_bytes, fits=ddp.fits)
@@ -509,7 +510,7 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         root_reshard=units[-1].reshard_after_forward, checkpoint=checkpoint, selective=selective,
         forward_prefetch=forward_depth, backward_prefetch=backward_depth)
     if any((getattr(plan, "offload", None) or {}).values()):
-        from fsdp_plan.offload import with_offload
+        from fsdp_plan.search.offload import with_offload
         candidate = with_offload(evaluator, candidate)
     return Prediction(candidate=candidate, predicted=predicted_block(candidate),
                       limit_bytes=settings.limit_bytes, fits=candidate.fits)
@@ -525,8 +526,8 @@ def verify_by_measurement(result: PlanResult, loaded: LoadedModel,
                           progress: Progress | None = None) -> int:
     """Measure the chosen plan with FSDPMemTracker on the fake process group (``--verify``);
     records the figure in the plan and raises ``NoFeasiblePlan`` when it is over the limit."""
-    from fsdp_plan.emit import load_policy_module
     from fsdp_plan.measure.memory import measure_peak
+    from fsdp_plan.plan.emit import load_policy_module
     plan = result.plan
     measured = measure_peak(loaded, plan, load_policy_module(result.policy_source()))
     predicted = plan.predicted["peak_bytes"]

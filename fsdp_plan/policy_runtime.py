@@ -1,6 +1,6 @@
 """The code of every generated policy module (SPEC section 4), as a real module.
 
-``fsdp_plan.emit`` writes a policy file as: a docstring describing the plan, then this file's
+``fsdp_plan.plan.emit`` writes a policy file as: a docstring describing the plan, then this file's
 text after its docstring, with the ``PLAN: dict = {}`` line below the marker replaced by
 ``PLAN = <the plan as a Python literal>``. So this file must import only ``torch`` and the
 standard library, never ``fsdp_plan``: the generated file has to work without fsdp-plan

@@ -50,8 +50,8 @@ def command_line(name: str) -> str:
 
 def write_one(name: str, folder: str) -> None:
     from fsdp_plan.api import PlanRequest, make_plan
-    from fsdp_plan.cost import hardware_for
-    from fsdp_plan.source import ModelSource
+    from fsdp_plan.cost.hardware import hardware_for
+    from fsdp_plan.model.source import ModelSource
     model, args, batch, seq, fields = POLICIES[name]
     fields = dict(fields)
     hardware = hardware_for(fields.pop("gpu", "h100"))

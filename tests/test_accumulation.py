@@ -10,9 +10,9 @@ import pytest
 import yaml
 
 from fsdp_plan.cli.main import main
-from fsdp_plan.load import ModelSource
 from fsdp_plan.measure.collectives import count_collectives_many
-from fsdp_plan.plan import read_plan
+from fsdp_plan.model.load import ModelSource
+from fsdp_plan.plan.document import read_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")

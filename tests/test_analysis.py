@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from fsdp_plan.analysis import CPU_ATTENTION_FLOP_RULES, analyze
-from fsdp_plan.graph import build_module_graph
-from fsdp_plan.load import ModelSource, load_model
+from fsdp_plan.facts.analysis import CPU_ATTENTION_FLOP_RULES, analyze
+from fsdp_plan.facts.graph import build_module_graph
+from fsdp_plan.model.load import ModelSource, load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = {name: os.path.join(ROOT, "examples", f"{name}.py") for name in ("llama", "gpt2", "vit", "mixed")}
@@ -108,8 +108,8 @@ def test_depth_reduction_matches_full_analysis():
 
 
 def _unit_flops_add_up(lm) -> None:
-    from fsdp_plan.cost import hardware_for
-    from fsdp_plan.search import Evaluator, SearchSettings, block_layouts
+    from fsdp_plan.cost.hardware import hardware_for
+    from fsdp_plan.search.fsdp import Evaluator, SearchSettings, block_layouts
     graph = build_module_graph(lm.model)
     # bf16 as planned: grouped_mm experts (Mixtral) take bf16 operands only
     analysis = analyze(lm, param_dtype=torch.bfloat16, blocks=graph.blocks,
@@ -155,7 +155,7 @@ def test_initialisers_are_skipped_only_while_building_on_meta(tmp_path):
     them back afterwards, also when the factory raises."""
     import torch.nn.init as init
 
-    from fsdp_plan.errors import BadInput
+    from fsdp_plan.common.errors import BadInput
     before = init.kaiming_uniform_
     path = tmp_path / "m.py"
     path.write_text(

@@ -475,11 +475,11 @@ sys.addaudithook(_audit)  # audit hooks cannot be removed; this one only records
 
 
 def test_module_names_class_names_and_args_stay_strings(tmp_path, monkeypatch, capsys):
-    from fsdp_plan.emit import load_policy_module
-    from fsdp_plan.load import load_model
     from fsdp_plan.measure.memory import measure_peak
     from fsdp_plan.measure.runtime import source_from_plan
-    from fsdp_plan.plan import read_plan
+    from fsdp_plan.model.load import load_model
+    from fsdp_plan.plan.document import read_plan
+    from fsdp_plan.plan.emit import load_policy_module
 
     marker = tmp_path / "pwned"
     monkeypatch.setenv("FSDP_PLAN_PWNED", str(marker))

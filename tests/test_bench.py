@@ -17,7 +17,7 @@ import pytest
 from test_measure_helpers import ROOT, plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.bench import results, session
-from fsdp_plan.errors import CheckFailed
+from fsdp_plan.common.errors import CheckFailed
 
 PREDICTED = {"collectives_per_step": {"all_gather": 9, "reduce_scatter": 5, "all_reduce": 0},
              "peak_bytes": 4_000_000, "step_time_s": 0.05, "exposed_comm_s": 0.001}

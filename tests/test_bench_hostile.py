@@ -264,7 +264,7 @@ def test_out_is_created_only_after_the_run_and_the_result_names_plan_and_torch(
 
 def test_a_failed_result_write_prints_the_figures_and_leaves_nothing(plan, tmp_path,
                                                                      private_tmp, monkeypatch):
-    from fsdp_plan.errors import BadInput
+    from fsdp_plan.common.errors import BadInput
 
     def full_disk(files):
         raise BadInput(f"writing {files[0][0]!r} failed (the disk is full); nothing was written.")

@@ -8,7 +8,7 @@ import os
 import yaml
 
 from fsdp_plan.cli.main import main
-from fsdp_plan.emit import load_policy_module
+from fsdp_plan.plan.emit import load_policy_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -59,7 +59,7 @@ def test_verify_flag_measures_before_writing(tmp_path, capsys):
 def test_a_failed_write_leaves_no_output_and_no_traceback(tmp_path, capsys, monkeypatch):
     """Disk full while writing the second output: nothing is renamed into place, the existing
     plan file is untouched, no temporary is left, and the message has no traceback."""
-    import fsdp_plan.outputs as plan_module
+    import fsdp_plan.common.files as plan_module
     plan_path, policy = tmp_path / "p.yaml", tmp_path / "p.py"
     plan_path.write_text("keep me\n")
     real_fsync = plan_module.os.fsync

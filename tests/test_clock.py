@@ -11,23 +11,21 @@ from pathlib import Path
 import pytest
 
 from fsdp_plan.api import predicted_block
-from fsdp_plan.cost import (
-    GPUS,
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.cost.hardware import GPUS, Hardware, hardware_for, hardware_yaml
+from fsdp_plan.cost.memory import Precision
+from fsdp_plan.cost.step_time import (
     Rates,
     StepTime,
     UnitCost,
     collective_time,
     compute_time,
-    hardware_for,
     ranks_per_node_in,
     simulate_step,
 )
-from fsdp_plan.errors import BadInput
-from fsdp_plan.facts import ModelFacts
-from fsdp_plan.hardware import Hardware, hardware_yaml
-from fsdp_plan.memory import Precision
-from fsdp_plan.report import ascii_timeline, chrome_trace
-from fsdp_plan.search import Evaluator, SearchSettings
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.plan.report import ascii_timeline, chrome_trace
+from fsdp_plan.search.fsdp import Evaluator, SearchSettings
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_llama_facts.json"
 
@@ -197,7 +195,7 @@ def test_ranks_per_node_of_mesh_dimensions():
 def test_presets_are_hardware_files_with_sources():
     from importlib import resources
     for name, hw in GPUS.items():
-        text = resources.files("fsdp_plan.hardware").joinpath(f"{name}.yaml").read_text()
+        text = resources.files("fsdp_plan.cost.hardware").joinpath(f"{name}.yaml").read_text()
         assert hw.name == name and hw.source.startswith("preset")
         assert text.count("#") >= 10, f"{name}.yaml should say where its figures come from"
         assert hw.matmul_flops["bfloat16"]["large"] < hw.peak_flops
@@ -256,7 +254,7 @@ def test_bad_per_op_fields_are_refused_by_name(overrides, words):
 
 
 def test_fit_recovers_latency_and_bandwidth():
-    from fsdp_plan.calibrate import _fit
+    from fsdp_plan.measure.calibrate import _fit
     sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 23]
     times = [2e-4 + 0.5 * s / 1e9 for s in sizes]
     fit = _fit(sizes, times, 2, 1.0)
@@ -268,7 +266,7 @@ def test_fit_recovers_latency_and_bandwidth():
 def test_fit_takes_the_bandwidth_of_the_largest_message():
     """gloo moves 2-8 MiB messages at twice the rate of the 128 MiB ones FSDP's units send:
     the fit must predict the large ones, not average the two regimes."""
-    from fsdp_plan.calibrate import _fit
+    from fsdp_plan.measure.calibrate import _fit
     sizes = [1 << 12, 1 << 16, 1 << 21, 1 << 23, 1 << 27]
     bandwidth = {1 << 21: 1e9, 1 << 23: 1e9}
     times = [3e-4 + 0.5 * s / bandwidth.get(s, 0.5e9) for s in sizes]
@@ -302,7 +300,7 @@ def test_calibrate_refuses_bad_input_before_any_worker(tmp_path, monkeypatch, ca
 def test_calibrate_writes_a_hardware_file_that_plans_read(tmp_path, capsys):
     """Two gloo workers measure this machine; the file reads back with --hardware."""
     from fsdp_plan.cli.main import main
-    from fsdp_plan.hardware import read_hardware_file
+    from fsdp_plan.cost.hardware import read_hardware_file
     out = tmp_path / "hw.yaml"
     assert main(["calibrate", "--nproc", "2", "--backend", "gloo", "--repeat", "2",
                  "-o", str(out), "--timeout", "120"]) == 0
@@ -312,7 +310,7 @@ def test_calibrate_writes_a_hardware_file_that_plans_read(tmp_path, capsys):
     assert all("2" in g for g in hw.collectives.values())
     assert hw.matmul_flops["float32"]["large"] > 1e8 and hw.op_overhead_s > 0
     assert hw.h2d_bandwidth == 0 and "skipped" in out.read_text()
-    from fsdp_plan.calibrate import FSDP_UNIT_SHAPES
+    from fsdp_plan.measure.calibrate import FSDP_UNIT_SHAPES
     sizes = {str(d * d * layers * 4) for d, layers in FSDP_UNIT_SHAPES["cpu"]}
     assert {k: set(v) for k, v in hw.fsdp_s_per_byte.items()} == {"all_gather": sizes,
                                                                   "reduce_scatter": sizes}
@@ -333,7 +331,7 @@ def test_fsdp_copy_time_reads_the_measured_table_by_unit_size():
     """Per byte as measured at each unit size, interpolated in log bytes between them (a 32
     MiB unit halfway between 8 and 128 MiB), the nearest figure outside; two passes at the
     memory bandwidth without a table."""
-    from fsdp_plan.cost import fsdp_copy_time
+    from fsdp_plan.cost.step_time import fsdp_copy_time
     mib = 2**20
     hw = hardware_for("h100", {"fsdp_s_per_byte": {"all_gather": {8 * mib: 2e-10,
                                                                   128 * mib: 1e-9}}})
@@ -346,7 +344,7 @@ def test_fsdp_copy_time_reads_the_measured_table_by_unit_size():
 
 
 def test_optimizer_time_counts_parameters_and_tensors():
-    from fsdp_plan.cost import optimizer_time
+    from fsdp_plan.cost.step_time import optimizer_time
     hw = hardware_for("h100", {"optimizer_s_per_param": {"adamw": 1e-9},
                                "optimizer_s_per_tensor": {"adamw": 1e-4}})
     rates = Rates.of(hw)
@@ -361,7 +359,7 @@ def test_refit_scales_the_file_so_the_next_prediction_is_the_measurement(llama, 
     """A cluster uniformly 1.7x slower than its file: one refit and the same plan predicts
     the measured step exactly; the file is rewritten and says so."""
     from fsdp_plan.bench.refit import factors, refit
-    from fsdp_plan.hardware import read_hardware_file
+    from fsdp_plan.cost.hardware import read_hardware_file
     hw = GPUS["h100"]
     cand = evaluate(llama, hw, layout="per-block", fwp=1, bwp=2)
     pred = predicted_block(cand)

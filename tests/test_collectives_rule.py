@@ -7,13 +7,13 @@ import os
 import pytest
 import torch
 
-from fsdp_plan.analysis import analyze
-from fsdp_plan.cost import hardware_for
-from fsdp_plan.graph import build_module_graph
-from fsdp_plan.load import ModelSource, load_model
+from fsdp_plan.cost.hardware import hardware_for
+from fsdp_plan.facts.analysis import analyze
+from fsdp_plan.facts.graph import build_module_graph
 from fsdp_plan.measure.collectives import count_collectives_many
-from fsdp_plan.plan import Mesh, Plan, Unit
-from fsdp_plan.search import Evaluator, SearchSettings
+from fsdp_plan.model.load import ModelSource, load_model
+from fsdp_plan.plan.document import Mesh, Plan, Unit
+from fsdp_plan.search.fsdp import Evaluator, SearchSettings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXED = os.path.join(ROOT, "examples", "mixed.py")

@@ -14,8 +14,11 @@ import yaml
 
 from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts, precision_of, predict
 from fsdp_plan.cli.main import main
-from fsdp_plan.cost import hardware_for
-from fsdp_plan.ddp import (
+from fsdp_plan.cost.hardware import hardware_for
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.plan.document import Plan
+from fsdp_plan.plan.emit import load_policy_module, render_policy_module
+from fsdp_plan.search.ddp import (
     DDPConfig,
     assign_by_size,
     build_buckets,
@@ -24,9 +27,6 @@ from fsdp_plan.ddp import (
     evaluate_ddp,
     unused_parameters,
 )
-from fsdp_plan.emit import load_policy_module, render_policy_module
-from fsdp_plan.plan import Plan
-from fsdp_plan.source import ModelSource
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -201,8 +201,8 @@ def test_a_ddp_block_on_an_fsdp_plan_is_refused(tmp_path, capsys):
 def test_buckets_counts_and_peak_equal_ddp_on_gloo(facts):
     """One launch of 2 gloo workers: every bucket list above, the all-reduce and broadcast
     counts, and the MemTracker peak of a steady step against the prediction (within 5%)."""
-    from fsdp_plan.ddp import evaluate_ddp as evaluate
     from fsdp_plan.measure.ddp import measure_ddp_many
+    from fsdp_plan.search.ddp import evaluate_ddp as evaluate
 
     hw = hardware_for("h100")
     p = precision_of("float32", "float32")
@@ -231,7 +231,7 @@ def auto_request(budget: int) -> PlanRequest:
 
 
 def test_auto_picks_ddp_when_it_fits_and_is_faster_and_says_why():
-    from fsdp_plan.ddp import DDPCandidate, why_line
+    from fsdp_plan.search.ddp import DDPCandidate, why_line
 
     request = auto_request(8 * 10**9)
     f = analyze_model(request.source, param_dtype=request.param_dtype).facts
@@ -245,7 +245,7 @@ def test_auto_picks_ddp_when_it_fits_and_is_faster_and_says_why():
 
 
 def test_auto_keeps_fsdp_when_ddp_does_not_fit_and_says_why():
-    from fsdp_plan.ddp import DDPCandidate, why_line
+    from fsdp_plan.search.ddp import DDPCandidate, why_line
 
     request = auto_request(5 * 10**6)  # the model states fit sharded, not replicated
     f = analyze_model(request.source, param_dtype=request.param_dtype).facts

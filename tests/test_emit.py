@@ -25,8 +25,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from fsdp_plan.emit import load_policy_module, render_policy_module, write_policy_module
-from fsdp_plan.plan import Mesh, Plan, Unit
+from fsdp_plan.plan.document import Mesh, Plan, Unit
+from fsdp_plan.plan.emit import load_policy_module, render_policy_module, write_policy_module
 
 LLAMA_PATH = Path(__file__).resolve().parent.parent / "examples" / "llama.py"
 INJECTION = 'x"); import os; os.system("echo pwned'
@@ -127,7 +127,8 @@ def test_generated_code_is_the_runtime_module() -> None:
 
 
 def test_runtime_imported_from_the_package_does_nothing_plan_dependent() -> None:
-    from fsdp_plan import analysis, policy_runtime
+    from fsdp_plan import policy_runtime
+    from fsdp_plan.facts import analysis
 
     assert policy_runtime.PLAN == {} and policy_runtime.FSDP1_UNITS == []
     assert policy_runtime.FSDP_KWARGS == {} and policy_runtime.PARAM_DTYPE is None
@@ -344,7 +345,7 @@ def _free_port() -> int:
 # Ranks start from a fork server that has imported torch once: fresh single-threaded
 # processes like spawn's, without paying torch's import (seconds) for every rank.
 _PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.tensor.debug",
-            "torch.testing._internal.distributed.fake_pg", "fsdp_plan.fake", __name__]
+            "torch.testing._internal.distributed.fake_pg", "fsdp_plan.model.fake", __name__]
 
 
 def run_ranks(worker, world_size: int, *args: Any, timeout_s: float = 120.0) -> None:
@@ -414,7 +415,7 @@ def _fake_world8_worker(rank: int, world_size: int, port: int, source: str) -> N
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_plan.fake import materialize_fake, new_fake_mode
+    from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 
     torch.set_num_threads(1)
     dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())

@@ -213,8 +213,8 @@ def test_every_example_plan_steps_on_gloo_with_the_predicted_collectives(tmp_pat
     """Each bundled example, planned in bf16 and applied through its emitted policy module
     (FSDP2 ``apply_fully_shard`` and FSDP1 ``auto_wrap_policy``), takes two forward, backward
     and optimizer steps on 2 gloo ranks, and the second step's collectives are the plan's."""
-    from fsdp_plan.load import ModelSource
     from fsdp_plan.measure.collectives import count_collectives_many
+    from fsdp_plan.model.load import ModelSource
 
     jobs, plans = [], {}
     for name in NAMES:

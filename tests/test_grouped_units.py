@@ -13,7 +13,7 @@ VIT = os.path.join(ROOT, "examples", "vit.py")
 
 def _grouped_plan(src, facts, groups, world=4, checkpoint=()):
     from fsdp_plan.api import predict
-    from fsdp_plan.plan import Mesh, Plan, Unit
+    from fsdp_plan.plan.document import Mesh, Plan, Unit
     units = [Unit(modules=g) for g in groups] + [Unit(modules=[""], reshard_after_forward=False)]
     plan = Plan(model=src.to_plan_dict(), budget_bytes=10**12, world_size=world,
                 mesh=Mesh(replicate=1, shard=world), units=units,
@@ -29,9 +29,9 @@ def test_grouped_unit_measured_as_fsdp2_runs_it_and_predicted_within_3_percent()
     each module) and breaks the next tracker; the group-aware tracker measures what FSDP2 runs,
     and the memory model matches it."""
     from fsdp_plan.api import analyze_model
-    from fsdp_plan.emit import load_policy_module, render_policy_module
     from fsdp_plan.measure.memory import measure_peak
-    from fsdp_plan.source import ModelSource
+    from fsdp_plan.model.source import ModelSource
+    from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 
     src = ModelSource(source=VIT, args={"size": "base", "depth": 4}, batch_size=2, seq_len=1)
     analyzed = analyze_model(src)
@@ -48,21 +48,21 @@ def test_grouped_unit_measured_as_fsdp2_runs_it_and_predicted_within_3_percent()
 
 
 def _costs(n, compute_s, gather_bytes):
-    from fsdp_plan.grouping import BlockCost
+    from fsdp_plan.search.grouping import BlockCost
     return [BlockCost(fqn=f"layers.{i}", compute_s=compute_s, gather_bytes=gather_bytes,
                       reduce_bytes=2 * gather_bytes) for i in range(n)]
 
 
 def _setup(**kw):
-    from fsdp_plan.cost import hardware_for
-    from fsdp_plan.grouping import CommSetup
+    from fsdp_plan.cost.hardware import hardware_for
+    from fsdp_plan.search.grouping import CommSetup
     return CommSetup(hardware=hardware_for("h100"), shard=8, **kw)
 
 
 def test_latency_bound_blocks_are_grouped_up_to_the_allowance():
     """Tiny blocks: each collective is mostly latency, so fewer units are faster; no group
     gathers more than the allowance."""
-    from fsdp_plan.grouping import cut_stack
+    from fsdp_plan.search.grouping import cut_stack
     costs = _costs(12, compute_s=1e-6, gather_bytes=10_000)
     groups = cut_stack(costs, _setup(), allowance_bytes=40_000)
     assert [b for g in groups for b in g] == [c.fqn for c in costs]  # consecutive, all blocks
@@ -74,14 +74,14 @@ def test_latency_bound_blocks_are_grouped_up_to_the_allowance():
 def test_compute_bound_blocks_stay_one_unit_each():
     """When compute hides every collective, grouping only delays the first all-gather and the
     last reduce-scatter and holds more memory: one block per unit."""
-    from fsdp_plan.grouping import cut_stack
+    from fsdp_plan.search.grouping import cut_stack
     costs = _costs(8, compute_s=1.0, gather_bytes=10**8)
     assert cut_stack(costs, _setup(), allowance_bytes=10**12) == [[c.fqn] for c in costs]
 
 
 def test_weight_is_the_slower_stream_plus_exposed_ends():
-    from fsdp_plan.cost import collective_time
-    from fsdp_plan.grouping import unit_seconds
+    from fsdp_plan.cost.step_time import collective_time
+    from fsdp_plan.search.grouping import unit_seconds
     setup = _setup()
     hw = setup.hardware
     group = _costs(2, compute_s=1e-3, gather_bytes=10**6)
@@ -95,8 +95,8 @@ def test_weight_is_the_slower_stream_plus_exposed_ends():
 
 def test_stacks_group_siblings_only():
     """Blocks of two containers (an encoder and a decoder) are cut separately."""
-    from fsdp_plan.facts import ModuleGraph, ModuleInfo
-    from fsdp_plan.grouping import stacks
+    from fsdp_plan.facts.types import ModuleGraph, ModuleInfo
+    from fsdp_plan.search.grouping import stacks
     blocks = ["enc.0", "enc.1", "dec.0", "dec.1"]
     mods = {"": ModuleInfo(fqn="", class_name="M", parent=None, children=[], direct_numel=0,
                            subtree_numel=0)}
@@ -109,9 +109,9 @@ def test_search_evaluates_grouped_layouts_with_the_exact_models():
     """On the tiny Llama fixture at a large world the search tries grouped layouts; each
     grouped candidate's units hold consecutive blocks and its collectives count one set per
     group (FSDP2) and one per module (FSDP1)."""
-    from fsdp_plan.cost import hardware_for
-    from fsdp_plan.facts import ModelFacts
-    from fsdp_plan.search import Evaluator, SearchSettings, block_layouts, search
+    from fsdp_plan.cost.hardware import hardware_for
+    from fsdp_plan.facts.types import ModelFacts
+    from fsdp_plan.search.fsdp import Evaluator, SearchSettings, block_layouts, search
     with open(os.path.join(ROOT, "tests", "fixtures", "tiny_llama_facts.json")) as f:
         facts = ModelFacts.from_json(f.read())
     settings = SearchSettings(budget_bytes=10**10, headroom_bytes=0, world_size=64,
@@ -137,14 +137,14 @@ def test_grouped_unit_collectives_match_gloo(mesh):
     """Predicted FSDP2 and FSDP1 counts of grouped plans equal a real gloo step's."""
     import torch
 
-    from fsdp_plan.analysis import analyze
-    from fsdp_plan.cost import hardware_for
-    from fsdp_plan.graph import build_module_graph
-    from fsdp_plan.load import load_model
+    from fsdp_plan.cost.hardware import hardware_for
+    from fsdp_plan.facts.analysis import analyze
+    from fsdp_plan.facts.graph import build_module_graph
     from fsdp_plan.measure.collectives import count_collectives_many
-    from fsdp_plan.plan import Mesh, Plan, Unit
-    from fsdp_plan.search import Evaluator, SearchSettings
-    from fsdp_plan.source import ModelSource
+    from fsdp_plan.model.load import load_model
+    from fsdp_plan.model.source import ModelSource
+    from fsdp_plan.plan.document import Mesh, Plan, Unit
+    from fsdp_plan.search.fsdp import Evaluator, SearchSettings
 
     replicate, shard = mesh
     world = replicate * shard

@@ -26,13 +26,13 @@ import pytest
 import yaml
 
 from fsdp_plan.cli.main import main
-from fsdp_plan.emit import load_policy_module
-from fsdp_plan.load import load_model
+from fsdp_plan.cost.units import owner_unit
 from fsdp_plan.measure.collectives import count_collectives_many
 from fsdp_plan.measure.memory import measure_peak
 from fsdp_plan.measure.runtime import source_from_plan
-from fsdp_plan.plan import read_plan
-from fsdp_plan.units import owner_unit
+from fsdp_plan.model.load import load_model
+from fsdp_plan.plan.document import read_plan
+from fsdp_plan.plan.emit import load_policy_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF = os.path.join(ROOT, "examples", "hf")
@@ -167,7 +167,7 @@ def test_t5_is_planned_as_two_stacks(planned):
 @pytest.mark.hf
 def test_hf_default_inputs_follow_the_architecture():
     pytest.importorskip("transformers")
-    from fsdp_plan.load import ModelSource
+    from fsdp_plan.model.load import ModelSource
     t5 = load_model(ModelSource(source=os.path.join(HF, "t5.json"), kind="hf-config"))
     args, kwargs = t5.make_inputs(2, 8)
     assert args == () and kwargs["input_ids"].shape == kwargs["decoder_input_ids"].shape == (2, 8)

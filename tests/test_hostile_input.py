@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from fsdp_plan.cli.main import main
-from fsdp_plan.errors import BadInput
+from fsdp_plan.common.errors import BadInput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -117,7 +117,7 @@ def test_two_outputs_on_one_path_are_refused(tmp_path, capsys):
 
 
 def test_check_outputs_unit():
-    from fsdp_plan.outputs import check_outputs
+    from fsdp_plan.common.files import check_outputs
     check_outputs([("MODEL", "a.py"), ("--hardware", None)], [("-o", "b.py"), ("--plan", None)])
     with pytest.raises(BadInput, match="is the MODEL"):
         check_outputs([("MODEL", "a.py")], [("-o", "./a.py")])
@@ -145,7 +145,7 @@ def test_new_outputs_follow_umask_and_replaced_files_keep_their_mode(tmp_path, c
 
 
 def test_atomic_write_modes_unit(tmp_path):
-    from fsdp_plan.outputs import atomic_write_text
+    from fsdp_plan.common.files import atomic_write_text
     old = os.umask(0o027)
     try:
         atomic_write_text(str(tmp_path / "new.txt"), "x")
@@ -166,7 +166,7 @@ def test_atomic_write_modes_unit(tmp_path):
     (errno.EROFS, "read-only"), (errno.EDQUOT, "quota"),
 ])
 def test_write_failure_names_the_path_and_the_reason(tmp_path, monkeypatch, code, words):
-    from fsdp_plan import outputs
+    from fsdp_plan.common import files as outputs
     target = tmp_path / "policy.py"
     target.write_text("keep\n")
 
@@ -191,7 +191,7 @@ def test_output_in_an_unwritable_place_fails_before_planning(tmp_path, capsys):
 
 
 def test_a_long_legal_file_name_is_writable(tmp_path):
-    from fsdp_plan.outputs import atomic_write_text, check_writable
+    from fsdp_plan.common.files import atomic_write_text, check_writable
     path = str(tmp_path / ("p" * 247 + ".py"))  # 250 bytes: legal on every common file system
     check_writable(path, "-o")
     atomic_write_text(path, "x = 1\n")
@@ -376,7 +376,7 @@ def test_hardware_file_that_is_binary_a_pipe_or_huge(tmp_path, capsys):
 
 
 def test_hardware_values_in_range_are_read():
-    from fsdp_plan.cost import hardware_for
+    from fsdp_plan.cost.hardware import hardware_for
     hw = hardware_for("a100", {"peak_flops": "989e12", "contention": 0, "name": "mine"})
     assert hw.peak_flops == 989e12 and hw.contention == 0.0 and hw.name == "mine"
 
@@ -389,7 +389,7 @@ def test_unknown_gpu_lists_the_presets(tmp_path, capsys):
 # --- 14 and 23. --model-arg values are YAML scalars, kept exactly ---------------------------
 
 def test_model_arg_values_are_plain_scalars():
-    from fsdp_plan.source import parse_model_args
+    from fsdp_plan.model.source import parse_model_args
     parsed = parse_model_args(["when=2020-01-01", "b=!!binary aGVsbG8=", "t=!custom x",
                                "n=~", "n2=null", "n3=NULL", "e=", "nl=a\nb", "i=4", "f=1.5",
                                "yes=true", "s=70b", "lst=[1, 2]", "q='quoted'", "t2=1:30",
@@ -401,7 +401,7 @@ def test_model_arg_values_are_plain_scalars():
 
 
 def test_model_arg_given_twice_is_refused():
-    from fsdp_plan.source import parse_model_args
+    from fsdp_plan.model.source import parse_model_args
     with pytest.raises(BadInput, match="size is given twice"):
         parse_model_args(["size=tiny", "size=70b"])
 
@@ -421,13 +421,13 @@ def test_model_arg_date_and_binary_reach_the_policy_as_strings(tmp_path, capsys)
     assert main([model, "--mem", "1GB", "--model-arg", "when=2020-01-01", "--model-arg",
                  "blob=!!binary aGVsbG8=", "-o", str(policy), "--plan", str(plan)]) == 0, \
         capsys.readouterr().err
-    from fsdp_plan.emit import load_policy_module
+    from fsdp_plan.plan.emit import load_policy_module
     assert load_policy_module(str(policy)).PLAN["model"]["args"] == {
         "when": "2020-01-01", "blob": "!!binary aGVsbG8="}
 
 
 def test_model_source_plan_dict_round_trip():
-    from fsdp_plan.source import ModelSource
+    from fsdp_plan.model.source import ModelSource
     source = ModelSource(source="m.py", args={"size": "tiny", "n": None}, batch_size=2, seq_len=8)
     assert ModelSource.from_plan_dict(source.to_plan_dict()) == source
     assert ModelSource.from_plan_dict({"source": "m.py", "args": {"x": [1]}}).args == {"x": [1]}
@@ -535,7 +535,7 @@ def test_sys_exit_in_forward_is_bad_input(tmp_path, capsys):
 
 
 def test_replaced_file_keeps_its_owner_when_root(tmp_path):
-    from fsdp_plan.outputs import atomic_write_text
+    from fsdp_plan.common.files import atomic_write_text
     if os.geteuid() != 0:
         pytest.skip("only root can give a file to another user")
     target = tmp_path / "shared.yaml"
@@ -547,7 +547,7 @@ def test_replaced_file_keeps_its_owner_when_root(tmp_path):
 
 
 def test_text_that_is_not_unicode_is_refused_without_a_trace(tmp_path):
-    from fsdp_plan.outputs import atomic_write_text
+    from fsdp_plan.common.files import atomic_write_text
     with pytest.raises(BadInput, match="not valid Unicode"):
         atomic_write_text(str(tmp_path / "p.yaml"), "args: \udcff\n")
     assert os.listdir(tmp_path) == []

@@ -8,12 +8,12 @@ import os
 import pytest
 
 from fsdp_plan.api import PlanRequest, plan_from_facts, to_plan
-from fsdp_plan.facts import ModelFacts
-from fsdp_plan.load import ModelSource
+from fsdp_plan.cost.memory import Precision
+from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.measure.collectives import count_collectives_many
-from fsdp_plan.memory import Precision
-from fsdp_plan.report import gather_mesh_rows
-from fsdp_plan.search import Evaluator, cross_node_bytes, hybrid_shard_sizes
+from fsdp_plan.model.load import ModelSource
+from fsdp_plan.plan.report import gather_mesh_rows
+from fsdp_plan.search.fsdp import Evaluator, cross_node_bytes, hybrid_shard_sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_llama_facts.json")

@@ -7,7 +7,7 @@ NumPy, so nothing installed it. Two checks:
 
 - statically, every ``import``/``from`` in ``fsdp_plan/**/*.py`` (module level or inside a
   function) names the standard library, ``fsdp_plan`` or a declared base dependency; the
-  optional extra (``transformers``) only inside functions of ``fsdp_plan/hf.py``;
+  optional extra (``transformers``) only inside functions of ``fsdp_plan/model/hf.py``;
 - dynamically, importing every module the package names loads only distributions that a
   fresh install brings: the declared dependencies and, recursively, what they require
   (extras excluded). This is the check that sees ``torch.distributed.tensor.debug`` pull in
@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "fsdp_plan"
-OPTIONAL = {"transformers": "fsdp_plan/hf.py"}
+OPTIONAL = {"transformers": "fsdp_plan/model/hf.py"}
 """Import name of each optional extra -> the one module allowed to import it (lazily)."""
 
 
@@ -126,7 +126,7 @@ def test_every_import_is_stdlib_the_package_or_a_declared_dependency():
 def test_the_scan_sees_lazy_imports_and_the_optional_extra():
     """The scan itself can fail: it finds the lazy ``transformers`` import in hf.py."""
     imports = package_imports()
-    assert any(n.startswith("transformers") and w == "fsdp_plan/hf.py" and lazy
+    assert any(n.startswith("transformers") and w == "fsdp_plan/model/hf.py" and lazy
                for n, w, _, lazy in imports)
     assert any(n == "torch" and not lazy for n, _, _, lazy in imports)
     assert "numpy" in declared_dependencies()

@@ -24,7 +24,7 @@ from test_measure_helpers import MIXED, tiny_llama_plan
 
 from fsdp_plan.measure import collectives
 from fsdp_plan.measure.runtime import source_from_plan
-from fsdp_plan.plan import Mesh, Plan, Unit
+from fsdp_plan.plan.document import Mesh, Plan, Unit
 
 pytestmark = pytest.mark.slow
 

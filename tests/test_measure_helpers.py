@@ -1,7 +1,7 @@
 """Plans and runners shared by the measurement tests, and the fast tests of small rules.
 
 The plans are written by hand (per-block units, root last) so the measurement tests do not
-depend on the planner; the policy module is the one ``fsdp_plan.emit`` renders, which is
+depend on the planner; the policy module is the one ``fsdp_plan.plan.emit`` renders, which is
 what users import and what ``verify``/``bench`` apply.
 """
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from fsdp_plan.bench.session import run_mesh
-from fsdp_plan.errors import BadInput
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.measure.collectives import normalise_counts
-from fsdp_plan.plan import Mesh, Plan, Unit, write_plan
+from fsdp_plan.plan.document import Mesh, Plan, Unit, write_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA = str(ROOT / "examples" / "llama.py")

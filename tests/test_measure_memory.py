@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from test_measure_helpers import LLAMA, tiny_llama_plan
 
-from fsdp_plan.errors import BadInput
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import fake_process_group, measure_peak
 
@@ -37,7 +37,7 @@ def _direct_tracker_peak(world: int, batch: int, seq: int) -> int:
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from fsdp_plan.fake import materialize_fake
+    from fsdp_plan.model.fake import materialize_fake
 
     llama = _llama_module()
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from fsdp_plan.api import PlanRequest, plan_from_facts, predict
-from fsdp_plan.cost import hardware_for
-from fsdp_plan.errors import BadInput, NoFeasiblePlan
-from fsdp_plan.facts import (
+from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
+from fsdp_plan.cost.hardware import hardware_for
+from fsdp_plan.cost.memory import OPTIMIZER_STATES, Precision
+from fsdp_plan.facts.types import (
     Analysis,
     Event,
     ModelFacts,
@@ -27,9 +28,8 @@ from fsdp_plan.facts import (
     ModuleInfo,
     Timeline,
 )
-from fsdp_plan.memory import OPTIMIZER_STATES, Precision
-from fsdp_plan.search import Evaluator, SearchSettings
-from fsdp_plan.source import ModelSource
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.search.fsdp import Evaluator, SearchSettings
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_llama_facts.json"
 SOURCE = ModelSource(source="examples/llama.py", args={"size": "tiny"}, batch_size=2, seq_len=64)
@@ -106,9 +106,9 @@ def per_block(ev: Evaluator, *, k: int = 0, fwp: int = 0, bwp: int = 1, world: i
 
 
 def test_the_models_and_search_import_no_torch():
-    code = ("import sys; import fsdp_plan.api, fsdp_plan.search, fsdp_plan.memory, "
-            "fsdp_plan.cost, fsdp_plan.collectives, fsdp_plan.units, fsdp_plan.timeline, "
-            "fsdp_plan.facts, fsdp_plan.report, fsdp_plan.plan; "
+    code = ("import sys; import fsdp_plan.api, fsdp_plan.search.fsdp, fsdp_plan.cost.memory, "
+            "fsdp_plan.cost.step_time, fsdp_plan.cost.collectives, fsdp_plan.cost.units, fsdp_plan.cost.timeline, "
+            "fsdp_plan.facts.types, fsdp_plan.plan.report, fsdp_plan.plan.document; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
             "assert not bad, bad[:5]")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -285,7 +285,7 @@ def test_predict_refuses_what_it_cannot_model(llama):
 def test_accumulation_records_the_gradient_sync_it_chose(llama):
     """With room for the held gradients, reducing only after the last of 4 micro-batches
     skips three reduce-scatters: the plan says so and counts one per unit."""
-    from fsdp_plan.throughput import plan_with_choices
+    from fsdp_plan.search.batching import plan_with_choices
     req = dataclasses.replace(request(10**12, strategy="full"), grad_accum_steps=4)
     result = plan_with_choices(llama, req)
     plan = result.plan

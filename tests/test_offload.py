@@ -12,10 +12,11 @@ import os
 import pytest
 import yaml
 
-from fsdp_plan.cost import hardware_for
-from fsdp_plan.facts import ModelFacts
-from fsdp_plan.memory import Precision, StepContext, estimate_peak
-from fsdp_plan.offload import (
+from fsdp_plan.cost.hardware import hardware_for
+from fsdp_plan.cost.memory import Precision, StepContext, estimate_peak
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.search.fsdp import Evaluator, SearchSettings
+from fsdp_plan.search.offload import (
     DEFAULT_PCIE_BANDWIDTH,
     HOST_OPTIMIZER_BANDWIDTH,
     host_bytes,
@@ -23,7 +24,6 @@ from fsdp_plan.offload import (
     pcie_bandwidth,
     with_offload,
 )
-from fsdp_plan.search import Evaluator, SearchSettings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -70,7 +70,7 @@ def test_device_peak_excludes_what_lives_on_the_host(facts):
 
 def test_offload_copies_are_the_shard_and_its_cast(facts):
     """While an all-gather input is built: the shard copied in (float32) and cast (bf16)."""
-    from fsdp_plan.offload import _profile
+    from fsdp_plan.search.offload import _profile
     ev = _evaluator(facts)
     cand = _per_block(ev)
     ctx = StepContext(precision=Precision(), shard_size=2, optimizer="adamw", buffer_bytes=0,
@@ -113,8 +113,8 @@ def test_pcie_bandwidth_comes_from_the_hardware_description():
 def _offload_window(facts):
     """A budget no device plan fits but an offloaded one does."""
     from fsdp_plan.api import PlanRequest, plan_from_facts
-    from fsdp_plan.errors import NoFeasiblePlan
-    from fsdp_plan.source import ModelSource
+    from fsdp_plan.common.errors import NoFeasiblePlan
+    from fsdp_plan.model.source import ModelSource
     source = ModelSource(source=LLAMA, args={"size": "tiny"}, batch_size=1, seq_len=64)
     budget = 10**8
     while True:
@@ -146,8 +146,8 @@ def test_no_fit_names_offload_and_allow_offload_plans_it(facts):
 
 def test_plan_key_round_trips_and_half_offload_is_refused(facts):
     from fsdp_plan.api import PlanRequest, plan_from_facts
-    from fsdp_plan.errors import BadInput
-    from fsdp_plan.plan import Plan
+    from fsdp_plan.common.errors import BadInput
+    from fsdp_plan.plan.document import Plan
     source, budget, _ = _offload_window(facts)
     plan = plan_from_facts(facts, PlanRequest(source=source, budget_bytes=budget,
                                               headroom_bytes=0, world_size=2,
@@ -166,7 +166,7 @@ def test_plan_key_round_trips_and_half_offload_is_refused(facts):
 @pytest.mark.slow
 def test_cli_exits_3_without_the_flag_and_plans_with_it(tmp_path, capsys):
     from fsdp_plan.cli.main import main
-    from fsdp_plan.emit import load_policy_module
+    from fsdp_plan.plan.emit import load_policy_module
     plan_path, policy = tmp_path / "p.yaml", tmp_path / "p.py"
     outputs = ["--plan", str(plan_path), "-o", str(policy)]
     assert main([*TINY, "--mem", "2MB", *outputs]) == 3
@@ -197,13 +197,13 @@ def test_policy_applies_cpu_offload_to_every_unit(tmp_path):
     from torch.distributed.fsdp import FSDPModule
 
     from fsdp_plan.cli.main import main
-    from fsdp_plan.emit import load_policy_module
-    from fsdp_plan.fake import materialize_fake, new_fake_mode
-    from fsdp_plan.load import load_model, rebuild_meta
     from fsdp_plan.measure import runtime
     from fsdp_plan.measure.memory import fake_process_group
-    from fsdp_plan.plan import read_plan
-    from fsdp_plan.source import ModelSource
+    from fsdp_plan.model.fake import materialize_fake, new_fake_mode
+    from fsdp_plan.model.load import load_model, rebuild_meta
+    from fsdp_plan.model.source import ModelSource
+    from fsdp_plan.plan.document import read_plan
+    from fsdp_plan.plan.emit import load_policy_module
     plan_path, policy = tmp_path / "p.yaml", tmp_path / "p.py"
     assert main([*TINY, "--mem", "2MB", "--allow-offload", "--plan", str(plan_path),
                  "-o", str(policy)]) == 0

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 from fsdp_plan.cli import bench as bench_cli
 from fsdp_plan.cli.main import VERBS, main
-from fsdp_plan.errors import BadInput
-from fsdp_plan.plan import read_plan
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.plan.document import read_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")

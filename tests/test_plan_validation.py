@@ -1,4 +1,4 @@
-"""A plan file is validated once, in one place, before anything runs (``fsdp_plan.plan_check``).
+"""A plan file is validated once, in one place, before anything runs (``fsdp_plan.plan.check``).
 
 Each bad-input row edits a plan the planner wrote for the tiny Llama, runs ``verify`` and
 ``bench`` in-process from an empty working folder, and asserts the failure contract: exit 2,
@@ -23,11 +23,11 @@ import yaml
 
 from fsdp_plan.cli import main as cli_main
 from fsdp_plan.cli.main import VERBS, main
-from fsdp_plan.errors import BadInput
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.measure.runtime import source_from_plan
-from fsdp_plan.plan import Plan, read_plan
-from fsdp_plan.plan_check import check_plan_document
-from fsdp_plan.plan_read import MAX_PLAN_BYTES, parse_plan_text
+from fsdp_plan.plan.check import check_plan_document
+from fsdp_plan.plan.document import Plan, read_plan
+from fsdp_plan.plan.read import MAX_PLAN_BYTES, parse_plan_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -479,7 +479,7 @@ def test_lone_surrogates_are_refused_whatever_the_loader(base_doc):
 def test_reading_uses_the_c_loader_when_there_is_one():
     assert parse_plan_text(b"a: 1\n") == {"a": 1}
     if hasattr(yaml, "CSafeLoader"):
-        from fsdp_plan import plan_read
+        from fsdp_plan.plan import read as plan_read
         assert plan_read._loader() is yaml.CSafeLoader
 
 

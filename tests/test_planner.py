@@ -14,11 +14,11 @@ import pytest
 import yaml
 
 from fsdp_plan.cli.main import main
-from fsdp_plan.emit import load_policy_module, render_policy_module
-from fsdp_plan.load import ModelSource, load_model, source_kind
 from fsdp_plan.measure.collectives import count_collectives
 from fsdp_plan.measure.memory import measure_peak
-from fsdp_plan.plan import read_plan
+from fsdp_plan.model.load import ModelSource, load_model, source_kind
+from fsdp_plan.plan.document import read_plan
+from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")

@@ -8,7 +8,7 @@ import sys
 
 import yaml
 
-from fsdp_plan.emit import load_policy_module
+from fsdp_plan.plan.emit import load_policy_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fsdp_plan.cli.main import main
-from fsdp_plan.errors import BadInput
-from fsdp_plan.sizes import MAX_BYTES, parse_bytes
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.sizes import MAX_BYTES, parse_bytes
 
 UNITS = {
     "": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -254,11 +254,11 @@ def trees() -> st.SearchStrategy:
 @given(trees(), st.sampled_from([8, 16, 32]), st.sampled_from(["60kB", "120kB", "200kB", "300kB", "600kB", "2MB"]),
        st.sampled_from([2, 4, 8]))
 def test_random_module_trees_plan_and_fit_under_fully_shard(tree, dim, mem, world):
-    from fsdp_plan.emit import load_policy_module
-    from fsdp_plan.load import load_model
     from fsdp_plan.measure.memory import measure_peak
     from fsdp_plan.measure.runtime import source_from_plan
-    from fsdp_plan.plan import read_plan
+    from fsdp_plan.model.load import load_model
+    from fsdp_plan.plan.document import read_plan
+    from fsdp_plan.plan.emit import load_policy_module
 
     with tempfile.TemporaryDirectory() as folder:
         model = os.path.join(folder, "tree.py")

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from fsdp_plan.analysis import analyze
-from fsdp_plan.cost import hardware_for
-from fsdp_plan.graph import build_module_graph
-from fsdp_plan.load import ModelSource, load_model
-from fsdp_plan.search import (
+from fsdp_plan.cost.hardware import hardware_for
+from fsdp_plan.facts.analysis import analyze
+from fsdp_plan.facts.graph import build_module_graph
+from fsdp_plan.model.load import ModelSource, load_model
+from fsdp_plan.search.fsdp import (
     Evaluator,
     SearchSettings,
     choose,

@@ -18,10 +18,10 @@ import torch
 from test_measure_helpers import LLAMA, plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts
-from fsdp_plan.checkpointing import DEFAULT_SELECTIVE_OPS
-from fsdp_plan.plan import Plan, plan_to_yaml, read_plan
-from fsdp_plan.search import Evaluator, standard_recipes
-from fsdp_plan.source import ModelSource
+from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.plan.document import Plan, plan_to_yaml, read_plan
+from fsdp_plan.search.fsdp import Evaluator, standard_recipes
 
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 
@@ -105,7 +105,7 @@ def test_plan_round_trip_keeps_modes_and_ops(tmp_path):
 
 
 def test_policy_module_wraps_each_mode():
-    from fsdp_plan.emit import load_policy_module, render_policy_module
+    from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 
     plan = _with_modes(tiny_llama_plan(world=2), {"layers.0": "full", "layers.1": "selective"})
     policy = load_policy_module(render_policy_module(plan))
@@ -179,7 +179,7 @@ def test_without_a_selective_pass_only_full_is_searched(tiny_facts):
     assert all(n_sel == 0 for path in evaluator.checkpoint_options() for _, n_sel in path)
     names = [c.name for c in standard_recipes(evaluator)]
     assert "recipe: torchtitan selective-op AC" not in names
-    from fsdp_plan.report import format_checkpointing
+    from fsdp_plan.plan.report import format_checkpointing
     text = format_checkpointing(standard_recipes(evaluator)[0], analysis.selective_unavailable)
     assert text.splitlines()[0].startswith("note: selective checkpointing of X blocks")
 

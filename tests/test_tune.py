@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from fsdp_plan.bench.tune import NOISE_FLOOR, neighbours, tune
 from fsdp_plan.cli.main import main
-from fsdp_plan.facts import ModelFacts
-from fsdp_plan.plan import Plan, read_plan
-from fsdp_plan.tune import NOISE_FLOOR, neighbours, tune
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.plan.document import Plan, read_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -141,7 +141,7 @@ def test_interleaved_timing_runs_every_plan_side_by_side(tmp_path):
     """[Note: interleaved timing]: one launch builds both plans and times their steps in turn;
     each plan gets its own steady steps per rank, warm-up excluded."""
     from fsdp_plan.bench.timing import time_plans
-    from fsdp_plan.source import ModelSource
+    from fsdp_plan.model.source import ModelSource
     checkpointed = read_plan(bad_baseline(tmp_path))
     plain = Plan.from_dict({**checkpointed.to_dict(), "activation_checkpointing": []})
     source = ModelSource(source=LLAMA, args={"size": "tiny"}, batch_size=2, seq_len=32)

@@ -9,7 +9,7 @@ from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import measure_peak
-from fsdp_plan.plan import Mesh, Plan, Unit
+from fsdp_plan.plan.document import Mesh, Plan, Unit
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from typing import Any
 
 from fsdp_plan.bench.results import device_name, git_commit, plan_hash
 from fsdp_plan.measure import runtime
-from fsdp_plan.plan import atomic_write_text, read_plan
+from fsdp_plan.plan.document import atomic_write_text, read_plan
 
 
 def check_plan(path: str) -> dict[str, Any]:
@@ -79,7 +79,7 @@ def predict_at_world(path: str, hardware: Any, world: int = 1) -> float:
     import dataclasses
 
     from fsdp_plan.api import analyze_model, predict
-    from fsdp_plan.plan import Mesh
+    from fsdp_plan.plan.document import Mesh
     plan = read_plan(path)
     loaded = runtime.load_planned_model(plan, None, path)
     dtype = (plan.mixed_precision or {}).get("param_dtype") or "float32"
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check needs a CUDA GPU.", file=sys.stderr)
         return 2
     from fsdp_plan.bench.inputs import check_out_folder
-    from fsdp_plan.errors import BadInput
+    from fsdp_plan.common.errors import BadInput
     try:
         check_out_folder(args.out)  # checked now, created only when the result is written
     except BadInput as e:
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(checks[-1]), flush=True)
     calibration, hw_text = None, None
     if args.calibrate:
-        from fsdp_plan.calibrate import calibrate
-        from fsdp_plan.hardware import hardware_yaml
+        from fsdp_plan.cost.hardware import hardware_yaml
+        from fsdp_plan.measure.calibrate import calibrate
         print("gpu_check: calibrate (NCCL, every GPU)", file=sys.stderr, flush=True)
         hw, _raw = calibrate(nproc=torch.cuda.device_count(), backend="nccl")
         calibration = hw.to_dict()

@@ -16,7 +16,7 @@ import math
 import os
 from typing import Any
 
-from fsdp_plan.errors import BadInput
+from fsdp_plan.common.errors import BadInput
 
 MAX_STEPS = 100_000
 MAX_WARMUP = 10_000

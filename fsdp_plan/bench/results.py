@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from fsdp_plan.errors import BadInput
-from fsdp_plan.plan import atomic_write_all
-from fsdp_plan.sizes import format_bytes
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.plan.document import atomic_write_all
 
 RESULT_VERSION = 1
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_plan.bench import inputs
-from fsdp_plan.errors import BadInput, CheckFailed
-from fsdp_plan.load import LoadedModel
+from fsdp_plan.common.errors import BadInput, CheckFailed
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.worker_setup import source_payload
-from fsdp_plan.plan import Plan, read_plan
+from fsdp_plan.model.load import LoadedModel
+from fsdp_plan.plan.document import Plan, read_plan
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fsdp_plan.load import ModelSource
 from fsdp_plan.measure.launch import launch
-from fsdp_plan.plan import Plan
+from fsdp_plan.model.load import ModelSource
+from fsdp_plan.plan.document import Plan
 
 
 def _time_worker(ctx: Any, payload: dict[str, Any]) -> list[list[float]]:
@@ -28,9 +28,9 @@ def _time_worker(ctx: Any, payload: dict[str, Any]) -> list[list[float]]:
     import torch
     import torch.distributed as dist
 
-    from fsdp_plan.load import load_model
     from fsdp_plan.measure import runtime
     from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
+    from fsdp_plan.model.load import load_model
 
     device = init_worker_process_group(ctx.local_rank)
     loaded = load_model(ModelSource(**payload["source"]))

@@ -72,11 +72,11 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from fsdp_plan.load import ModelSource, load_model
     from fsdp_plan.measure import runtime
     from fsdp_plan.measure.collectives import CollectiveCounter
     from fsdp_plan.measure.profile import analyze_trace
     from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
+    from fsdp_plan.model.load import ModelSource, load_model
 
     ctx.report(phase="imported")
     device = init_worker_process_group(ctx.local_rank)
@@ -170,7 +170,7 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m fsdp_plan.bench.worker``: one rank under torchrun; rank 0 writes the result."""
     from fsdp_plan.bench import session
-    from fsdp_plan.errors import FsdpPlanError
+    from fsdp_plan.common.errors import FsdpPlanError
 
     parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.worker",
                                      description="One fsdp-plan benchmark rank (under torchrun).")

@@ -22,9 +22,9 @@ from typing import Any
 
 from fsdp_plan.bench import session
 from fsdp_plan.bench.inputs import check_nproc, check_run_numbers, check_timeout
-from fsdp_plan.errors import BadInput
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.measure.launch import Terminated, WorkersFailed, launch, stop_on_signals
-from fsdp_plan.plan import read_plan
+from fsdp_plan.plan.document import read_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

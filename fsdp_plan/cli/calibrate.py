@@ -5,7 +5,7 @@
 Launches ``--nproc`` local workers (as bench does) that time matmuls, attention, memory-bound
 ops, host-to-device copies (GPUs), the optimizer step, collectives over message sizes (fitted
 to latency + size / bandwidth), the slowdown of compute under a concurrent collective, and
-FSDP's host cost per unit ([Note: calibration] in fsdp_plan/calibrate.py). Writes ``-o`` (a
+FSDP's host cost per unit ([Note: calibration] in fsdp_plan/measure/calibrate.py). Writes ``-o`` (a
 hardware file, SPEC section 6) only when every worker succeeded; exit 2 for bad input, 1 when
 a worker failed or hung.
 """
@@ -16,7 +16,7 @@ import argparse
 import sys
 from typing import Any
 
-from fsdp_plan.errors import BadInput
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.measure.launch import Terminated, stop_on_signals
 
 
@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from fsdp_plan.bench.inputs import check_nproc, check_timeout
-    from fsdp_plan.calibrate import calibrate
-    from fsdp_plan.hardware import hardware_yaml
-    from fsdp_plan.outputs import atomic_write_all, check_writable
+    from fsdp_plan.common.files import atomic_write_all, check_writable
+    from fsdp_plan.cost.hardware import hardware_yaml
+    from fsdp_plan.measure.calibrate import calibrate
 
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():

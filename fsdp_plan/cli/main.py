@@ -6,7 +6,7 @@
 
 [Note: exit codes] SPEC 2: 0 success, 2 bad input, 3 no plan fits, 1 a check failed. Every
 error reaches the user as one paragraph on stderr, never a Python traceback (``--debug``
-shows it). fsdp-plan's own errors (``fsdp_plan.errors``) carry their code. Of the rest,
+shows it). fsdp-plan's own errors (``fsdp_plan.common.errors``) carry their code. Of the rest,
 what the machine or the input caused is exit 2: a file or device operation that failed
 (``OSError``), memory exhausted (``MemoryError``), nesting too deep (``RecursionError``), and
 ``sys.exit`` called by the user's model code. Anything else is a bug, in fsdp-plan or in code
@@ -25,7 +25,7 @@ import os
 import sys
 import traceback
 
-from fsdp_plan.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError
+from fsdp_plan.common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError
 
 VERBS = {"verify": "fsdp_plan.cli.verify", "bench": "fsdp_plan.cli.bench",
          "predict": "fsdp_plan.cli.predict", "calibrate": "fsdp_plan.cli.calibrate",

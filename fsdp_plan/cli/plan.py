@@ -12,13 +12,13 @@ import os
 import sys
 from typing import Any
 
-from fsdp_plan.cost import GPUS, hardware_for, read_hardware_file
-from fsdp_plan.errors import BadInput
-from fsdp_plan.limits import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
-from fsdp_plan.memory import OPTIMIZER_STATES, canonical_dtype
-from fsdp_plan.outputs import check_outputs, check_writable
-from fsdp_plan.sizes import format_bytes, parse_bytes, parse_share_of
-from fsdp_plan.source import (
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.files import check_outputs, check_writable
+from fsdp_plan.common.limits import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
+from fsdp_plan.common.sizes import format_bytes, parse_bytes, parse_share_of
+from fsdp_plan.cost.hardware import GPUS, hardware_for, read_hardware_file
+from fsdp_plan.cost.memory import OPTIMIZER_STATES, canonical_dtype
+from fsdp_plan.model.source import (
     MAX_BATCH_SIZE,
     MAX_SEQ_LEN,
     ModelSource,
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
                        "not both: --hf-config builds the model from the config alone.")
     source = model_source(args)
     from fsdp_plan.api import PlanRequest, make_plan, verify_by_measurement
-    from fsdp_plan.report import candidate_row, gather_mesh_rows, gather_module_rows
+    from fsdp_plan.plan.report import candidate_row, gather_mesh_rows, gather_module_rows
 
     progress = (lambda m: sys.stderr.write(f"fsdp-plan: {m}\n")) if args.format == "table" else None
     request = PlanRequest(
@@ -192,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis,
         allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
         auto_batch=args.batch_size == "auto")
-    from fsdp_plan.load import user_code_output_to_stderr  # the model's print()s stay off stdout
+    from fsdp_plan.model.load import (
+        user_code_output_to_stderr,  # the model's print()s stay off stdout
+    )
     with user_code_output_to_stderr():
         result = make_plan(request, progress)
         if args.verify and result.loaded is not None and result.plan.offload:
@@ -225,7 +227,7 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
                  args: argparse.Namespace) -> None:
     from tabulate import tabulate
 
-    from fsdp_plan.report import (
+    from fsdp_plan.plan.report import (
         ascii_timeline,
         format_breakdown,
         format_candidates,
@@ -261,7 +263,7 @@ def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
     print_units_and_offload(result)
     print()
     print(ascii_timeline(best.time))
-    from fsdp_plan.ddp import report_lines  # DDP: why it won or lost, its buckets and tail
+    from fsdp_plan.search.ddp import report_lines  # DDP: why it won or lost, its buckets and tail
     for line in report_lines(best, result.ranked):
         print(line)
     print_throughput(result)

@@ -16,9 +16,9 @@ import argparse
 import json
 from typing import Any
 
-from fsdp_plan.errors import NoFeasiblePlan
-from fsdp_plan.plan import Plan, read_plan
-from fsdp_plan.sizes import format_bytes
+from fsdp_plan.common.errors import NoFeasiblePlan
+from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.plan.document import Plan, read_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

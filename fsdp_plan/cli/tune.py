@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from fsdp_plan.errors import BadInput
+from fsdp_plan.common.errors import BadInput
 
 DEFAULT_OUT = os.path.join("benchmarks", "results")
 
@@ -67,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_plan.api import analyze_for_plan, plan_hardware
     from fsdp_plan.bench.results import plan_hash
     from fsdp_plan.bench.timing import time_plans
+    from fsdp_plan.bench.tune import tune
+    from fsdp_plan.common.files import atomic_write_all
     from fsdp_plan.measure import runtime
-    from fsdp_plan.outputs import atomic_write_all
-    from fsdp_plan.plan import plan_to_yaml, read_plan
-    from fsdp_plan.tune import tune
+    from fsdp_plan.plan.document import plan_to_yaml, read_plan
 
     plan = read_plan(args.plan)
     loaded = runtime.load_planned_model(plan, args.model, args.plan)

@@ -17,11 +17,11 @@ from typing import Any
 
 from tabulate import tabulate
 
-from fsdp_plan.errors import BadInput, CheckFailed
+from fsdp_plan.common.errors import BadInput, CheckFailed
+from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import MeasuredMemory, measure_peak
-from fsdp_plan.plan import Plan, read_plan
-from fsdp_plan.sizes import format_bytes
+from fsdp_plan.plan.document import Plan, read_plan
 
 # FSDPMemTracker's categories -> the planner's breakdown keys (several may share one key).
 TRACKER_TO_PLAN = {
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     fresh, fresh_note = fresh_prediction(plan, loaded)
     policy = runtime.load_policy(runtime.policy_source(plan))
-    from fsdp_plan.load import user_code_output_to_stderr
+    from fsdp_plan.model.load import user_code_output_to_stderr
     with user_code_output_to_stderr():  # the model's print()s stay off the report
         if plan.strategy == "ddp":  # a real one-rank run with MemTracker (measure/ddp.py)
             from fsdp_plan.measure.ddp import measure_ddp_peak

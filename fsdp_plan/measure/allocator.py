@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_plan.load import LoadedModel
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import fake_process_group
-from fsdp_plan.plan import Plan
+from fsdp_plan.model.load import LoadedModel
+from fsdp_plan.plan.document import Plan
 
 
 @dataclass(kw_only=True)

@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_plan.load import ModelSource
 from fsdp_plan.measure.launch import launch
+from fsdp_plan.model.load import ModelSource
 
 try:  # the op registry CommDebugMode counts (private; fall back to the c10d ops FSDP issues)
     from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING as _NATIVE_TO_PY
@@ -119,9 +119,9 @@ def _count_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, int]]:
     """Worker target: for each job, apply the plan, warm up one step, count the next fwd+bwd."""
     import torch.distributed as dist
 
-    from fsdp_plan.load import load_model
     from fsdp_plan.measure import runtime
     from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
+    from fsdp_plan.model.load import load_model
 
     device = init_worker_process_group(ctx.local_rank)
     models: dict[str, Any] = {}
@@ -165,7 +165,7 @@ def count_collectives_many(source: ModelSource, jobs: list[dict[str, Any]], *, n
     """
     from fsdp_plan.measure import runtime
     from fsdp_plan.measure.worker_setup import source_payload
-    from fsdp_plan.plan import Plan
+    from fsdp_plan.plan.document import Plan
 
     prepared = []
     for job in jobs:

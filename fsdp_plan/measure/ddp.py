@@ -31,8 +31,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fsdp_plan.load import ModelSource
 from fsdp_plan.measure.launch import launch
+from fsdp_plan.model.load import ModelSource
 
 
 def _bucket_sizes(ddp: Any, key: str = "rebuilt_bucket_sizes") -> list[int]:
@@ -97,8 +97,8 @@ def _ddp_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
     """Worker target: each job's buckets in use, counts, step time and peak."""
     import torch.distributed as dist
 
-    from fsdp_plan.load import load_model
     from fsdp_plan.measure.worker_setup import init_worker_process_group
+    from fsdp_plan.model.load import load_model
 
     device = init_worker_process_group(ctx.local_rank)
     models: dict[str, Any] = {}
@@ -193,10 +193,10 @@ whole model: a bigger one belongs on a GPU, ``fsdp-plan bench``)."""
 def measure_ddp_peak(loaded: Any, plan: Any, *, timeout_s: float = 600.0) -> Any:
     """A DDP plan's per-rank steady-step peak: a real gloo run of one rank with ``MemTracker``
     (see [Note: DDP peak on a CPU]). Returns ``fsdp_plan.measure.memory.MeasuredMemory``."""
-    from fsdp_plan.errors import BadInput
+    from fsdp_plan.common.errors import BadInput
+    from fsdp_plan.common.sizes import format_bytes
     from fsdp_plan.measure import runtime
     from fsdp_plan.measure.memory import MeasuredMemory
-    from fsdp_plan.sizes import format_bytes
 
     expected = (plan.predicted or {}).get("peak_bytes") or 0
     if expected > MAX_REAL_RUN_BYTES:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_plan.errors import CheckFailed
+from fsdp_plan.common.errors import CheckFailed
 
 FAULT_ENV = "FSDP_PLAN_BENCH_FAULT"
 """Test-only fault injection: ``crash:rank=1:step=2``, ``hang:rank=1:step=2`` or ``exit:...``."""

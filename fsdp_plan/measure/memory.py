@@ -31,12 +31,12 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_plan.errors import BadInput
-from fsdp_plan.fake import materialize_fake, new_fake_mode
-from fsdp_plan.load import LoadedModel, rebuild_meta
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.measure import runtime
-from fsdp_plan.measure.dtypes import DtypeChecker, running_modules
-from fsdp_plan.plan import Plan
+from fsdp_plan.model.fake import materialize_fake, new_fake_mode
+from fsdp_plan.model.load import LoadedModel, rebuild_meta
+from fsdp_plan.plan.document import Plan
 
 _TOTAL = "Total"
 

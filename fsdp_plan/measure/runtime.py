@@ -18,10 +18,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_plan.errors import BadInput
-from fsdp_plan.load import LoadedModel, ModelSource, load_model, source_digest, source_kind
-from fsdp_plan.plan import Plan
-from fsdp_plan.plan_read import resolve_candidates
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.model.load import LoadedModel, ModelSource, load_model, source_digest, source_kind
+from fsdp_plan.plan.document import Plan
+from fsdp_plan.plan.read import resolve_candidates
 
 OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 
@@ -127,13 +127,13 @@ def load_planned_model(plan: Plan, model_path: str | None = None,
 
 def policy_source(plan: Plan) -> str:
     """The policy module's text, rendered as ``fsdp-plan -o`` writes it (what users import)."""
-    from fsdp_plan.emit import render_policy_module
+    from fsdp_plan.plan.emit import render_policy_module
     return render_policy_module(plan)
 
 
 def load_policy(source_text: str) -> types.ModuleType:
     """Import a rendered policy module from its text."""
-    from fsdp_plan.emit import load_policy_module
+    from fsdp_plan.plan.emit import load_policy_module
     return load_policy_module(source_text)
 
 

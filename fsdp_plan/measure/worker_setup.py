@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_plan.load import LoadedModel, ModelSource
 from fsdp_plan.measure import runtime
+from fsdp_plan.model.load import LoadedModel, ModelSource
 
 
 def source_payload(source: ModelSource) -> dict[str, Any]:

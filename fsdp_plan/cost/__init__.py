@@ -1,0 +1,1 @@
+"""Stage 3, analytic models, pure over facts: hardware, precision, units, collectives, memory and the step-time clock."""

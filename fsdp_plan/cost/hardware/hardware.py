@@ -1,0 +1,336 @@
+"""The machine the step-time model runs on: ``Hardware``, the bundled presets, hardware files.
+
+[Note: hardware files]
+A hardware file (SPEC section 6) is YAML, read with ``safe_load``: ``field: value`` lines for
+the fields of ``Hardware``. ``fsdp-plan calibrate`` writes one from micro-benchmarks on the
+machine it runs on; ``bench --refit`` corrects one from a measured run; anyone may write one by
+hand. The presets (``h100.yaml``, ``h200.yaml``, ``a100.yaml``, ``b200.yaml`` beside this
+file) are hardware files too, each figure with its source in a comment. ``--hardware`` files
+override the fields of the ``--gpu`` preset (the plan's GPU for ``predict``), so a file may
+hold a single field; a file written before the per-op fields existed still reads, and the
+step-time model derives what it lacks from ``peak_flops`` x ``efficiency`` and
+``hbm_bandwidth`` (cost.py ``Rates``).
+
+Per-op fields (all optional):
+- ``matmul_flops``: ``{dtype: {small, medium, large}}`` achieved FLOP/s of matrix multiplies
+  by shape class (the smallest of M, N, K: < 128, < 1024, larger; facts.py [Note: op classes]);
+- ``attention_flops``: ``{dtype: FLOP/s}`` of scaled-dot-product attention (forward and
+  backward together);
+- ``memory_bandwidth``: bytes/s that memory-bound ops (norms, activations, adds, copies) reach;
+- ``op_overhead_s``: host time to dispatch (and launch) one op; ``async_launch`` says whether
+  the host runs ahead of the device (GPUs: an op costs max(work, overhead)) or not (CPU:
+  work + overhead);
+- ``collectives``: ``{all_gather|reduce_scatter|all_reduce: {GROUP: {latency_s,
+  bus_bandwidth}}}``, a fit of ``latency + factor * (g - 1) / g * bytes / bus_bandwidth`` per
+  group size (``factor`` 2 for all-reduce), within a node;
+- ``optimizer_s_per_param``: ``{adamw|sgd: seconds}`` per parameter of the rank's shard, and
+  ``optimizer_s_per_tensor`` per parameter tensor (dispatch through FSDP2's DTensors);
+- ``unit_overhead_s``: host time FSDP spends per unit per pass (hooks, copy-in/out bookkeeping);
+- ``fsdp_s_per_byte``: ``{all_gather|reduce_scatter: {UNIT_BYTES: seconds per byte}}``, what
+  FSDP2 spends per byte of a unit's gathered parameters around its all-gather (copy-in,
+  copy-out, allocation) and per byte of its unsharded gradients around its reduce-scatter
+  (copy-in, division, copy into the sharded gradient), measured at a few unit sizes (a CPU's
+  allocator hands large buffers out as fresh pages, so large units cost more per byte) and
+  interpolated between them; absent, two passes over the bytes at ``memory_bandwidth``;
+- ``comm_overlaps_compute``: false where a collective holds the thread that computes (gloo);
+- ``h2d_bandwidth``: host-to-device copy bytes/s (offload); 0 where there is no device;
+- ``source``: free text saying where the figures come from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from typing import Any
+
+from fsdp_plan.common.errors import BadInput
+
+MM_CLASSES = ("small", "medium", "large")
+DTYPES = ("float32", "bfloat16", "float16")
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Hardware:
+    """One GPU (or CPU) kind and its links; every field can be set from a hardware file."""
+
+    name: str
+    peak_flops: float
+    """Dense bf16 FLOP/s (datasheet)."""
+    efficiency: float = 0.5
+    """Share of peak a real training step reaches: used only where per-op figures are absent."""
+    hbm_bandwidth: float = 3.3e12
+    intra_node_bandwidth: float = 360e9
+    """Achieved bus bandwidth of collectives inside a node, bytes/s per GPU."""
+    inter_node_bandwidth: float = 40e9
+    """One GPU's achieved share of its node's network, bytes/s (400 Gb/s InfiniBand per GPU:
+    ~40 GB/s). A group with k ranks per node crosses nodes at k times this, capped by the
+    intra-node bandwidth ([Note: bandwidth across nodes] in cost.py)."""
+    collective_latency_s: float = 20e-6
+    launch_overhead_s: float = 10e-6
+    """Host cost of issuing one collective."""
+    contention: float = 0.10
+    """Fractional slowdown of compute while a collective overlaps it."""
+    matmul_flops: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    attention_flops: Mapping[str, float] = field(default_factory=dict)
+    memory_bandwidth: float = 0.0
+    op_overhead_s: float = 0.0
+    async_launch: bool = True
+    comm_overlaps_compute: bool = True
+    """Whether compute runs while a collective is in flight (NCCL on its own stream); gloo on
+    a CPU runs a collective on the thread that issued it, which computes nothing meanwhile."""
+    h2d_bandwidth: float = 0.0
+    collectives: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
+    optimizer_s_per_param: Mapping[str, float] = field(default_factory=dict)
+    optimizer_s_per_tensor: Mapping[str, float] = field(default_factory=dict)
+    """Seconds per parameter tensor of an optimizer step (FSDP2's DTensor dispatch per op)."""
+    unit_overhead_s: float = 0.0
+    fsdp_s_per_byte: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    """FSDP2's own seconds per byte around a unit's all-gather and reduce-scatter, by unit
+    bytes (empty: two passes at ``memory_bandwidth``)."""
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain YAML-able data (what ``write_hardware_file`` writes)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = _plain(value)
+        return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return value
+
+
+# field -> (lowest, lowest allowed?, highest, unit, example): what a hardware file may set.
+# The bounds are generous (several times today's largest GPU) and only catch typing mistakes
+# and unit slips (GB/s written as 40 instead of 40e9 would still pass; 0, negatives, NaN and
+# infinities never do, because they turn into divisions by zero or NaN step times).
+_RANGES: dict[str, tuple[float, bool, float, str, str]] = {
+    "peak_flops": (0.0, False, 1e18, "FLOP/s (dense bf16)", "989e12"),
+    "efficiency": (0.0, False, 1.0, "share of peak, a fraction", "0.5"),
+    "hbm_bandwidth": (0.0, False, 1e15, "bytes/s", "3.35e12"),
+    "intra_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU", "360e9"),
+    "inter_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU (its NIC share)", "40e9"),
+    "collective_latency_s": (0.0, True, 10.0, "seconds", "20e-6"),
+    "launch_overhead_s": (0.0, True, 10.0, "seconds", "10e-6"),
+    "contention": (0.0, True, 10.0, "fractional compute slowdown", "0.1"),
+    "memory_bandwidth": (0.0, True, 1e15, "bytes/s (0: 0.8 x hbm_bandwidth)", "2.8e12"),
+    "op_overhead_s": (0.0, True, 1.0, "seconds per op", "5e-6"),
+    "h2d_bandwidth": (0.0, True, 1e15, "bytes/s (0: none)", "50e9"),
+    "unit_overhead_s": (0.0, True, 10.0, "seconds per FSDP unit and pass", "100e-6"),
+    "fsdp_s_per_byte": (0.0, True, 1e-6, "seconds per byte",
+                        "{all_gather: {134217728: 1e-12}}"),
+    # nested values, checked with these bounds
+    "matmul_flops": (0.0, False, 1e18, "FLOP/s", "{bfloat16: {large: 7e14}}"),
+    "attention_flops": (0.0, False, 1e18, "FLOP/s", "{bfloat16: 4e14}"),
+    "latency_s": (0.0, True, 10.0, "seconds", "20e-6"),
+    "bus_bandwidth": (0.0, False, 1e15, "bytes/s", "360e9"),
+    "optimizer_s_per_param": (0.0, True, 1.0, "seconds per parameter", "{adamw: 2e-12}"),
+}
+_NESTED = {"matmul_flops", "attention_flops", "collectives", "fsdp_s_per_byte",
+           "optimizer_s_per_param",
+           "optimizer_s_per_tensor"}
+
+
+def _number(key: str, value: object, where: str, label: str | None = None) -> float:
+    """One numeric field, checked against ``_RANGES[key]``; ``label`` names it in messages."""
+    low, low_ok, high, unit, example = _RANGES[key]
+    label = label or key
+    expected = (f"a number {'>=' if low_ok else '>'} {low:g} and <= {high:g} in {unit}, "
+                f"e.g. {key}: {example}")
+    number: float | None = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:  # YAML 1.1 reads 989e12 (no dot) as a string
+            number = float(value.strip())
+        except ValueError:
+            number = None
+    if number is None:
+        raise BadInput(f"{where}: {label} is {value!r} ({type(value).__name__}); expected "
+                       f"{expected}.")
+    if math.isnan(number) or number > high or number < low or (number == low and not low_ok):
+        raise BadInput(f"{where}: {label} {value!r} is out of range; expected {expected}.")
+    return number
+
+
+def _mapping(value: object, label: str, where: str, example: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise BadInput(f"{where}: {label} is {value!r} ({type(value).__name__}); expected a "
+                       f"mapping, e.g. {example}.")
+    return value
+
+
+def _keys(value: Mapping[str, Any], allowed: tuple[str, ...], label: str, where: str) -> None:
+    unknown = sorted(str(k) for k in value if k not in allowed)
+    if unknown:
+        raise BadInput(f"{where}: {label} has unknown keys {', '.join(unknown)}; known: "
+                       f"{', '.join(allowed)}.")
+
+
+def _nested(key: str, value: object, where: str) -> dict[str, Any]:
+    """``matmul_flops``, ``attention_flops``, ``collectives``, ``optimizer_s_per_param``."""
+    if key == "matmul_flops":
+        per_dtype = _mapping(value, key, where, "matmul_flops: {bfloat16: {large: 7e14}}")
+        _keys(per_dtype, DTYPES, key, where)
+        out: dict[str, Any] = {}
+        for dtype, classes in per_dtype.items():
+            classes = _mapping(classes, f"{key}.{dtype}", where, "{small: 1e14, large: 7e14}")
+            _keys(classes, MM_CLASSES, f"{key}.{dtype}", where)
+            out[dtype] = {c: _number(key, v, where, f"{key}.{dtype}.{c}")
+                          for c, v in classes.items()}
+        return out
+    if key == "attention_flops":
+        per_dtype = _mapping(value, key, where, "attention_flops: {bfloat16: 4e14}")
+        _keys(per_dtype, DTYPES, key, where)
+        return {d: _number(key, v, where, f"{key}.{d}") for d, v in per_dtype.items()}
+    if key == "fsdp_s_per_byte":
+        kinds = _mapping(value, key, where, "fsdp_s_per_byte: {all_gather: {134217728: 1e-12}}")
+        _keys(kinds, ("all_gather", "reduce_scatter"), key, where)
+        table: dict[str, Any] = {}
+        for kind, sizes in kinds.items():
+            sizes = _mapping(sizes, f"{key}.{kind}", where, "{134217728: 1e-12}")
+            for size in sizes:
+                if isinstance(size, bool) or not str(size).isdigit() or int(size) < 1:
+                    raise BadInput(f"{where}: {key}.{kind}: the unit size {size!r} must be a "
+                                   "whole number of bytes, at least 1.")
+            table[kind] = {str(int(size)): _number(key, v, where, f"{key}.{kind}.{size}")
+                           for size, v in sizes.items()}
+        return table
+    if key in ("optimizer_s_per_param", "optimizer_s_per_tensor"):
+        per_opt = _mapping(value, key, where, f"{key}: {{adamw: 2e-12}}")
+        _keys(per_opt, ("adamw", "adam", "sgd"), key, where)
+        return {o: _number("optimizer_s_per_param", v, where, f"{key}.{o}")
+                for o, v in per_opt.items()}
+    kinds = _mapping(value, key, where,
+                     "collectives: {all_gather: {8: {latency_s: 2e-5, bus_bandwidth: 3.6e11}}}")
+    _keys(kinds, COLLECTIVE_KINDS, key, where)
+    out = {}
+    for kind, groups in kinds.items():
+        groups = _mapping(groups, f"{key}.{kind}", where, "{8: {latency_s: 2e-5, ...}}")
+        fitted: dict[str, Any] = {}
+        for group, fit in groups.items():
+            label = f"{key}.{kind}.{group}"
+            if isinstance(group, bool) or not str(group).isdigit() or int(group) < 2:
+                raise BadInput(f"{where}: {label}: the group size {group!r} must be a whole "
+                               "number of ranks, at least 2.")
+            fit = _mapping(fit, label, where, "{latency_s: 2e-5, bus_bandwidth: 3.6e11}")
+            _keys(fit, ("latency_s", "bus_bandwidth"), label, where)
+            if "bus_bandwidth" not in fit:
+                raise BadInput(f"{where}: {label} lacks bus_bandwidth (bytes/s).")
+            fitted[str(int(group))] = {k: _number(k, v, where, f"{label}.{k}")
+                                       for k, v in fit.items()}
+        out[kind] = fitted
+    return out
+
+
+def _preset_text(name: str) -> str:
+    return resources.files(__package__).joinpath(f"{name}.yaml").read_text(encoding="utf-8")
+
+
+def _load_presets() -> dict[str, Hardware]:
+    import yaml
+    base = Hardware(name="base", peak_flops=989e12)
+    out = {}
+    for name in ("h100", "h200", "a100", "b200"):
+        out[name] = _apply(base, yaml.safe_load(_preset_text(name)), f"preset {name}.yaml")
+    return out
+
+
+def _apply(hw: Hardware, overrides: object, where: str) -> Hardware:
+    if not isinstance(overrides, dict):
+        raise BadInput(f"{where} must hold a mapping of field: value (e.g. peak_flops: 989e12), "
+                       f"got {type(overrides).__name__}.")
+    values = {f.name: getattr(hw, f.name) for f in fields(hw)}
+    unknown = sorted(str(k) for k in overrides if k not in values)
+    if unknown:
+        raise BadInput(f"{where} sets unknown fields {', '.join(unknown)}; known fields: "
+                       f"{', '.join(sorted(values))}.")
+    for key, value in overrides.items():
+        if key in ("name", "source"):
+            if not isinstance(value, str) or (key == "name" and not value.strip()):
+                raise BadInput(f"{where}: {key} is {value!r}; expected "
+                               + ("a GPU name as text." if key == "name" else "text."))
+            values[key] = value
+        elif key in ("async_launch", "comm_overlaps_compute"):
+            if not isinstance(value, bool):
+                raise BadInput(f"{where}: {key} is {value!r}; expected true (GPUs: the host "
+                               "launches ahead, NCCL runs on its own stream) or false (CPU).")
+            values[key] = value
+        elif key in _NESTED:
+            values[key] = _nested(key, value, where)
+        else:
+            values[key] = _number(key, value, where)
+    return Hardware(**values)
+
+
+GPUS: dict[str, Hardware] = _load_presets()
+"""The bundled presets, read from the hardware files beside this module."""
+
+
+def hardware_for(name: str, overrides: dict[str, object] | None = None,
+                 where: str = "hardware file") -> Hardware:
+    """The preset ``name`` with any field replaced from ``overrides`` (a hardware file's mapping).
+
+    Every override is checked: a known field, a finite number in its range (units in
+    ``_RANGES``), nested per-op figures key by key; ``name`` is text. A name that is no preset
+    (a calibrated machine's, recorded in its plans) is accepted with ``overrides``, which then
+    start from the h100 preset's fields."""
+    key = str(name).lower()
+    if key not in GPUS and overrides is None:
+        raise BadInput(f"unknown --gpu {name!r}; choose one of {', '.join(GPUS)}, or describe "
+                       "the GPU in a hardware YAML file with --hardware.")
+    hw = GPUS.get(key, GPUS["h100"])
+    if overrides is None:
+        return hw
+    return _apply(hw, overrides, where)
+
+
+MAX_HARDWARE_FILE_BYTES = 1 << 20
+
+
+def read_hardware_file(path: str) -> dict[str, object]:
+    """The mapping in a ``--hardware`` YAML file (read with ``safe_load``); checked by
+    ``hardware_for``."""
+    import yaml
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise BadInput(f"--hardware {path!r} is not a regular file (a folder, pipe or device); "
+                       "give the path of a YAML file such as one fsdp-plan calibrate writes.")
+    if os.path.isfile(path) and os.path.getsize(path) > MAX_HARDWARE_FILE_BYTES:
+        raise BadInput(f"--hardware {path!r} is {os.path.getsize(path):,} bytes; a hardware file "
+                       f"is a few lines of field: value (at most {MAX_HARDWARE_FILE_BYTES:,} "
+                       "bytes).")
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except UnicodeDecodeError as e:
+        raise BadInput(f"--hardware {path!r} is not UTF-8 text (byte {e.start}); a hardware file "
+                       "is YAML text such as peak_flops: 989e12.") from e
+    except OSError as e:
+        raise BadInput(f"--hardware {path!r} cannot be read: {e.strerror or e}.") from e
+    except yaml.constructor.ConstructorError as e:
+        raise BadInput(f"--hardware {path!r} holds a YAML tag that fsdp-plan never constructs "
+                       f"({' '.join(str(e.problem).split())}); a hardware file is plain "
+                       "field: number lines.") from e
+    except yaml.YAMLError as e:
+        raise BadInput(f"--hardware {path!r} is not valid YAML: {' '.join(str(e).split())}.") from e
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise BadInput(f"--hardware {path!r} must hold a mapping of field: value (e.g. "
+                       f"peak_flops: 989e12), got {type(raw).__name__}.")
+    return raw
+
+
+def hardware_yaml(hw: Hardware, header: str = "") -> str:
+    """A hardware file for ``hw``: ``header`` lines as comments, then every field."""
+    import yaml
+    comments = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    return comments + yaml.safe_dump(hw.to_dict(), sort_keys=False, width=100)

@@ -1,0 +1,412 @@
+"""The per-rank memory model over one steady training step (SPEC section 5's "peak").
+
+[Note: FSDP2 memory timeline]
+Peak = max over the step of: sharded parameters, optimizer states and buffers (always live);
+sharded gradients of the units already reduce-scattered; the activation timeline of the
+analysis (see analysis.py); and what FSDP2 keeps unsharded at that moment:
+- a unit's parameters, all-gathered in ``param_dtype`` when it (or, with prefetch, the unit
+  ``d`` before it) starts forward, freed after its forward when it reshards, and gathered
+  again for backward when the unit ahead of it in backward order starts (FSDP2's implicit
+  backward prefetch), freed after its backward;
+- the all-gather's flat output and input copies for an instant while it is copied out, and in
+  forward the flat output until the next unit's copy-out (the root's post-forward for the last);
+- a unit's unsharded gradients (``param_dtype``) during its backward;
+- the reduce-scatter input (``reduce_dtype``, padded unsharded size), which FSDP2 keeps until
+  the next unit's reduce-scatter is issued (``reduce_scatter_max_input_buffers = 1``).
+The optimizer step (AdamW ``foreach``) needs one extra shard-sized temporary.
+
+[Note: CPU offload on the device]
+With FSDP2's ``CPUOffloadPolicy`` the sharded parameters, their gradients and the optimizer
+states live in (pinned) host memory and the optimizer steps on the CPU (torch 2.13,
+``_fsdp_param.py`` / ``_fsdp_collectives.py``). On the device remain the buffers, the inputs,
+the activations and what FSDP2 gathers and reduces, as above; in addition, while a unit's
+all-gather input is built, its shard copied from the host (stored dtype) and cast to
+``param_dtype``, and after its reduce-scatter the reduced shard until it is copied back. No
+sharded gradient accumulates on the device and the optimizer step adds nothing there.
+All figures are bytes per rank; the search calls ``estimate_peak`` thousands of times, so it
+walks only the unit boundaries and reads activation maxima between them from a sparse table.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.cost.units import UnitSpec
+from fsdp_plan.facts.types import Event
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+"""Bytes per element of the floating dtypes a plan may name (canonical torch names)."""
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                 "float": "float32", "fp64": "float64", "double": "float64"}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "none": 0}
+"""Optimizer states per parameter, each the size of the fp32 shard (AdamW: exp_avg, exp_avg_sq)."""
+
+
+def canonical_dtype(name: str, what: str = "dtype") -> str:
+    """``bf16`` -> ``bfloat16``; ``BadInput`` naming ``what`` for anything not a float dtype."""
+    key = str(name).lower().removeprefix("torch.")
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise BadInput(f"{what} {name!r} is not a floating dtype fsdp-plan knows; use one of "
+                       "bf16, fp16, fp32 (or bfloat16, float16, float32, float64).")
+    return key
+
+
+@dataclass(kw_only=True, frozen=True)
+class Precision:
+    """Element sizes: the stored (sharded) parameters, the compute copy, the gradient reduction."""
+
+    orig_bytes: int = 4
+    param_bytes: int = 2
+    reduce_bytes: int = 4
+
+    @property
+    def lowers_precision(self) -> bool:
+        """Whether the plan computes in a dtype smaller than the stored parameters."""
+        return self.param_bytes < self.orig_bytes
+
+    def unit_param_bytes(self, unit: UnitSpec) -> int:
+        """The unit's gathered parameters and unsharded gradients: ``param_bytes``, or the
+        stored ``orig_bytes`` for batch norm kept in full precision (see units.py)."""
+        if unit.full_precision and self.param_bytes < self.orig_bytes:
+            return self.orig_bytes
+        return self.param_bytes
+
+
+@dataclass(kw_only=True)
+class StepContext:
+    """What stays fixed while the search varies units, prefetch and checkpointing."""
+
+    precision: Precision
+    shard_size: int
+    optimizer: str
+    buffer_bytes: int
+    input_bytes: int
+    offload: bool = False
+    """FSDP2 ``CPUOffloadPolicy``: see [Note: CPU offload on the device]."""
+    grad_accum_steps: int = 1
+    gradient_sync: str = "every"
+    """With ``grad_accum_steps > 1``: see [Note: gradient accumulation]."""
+
+
+@dataclass(kw_only=True)
+class UnitWindows:
+    """Event indices where a unit's forward and backward begin and end."""
+
+    fw_start: int
+    fw_end: int
+    bw_start: int
+    bw_end: int
+    ran: bool = True
+
+    def copy(self) -> UnitWindows:
+        """A copy to adjust (three times faster than ``copy.copy``, which the search calls once
+        per unit per candidate)."""
+        return UnitWindows(fw_start=self.fw_start, fw_end=self.fw_end, bw_start=self.bw_start,
+                           bw_end=self.bw_end, ran=self.ran)
+
+
+@dataclass(kw_only=True)
+class MemoryEstimate:
+    """The predicted peak and what it is made of at that moment."""
+
+    peak_bytes: int
+    phase: str
+    breakdown: dict[str, int] = field(default_factory=dict)
+
+
+class ActivationProfile:
+    """One (composite) activation timeline with O(1) range maxima of its event peaks."""
+
+    def __init__(self, events: list[Event]) -> None:
+        self.events = events
+        self.levels = [e.level for e in events]
+        peaks = [e.peak for e in events]
+        self._table = [peaks]
+        span = 1
+        while 2 * span <= len(peaks):
+            prev = self._table[-1]
+            self._table.append([max(prev[i], prev[i + span]) for i in range(len(prev) - span)])
+            span *= 2
+        self.backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
+                                   len(events) - 1)
+        self.forward_end = max(0, self.backward_start - 1)
+        self._first: dict[tuple[str, str, bool], int] = {}
+        self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
+        self._last: dict[tuple[str, str, bool], int] = {}
+        self._windows: dict[tuple[str, ...], UnitWindows] = {}
+        for i, e in enumerate(events):
+            key = (e.kind, e.module, i >= self.backward_start)
+            self._first.setdefault(key, i)
+            self._last[key] = i
+
+    def max_peak(self, lo: int, hi: int) -> int:
+        """Highest event peak over indices ``lo..hi`` inclusive (0 for an empty range)."""
+        if lo > hi:
+            return 0
+        level = (hi - lo + 1).bit_length() - 1
+        row = self._table[level]
+        return max(row[lo], row[hi - (1 << level) + 1])
+
+    def first_event(self, kind: str, module: str, default: int) -> int:
+        """Index of the first backward (or forward) ``kind`` event of ``module``."""
+        return self._first.get((kind, module, kind.endswith("bw")), default)
+
+    def _backward_left(self, modules: tuple[str, ...], start: int, stop: int) -> int:
+        """Where backward has left a unit: see [Note: post-backward of shared inputs].
+
+        [Note: post-backward of shared inputs]
+        FSDP2 runs a unit's post-backward (reshard, reduce-scatter) once the gradients of the
+        unit's OWN uses of its inputs are ready. A module's post-backward hook waits for its
+        inputs' whole gradient instead, which comes late when an input is shared with modules
+        whose backward runs later (T5's encoder output and position bias feed every decoder
+        block). So a unit's backward ends at the first pre-backward of a module outside it
+        (and not around it) after the last pre-backward of a module inside it.
+        """
+        key = (modules, start, stop)
+        if key in self._left:
+            return self._left[key]
+
+        def inside(fqn: str) -> bool:
+            return any(fqn == m or fqn.startswith(m + ".") for m in modules)
+
+        def around(fqn: str) -> bool:
+            return fqn == "" or any(m.startswith(fqn + ".") for m in modules)
+
+        last_inside = start
+        for i in range(start, stop + 1):
+            if self.events[i].kind == "pre_bw" and inside(self.events[i].module):
+                last_inside = i
+        left = stop
+        for i in range(last_inside + 1, stop + 1):
+            ev = self.events[i]
+            if ev.kind == "pre_bw" and not inside(ev.module) and not around(ev.module):
+                left = i
+                break
+        self._left[key] = left
+        return left
+
+    def windows(self, unit: UnitSpec) -> UnitWindows:
+        """Where ``unit`` computes: its modules' first pre-forward to last post-forward, etc.
+
+        A fresh copy each call (``estimate_peak`` adjusts it); cached by the unit's modules,
+        since the search evaluates the same units under many prefetch and strategy choices."""
+        return self._cached_windows(unit).copy()
+
+    def ran(self, unit: UnitSpec) -> bool:
+        """Whether ``unit``'s modules ran forward (no copy made)."""
+        return self._cached_windows(unit).ran
+
+    def _cached_windows(self, unit: UnitSpec) -> UnitWindows:
+        """The shared windows of ``unit``: callers must not change them."""
+        key = tuple(unit.modules)
+        if key not in self._windows:
+            self._windows[key] = self._find_windows(unit)
+        return self._windows[key]
+
+    def _find_windows(self, unit: UnitSpec) -> UnitWindows:
+        end = len(self.events) - 1
+        if unit.modules == [""]:
+            fw_end = self._last.get(("post_fw", "", False), self.forward_end)
+            return UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start, bw_end=end)
+        fw_starts = [self._first[k] for m in unit.modules if (k := ("pre_fw", m, False)) in self._first]
+        fw_ends = [self._last[k] for m in unit.modules if (k := ("post_fw", m, False)) in self._last]
+        bw_starts = [self._first[k] for m in unit.modules if (k := ("pre_bw", m, True)) in self._first]
+        bw_ends = [self._last[k] for m in unit.modules if (k := ("post_bw", m, True)) in self._last]
+        if not fw_starts:
+            return UnitWindows(fw_start=0, fw_end=0, bw_start=end, bw_end=end, ran=False)
+        fw_start, fw_end = min(fw_starts), max(fw_ends or fw_starts)
+        bw_start = min(bw_starts) if bw_starts else self.backward_start
+        # A unit whose inputs need no gradient (an embedding) gets its post-backward from
+        # FSDP's end-of-backward callback.
+        bw_end = max(bw_ends) if bw_ends and len(bw_ends) == len(bw_starts) else end
+        if bw_ends and len(bw_ends) == len(bw_starts):
+            bw_end = min(bw_end, self._backward_left(tuple(unit.modules), bw_start, bw_end))
+        return UnitWindows(fw_start=fw_start, fw_end=fw_end, bw_start=bw_start,
+                           bw_end=max(bw_end, bw_start))
+
+
+def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[str, int]
+           ) -> MemoryEstimate:
+    """Highest total over the gaps between boundary events and the sub-step instants.
+
+    Points are ordered as (event, sub) with ``(k, -1)`` the gap before event ``k``; every
+    buffer is present on the half-open range ``start <= point < end``, so one sweep suffices.
+    The search calls this for every candidate, with tens of thousands of points for models of
+    thousands of units, so points are coded as one integer ``4 * event + sub + 1`` (ordered as
+    the tuples are) and the running total at each point is read from prefix sums.
+    """
+    n = len(profile.events)
+    live = [(4 * s[0] + s[1] + 1, 4 * e[0] + e[1] + 1, nbytes, cat) for s, e, nbytes, cat in live]
+    instants = [(4 * at[0] + at[1] + 1, nbytes, cat) for at, nbytes, cat in instants]
+    grads_at = [(4 * at + 2, nbytes) for at, nbytes in grads_at]
+    deltas = [(start, nbytes) for start, _, nbytes, _ in live]
+    deltas += [(end, -nbytes) for _, end, nbytes, _ in live]
+    deltas += grads_at
+    deltas.sort()
+    delta_keys = [k for k, _ in deltas]
+    running = list(itertools.accumulate((v for _, v in deltas), initial=0))
+    extra_bytes: dict[int, int] = {}
+    for key, nbytes, _ in instants:
+        extra_bytes[key] = extra_bytes.get(key, 0) + nbytes
+    points = {0, 4 * (n - 1)}
+    points.update(start for start, _, _, _ in live)
+    points.update(start & ~3 for start, _, _, _ in live)
+    points.update(end & ~3 for _, end, _, _ in live)
+    points.update(extra_bytes)
+    # The gap before an instant holds the activation peak since the previous boundary: without
+    # it, a backward-prefetch copy-out hides the peak of the gap just before it.
+    points.update(key & ~3 for key in extra_bytes)
+    ordered = sorted(pt for pt in points if pt < 4 * n)
+
+    # The gap ending at an event holds the highest activation since the previous point's event.
+    levels, max_peak = profile.levels, profile.max_peak
+    previous = [-1] + [pt >> 2 for pt in ordered[:-1]]
+    activations = [max_peak(prev + 1, pt >> 2) if pt & 3 == 0 else levels[pt >> 2]
+                   for pt, prev in zip(ordered, previous)]
+    base = sum(static.values())
+    totals = [base + act + running[bisect.bisect_right(delta_keys, pt)]
+              + (extra_bytes.get(pt, 0) if pt & 3 else 0)
+              for pt, act in zip(ordered, activations)]
+    best_at = max(range(len(totals)), key=totals.__getitem__)  # the first highest point
+    best_total, point = totals[best_at], ordered[best_at]
+
+    # The breakdown at the winning point only.
+    parts = dict(static)
+    for start, end, nbytes, cat in live:
+        held = (start <= point) - (end <= point)
+        if held:
+            parts[cat] = parts.get(cat, 0) + held * nbytes
+    for at, nbytes in grads_at:
+        if at <= point:
+            parts["sharded_grads"] = parts.get("sharded_grads", 0) + nbytes
+    parts = {k: v for k, v in parts.items() if v or k in static}
+    if point & 3:
+        for at, nbytes, cat in instants:
+            if at == point:
+                parts[cat] = parts.get(cat, 0) + nbytes
+    parts["activations"] = activations[best_at]
+    event = point >> 2
+    ev = profile.events[event]
+    phase = "forward" if event <= profile.forward_end else "backward"
+    return MemoryEstimate(peak_bytes=best_total, breakdown=parts,
+                          phase=f"{phase} ({ev.kind} {ev.module or '<root>'})")
+
+
+def _offload_copy_bytes(unit: UnitSpec, p: Precision) -> int:
+    """Device bytes of an offloaded unit's shard while its all-gather input is built: the
+    host-to-device copy (stored dtype) and, below float32, its cast to ``param_dtype``."""
+    cast = p.unit_param_bytes(unit) if p.unit_param_bytes(unit) < p.orig_bytes else 0
+    return unit.shard_numel * (p.orig_bytes + cast)
+
+
+def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
+                  forward_prefetch: int = 0, backward_prefetch: int = 1) -> MemoryEstimate:
+    """Peak bytes per rank of one steady step for ``units`` (children first, root last)."""
+    p = ctx.precision
+    shard = ctx.shard_size
+    total_shard = sum(u.shard_numel for u in units)
+    static = {
+        "sharded_params": total_shard * p.orig_bytes,
+        "optimizer_states": OPTIMIZER_STATES.get(ctx.optimizer, 0) * total_shard * p.orig_bytes
+        + (4 * sum(u.num_params for u in units) if ctx.optimizer in ("adamw", "adam") else 0),
+        "buffers": ctx.buffer_bytes,
+        "inputs": ctx.input_bytes,
+    }
+    if ctx.offload:  # [Note: CPU offload on the device]: these live on the host
+        static["sharded_params"] = static["optimizer_states"] = 0
+    # [Note: gradient accumulation] (measured with FSDPMemTracker over whole steps, torch 2.13)
+    # A step of several micro-batches peaks in a micro-batch after the first, where what the
+    # earlier ones left is held throughout: with ``every`` the reduce-scattered fp32 sharded
+    # gradients (FSDP2 accumulates into them); with ``last`` (no reduce-scatter before the last
+    # micro-batch) every parameter's unsharded gradient, accumulated in the reduce dtype when it
+    # differs from the compute dtype, else in the compute dtype.
+    # The optimizer step comes after the last micro-batch has reduced them: not held there.
+    held: dict[str, int] = {}
+    if ctx.grad_accum_steps > 1 and ctx.gradient_sync == "every" and not ctx.offload:
+        held["sharded_grads"] = total_shard * p.orig_bytes
+    if ctx.grad_accum_steps > 1 and ctx.gradient_sync == "last":
+        accum_bytes = p.reduce_bytes if p.reduce_bytes != p.param_bytes else p.param_bytes
+        held["accumulated_grads"] = sum(u.numel for u in units) * accum_bytes
+    static_total = sum(static.values())
+    windows = [profile.windows(u) for u in units]
+    ran = [i for i, w in enumerate(windows) if w.ran and units[i].numel > 0]
+    fw_order = sorted(ran, key=lambda i: windows[i].fw_start)
+    bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
+
+    # [Note: sub-steps] Several FSDP actions share one module boundary; they run in this order:
+    # 0 the ending unit's post-forward/post-backward (reshard, reduce-scatter), 1 the starting
+    # unit's copy-out of its all-gather, 2 the prefetch of the next unit's all-gather.
+    # A live buffer is (start, end, bytes, category) with start/end = (event, sub-step),
+    # present at instants start <= t < end and in the gap before event k when start < k <= end.
+    bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
+    # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
+    # module hooks may report them the other way round: end each unit where the next begins.
+    for here, nxt in zip(bw_sequence, bw_sequence[1:]):
+        if units[here].modules != [""] and windows[nxt].bw_start > windows[here].bw_start:
+            windows[here].bw_end = min(windows[here].bw_end, windows[nxt].bw_start)
+    live: list[tuple[tuple[int, int], tuple[int, int], int, str]] = []
+    instants: list[tuple[tuple[int, int], int, str]] = []
+    for pos, i in enumerate(fw_order):
+        u, w = units[i], windows[i]
+        unsharded = u.unsharded_numel(shard) * p.unit_param_bytes(u)
+        gather_at = windows[fw_order[max(0, pos - forward_prefetch)]].fw_start
+        start = (gather_at, 2 if gather_at < w.fw_start else 1)
+        end = (w.fw_end, 0) if u.reshard_after_forward else (w.bw_end, 0)
+        live.append((start, end, unsharded, "unsharded_params"))
+        instants.append(((w.fw_start, 1), unsharded + u.shard_numel * p.unit_param_bytes(u), "comm_buffers"))
+        if ctx.offload:
+            instants.append(((w.fw_start, 1), _offload_copy_bytes(u, p), "offload_copies"))
+        # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
+        # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
+        # next all-gather); with one root unit that is the whole forward.
+        if pos + 1 < len(fw_order):
+            freed = (windows[fw_order[pos + 1]].fw_start, 1)
+        else:
+            root = [j for j in ran if units[j].modules == [""]]
+            freed = (windows[root[0]].fw_end if root else w.fw_end, 0)
+        live.append(((w.fw_start, 2), freed, unsharded, "comm_buffers"))
+    for pos, i in enumerate(bw_sequence):
+        u, w = units[i], windows[i]
+        unsharded = u.unsharded_numel(shard) * p.unit_param_bytes(u)
+        if u.reshard_after_forward:
+            gather_at = min(windows[bw_sequence[max(0, pos - backward_prefetch)]].bw_start, w.bw_start)
+            start = (gather_at, 2 if gather_at < w.bw_start else 1)
+            live.append((start, (w.bw_end, 0), unsharded, "unsharded_params"))
+            instants.append(((w.bw_start, 1), unsharded + u.shard_numel * p.unit_param_bytes(u),
+                             "comm_buffers"))
+            if ctx.offload:
+                instants.append(((w.bw_start, 1), _offload_copy_bytes(u, p), "offload_copies"))
+        for fqn, numel in u.param_modules:
+            # Until the module's backward ends, the analysis timeline already holds its weight
+            # gradients (they stay activation-side until their post-accumulate-grad hook), so
+            # counting them from pre-backward counted them twice: a tied embedding +9% on BERT.
+            made_at = min(max(profile.first_event("post_bw", fqn, w.bw_start), w.bw_start), w.bw_end)
+            live.append(((made_at, 1), (w.bw_end, 0), numel * p.unit_param_bytes(u), "unsharded_grads"))
+    last = len(profile.events) - 1
+    bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
+    grads_at: list[tuple[int, int]] = []
+    for pos, i in enumerate(bw_order):
+        u, w = units[i], windows[i]
+        rs_input = u.unsharded_numel(shard) * p.reduce_bytes
+        nxt = windows[bw_order[pos + 1]].bw_end if pos + 1 < len(bw_order) else last + 1
+        live.append(((w.bw_end, 0), (nxt, 0), rs_input, "comm_buffers"))
+        # The reduce-scatter input is filled while the unsharded gradients still exist.
+        instants.append(((w.bw_end, 0), u.numel * p.unit_param_bytes(u), "unsharded_grads"))
+        if ctx.offload:  # the reduced shard is copied to the host and freed on the device
+            instants.append(((w.bw_end, 0), u.shard_numel * p.orig_bytes, "offload_copies"))
+        elif "sharded_grads" not in held:  # held from the start when accumulating
+            grads_at.append((w.bw_end, u.shard_numel * p.orig_bytes))
+    best = _sweep(profile, live, instants, grads_at, {**static, **held})
+    if ctx.offload:
+        return best  # the optimizer step runs on the host
+    optimizer_step = static_total + total_shard * p.orig_bytes + (
+        total_shard * p.orig_bytes if OPTIMIZER_STATES.get(ctx.optimizer, 0) else 0)
+    if optimizer_step > best.peak_bytes:
+        best = MemoryEstimate(peak_bytes=optimizer_step, phase="optimizer step", breakdown={
+            **static, "sharded_grads": total_shard * p.orig_bytes,
+            "optimizer_temporaries": optimizer_step - static_total - total_shard * p.orig_bytes})
+    return best

@@ -1,0 +1,171 @@
+"""Activation timelines for a plan: compose the plain and checkpointed passes, and find unit boundaries.
+
+[Note: composing checkpointed blocks]
+The analysis ran three times: no checkpointing, every repeated block fully checkpointed, and
+every repeated block selectively checkpointed. A plan that checkpoints some blocks (in either
+mode) takes each block's forward and backward segment from the pass that matches its mode
+and everything else (embedding, head, loss) from the plain pass; levels are re-based segment
+by segment, so the composite is what a run with exactly those modes records. The search
+checkpoints the first blocks (full ones first, then selective ones; for identical blocks the
+peak depends only on how many of each there are); a plan written by hand may give any block
+any mode, which composes the same way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass
+
+from fsdp_plan.facts.types import Analysis, Event, Timeline
+
+
+@dataclass(kw_only=True)
+class Segments:
+    """Index ranges of one pass: per block a forward and a backward segment, and the glue."""
+
+    fw: list[tuple[int, int]]
+    bw: list[tuple[int, int]]
+    prefix_end: int
+    middle: tuple[int, int]
+    suffix_start: int
+
+
+def _first(index: dict[tuple[str, str], list[int]], kind: str, module: str,
+           start: int = 0) -> int | None:
+    """The first event ``kind`` of ``module`` at or after ``start`` (``index`` from
+    ``_positions``), by bisection: a linear scan per block was quadratic in the depth."""
+    positions = index.get((kind, module), [])
+    at = bisect.bisect_left(positions, start)
+    return positions[at] if at < len(positions) else None
+
+
+def _positions(events: list[Event]) -> dict[tuple[str, str], list[int]]:
+    index: dict[tuple[str, str], list[int]] = {}
+    for i, e in enumerate(events):
+        index.setdefault((e.kind, e.module), []).append(i)
+    return index
+
+
+def find_segments(timeline: Timeline, blocks: list[str]) -> Segments | None:
+    """Split ``timeline`` at the blocks' first pre-forward and pre-backward events."""
+    ev = _positions(timeline.events)
+    fw_starts = [_first(ev, "pre_fw", b) for b in blocks]
+    bw_starts = [_first(ev, "pre_bw", b) for b in blocks]
+    if not blocks or None in fw_starts or None in bw_starts:
+        return None
+    if fw_starts != sorted(fw_starts) or bw_starts != sorted(bw_starts, reverse=True):
+        return None
+    last_fw_end = _first(ev, "post_fw", blocks[-1], fw_starts[-1])
+    first_bw_end = _first(ev, "post_bw", blocks[0], bw_starts[0])
+    if last_fw_end is None or first_bw_end is None:
+        return None
+    fw = [(fw_starts[i], fw_starts[i + 1]) for i in range(len(blocks) - 1)]
+    fw.append((fw_starts[-1], last_fw_end + 1))
+    bw = [(bw_starts[i], bw_starts[i - 1]) for i in range(1, len(blocks))]
+    bw.insert(0, (bw_starts[0], first_bw_end + 1))
+    return Segments(fw=fw, bw=bw, prefix_end=fw_starts[0], middle=(last_fw_end + 1, bw_starts[-1]),
+                    suffix_start=first_bw_end + 1)
+
+
+class TimelineComposer:
+    """Builds (and caches) the timeline for per-block checkpointing modes (blocks by index).
+
+    Each block's forward and backward segments come from the pass of its mode: the plain
+    pass (none), the all-blocks-checkpointed pass (full) or the all-blocks-selective pass
+    (selective); the glue (embedding, head, loss) from the plain pass."""
+
+    def __init__(self, analysis: Analysis, blocks: list[str]) -> None:
+        self.plain = analysis.timeline
+        self.ckpt = analysis.checkpointed_timeline
+        self.sel = getattr(analysis, "selective_timeline", None)
+        self.blocks = blocks
+        self.plain_seg = find_segments(self.plain, blocks)
+        self.ckpt_seg = find_segments(self.ckpt, blocks) if self.ckpt else None
+        self.sel_seg = find_segments(self.sel, blocks) if self.sel else None
+        every = frozenset(range(len(blocks)))
+        self._cache: dict[tuple[frozenset[int], frozenset[int]], list[Event]] = {
+            (frozenset(), frozenset()): self.plain.events}
+        if self.ckpt is not None:
+            self._cache[(every, frozenset())] = self.ckpt.events
+        if self.sel is not None:
+            self._cache[(frozenset(), every)] = self.sel.events
+
+    @property
+    def max_checkpointed(self) -> int:
+        """How many blocks can be checkpointed (0 when the model has no repeated blocks)."""
+        return len(self.blocks) if self.ckpt is not None else 0
+
+    @property
+    def has_selective(self) -> bool:
+        """Whether blocks can be selectively checkpointed (the selective pass replayed)."""
+        return self.sel is not None and (self.sel_seg is not None or not self.blocks)
+
+    def supports_partial(self) -> bool:
+        return self.plain_seg is not None and self.ckpt_seg is not None
+
+    def supports_mixed(self) -> bool:
+        """Whether modes can be mixed per block (every pass splits into block segments)."""
+        return self.supports_partial() and self.sel_seg is not None
+
+    def _source(self, i: int, full: frozenset[int], selective: frozenset[int]
+                ) -> tuple[list[Event], Segments]:
+        if i in full:
+            return self.ckpt.events, self.ckpt_seg
+        if i in selective:
+            return self.sel.events, self.sel_seg
+        return self.plain.events, self.plain_seg
+
+    def segment_delta(self, i: int, mode: str, part: str = "fw") -> tuple[int, float]:
+        """Level and FLOP change over block ``i``'s forward (``part="fw"``) or backward
+        segment in the pass of ``mode``: what the block keeps for backward, what it computes."""
+        src, seg = {"none": (self.plain, self.plain_seg), "full": (self.ckpt, self.ckpt_seg),
+                    "selective": (self.sel, self.sel_seg)}[mode]
+        if src is None or seg is None:
+            return 0, 0.0
+        start, end = (seg.fw if part == "fw" else seg.bw)[i]
+        events = src.events
+        nxt = events[end] if end < len(events) else events[end - 1]
+        return nxt.level - events[start].level, nxt.flops - events[start].flops
+
+    def events(self, checkpointed: int | frozenset[int],
+               selective: frozenset[int] = frozenset()) -> list[Event]:
+        """The composite timeline with blocks ``0..k-1`` (an int ``k``) or the given block
+        indices (a frozenset) fully checkpointed, and the ``selective`` indices selectively."""
+        which = frozenset(range(checkpointed)) if isinstance(checkpointed, int) else checkpointed
+        selective = frozenset(selective) - which
+        key = (which, selective)
+        if key in self._cache:
+            return self._cache[key]
+        if not self.supports_partial() or (selective and self.sel_seg is None):
+            raise ValueError("partial checkpointing needs aligned block segments")
+        p = self.plain_seg
+        pieces: list[tuple[list[Event], int, int]] = [(self.plain.events, 0, p.prefix_end)]
+        for i in range(len(self.blocks)):
+            src, seg = self._source(i, which, selective)
+            pieces.append((src, *seg.fw[i]))
+        pieces.append((self.plain.events, *p.middle))
+        for i in reversed(range(len(self.blocks))):
+            src, seg = self._source(i, which, selective)
+            pieces.append((src, *seg.bw[i]))
+        pieces.append((self.plain.events, p.suffix_start, len(self.plain.events)))
+        out: list[Event] = []
+        level = 0
+        flops = 0.0
+        for src, start, end in pieces:
+            if start >= end:
+                continue
+            base_level, base_flops = src[start].level, src[start].flops
+            for e in src[start:end]:
+                # Re-base on the composite's running level; a piece's first peak covered the
+                # gap before it in its own pass, so it is at least the level it starts from.
+                peak = level + e.peak - base_level
+                out.append(dataclasses.replace(
+                    e, level=level + e.level - base_level,
+                    peak=max(level, peak) if e is src[start] else peak,
+                    flops=flops + e.flops - base_flops))
+            nxt = src[end] if end < len(src) else src[end - 1]
+            level += nxt.level - base_level
+            flops += nxt.flops - base_flops
+        self._cache[key] = out
+        return out

@@ -1,0 +1,433 @@
+"""Activation and compute analysis: one fake forward + backward of the unwrapped model.
+
+[Note: activation timeline]
+The analysis runs the model once under ``FakeTensorMode`` with parameters in the planned
+``param_dtype`` (what FSDP's mixed precision computes with) and records, at every module
+boundary (pre/post forward, pre/post backward, in execution order), the bytes of every live
+tensor that is *not* a parameter or a parameter's gradient, and the highest such figure
+since the previous boundary. Those bytes (activations saved for backward, transient
+temporaries, activation gradients, the loss) do not depend on how the model is sharded,
+so the memory model composes any FSDP plan's peak as this timeline plus the sharded states
+plus the unsharded parameters and gradients that plan keeps live at each boundary.
+Cumulative FLOPs (PyTorch's ``flop_registry``, the rules ``FlopCounterMode`` uses; the mode
+itself keeps recomputed tensors alive under checkpointing) are recorded at the same boundaries, giving each module's forward and
+backward compute. With activation checkpointing the timeline changes inside the
+checkpointed blocks only; a second pass with every repeated block fully checkpointed and a
+third with every repeated block selectively checkpointed supply those segments (``Timeline``
+per pass; see timeline.py for the composition, checkpointing.py for the modes).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+    shape_wrapper,
+)
+
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
+from fsdp_plan.facts.depth import expand_pass, reduced_copy
+from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
+from fsdp_plan.facts.graph import keeps_full_precision
+from fsdp_plan.facts.types import Analysis, Event, ModuleCompute, Timeline, fill_flops
+from fsdp_plan.model.fake import materialize_fake, new_fake_mode
+from fsdp_plan.model.load import LoadedModel, rebuild_meta, user_code_location
+from fsdp_plan.policy_runtime import checkpoint_module, plain_fqn, resolve_ops
+
+# Drops the wrapper segments FSDP1 and checkpointing insert, as the emitted policy does.
+normalize_fqn = plain_fqn
+
+
+def _cpu_attention_flops(query_shape, key_shape, value_shape, *_args, out_shape=None,
+                         **_kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *_args,
+                                  out_shape=None, **_kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+CPU_ATTENTION_FLOP_RULES = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        _cpu_attention_backward_flops,
+}
+"""FLOP rules for the CPU flash-attention kernels, which ``flop_registry`` lacks: on CPU (and
+so under fake CPU tensors) SDPA takes them, and without a rule attention counted 0 FLOPs.
+Pass as ``FlopCounterMode(custom_mapping=...)`` to count the same on real tensors."""
+_FLOP_RULES = {**flop_registry,
+               **{op: shape_wrapper(rule) for op, rule in CPU_ATTENTION_FLOP_RULES.items()}}
+
+
+_ATTENTION_PACKETS = {getattr(torch.ops.aten, name) for name in (
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward", "_flash_attention_forward",
+    "_flash_attention_backward", "_efficient_attention_forward", "_efficient_attention_backward",
+) if hasattr(torch.ops.aten, name)}
+_GATHERS = {torch.ops.aten.embedding, torch.ops.aten.index_select, torch.ops.aten.gather,
+            torch.ops.aten.index}
+_BIAS_FIRST = {torch.ops.aten.addmm, torch.ops.aten.baddbmm}
+_METADATA_ONLY = {torch.ops.aten._unsafe_view, torch.ops.aten.detach, torch.ops.aten.alias,
+                  torch.ops.aten.lift_fresh, torch.ops.aten.empty, torch.ops.aten.empty_like,
+                  torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
+                  torch.ops.aten.new_empty_strided, torch.ops.aten.set_}
+
+
+def _tensor_bytes(value: Any) -> int:
+    leaves, _ = tree_flatten(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def _mm_class(func, args: tuple) -> str:
+    """``mm_small`` / ``mm_medium`` / ``mm_large`` by the smallest GEMM dimension
+    ([Note: op classes] in facts.py); convolutions count as medium."""
+    mats = [a for a in (args[1:] if func._overloadpacket in _BIAS_FIRST else args)
+            if isinstance(a, torch.Tensor) and a.dim() >= 2][:2]
+    if len(mats) < 2 or mats[0].dim() > 3:
+        return "mm_medium"
+    smallest = min(mats[0].shape[-2], mats[0].shape[-1], mats[1].shape[-1])
+    return "mm_small" if smallest < 128 else "mm_medium" if smallest < 1024 else "mm_large"
+
+
+class _ActivationMeter(TorchDispatchMode):
+    """Counts bytes of live non-parameter storages, with the peak since the last ``mark``,
+    FLOPs, and the op-class counters of [Note: op classes] (facts.py) since ``take_ops``."""
+
+    def __init__(self, excluded: set[int]) -> None:
+        super().__init__()
+        self.excluded = excluded
+        self.live: dict[int, tuple[weakref.ref, int]] = {}
+        self.current = 0
+        self.peak_since_mark = 0
+        self.flops = 0.0
+        self.ops: dict[str, float] = {}
+
+    def take_ops(self) -> dict[str, float] | None:
+        """The op-class counters since the previous call (``None`` when no op ran), reset."""
+        ops, self.ops = self.ops, {}
+        return ops or None
+
+    def _count(self, key: str, value: float) -> None:
+        self.ops[key] = self.ops.get(key, 0.0) + value
+
+    def track(self, tensor: torch.Tensor) -> None:
+        st = tensor.untyped_storage()
+        key = id(st)
+        if key in self.excluded or key in self.live:
+            return
+        nbytes = st.nbytes()
+        ref = weakref.ref(st, lambda _r, k=key: self._free(k))
+        self.live[key] = (ref, nbytes)
+        self.current += nbytes
+        self.peak_since_mark = max(self.peak_since_mark, self.current)
+
+    def _free(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.current -= entry[1]
+
+    def untrack(self, tensor: torch.Tensor) -> None:
+        """Reclassify a storage as a parameter gradient: it leaves the activation side."""
+        key = id(tensor.untyped_storage())
+        self._free(key)
+        self.excluded.add(key)
+
+    def mark(self) -> int:
+        peak = max(self.peak_since_mark, self.current)
+        self.peak_since_mark = self.current
+        return peak
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tree_map_only(torch.Tensor, self.track, out)
+        count = _FLOP_RULES.get(func._overloadpacket)
+        if count is not None:
+            flops = count(*args, **kwargs, out_val=out)
+            self.flops += flops
+            self._count("ops", 1)
+            self._count("attention" if func._overloadpacket in _ATTENTION_PACKETS
+                        else _mm_class(func, args), flops)
+        elif (not func.is_view and func.namespace == "aten"
+              and func._overloadpacket not in _METADATA_ONLY):
+            self._count("ops", 1)
+            moved = _tensor_bytes(out)  # a lookup reads the rows it writes, not its whole table
+            self._count("memory_bytes", 2 * moved if func._overloadpacket in _GATHERS
+                        else moved + _tensor_bytes((args, kwargs)))
+        return out
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
+def _bytes_of(value: Any) -> int:
+    leaves, _ = tree_flatten(value)
+    seen: set[int] = set()
+    total = 0
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in seen:
+            seen.add(id(t.untyped_storage()))
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
+             checkpoint: list[str] | None = None, model: nn.Module | None = None,
+             selective_ops: list[str] | None = None
+             ) -> tuple[Timeline, dict[str, ModuleCompute], int]:
+    """One fake forward + backward; returns the timeline, per-module figures and input bytes.
+
+    ``checkpoint``: modules wrapped for full recomputation, or for selective checkpointing
+    saving ``selective_ops`` (op names) when given."""
+    started = time.perf_counter()
+    model = model if model is not None else rebuild_meta(loaded)
+    fake_mode = new_fake_mode()
+    materialize_fake(model, fake_mode)
+    if checkpoint:
+        apply_checkpointing(model, checkpoint, selective_ops)
+    # Batch norm stays float32, its inputs cast up and outputs back, as the plan applies it.
+    full = [m for m in model.modules() if keeps_full_precision(m)] if (
+        param_dtype is not None and param_dtype.itemsize < 4) else []
+    kept = {id(p) for m in full for p in m.parameters(recurse=False)}
+    if param_dtype is not None:
+        with fake_mode:
+            for p in model.parameters():
+                if p.is_floating_point() and id(p) not in kept:
+                    p.data = p.data.to(param_dtype)
+    casts = [h for m in full for h in (
+        m.register_forward_pre_hook(lambda _m, a: _cast_floating(a, torch.float32)),
+        m.register_forward_hook(lambda _m, _a, out: _cast_floating(out, param_dtype)))]
+    param_storages = {id(p.untyped_storage()) for p in model.parameters()}
+    param_storages |= {id(b.untyped_storage()) for b in model.buffers()}
+    meter = _ActivationMeter(set(param_storages))
+    modules: dict[str, ModuleCompute] = {}
+    events: list[Event] = []
+    stack: list[str] = []
+    names = {id(m): normalize_fqn(n) for n, m in model.named_modules()}
+
+    def record(kind: str, module: nn.Module) -> None:
+        fqn = names.get(id(module))
+        if fqn is None:
+            return
+        events.append(Event(kind=kind, module=fqn, level=meter.current, peak=meter.mark(),
+                            flops=float(meter.flops), ops=meter.take_ops()))
+
+    def pre_fw(module: nn.Module, _inputs: Any) -> None:
+        record("pre_fw", module)
+        fqn = names.get(id(module))
+        if fqn is not None:
+            stack.append(fqn)
+
+    def post_fw(module: nn.Module, _inputs: Any, outputs: Any) -> None:
+        fqn = names.get(id(module))
+        if fqn is not None and not failed_in and sys.exc_info()[0] is not None:
+            failed_in.append(fqn)  # hooks run on the way out of a raising forward: innermost first
+        if fqn is not None and stack and stack[-1] == fqn:
+            stack.pop()
+            comp = modules.setdefault(fqn, ModuleCompute())
+            comp.calls += 1
+            comp.output_bytes = _bytes_of(outputs)
+        record("post_fw", module)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = id(t.untyped_storage())
+        if key not in meter.excluded and key not in saved_seen and stack:
+            saved_seen.add(key)
+            modules.setdefault(stack[-1], ModuleCompute()).saved_bytes += t.untyped_storage().nbytes()
+        return t
+
+    saved_seen: set[int] = set()
+    failed_in: list[str] = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.untrack(p.grad))
+             for p in model.parameters() if p.requires_grad]
+    tracker = ModTracker()
+    tracker.register_user_hooks(pre_fw, post_fw, lambda m, g: record("pre_bw", m),
+                                lambda m, g: record("post_bw", m))
+    with fake_mode:
+        args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
+        if param_dtype is not None:
+            args, kwargs = _cast_floating(args, param_dtype), _cast_floating(kwargs, param_dtype)
+        input_bytes = _bytes_of((args, kwargs))
+        try:
+            checker = DtypeChecker(running_modules(tracker))  # fake kernels accept mixed dtypes
+            with tracker, meter, checker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                output = model(*args, **kwargs)
+                checker.raise_if_mismatched()
+                loss = loaded.compute_loss(output)
+                del output
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise BadInput("loss_fn must return a scalar tensor; got "
+                                   f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}.")
+                loss.backward()
+                del loss
+                events.append(Event(kind="end", module="", level=meter.current, peak=meter.mark(),
+                                    flops=float(meter.flops), ops=meter.take_ops()))
+        except BadInput:
+            raise
+        except Exception as e:
+            where = failed_in[0] if failed_in else stack[-1] if stack else None
+            raise _explain_trace_failure(e, loaded, where, _shapes(args, kwargs)) from e
+        finally:
+            for h in hooks + casts:
+                h.remove()
+            tracker.clear_user_hooks()
+    fill_flops(events, modules)
+    timeline = Timeline(events=events, checkpointed=list(checkpoint or []),
+                        final_level=meter.current, seconds=time.perf_counter() - started)
+    return timeline, modules, input_bytes
+
+
+def _shapes(args: tuple, kwargs: dict) -> str:
+    """``[2, 16] int64, mask=[2, 16] bool``: what the model was fed, for error messages."""
+    def one(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"{list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+        return type(value).__name__
+    return ", ".join([one(a) for a in args] + [f"{k}={one(v)}" for k, v in kwargs.items()])
+
+
+def _explain_trace_failure(error: Exception, loaded: LoadedModel,
+                           module: str | None = None, given: str = "") -> BadInput:
+    name = type(error).__name__
+    text = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else name
+    if "DynamicOutputShape" in name or "data-dependent" in str(error).lower():
+        config = getattr(loaded.model, "config", None)
+        if getattr(config, "_experts_implementation", None) == "eager":
+            return BadInput(
+                f"the model's mixture-of-experts layers use transformers' eager experts loop, "
+                f"which routes tokens with data-dependent shapes ({name}: {text}) that fake "
+                "tensors cannot trace. Build it with the static grouped_mm implementation: pass "
+                "experts_implementation='grouped_mm' to its config, or call "
+                "model.set_experts_implementation('grouped_mm') in build_model (--hf-config "
+                "does this for you).")
+        return BadInput(
+            f"the model's forward uses data-dependent shapes ({name}: {text}), which fake tensors "
+            "cannot trace, e.g. mixture-of-experts routing with nonzero(). Use a static-shape "
+            "implementation (for transformers MoE models, the grouped_mm experts implementation) "
+            "or route tokens with fixed capacity in example mode.")
+    inside = ""
+    if module:
+        kind = type(loaded.model.get_submodule(module)).__name__ if _has(loaded.model, module) else ""
+        inside = f" in module {module!r}" + (f" ({kind})" if kind else "")
+    elif module == "":
+        inside = " in the root module's forward"
+    at = user_code_location(error, loaded)  # the user's file and line, when the error is theirs
+    if "_local_scalar_dense" in text or "DataDependentOutput" in name:
+        return BadInput(
+            f"the model reads a tensor's value{inside}{at} ({name}: {text}): .item(), .tolist(), "
+            "int()/float()/bool() of a tensor and `if tensor:` need real values, and planning runs "
+            "on fake tensors, which have none. Compute the value from shapes or the config.")
+    return BadInput(
+        f"the model failed on its example inputs (batch {loaded.source.batch_size}, sequence "
+        f"{loaded.source.seq_len}{'; given ' + given if given else ''}){inside}{at} with {name}: "
+        f"{text}. Check example_inputs and "
+        "--batch-size/--seq-len against what the model's forward expects.")
+
+
+def _has(model: nn.Module, fqn: str) -> bool:
+    try:
+        model.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
+
+
+def apply_checkpointing(model: nn.Module, fqns: list[str],
+                        selective_ops: list[str] | None = None) -> None:
+    """Wrap each listed module in PyTorch's non-reentrant checkpoint wrapper, in place: the
+    policy module's own wrapper (``checkpoint_module``), selective when ``selective_ops``."""
+    ops = resolve_ops(selective_ops) if selective_ops is not None else None
+    for fqn in fqns:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, checkpoint_module(getattr(parent, child), ops))
+
+
+def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: list[str],
+            with_checkpointing: bool = True, exact: bool = False,
+            progress: Callable[[str], None] | None = None) -> Analysis:
+    """Run the plain pass and, when the model has repeated blocks, the all-blocks-checkpointed pass.
+
+    Deep models are analysed on a copy cut to three blocks per stack and the middle block's
+    segments are repeated (see depth.py); ``exact=True`` runs every block instead.
+    """
+    timeline, modules, input_bytes = _pass(loaded, param_dtype, blocks, None, exact)
+    ckpt = None
+    selective: tuple[Timeline | None, dict[str, float], str] = (None, {}, "")
+    if with_checkpointing and blocks:
+        if progress:
+            progress("analysing activation checkpointing")
+        try:
+            ckpt, _, _ = _pass(loaded, param_dtype, blocks, blocks, exact)
+        except BadInput:
+            ckpt = None  # checkpointing cannot be traced here: plan without it
+        if ckpt is not None:
+            selective = _selective_pass(loaded, param_dtype, blocks, exact, modules)
+    root = modules.get("", ModuleCompute())
+    end = timeline.events[-1].flops if timeline.events else 0.0
+    return Analysis(
+        timeline=timeline, modules=modules, input_bytes=input_bytes,
+        param_dtype=str(param_dtype).removeprefix("torch.") if param_dtype else "float32",
+        total_fw_flops=root.fw_flops, total_bw_flops=max(0.0, end - root.fw_flops),
+        checkpointed_timeline=ckpt, selective_timeline=selective[0],
+        selective_ops=list(DEFAULT_SELECTIVE_OPS) if selective[0] else [],
+        selective_recompute_flops=selective[1], selective_unavailable=selective[2],
+    )
+
+
+def _selective_pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str],
+                    exact: bool, plain: dict[str, ModuleCompute]
+                    ) -> tuple[Timeline | None, dict[str, float], str]:
+    """The pass with every block selectively checkpointed (the replay probe), each block's
+    recompute FLOPs (its backward FLOPs over the plain pass's), and why it is unavailable."""
+    kind = type(loaded.model.get_submodule(blocks[0])).__name__
+    try:
+        timeline, modules, _ = _pass(loaded, param_dtype, blocks, blocks, exact,
+                                     DEFAULT_SELECTIVE_OPS)
+    except BadInput as e:
+        cause = e.__cause__ if e.__cause__ is not None else e
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        text = text.split(". ")[0].rstrip(".")[:200]  # the first sentence: what did not replay
+        return None, {}, (f"selective checkpointing of {kind} blocks does not replay in backward "
+                          f"({type(cause).__name__}: {text}); full checkpointing only")
+    recompute = {b: max(0.0, modules[b].bw_flops - plain[b].bw_flops)
+                 for b in blocks if b in modules and b in plain}
+    return timeline, recompute, ""
+
+
+def _pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str],
+          checkpoint: list[str] | None, exact: bool, selective_ops: list[str] | None = None):
+    if not exact:
+        reduced = reduced_copy(loaded.model, blocks)
+        if reduced is not None:
+            model, cut = reduced
+            kept = [b for b in (checkpoint or []) if b in cut.kept_blocks]
+            try:
+                result = run_pass(loaded, param_dtype=param_dtype, checkpoint=kept, model=model,
+                                  selective_ops=selective_ops)
+            except BadInput:
+                result = None  # the forward may index blocks by count: analyse every block
+            if result is not None:
+                expanded = expand_pass(*result, cut)
+                if expanded is not None:
+                    expanded[0].checkpointed = list(checkpoint or [])
+                    return expanded
+    return run_pass(loaded, param_dtype=param_dtype, checkpoint=checkpoint,
+                    selective_ops=selective_ops)

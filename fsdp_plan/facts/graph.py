@@ -1,0 +1,114 @@
+"""The module graph: the module tree with parameter counts, tied parameters and repeated blocks.
+
+Built from a model on ``meta`` (nothing is allocated) as the plain ``ModuleGraph`` of
+facts.py (a ``ModuleInfo`` per module, ``""`` the root), which is what the rest of the
+pipeline reads.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from fsdp_plan.facts.types import ModuleGraph, ModuleInfo
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def keeps_full_precision(module: nn.Module) -> bool:
+    """Batch norm with parameters: a float32 unit of its own under a lower param dtype
+    ([Note: batch norm in full precision] in units.py)."""
+    return isinstance(module, _BatchNorm) and any(True for _ in module.parameters(recurse=False))
+
+
+def build_module_graph(model: nn.Module) -> ModuleGraph:
+    """Walk ``model`` (on meta) once and describe its tree."""
+    modules: dict[str, ModuleInfo] = {}
+    owner_of_param: dict[int, str] = {}
+    users_of_param: dict[int, set[str]] = defaultdict(set)
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for _, param in module.named_parameters(recurse=False):
+            users_of_param[id(param)].add(fqn)
+    for fqn, module in model.named_modules():
+        parent = fqn.rpartition(".")[0] if fqn else None
+        by_dtype: Counter[str] = Counter()
+        numel = 0
+        shapes: list[list[int]] = []
+        for _, param in module.named_parameters(recurse=False):
+            if id(param) in owner_of_param:
+                continue
+            owner_of_param[id(param)] = fqn
+            numel += param.numel()
+            by_dtype[dtype_name(param.dtype)] += param.numel() * param.element_size()
+            shapes.append(list(param.shape))
+        buffers = sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+        modules[fqn] = ModuleInfo(
+            fqn=fqn, class_name=type(module).__name__, parent=parent, children=[],
+            direct_numel=numel, subtree_numel=0, direct_bytes_by_dtype=dict(by_dtype),
+            buffer_bytes=buffers, param_shapes=shapes,
+            keeps_full_precision=keeps_full_precision(module),
+        )
+        if parent is not None:
+            parent = parent if parent in modules else _nearest_known(parent, modules)
+            modules[fqn].parent = parent
+            modules[parent].children.append(fqn)
+    for fqn in reversed(list(modules)):
+        info = modules[fqn]
+        info.subtree_numel = info.direct_numel + sum(modules[c].subtree_numel for c in info.children)
+    tied = [sorted(users) for users in users_of_param.values() if len(users) > 1]
+    tied_groups = _merge_overlapping(tied)
+    return ModuleGraph(
+        modules=modules,
+        tied_groups=tied_groups,
+        blocks=find_repeated_blocks(modules),
+        total_numel=sum(m.direct_numel for m in modules.values()),
+        total_param_bytes=sum(sum(m.direct_bytes_by_dtype.values()) for m in modules.values()),
+        total_buffer_bytes=sum(m.buffer_bytes for m in modules.values()),
+    )
+
+
+def _nearest_known(fqn: str, modules: dict[str, ModuleInfo]) -> str:
+    while fqn and fqn not in modules:
+        fqn = fqn.rpartition(".")[0]
+    return fqn
+
+
+def _merge_overlapping(groups: list[list[str]]) -> list[list[str]]:
+    merged: list[set[str]] = []
+    for group in groups:
+        current = set(group)
+        for other in [m for m in merged if m & current]:
+            current |= other
+            merged.remove(other)
+        merged.append(current)
+    return [sorted(g) for g in merged]
+
+
+def find_repeated_blocks(modules: dict[str, ModuleInfo]) -> list[str]:
+    """The natural FSDP units: siblings of one container sharing a class and a parameter count.
+
+    Takes the container with the most parameters in such runs (a decoder's ``layers``); a model
+    with two stacks (encoder and decoder) yields both, in module order.
+    """
+    runs: list[list[str]] = []
+    for info in modules.values():
+        by_kind: dict[tuple[str, int], list[str]] = defaultdict(list)
+        for child in info.children:
+            c = modules[child]
+            if c.subtree_numel > 0 and c.children:
+                by_kind[(c.class_name, c.subtree_numel)].append(child)
+        runs.extend(run for run in by_kind.values() if len(run) >= 2)
+    if not runs:
+        return []
+    total = sum(m.direct_numel for m in modules.values()) or 1
+    # Keep every run that holds a real share of the model, dropping runs nested in another run.
+    kept = [r for r in runs if sum(modules[f].subtree_numel for f in r) >= 0.05 * total]
+    kept = [r for r in kept if not any(
+        o is not r and any(f.startswith(b + ".") for f in r for b in o) for o in kept)]
+    order = {fqn: i for i, fqn in enumerate(modules)}
+    return sorted((f for r in kept for f in r), key=order.__getitem__)

@@ -1,0 +1,679 @@
+"""Validate a plan document (SPEC sections 3 and 6) in one place, before anything runs.
+
+A plan file is data that may come from anyone: ``fsdp_plan.plan.read`` reads it (size,
+encoding, tags, aliases), then ``check_plan_document`` checks every field the tools use:
+types (a bool is not an int; int fields refuse ``1.5``, ``.nan``, ``.inf`` and strings),
+ranges, the unit structure (children first, root last, each module in one unit), prefetch
+targets, the mesh against the world size and strategy, dtypes, the optimizer and the model
+recipe. It returns the normalised values ``Plan.from_dict`` builds its dataclasses from.
+
+Every refusal is a ``BadInput`` (exit 2) naming the field path (``units[3].modules[0]``) and
+the fix, written for someone editing the plan file. Whether the named modules exist is
+checked later, once the model is built (``fsdp_plan.measure.runtime.check_model_matches``).
+
+Unknown top-level keys are accepted (SPEC 3: others may add keys) and dropped: nothing reads
+them, so they cannot change what is applied. Version-2 fields that no part of fsdp-plan
+applies yet (DDP) are refused rather
+than silently ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import math
+import re
+from typing import Any
+
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.limits import (
+    MAX_BATCH_SIZE,
+    MAX_BYTES,
+    MAX_SEQ_LEN,
+    MAX_TOKENS,
+    MAX_WORLD_SIZE,
+)
+from fsdp_plan.plan.read import MAX_DEPTH, MAX_NODES, clip
+
+PLAN_VERSIONS = (1, 2)
+STRATEGIES = ("full", "hybrid", "grad-op", "none")
+OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+MODEL_KINDS = ("file", "import", "hf-config")
+# The dtype names the generated policy module maps to torch dtypes (emit._DTYPES).
+DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32", "float64", "fp64")
+CHECKPOINT_MODES = ("full", "selective")
+
+MAX_NAME_CHARS = 4096
+
+KEPT_AS_WRITTEN = ("model", "predicted")
+"""Sections the plan keeps beyond the fields checked one by one (the model's extra keys, the
+planner's report); they reach the policy module's ``PLAN`` literal, so they must be exact
+Python literals too. Unknown top-level keys are accepted (SPEC 3) and dropped."""
+_MESH_KEYS = ("replicate", "shard")
+_UNIT_KEYS = ("modules", "reshard_after_forward", "mixed_precision")
+_PRECISION_KEYS = ("param_dtype", "reduce_dtype")
+_UNIT_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
+
+
+# --- describing values in messages ------------------------------------------------------------
+
+def show(value: Any) -> str:
+    """A short, safe description of a value read from the plan (never a huge repr)."""
+    if value is None:
+        return "null (empty)"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, int):
+        if value.bit_length() > 128:
+            return f"a {value.bit_length()}-bit number"
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ".nan (not a number)"
+        if math.isinf(value):
+            return ("" if value > 0 else "-") + ".inf (infinity)"
+        return f"{value!r} (a decimal number)"
+    if isinstance(value, str):
+        return f"{clip(value)!r} (a string)"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return f"a value of type {type(value).__name__}"
+
+
+def name_of(value: Any) -> str:
+    """A module or key name as it appears in messages: quoted, clipped."""
+    return repr(clip(value)) if isinstance(value, str) else show(value)
+
+
+class _Checker:
+    """Raises ``BadInput("<where>: <path> <problem>; <fix>.")`` for one plan document."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, path: str, problem: str, fix: str) -> BadInput:
+        return BadInput(f"{self.where}: {path} {problem}; {fix}.")
+
+    def mapping(self, value: Any, path: str, fix: str, *, optional: bool = False) -> dict:
+        if value is None and optional:
+            return {}
+        if not isinstance(value, dict):
+            raise self.fail(path, f"must be a mapping (key: value), got {show(value)}", fix)
+        for key in value:
+            if not isinstance(key, str):
+                raise self.fail(path, f"has the key {show(key)}; keys are names (strings)", fix)
+        return value
+
+    def sequence(self, value: Any, path: str, fix: str, *, optional: bool = False) -> list:
+        if value is None and optional:
+            return []
+        if not isinstance(value, list):
+            raise self.fail(path, f"must be a list, got {show(value)}", fix)
+        return value
+
+    def keys(self, value: dict, path: str, allowed: tuple[str, ...]) -> None:
+        unknown = [k for k in value if k not in allowed]
+        if unknown:
+            raise self.fail(field(path, unknown[0]), "is not a key fsdp-plan knows here",
+                            f"{path} takes only {', '.join(allowed)} (check the spelling)")
+
+    def integer(self, value: Any, path: str, low: int, high: int, what: str) -> int:
+        """A whole number in ``[low, high]``; ``what`` says what it counts and why the bounds."""
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(path, f"must be a whole number, got {show(value)}", what)
+        if not low <= value <= high:
+            raise self.fail(path, f"is {show(value)}, outside {low}..{high}", what)
+        return value
+
+    def number(self, value: Any, path: str, what: str) -> float | int:
+        """A finite, non-negative int or float."""
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or isinstance(value, float) and not math.isfinite(value) or value < 0):
+            raise self.fail(path, f"must be a finite number >= 0, got {show(value)}", what)
+        return value
+
+    def string(self, value: Any, path: str, fix: str, *, allow_empty: bool = False) -> str:
+        if not isinstance(value, str):
+            raise self.fail(path, f"must be a string, got {show(value)}", fix)
+        if not value and not allow_empty:
+            raise self.fail(path, "is empty", fix)
+        if len(value) > MAX_NAME_CHARS or "\0" in value:
+            raise self.fail(path, f"is not a name (longer than {MAX_NAME_CHARS} characters or "
+                            "holding a NUL)", fix)
+        return value
+
+    def choice(self, value: Any, path: str, choices: tuple[str, ...], fix: str) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise self.fail(path, f"is {show(value)}, not one of {', '.join(choices)}", fix)
+        return value
+
+    def fqn(self, value: Any, path: str, *, root: bool) -> str:
+        """A module FQN as ``named_modules()`` spells it (``""`` only where the root may be)."""
+        fix = ("name a module by its dotted path as model.named_modules() spells it, e.g. "
+               "'layers.0'" + ("; the root is ''" if root else ""))
+        name = self.string(value, path, fix, allow_empty=True)
+        if name == "" and not root:
+            raise self.fail(path, "names the root module ''", "the root cannot be listed here; "
+                            "name submodules only")
+        if name and (name.startswith(".") or name.endswith(".") or ".." in name):
+            raise self.fail(path, f"is {name_of(name)}, not a dotted module path", fix)
+        return name
+
+
+def field(path: str, key: Any) -> str:
+    """``path.key`` for a plain key; ``path['odd key']`` (quoted, clipped) for any other, so a
+    key from the plan never puts control characters or line breaks into a message."""
+    if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][\w-]{0,59}", key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{clip(key)!r}]" if isinstance(key, str) else f"{path}[{show(key)}]"
+
+
+def _ancestors(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))] if fqn else []
+
+
+def _is_unicode(text: str) -> bool:
+    """False for strings holding lone surrogates (YAML's "\\ud800" escapes): they cannot be
+    printed or written as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _walk_plain(check: _Checker, raw: Any) -> None:
+    """Refuse values that are not YAML plain data: cycles, too deep, too many, odd types.
+
+    In ``KEPT_AS_WRITTEN`` numbers must also be finite, dates are refused and mapping keys
+    are strings; the other sections have their own checks, and unknown keys, which are
+    dropped, only need to be plain. Shared sub-values are visited each
+    time they appear (as every consumer would), so the count bounds the work of anything that
+    walks the document."""
+    count = 0
+    stack: list[tuple[Any, str, int, tuple[int, ...], bool]] = [(raw, "", 0, (), False)]
+    while stack:
+        value, path, depth, parents, kept = stack.pop()
+        count += 1
+        if count > MAX_NODES:
+            raise check.fail("the document", f"holds more than {MAX_NODES:,} values",
+                             "a plan holds a few thousand; write it again with fsdp-plan --plan")
+        if depth > MAX_DEPTH:
+            raise check.fail(path or "the document", f"nests more than {MAX_DEPTH} levels deep",
+                             "a plan nests 4 deep; flatten it")
+        if isinstance(value, (dict, list)):
+            if id(value) in parents:
+                raise check.fail(path or "the document", "contains itself (a recursive alias)",
+                                 "a plan is a tree of plain values; remove the alias")
+            inner = (*parents, id(value))
+            if isinstance(value, list):
+                stack.extend((v, f"{path}[{i}]", depth + 1, inner, kept)
+                             for i, v in enumerate(value))
+                continue
+            for key, item in value.items():
+                if isinstance(key, str) and not _is_unicode(key):
+                    raise check.fail(path or "the document",
+                                     f"has a key that is not valid Unicode ({clip(key)!a})",
+                                     "remove the \\ud800-style escape")
+                if not isinstance(key, str) and kept:
+                    raise check.fail(path or "the document", f"has the key {show(key)}",
+                                     "keys in a plan are names (strings); quote it")
+                item_path = field(path, key)
+                stack.append((item, item_path, depth + 1, inner,
+                              kept or (depth == 0 and key in KEPT_AS_WRITTEN)))
+        elif isinstance(value, str) and not _is_unicode(value):
+            raise check.fail(path, f"is not valid Unicode text ({clip(value)!a})",
+                             "remove the \\ud800-style escape (a lone surrogate)")
+        elif isinstance(value, float) and kept and not math.isfinite(value):
+            raise check.fail(path, f"is {show(value)}", "a plan holds finite numbers only")
+        elif isinstance(value, (datetime.date, datetime.datetime)) and not kept:
+            continue
+        elif not isinstance(value, (str, int, float, bool)) and value is not None:
+            raise check.fail(path, f"is {show(value)}", "a plan holds only mappings, lists, "
+                             "strings, numbers, booleans and null (quote dates)")
+
+
+def _plain_arg(check: _Checker, value: Any, path: str) -> Any:
+    """A model argument: a scalar, or a list/mapping of them (as ``--model-arg`` and YAML give)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise check.fail(path, f"is {show(value)}", "a model argument is a finite number; quote "
+                         "it to pass text")
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, list):
+        return [_plain_arg(check, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return {k: _plain_arg(check, v, field(path, k))
+                for k, v in check.mapping(value, path, "use names as keys").items()}
+    raise check.fail(path, f"is {show(value)}", "model arguments are strings, numbers, booleans, "
+                     "null, or lists and mappings of them")
+
+
+# --- the checks, section by section -----------------------------------------------------------
+
+def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
+    """Validate a plan document; returns the values ``Plan.from_dict`` stores (plain data)."""
+    check = _Checker(where)
+    if not isinstance(raw, dict):
+        raise BadInput(f"{where} is not a fsdp-plan plan file (expected a YAML mapping of keys "
+                       f"such as fsdp_plan_version, model and units, got {show(raw)}).")
+    _walk_plain(check, raw)
+    version = raw.get("fsdp_plan_version")
+    if isinstance(version, bool) or version not in PLAN_VERSIONS:
+        if version is None:
+            raise BadInput(f"{where} has no fsdp_plan_version key; it is not a fsdp-plan plan "
+                           "file. Write one with fsdp-plan MODEL ... --plan PLAN.yaml.")
+        raise BadInput(f"{where} has fsdp_plan_version {show(version)}; this fsdp-plan reads "
+                       "version 1 and version 2 plans. Re-run fsdp-plan to write a current plan.")
+    missing = [k for k in ("model", "budget_bytes", "world_size", "mesh", "units") if k not in raw]
+    if missing:
+        raise BadInput(f"{where} lacks the keys {', '.join(missing)}; it is not a complete plan "
+                       "(SPEC 3 lists them). Re-run fsdp-plan --plan to write one.")
+    out: dict[str, Any] = {"fsdp_plan_version": version}
+    out["model"] = _check_model(check, raw["model"])
+    out.update(_check_budget(check, raw))
+    out.update(_check_mesh(check, raw))
+    out["units"] = _check_units(check, raw["units"])
+    out["strategy"] = _check_strategy(check, raw, out["replicate"], out["shard"], out["units"])
+    out["activation_checkpointing"], out["selective_ops"] = _check_checkpointing(check, raw,
+                                                                                version)
+    keys = {unit[0][0] for unit in out["units"]}
+    for kind in ("forward_prefetch", "backward_prefetch"):
+        out[kind] = _check_prefetch(check, raw.get(kind), kind, keys)
+    out["mixed_precision"] = _check_precision(check, raw.get("mixed_precision"))
+    out["optimizer"] = check.choice(raw.get("optimizer", "adamw"), "optimizer", OPTIMIZERS,
+                                    "set optimizer to the one the training script uses")
+    gpu = raw.get("gpu", "h100")
+    out["gpu"] = check.string(gpu, "gpu", "name the GPU the plan was made for, e.g. h100")
+    out["predicted"] = _check_predicted(check, raw.get("predicted"))
+    out["ddp"] = _check_ddp(check, raw.get("ddp"), out["strategy"])
+    out["grad_accum_steps"], out["gradient_sync"] = _check_accumulation(check, raw)
+    out["offload"] = _check_offload(check, raw.get("offload"))
+    _refuse_unapplied(check, raw)
+    return out
+
+
+def _check_offload(check: _Checker, offload: Any) -> dict[str, bool] | None:
+    """``offload: {params: bool, optimizer: bool}`` (SPEC 6); None when absent or all false.
+    FSDP2's ``CPUOffloadPolicy`` moves parameters, gradients and optimizer states together."""
+    if offload is None:
+        return None
+    mapping = check.mapping(offload, "offload", "offload is {params: bool, optimizer: bool}")
+    check.keys(mapping, "offload", ("params", "optimizer"))
+    for key, flag in mapping.items():
+        if not isinstance(flag, bool):
+            raise check.fail(f"offload.{key}", f"must be true or false, got {show(flag)}",
+                             "write true or false")
+    flags = {"params": mapping.get("params", False), "optimizer": mapping.get("optimizer", False)}
+    if flags["params"] != flags["optimizer"]:
+        raise check.fail("offload", f"sets params: {str(flags['params']).lower()} and optimizer: "
+                         f"{str(flags['optimizer']).lower()}", "FSDP2's CPUOffloadPolicy "
+                         "offloads parameters, gradients and optimizer states together; set "
+                         "both to true (or both to false)")
+    return flags if flags["params"] else None
+
+
+def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
+    fix = ("model records how to rebuild the planned model: {source: path/to/model.py, entry: "
+           "build_model, args: {...}, batch_size: 1, seq_len: 4096}")
+    model = check.mapping(value, "model", fix)
+    if "source" not in model:
+        raise check.fail("model", "has no source", "add source: path/to/model.py (the model "
+                         "file the plan was made for), or pass the model as MODEL")
+    check.string(model["source"], "model.source", "give the model file's path, e.g. "
+                 "examples/llama.py")
+    entry = model.get("entry", "build_model")
+    if (not isinstance(entry, str) or not entry.isidentifier()
+            or entry.startswith("__") and entry.endswith("__")):
+        # Dunders name Python's machinery (__class__, __loader__), never a model factory.
+        raise check.fail("model.entry", f"is {show(entry)}, not a model factory's name",
+                         "name the factory function in the model file, e.g. build_model")
+    if "kind" in model and model["kind"] is not None:
+        check.choice(model["kind"], "model.kind", MODEL_KINDS,
+                     "file for a .py model file, hf-config for a config.json")
+    args = check.mapping(model.get("args"), "model.args", "write the factory's keyword "
+                         "arguments as a mapping, e.g. args: {size: 70b}", optional=True)
+    for key in args:
+        if not key.isidentifier():
+            raise check.fail(field("model.args", key), "is not a Python keyword-argument name",
+                             "use identifiers such as size or n_layers")
+    _plain_arg(check, args, "model.args")
+    batch = check.integer(model.get("batch_size", 1), "model.batch_size", 1, MAX_BATCH_SIZE,
+                          f"batch_size is the samples in one micro-batch: a whole number from 1 "
+                          f"to {MAX_BATCH_SIZE}, e.g. batch_size: 1")
+    seq = check.integer(model.get("seq_len", 4096), "model.seq_len", 1, MAX_SEQ_LEN,
+                        f"seq_len is the tokens per sample: a whole number from 1 to "
+                        f"{MAX_SEQ_LEN}, e.g. seq_len: 4096")
+    if batch * seq > MAX_TOKENS:
+        raise check.fail("model.batch_size", f"{batch} x model.seq_len {seq} is {batch * seq:,} "
+                         f"tokens per micro-batch, more than {MAX_TOKENS:,}",
+                         "no GPU holds such a micro-batch; lower batch_size or seq_len")
+    if model.get("params") is not None:
+        check.integer(model["params"], "model.params", 0, MAX_BYTES,
+                      "params is the planned model's parameter count; remove it to skip the check")
+    if model.get("digest") is not None:
+        check.string(model["digest"], "model.digest", "digest is written by fsdp-plan; remove it "
+                     "to skip the model-code check")
+    for i, note in enumerate(check.sequence(model.get("notes"), "model.notes",
+                                            "notes is a list of strings", optional=True)):
+        check.string(note, f"model.notes[{i}]", "notes is a list of strings", allow_empty=True)
+    if model.get("grad_accum_steps") not in (None, 1):
+        raise check.fail("model.grad_accum_steps", f"is {show(model['grad_accum_steps'])}",
+                         "this fsdp-plan cannot apply gradient accumulation yet; remove it or "
+                         "set it to 1")
+    return copy.deepcopy(model)
+
+
+def _check_budget(check: _Checker, raw: dict) -> dict[str, Any]:
+    budget = check.integer(raw["budget_bytes"], "budget_bytes", 1, MAX_BYTES,
+                           "budget_bytes is the per-GPU memory budget in bytes: a whole number "
+                           "from 1 to 2**60 (more than any GPU holds), e.g. 80000000000")
+    headroom = check.integer(raw.get("headroom_bytes", 0), "headroom_bytes", 0, budget - 1,
+                             "headroom_bytes is the part of budget_bytes kept free: a whole "
+                             "number of bytes from 0 to budget_bytes - 1")
+    world = check.integer(raw["world_size"], "world_size", 1, MAX_WORLD_SIZE,
+                          f"world_size is the number of GPUs the plan is for: a whole number from "
+                          f"1 to {MAX_WORLD_SIZE} (2**20); verify simulates that many ranks in "
+                          "one process and no real cluster has more than a million GPUs")
+    return {"budget_bytes": budget, "headroom_bytes": headroom, "world_size": world}
+
+
+def _check_mesh(check: _Checker, raw: dict) -> dict[str, Any]:
+    fix = "mesh is {replicate: R, shard: S} with R * S = world_size (replicate: 1 is plain FSDP)"
+    mesh = check.mapping(raw["mesh"], "mesh", fix)
+    check.keys(mesh, "mesh", _MESH_KEYS)
+    world = raw["world_size"]
+    replicate = check.integer(mesh.get("replicate", 1), "mesh.replicate", 1, MAX_WORLD_SIZE, fix)
+    shard = check.integer(mesh.get("shard", world), "mesh.shard", 1, MAX_WORLD_SIZE, fix)
+    if replicate * shard != world:
+        raise check.fail("mesh", f"is {replicate}x{shard} = {replicate * shard} ranks but "
+                         f"world_size is {world}", fix)
+    return {"replicate": replicate, "shard": shard}
+
+
+def _check_units(check: _Checker, value: Any
+                 ) -> list[tuple[list[str], bool, dict[str, str | None] | None]]:
+    fix = ("units is the list of fully_shard calls, children first and the root last, e.g. "
+           "[{modules: [layers.0], reshard_after_forward: true}, {modules: [''], "
+           "reshard_after_forward: false}]")
+    units = check.sequence(value, "units", fix)
+    if not units:
+        raise check.fail("units", "is empty", fix)
+    owner: dict[str, int] = {}
+    out = []
+    for i, unit in enumerate(units):
+        path = f"units[{i}]"
+        check.mapping(unit, path, fix)
+        check.keys(unit, path, _UNIT_KEYS)
+        if "modules" not in unit:
+            raise check.fail(path, "has no modules", "give each unit modules: [FQN, ...]")
+        modules = check.sequence(unit["modules"], f"{path}.modules",
+                                 "list the module FQNs of this fully_shard call, e.g. [layers.0]")
+        if not modules:
+            raise check.fail(f"{path}.modules", "is empty", "a unit shards at least one module; "
+                             "remove the unit or name its modules")
+        for k, name in enumerate(modules):
+            mpath = f"{path}.modules[{k}]"
+            check.fqn(name, mpath, root=True)
+            if name in owner:
+                where = "this unit" if owner[name] == i else f"units[{owner[name]}]"
+                raise check.fail(mpath, f"{name_of(name)} is already in {where}",
+                                 "each module belongs to one unit; remove the repeat")
+            if name == "" and (i != len(units) - 1 or len(modules) != 1):
+                raise check.fail(mpath, "is the root module ''", "the root is a unit of its "
+                                 "own, {modules: ['']}, and comes last (children first, root last)")
+            for parent in _ancestors(name):
+                if parent in owner:
+                    raise check.fail(mpath, f"{name_of(name)} comes after its parent "
+                                     f"{name_of(parent)} "
+                                     f"(units[{owner[parent]}])", "list children before their "
+                                     "parents (children first, root last)")
+            owner[name] = i
+        reshard = unit.get("reshard_after_forward", True)
+        if not isinstance(reshard, bool):
+            raise check.fail(f"{path}.reshard_after_forward", f"must be true or false, got "
+                             f"{show(reshard)}", "write true (free parameters after forward) or "
+                             "false (keep them for backward)")
+        precision = None
+        if unit.get("mixed_precision") is not None:
+            precision = _check_precision(check, unit["mixed_precision"],
+                                         f"{path}.mixed_precision", _UNIT_PRECISION_KEYS)
+        out.append((list(modules), reshard, precision))
+    if "" not in owner:
+        raise check.fail(f"units[{len(units) - 1}]", "is not the root unit {modules: ['']}",
+                         "end units with the root, {modules: [''], reshard_after_forward: "
+                         "false}: fully_shard is applied to the root last")
+    return out
+
+
+def _check_strategy(check: _Checker, raw: dict, replicate: int, shard: int,
+                    units: list[tuple[list[str], bool, Any]]) -> str:
+    """``strategy`` against the mesh and resharding, accepting what the planner writes
+    (``search.strategies_for``: full and grad-op shard over all ranks, none replicates, hybrid
+    may have one replica when the world fits in a node); absent, it follows from the mesh."""
+    if "strategy" not in raw or raw["strategy"] is None:
+        return "hybrid" if replicate > 1 and shard > 1 else "none" if shard == 1 < replicate \
+            else "full"
+    if raw["strategy"] == "ddp":
+        return _check_ddp_strategy(check, shard, units)
+    strategy = check.choice(raw["strategy"], "strategy", STRATEGIES,
+                            "full (FULL_SHARD), hybrid (HSDP), grad-op (SHARD_GRAD_OP) or none")
+    if strategy in ("full", "grad-op") and replicate != 1:
+        raise check.fail("strategy", f"is {strategy} but mesh.replicate is {replicate}",
+                         f"{strategy} shards over all ranks (mesh.replicate: 1); for replicated "
+                         "shard groups write strategy: hybrid")
+    if strategy == "none" and shard != 1:
+        raise check.fail("strategy", f"is none but mesh.shard is {shard}", "none replicates "
+                         "every parameter: write mesh {replicate: world_size, shard: 1}, or "
+                         "another strategy")
+    if strategy == "grad-op":
+        resharding = [i for i, (_, reshard, _) in enumerate(units) if reshard]
+        if resharding:
+            raise check.fail(f"units[{resharding[0]}].reshard_after_forward", "is true under "
+                             "strategy grad-op", "grad-op (SHARD_GRAD_OP) keeps parameters "
+                             "gathered from forward to backward: set every unit's "
+                             "reshard_after_forward to false, or write strategy: full")
+    return strategy
+
+
+def _check_checkpointing(check: _Checker, raw: dict, version: int
+                         ) -> tuple[list[str] | dict[str, str], list[str]]:
+    """The checkpointed FQNs as written (a list, or a mapping to full | selective) and the
+    ``selective_ops``; a selective module needs at least one op to save."""
+    value = raw.get("activation_checkpointing")
+    path = "activation_checkpointing"
+    if isinstance(value, dict):
+        if version < 2:
+            raise check.fail(path, "is a mapping", "a mapping {FQN: full | selective} needs "
+                             "fsdp_plan_version: 2; in version 1 list the FQNs")
+        check.mapping(value, path, "map module FQNs to full or selective")
+        selective = []
+        for name, mode in value.items():
+            check.fqn(name, f"{path}[{clip(name)!r}]", root=False)
+            check.choice(mode, f"{path}[{clip(name)!r}]", CHECKPOINT_MODES,
+                         "full recomputes the whole forward, selective saves the selective_ops")
+            if mode == "selective":
+                selective.append(name)
+        names = dict(value)
+    else:
+        names = check.sequence(value, path, "list the module FQNs whose forward is recomputed "
+                               "in backward ([] for none)", optional=True)
+        seen: set[str] = set()
+        for i, name in enumerate(names):
+            check.fqn(name, f"{path}[{i}]", root=False)
+            if name in seen:
+                raise check.fail(f"{path}[{i}]", f"{name_of(name)} is listed twice",
+                                 "list each checkpointed module once")
+            seen.add(name)
+        selective = []
+    ops = raw.get("selective_ops")
+    op_names = []
+    for i, op in enumerate(check.sequence(ops, "selective_ops", "list op names such as "
+                                          "aten.mm.default", optional=True)):
+        name = check.string(op, f"selective_ops[{i}]", "an op name such as aten.mm.default")
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise check.fail(f"selective_ops[{i}]", f"is {show(name)}, not an op name",
+                             "write it as torch.ops spells it, e.g. aten.mm.default")
+        op_names.append(name)
+    if selective and not op_names:
+        raise check.fail(f"activation_checkpointing[{clip(selective[0])!r}]", "is selective "
+                         "but selective_ops lists no ops", "list the ops whose outputs are "
+                         "saved, e.g. selective_ops: [aten.mm.default]")
+    if isinstance(names, dict) and selective:
+        return names, op_names
+    return list(names), op_names  # every module full: the version-1 list, applied the same
+
+
+def _check_prefetch(check: _Checker, value: Any, kind: str, keys: set[str]) -> dict[str, list[str]]:
+    fix = (f"{kind} maps a unit key (a unit's first module) to the unit keys it prefetches, "
+           "e.g. {layers.0: [layers.1]}")
+    mapping = check.mapping(value, kind, fix, optional=True)
+    out = {}
+    for key, targets in mapping.items():
+        kpath = f"{kind}[{clip(key)!r}]"
+        if key not in keys:
+            raise check.fail(kpath, f"names {name_of(key)}, which is not a unit key", fix)
+        targets = check.sequence(targets, kpath, fix)
+        seen: set[str] = set()
+        for i, target in enumerate(targets):
+            tpath = f"{kpath}[{i}]"
+            if not isinstance(target, str) or target not in keys:
+                raise check.fail(tpath, f"is {name_of(target)}, which is not a unit key", fix)
+            if target == key:
+                raise check.fail(tpath, "is the unit itself", "a unit never prefetches itself; "
+                                 "remove it")
+            if target in seen:
+                raise check.fail(tpath, f"{name_of(target)} is listed twice", "list it once")
+            seen.add(target)
+        out[key] = list(targets)
+    return out
+
+
+def _check_precision(check: _Checker, value: Any, path: str = "mixed_precision",
+                     keys: tuple[str, ...] = _PRECISION_KEYS) -> dict[str, str | None]:
+    """The plan's ``mixed_precision`` (or a unit's own, which may also set ``output_dtype``)."""
+    fix = "mixed_precision is {param_dtype: bfloat16, reduce_dtype: float32} (null keeps fp32)"
+    mapping = check.mapping(value, path, fix, optional=True)
+    check.keys(mapping, path, keys)
+    out: dict[str, str | None] = {}
+    for key, dtype in mapping.items():
+        if dtype is not None:
+            check.choice(dtype, f"{path}.{key}", DTYPE_NAMES,
+                         "FSDP casts to floating dtypes only: use bfloat16, float16 or float32, "
+                         "or null to keep the parameters' dtype")
+        out[key] = dtype
+    return out
+
+
+def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
+    """Only the numbers verify and bench read are checked; the rest is the planner's report."""
+    fix = "predicted is what the planner wrote; re-plan to get it back, or remove the key"
+    predicted = check.mapping(value, "predicted", fix, optional=True)
+    if predicted.get("peak_bytes") is not None:
+        check.integer(predicted["peak_bytes"], "predicted.peak_bytes", 0, MAX_BYTES,
+                      "peak_bytes is a whole number of bytes >= 0")
+    for key in ("step_time_s", "exposed_comm_s", "hidden_comm_s", "comm_tail_s"):
+        if predicted.get(key) is not None:
+            check.number(predicted[key], f"predicted.{key}", "write seconds as a number")
+    for key in ("collectives_per_step", "collectives_per_step_fsdp1"):
+        counts = check.mapping(predicted.get(key), f"predicted.{key}", fix, optional=True)
+        for name, count in counts.items():
+            check.integer(count, field(f"predicted.{key}", name), 0, 2**40,
+                          "a collective count is a whole number >= 0")
+    breakdown = check.mapping(predicted.get("breakdown"), "predicted.breakdown", fix, optional=True)
+    for name, size in breakdown.items():
+        check.number(size, field("predicted.breakdown", name), "write bytes as a number")
+    buckets = check.sequence(predicted.get("buckets"), "predicted.buckets", fix, optional=True)
+    for i, size in enumerate(buckets):
+        check.integer(size, f"predicted.buckets[{i}]", 0, MAX_BYTES,
+                      "a DDP bucket size is a whole number of bytes >= 0")
+    units = check.sequence(predicted.get("units"), "predicted.units", fix, optional=True)
+    for i, unit in enumerate(units):
+        unit = check.mapping(unit, f"predicted.units[{i}]", fix)
+        if "key" in unit:
+            check.fqn(unit["key"], f"predicted.units[{i}].key", root=True)
+    return copy.deepcopy(predicted)
+
+
+GRADIENT_SYNC = ("every", "last")
+
+
+def _check_accumulation(check: _Checker, raw: dict) -> tuple[int, str]:
+    """``grad_accum_steps`` (micro-batches per optimizer step) and ``gradient_sync``: reduce
+    gradients after ``every`` micro-batch, or only the ``last`` (``prepare_microbatch``)."""
+    steps = raw.get("grad_accum_steps", 1)
+    check.integer(steps, "grad_accum_steps", 1, 2**20, "grad_accum_steps counts micro-batches "
+                  "per optimizer step: a whole number >= 1")
+    sync = check.choice(raw.get("gradient_sync", "every"), "gradient_sync", GRADIENT_SYNC,
+                        "every reduces gradients after each micro-batch, last only after the "
+                        "last one")
+    return steps, sync
+
+
+def _refuse_unapplied(check: _Checker, raw: dict) -> None:
+    """Version-2 features nothing in this fsdp-plan applies: refused, never silently ignored."""
+    # grad_accum_steps and gradient_sync are read by _check_accumulation.
+
+
+# --- DDP (SPEC 6) -----------------------------------------------------------------------------
+
+DDP_FLAGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+DDP_COMM_HOOKS = ("bf16_compress",)
+_DDP_KEYS = ("bucket_cap_mb", "first_bucket_mb", *DDP_FLAGS, "comm_hook")
+MAX_BUCKET_MB = 1 << 20
+
+
+def _check_ddp_strategy(check: _Checker, shard: int,
+                        units: list[tuple[list[str], bool, Any]]) -> str:
+    """A DDP plan replicates everything: mesh ``{replicate: world_size, shard: 1}`` and the
+    root as its one "unit"."""
+    if shard != 1:
+        raise check.fail("strategy", f"is ddp but mesh.shard is {shard}", "DDP replicates every "
+                         "parameter: write mesh {replicate: world_size, shard: 1}")
+    if [modules for modules, _, _ in units] != [[""]]:
+        raise check.fail("units", "lists modules other than the root under strategy ddp",
+                         "a DDP plan has one unit, [{modules: ['']}]; DDP wraps the whole model")
+    return "ddp"
+
+
+def _check_ddp(check: _Checker, value: Any, strategy: str) -> dict[str, Any] | None:
+    """The ``ddp`` mapping: bucket caps in MiB (as ``bucket_cap_mb``), booleans, the optional
+    ``comm_hook``; only with ``strategy: ddp`` (defaults filled in when it is absent)."""
+    fix = ("ddp is {bucket_cap_mb: 25, first_bucket_mb: 1, gradient_as_bucket_view: true, "
+           "static_graph: false, find_unused_parameters: false}")
+    if strategy != "ddp":
+        if value is not None:
+            raise check.fail("ddp", f"is present but strategy is {strategy}",
+                             "ddp configures DistributedDataParallel: write strategy: ddp, or "
+                             "remove the ddp key")
+        return None
+    mapping = check.mapping(value, "ddp", fix, optional=True)
+    check.keys(mapping, "ddp", _DDP_KEYS)
+    out: dict[str, Any] = {"bucket_cap_mb": 25, "first_bucket_mb": 1,
+                           "gradient_as_bucket_view": True, "static_graph": False,
+                           "find_unused_parameters": False}
+    for key in ("bucket_cap_mb", "first_bucket_mb"):
+        if key in mapping:
+            size = check.number(mapping[key], f"ddp.{key}", "a bucket cap in MiB, e.g. 25")
+            if not 0 < size <= MAX_BUCKET_MB:
+                raise check.fail(f"ddp.{key}", f"is {show(size)}", f"a bucket cap is more than 0 "
+                                 f"and at most {MAX_BUCKET_MB} MiB")
+            out[key] = size
+    if out["first_bucket_mb"] > out["bucket_cap_mb"]:
+        raise check.fail("ddp.first_bucket_mb", f"is {show(out['first_bucket_mb'])}, more than "
+                         f"bucket_cap_mb {show(out['bucket_cap_mb'])}", "the first bucket is at "
+                         "most as large as the others")
+    for key in DDP_FLAGS:
+        if key in mapping:
+            if not isinstance(mapping[key], bool):
+                raise check.fail(f"ddp.{key}", f"must be true or false, got {show(mapping[key])}",
+                                 "write true or false")
+            out[key] = mapping[key]
+    if mapping.get("comm_hook") is not None:
+        out["comm_hook"] = check.choice(mapping["comm_hook"], "ddp.comm_hook", DDP_COMM_HOOKS,
+                                        "bf16_compress all-reduces gradients in bfloat16; remove "
+                                        "the key for none")
+    return out

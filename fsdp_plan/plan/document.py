@@ -1,0 +1,145 @@
+"""The plan: SPEC section 3 as dataclasses, written to YAML atomically and read back as data.
+
+``Plan.to_dict()`` is exactly the YAML document (and the emitted module's ``PLAN``);
+``read_plan`` reads a plan file as untrusted data (``fsdp_plan.plan.read``) and
+``Plan.from_dict()`` validates it (``fsdp_plan.plan.check``) before anything uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import yaml
+
+from fsdp_plan.common.files import atomic_write_all, atomic_write_text, check_writable  # noqa: F401
+from fsdp_plan.plan.check import check_plan_document
+from fsdp_plan.plan.read import read_plan_document
+
+PLAN_VERSION = 1
+Strategy = Literal["full", "hybrid", "grad-op", "none", "ddp"]
+
+
+@dataclass(kw_only=True)
+class Unit:
+    """One ``fully_shard`` call: the modules it groups and whether it reshards after forward."""
+
+    modules: list[str]
+    """Module FQNs given to one ``fully_shard`` call (``""`` is the root)."""
+    reshard_after_forward: bool = True
+    mixed_precision: dict[str, str | None] | None = None
+    """This unit's own ``MixedPrecisionPolicy`` dtypes (``param_dtype``, ``reduce_dtype``,
+    ``output_dtype``) over the plan's; None (not written) uses the plan's."""
+
+    @property
+    def key(self) -> str:
+        """The unit's first module FQN: how prefetch maps name units."""
+        return self.modules[0]
+
+
+@dataclass(kw_only=True)
+class Mesh:
+    """The device mesh: ``replicate`` groups of ``shard`` ranks (``replicate == 1`` is plain FSDP)."""
+
+    replicate: int = 1
+    shard: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """Everything a training script needs to apply a plan, plus what the planner predicted."""
+
+    model: dict[str, Any]
+    budget_bytes: int
+    world_size: int
+    mesh: Mesh
+    units: list[Unit]
+    strategy: str = "full"
+    ddp: dict[str, Any] | None = None
+    """``DistributedDataParallel`` arguments (SPEC 6) when ``strategy`` is ``ddp``: bucket_cap_mb,
+    first_bucket_mb, gradient_as_bucket_view, static_graph, find_unused_parameters."""
+    headroom_bytes: int = 0
+    activation_checkpointing: list[str] | dict[str, str] = field(default_factory=list)
+    """FQNs fully checkpointed (a list, version 1), or ``{FQN: full | selective}`` (version 2)."""
+    selective_ops: list[str] = field(default_factory=list)
+    """Ops whose outputs selective checkpointing saves (``aten.mm.default``); written only
+    when some module is selective."""
+    forward_prefetch: dict[str, list[str]] = field(default_factory=dict)
+    backward_prefetch: dict[str, list[str]] = field(default_factory=dict)
+    mixed_precision: dict[str, str | None] = field(default_factory=dict)
+    optimizer: str = "adamw"
+    gpu: str = "h100"
+    predicted: dict[str, Any] = field(default_factory=dict)
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step (``model.batch_size`` samples each, per rank)."""
+    gradient_sync: str = "every"
+    """``every``: reduce-scatter after each micro-batch; ``last``: only after the last, with
+    gradients accumulated unsharded in between (``prepare_microbatch`` in the policy)."""
+    offload: dict[str, bool] | None = None
+    """``{params: true, optimizer: true}``: FSDP2 ``CPUOffloadPolicy`` (version 2); None: none."""
+    fsdp_plan_version: int = PLAN_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML document, keys in SPEC order first."""
+        raw = asdict(self)
+        raw["units"] = [{k: v for k, v in unit.items() if k != "mixed_precision" or v is not None}
+                        for unit in raw["units"]]
+        order = ["fsdp_plan_version", "model", "budget_bytes", "headroom_bytes", "world_size",
+                 "mesh", "strategy", "units", "activation_checkpointing", "selective_ops", "forward_prefetch",
+                 "backward_prefetch", "mixed_precision", "optimizer", "gpu", "predicted"]
+        if not raw["selective_ops"]:
+            order.remove("selective_ops")
+        if raw["grad_accum_steps"] > 1:
+            order[order.index("predicted"):order.index("predicted")] = ["grad_accum_steps",
+                                                                          "gradient_sync"]
+        if raw["offload"]:
+            order.insert(order.index("predicted"), "offload")
+        if raw["ddp"] is not None:  # a DDP plan: its arguments right after its one unit
+            order.insert(order.index("units") + 1, "ddp")
+        return {key: raw[key] for key in order}
+
+    @classmethod
+    def from_dict(cls, raw: Any, where: str = "plan") -> Plan:
+        """Validate a plan document (see ``fsdp_plan.plan.check``) and build the dataclasses."""
+        checked = check_plan_document(raw, where)
+        return cls(
+            model=checked["model"],
+            budget_bytes=checked["budget_bytes"],
+            headroom_bytes=checked["headroom_bytes"],
+            world_size=checked["world_size"],
+            mesh=Mesh(replicate=checked["replicate"], shard=checked["shard"]),
+            strategy=checked["strategy"],
+            ddp=checked.get("ddp"),
+            units=[Unit(modules=modules, reshard_after_forward=reshard, mixed_precision=precision)
+                   for modules, reshard, precision in checked["units"]],
+            activation_checkpointing=checked["activation_checkpointing"],
+            selective_ops=checked["selective_ops"],
+            forward_prefetch=checked["forward_prefetch"],
+            backward_prefetch=checked["backward_prefetch"],
+            mixed_precision=checked["mixed_precision"],
+            optimizer=checked["optimizer"],
+            gpu=checked["gpu"],
+            predicted=checked["predicted"],
+            grad_accum_steps=checked["grad_accum_steps"],
+            gradient_sync=checked["gradient_sync"],
+            offload=checked["offload"],
+            fsdp_plan_version=checked["fsdp_plan_version"],
+        )
+
+
+def plan_to_yaml(plan: Plan) -> str:
+    return yaml.safe_dump(plan.to_dict(), sort_keys=False, default_flow_style=None, width=100)
+
+
+def write_plan(plan: Plan, path: str) -> None:
+    atomic_write_text(path, plan_to_yaml(plan))
+
+
+def read_plan(path: str) -> Plan:
+    """Read a plan file as untrusted data (size, encoding, tags and aliases are checked before
+    anything is built; ``yaml.CSafeLoader`` only), then validate every field."""
+    return Plan.from_dict(read_plan_document(path), where=f"plan file {path!r}")

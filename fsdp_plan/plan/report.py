@@ -1,0 +1,204 @@
+"""The report: the module table, the chosen plan beside alternatives and recipes, the timeline.
+
+Pure formatting over plain data (``gather_*`` functions return rows; ``format_*`` print them),
+so ``--format json`` and the tables show the same figures.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tabulate import tabulate
+
+from fsdp_plan.common.sizes import format_bytes, format_gb
+from fsdp_plan.cost.step_time import StepTime
+from fsdp_plan.facts.types import Analysis, ModuleGraph
+from fsdp_plan.search.fsdp import Candidate
+
+
+def gather_module_rows(graph: ModuleGraph, analysis: Analysis, max_depth: int = 2) -> list[dict[str, Any]]:
+    """Per-module parameters, saved activations and FLOPs, down to ``max_depth``."""
+    rows = []
+    fw_incl, bw_incl = _inclusive_flops(graph, analysis)
+    saved_incl = _inclusive_saved_bytes(graph, analysis)
+    for fqn, info in graph.modules.items():
+        depth = 0 if fqn == "" else fqn.count(".") + 1
+        if depth > max_depth:
+            continue
+        comp = analysis.modules.get(fqn)
+        saved = saved_incl[fqn]
+        rows.append({
+            "module": fqn or "<root>", "class": info.class_name, "params": info.subtree_numel,
+            "param_bytes": info.subtree_numel * 4, "saved_activation_bytes": saved,
+            "fw_flops": fw_incl[fqn], "bw_flops": bw_incl[fqn],
+            "calls": comp.calls if comp else 0,
+        })
+    return rows
+
+
+def _inclusive_saved_bytes(graph: ModuleGraph, analysis: Analysis) -> dict[str, int]:
+    """Bytes saved for backward by each module and its submodules (one pass, children first)."""
+    saved: dict[str, int] = {}
+    for fqn in reversed(list(graph.modules)):
+        comp = analysis.modules.get(fqn)
+        saved[fqn] = (comp.saved_bytes if comp else 0) + sum(
+            saved[c] for c in graph.modules[fqn].children)
+    # Ops outside every module (the loss) save their tensors in the root's name.
+    saved[""] = sum(c.saved_bytes for c in analysis.modules.values())
+    return saved
+
+
+def _inclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
+    """Module FLOPs; containers that are never called (``ModuleList``) sum their children."""
+    fw: dict[str, float] = {}
+    bw: dict[str, float] = {}
+    for fqn in reversed(list(graph.modules)):
+        comp = analysis.modules.get(fqn)
+        kids = graph.modules[fqn].children
+        fw[fqn] = comp.fw_flops if comp and comp.calls else sum(fw[c] for c in kids)
+        bw[fqn] = comp.bw_flops if comp and comp.bw_flops else sum(bw[c] for c in kids)
+    fw[""], bw[""] = analysis.total_fw_flops, analysis.total_bw_flops
+    return fw, bw
+
+
+def candidate_row(c: Candidate) -> dict[str, Any]:
+    """One candidate as a flat dict (shared by the table and JSON)."""
+    return {
+        "name": c.name, "fits": c.fits, "strategy": c.strategy,
+        "mesh": f"{c.replicate}x{c.shard}", "units": len(c.units),
+        "checkpointed_blocks": len(c.checkpointed),
+        "selective_blocks": len(c.selective), "recompute_s": c.recompute_s,
+        "peak_bytes": c.memory.peak_bytes, "peak_phase": c.memory.phase,
+        "breakdown": c.memory.breakdown,
+        "step_time_s": c.time.step_s, "exposed_comm_s": c.time.exposed_comm_s,
+        "comm_tail_s": c.time.comm_tail_s, "hidden_comm_s": c.time.hidden_comm_s,
+        "collectives": c.collectives,
+        "cross_node_bytes": c.cross_node_bytes,
+    }
+
+
+def gather_checkpointing_rows(c: Candidate) -> list[dict[str, Any]]:
+    """Per checkpointed block: its mode, the activation bytes the mode saves (against no
+    checkpointing) and its recompute seconds in backward (search.py [Note: recompute time])."""
+    return [{"block": m.block, "mode": m.mode, "saved_bytes": m.saved_bytes,
+             "recompute_s": m.recompute_s} for m in c.block_modes]
+
+
+def format_checkpointing(c: Candidate, unavailable: str = "") -> str:
+    """The chosen modes per block (runs of blocks alike on one row), with one line saying why
+    selective checkpointing was not offered when it was not."""
+    lines = [f"note: {unavailable}"] if unavailable else []
+    rows = gather_checkpointing_rows(c)
+    if not rows:
+        return "\n".join(lines + ["activation checkpointing: none"])
+    runs: list[list[dict[str, Any]]] = []
+    for r in rows:
+        last = runs[-1][-1] if runs else None
+        if last and (last["mode"], last["saved_bytes"], round(last["recompute_s"], 9)) == (
+                r["mode"], r["saved_bytes"], round(r["recompute_s"], 9)):
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    table = [[run[0]["block"] + (f" .. {run[-1]['block']}" if len(run) > 1 else ""), len(run),
+              run[0]["mode"], format_bytes(run[0]["saved_bytes"]),
+              f"{run[0]['recompute_s'] * 1e3:.2f}"] for run in runs]
+    total_saved = sum(r["saved_bytes"] for r in rows)
+    lines.append(tabulate(table, headers=["checkpointed blocks", "count", "mode",
+                                          "saves (each)", "recompute ms (each)"]))
+    lines.append(f"activation checkpointing saves {format_bytes(total_saved)} for "
+                 f"{c.recompute_s * 1e3:.2f} ms of recompute per step")
+    return "\n".join(lines)
+
+
+_GROUPS = {
+    "states": ("sharded_params", "optimizer_states", "sharded_grads", "buffers", "inputs"),
+    "unsharded": ("unsharded_params", "unsharded_grads"),
+    "comm": ("comm_buffers", "optimizer_temporaries"),
+    "act": ("activations",),
+}
+
+
+def breakdown_summary(breakdown: dict[str, int]) -> str:
+    """``states 12.3 + unsharded 4.5 + comm 1.2 + act 40.1`` (GB): why a peak is what it is."""
+    parts = [f"{name} {sum(breakdown.get(k, 0) for k in keys) / 1e9:.2f}"
+             for name, keys in _GROUPS.items()]
+    return " + ".join(parts)
+
+
+def format_candidates(rows: list[dict[str, Any]]) -> str:
+    table = [[("* " if i == 0 and r["fits"] else "  ") + r["name"], "yes" if r["fits"] else "NO",
+              r["mesh"], r["units"], r["checkpointed_blocks"], format_gb(r["peak_bytes"]),
+              breakdown_summary(r["breakdown"]),
+              f"{r['step_time_s'] * 1e3:.2f}", f"{r['exposed_comm_s'] * 1e3:.2f}",
+              "/".join(str(r["collectives"][k]) for k in ("all_gather", "reduce_scatter", "all_reduce")),
+              format_gb(r.get("cross_node_bytes", 0))]
+             for i, r in enumerate(rows)]
+    return tabulate(table, headers=["plan", "fits", "mesh", "units", "AC blocks", "peak GB",
+                                    "peak = states + unsharded + comm + activations (GB)",
+                                    "step ms", "exposed ms", "AG/RS/AR", "x-node GB"])
+
+
+def gather_mesh_rows(candidates: list[Candidate]) -> list[dict[str, Any]]:
+    """The best candidate of each sharding option (strategy and mesh), best first: how full
+    sharding, every HSDP shard size and replication compare, with their cross-node traffic."""
+    best: dict[tuple[str, int, int], Candidate] = {}
+    for c in candidates:
+        best.setdefault((c.strategy, c.replicate, c.shard), c)
+    return [candidate_row(c) for c in best.values()]
+
+
+def format_mesh_rows(rows: list[dict[str, Any]]) -> str:
+    table = [[r["strategy"], r["mesh"], "yes" if r["fits"] else "NO", format_gb(r["peak_bytes"]),
+              f"{r['step_time_s'] * 1e3:.2f}", format_gb(r["cross_node_bytes"]), r["name"]]
+             for r in rows]
+    return tabulate(table, headers=["strategy", "mesh (replicate x shard)", "fits", "peak GB",
+                                    "step ms", "cross-node GB/step/GPU", "best plan of this mesh"])
+
+
+def format_breakdown(breakdown: dict[str, int]) -> str:
+    rows = [[k, format_bytes(v)] for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1]) if v]
+    return tabulate(rows, headers=["at the peak", "bytes per rank"])
+
+
+def ascii_timeline(time: StepTime, width: int = 72) -> str:
+    """Three lanes scaled to ``width``: compute, communication, and the waits, where compute
+    stands still for communication (all-gather waits ``w``, the tail after backward ``!``)."""
+    end = max((e for _, _, _, e in time.spans), default=0.0) or 1.0
+    lanes = {"compute": [" "] * width, "comm": [" "] * width, "wait": [" "] * width}
+    for lane, label, start, stop in time.spans:
+        a, b = int(start / end * (width - 1)), max(int(start / end * (width - 1)) + 1,
+                                                    int(stop / end * (width - 1)))
+        if lane == "wait":
+            ch = "!" if "tail" in label else "w"
+        else:
+            ch = "F" if label.startswith("FW") else "B" if label.startswith("BW") else \
+                "O" if label == "optimizer" else "g" if label.startswith("AG") else "r"
+        for x in range(a, min(b, width)):
+            lanes.get(lane, lanes["wait"])[x] = ch
+    return "\n".join([
+        "compute |" + "".join(lanes["compute"]) + "|",
+        "comm    |" + "".join(lanes["comm"]) + "|",
+        "waits   |" + "".join(lanes["wait"]) + "|",
+        ("F forward, B backward, O optimizer, g all-gather, r reduce-scatter/all-reduce; "
+         "w compute waits for an all-gather, ! communication tail after backward"),
+        (f"step {time.step_s:.3f} s = compute {time.compute_s:.3f} s (contention "
+         f"{time.contention_s:.3f} s included) + exposed communication "
+         f"{time.exposed_comm_s:.3f} s (waits {time.bubbles_s:.3f} s + tail "
+         f"{time.comm_tail_s:.3f} s) + optimizer {time.optimizer_s:.3f} s; communication "
+         f"{time.total_comm_s:.3f} s in all, {time.hidden_comm_s:.3f} s of it hidden"),
+    ])
+
+
+def chrome_trace(time: StepTime) -> str:
+    """The predicted timeline as Chrome/Perfetto trace JSON: one thread per stream and one
+    for the waits (compute standing still for communication)."""
+    tids = {"compute": 1, "comm": 2, "wait": 3}
+    events = [{"name": label, "ph": "X", "pid": 0, "tid": tids.get(lane, 3), "ts": start * 1e6,
+               "dur": (stop - start) * 1e6,
+               "cat": "predicted,exposed" if lane == "wait" else "predicted"}
+              for lane, label, start, stop in time.spans]
+    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
+               for n, t in (("compute (predicted)", 1), ("communication (predicted)", 2),
+                            ("compute waits for communication (predicted)", 3))]
+    return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})

@@ -1,0 +1,1 @@
+"""Stage 4, one search over layouts: strategies are handed to it; the micro-batch sweep wraps it."""
