@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from fsdp_plan.api import PlanRequest, analyze_model
+    from fsdp_plan.cost.ddp_buckets import MIB
     from fsdp_plan.cost.hardware import hardware_for, read_hardware_file
     from fsdp_plan.model.source import ModelSource
-    from fsdp_plan.search.ddp import MIB, best_config, config_options, evaluate_settings, sweep
-
+    from fsdp_plan.search.ddp import best_config, config_options, ddp_layout, label, sweep
+    from fsdp_plan.search.evaluator import Evaluator
     started = time.perf_counter()
     source = ModelSource(source=args.model, args={"size": args.size}, batch_size=args.batch_size,
                          seq_len=args.seq_len)
@@ -65,18 +66,19 @@ def main(argv: list[str] | None = None) -> int:
           f"({g.total_param_bytes / 2**30:.1f} GiB of fp32 gradients), batch {args.batch_size} x "
           f"{args.seq_len}, {args.world_size} x {hw.name}; analysed in "
           f"{time.perf_counter() - started:.1f} s")
-    curve = sweep(g, a, settings, SWEEP_MB)
-    chosen = best_config([evaluate_settings(g, a, settings, c) for c in config_options(
+    ev = Evaluator(g, a, settings)
+    curve = sweep(ev, SWEEP_MB)
+    chosen = best_config([ev.evaluate(ddp_layout(settings, c), label(c)) for c in config_options(
         g, a, compress=settings.precision.reduce_bytes < 4)])
     print(f"{'bucket_cap_mb':>13} {'buckets':>8} {'step ms':>9} {'tail ms':>8} "
           f"{'contention ms':>14} {'all-reduce ms':>14}")
     for cap, e in zip(SWEEP_MB, curve):
         t = e.time
-        print(f"{cap:>13} {len(e.buckets):>8} {t.step_s * 1e3:>9.2f} {t.exposed_comm_s * 1e3:>8.2f} "
+        print(f"{cap:>13} {len(e.detail.buckets):>8} {t.step_s * 1e3:>9.2f} {t.exposed_comm_s * 1e3:>8.2f} "
               f"{t.contention_s * 1e3:>14.2f} {t.total_comm_s * 1e3:>14.2f}")
-    c, t = chosen.config, chosen.time
+    c, t = chosen.detail.config, chosen.time
     print(f"chosen: bucket_cap_mb {c.bucket_cap_mb:g}, first bucket {c.first_bucket_mb:g} MiB: "
-          f"{len(chosen.buckets)} buckets (largest {max(b.nbytes for b in chosen.buckets) / MIB:.1f}"
+          f"{len(chosen.detail.buckets)} buckets (largest {max(b.nbytes for b in chosen.detail.buckets) / MIB:.1f}"
           f" MiB), step {t.step_s * 1e3:.2f} ms, tail {t.exposed_comm_s * 1e3:.2f} ms")
     steps = [e.time.step_s for e in curve]
     low = steps.index(min(steps))
@@ -92,10 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 def closed_loop(args: argparse.Namespace, source, curve) -> bool:
     """Measured median step time per cap on gloo ranks beside the prediction; True when the
     measured best cap is within one sweep step of the predicted best."""
+    from fsdp_plan.cost.ddp_buckets import ddp_api_kwargs
     from fsdp_plan.measure.ddp import measure_ddp_many
-    from fsdp_plan.search.ddp import ddp_api_kwargs
-
-    jobs = [{"source": source, "ddp_kwargs": ddp_api_kwargs(e.config), "optimizer": "adamw",
+    jobs = [{"source": source, "ddp_kwargs": ddp_api_kwargs(e.detail.config), "optimizer": "adamw",
              "steps": args.measure_steps} for e in curve]
     results = measure_ddp_many(jobs, nproc=args.world_size, timeout_s=1800)
     print(f"{'bucket_cap_mb':>13} {'predicted ms':>13} {'measured ms':>12}  (median over "

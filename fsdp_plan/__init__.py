@@ -1,10 +1,66 @@
 """fsdp-plan: plan PyTorch FSDP wrapping, prefetch, sharding and activation checkpointing.
 
-The package is laid out as the pipeline it runs:
+The package is laid out as the pipeline it runs, each stage a subpackage that imports only
+the stages before it:
 
-    load -> graph / analysis -> memory / cost -> search -> plan -> emit -> verify / bench
+    common/   ground floor: errors, limits, sizes, dtypes, file writing, progress
+    model/    1 the user's model on ``meta``: where it comes from, loading it, fake tensors
+    facts/    2 what the planner knows: the module tree and one analysed step (plain data)
+    cost/     3 analytic models over the facts: hardware, memory, collectives, the clock
+    search/   4 one search over layouts, handed its strategies; the micro-batch sweep
+    plan/     5 the plan document and what is made from it: checks, policy module, report
+    measure/  6 ground truth: PyTorch's own trackers and counters on fake and real process groups
+    api.py      composition of the stages (what this face re-exports)
+    bench/    7 real runs, result files, tuning
+    cli/      8 the command line: parse, call the library, print
 
-with ``cli`` a thin layer on top. See README.md and SPEC.md.
+``policy_runtime.py`` is the code every generated policy module runs (it imports only torch).
+Importing this package does not import torch: planning from saved ``ModelFacts`` needs none.
+See README.md and SPEC.md.
 """
 
+from fsdp_plan.api import (
+    PlanResult,
+    Prediction,
+    analyze_for_plan,
+    make_plan,
+    plan_from_facts,
+    plan_hardware,
+    predict,
+    verify_by_measurement,
+)
+from fsdp_plan.common.errors import BadInput, CheckFailed, FsdpPlanError, NoFeasiblePlan
+from fsdp_plan.cost.hardware import Hardware, hardware_for, read_hardware_file
+from fsdp_plan.facts.analyze import Analyzed, analyze_loaded, analyze_model
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.plan.document import Plan, read_plan
+from fsdp_plan.search.request import PlanRequest
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Analyzed",
+    "BadInput",
+    "CheckFailed",
+    "FsdpPlanError",
+    "Hardware",
+    "ModelFacts",
+    "ModelSource",
+    "NoFeasiblePlan",
+    "Plan",
+    "PlanRequest",
+    "PlanResult",
+    "Prediction",
+    "analyze_for_plan",
+    "analyze_loaded",
+    "analyze_model",
+    "hardware_for",
+    "make_plan",
+    "plan_from_facts",
+    "plan_hardware",
+    "predict",
+    "read_hardware_file",
+    "read_plan",
+    "verify_by_measurement",
+]

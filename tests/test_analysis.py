@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from layouts import evaluate
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_plan.facts.analysis import CPU_ATTENTION_FLOP_RULES, analyze
@@ -109,7 +110,9 @@ def test_depth_reduction_matches_full_analysis():
 
 def _unit_flops_add_up(lm) -> None:
     from fsdp_plan.cost.hardware import hardware_for
-    from fsdp_plan.search.fsdp import Evaluator, SearchSettings, block_layouts
+    from fsdp_plan.search.candidate import SearchSettings
+    from fsdp_plan.search.evaluator import Evaluator
+    from fsdp_plan.search.layouts import block_layouts
     graph = build_module_graph(lm.model)
     # bf16 as planned: grouped_mm experts (Mixtral) take bf16 operands only
     analysis = analyze(lm, param_dtype=torch.bfloat16, blocks=graph.blocks,
@@ -120,7 +123,7 @@ def _unit_flops_add_up(lm) -> None:
                                                    world_size=2, gpus_per_node=8,
                                                    hardware=hardware_for("h100")))
     for name, groups in block_layouts(graph).items():
-        cand = ev.evaluate(name=name, strategy="full", replicate=1, shard=2, groups=groups,
+        cand = evaluate(ev, name=name, strategy="full", replicate=1, shard=2, groups=groups,
                            reshard=[True] * len(groups), root_reshard=False,
                            forward_prefetch=0, backward_prefetch=1)
         fw = sum(ev._unit_flops(u)[0] for u in cand.units)

@@ -19,14 +19,14 @@ from test_emit import _init_gloo, run_ranks
 from test_measure_helpers import run_cli
 from torch import nn
 
-from fsdp_plan.cost.memory import Precision
+from fsdp_plan.cost.precision import Precision
 from fsdp_plan.cost.units import build_units, unit_mixed_precision, with_full_precision_units
 from fsdp_plan.facts.dtypes import DtypeChecker
 from fsdp_plan.facts.graph import build_module_graph
 from fsdp_plan.model.load import ModelSource, load_model
 from fsdp_plan.plan.document import Mesh, Plan, Unit
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
-from fsdp_plan.search.fsdp import block_layouts
+from fsdp_plan.search.layouts import block_layouts
 
 ROOT = Path(__file__).resolve().parent.parent
 RESNET = str(ROOT / "examples" / "resnet.py")
@@ -264,7 +264,7 @@ def test_float32_plans_give_batch_norm_no_units_of_its_own():
     from fsdp_plan.facts.graph import build_module_graph
     from fsdp_plan.model.load import load_model
     from fsdp_plan.model.source import ModelSource
-    from fsdp_plan.search.fsdp import block_layouts
+    from fsdp_plan.search.layouts import block_layouts
     resnet = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                           "examples", "resnet.py")
     graph = build_module_graph(load_model(ModelSource(source=resnet,

@@ -9,11 +9,11 @@ import math
 from pathlib import Path
 
 import pytest
+from layouts import evaluate as evaluate_layout
 
-from fsdp_plan.api import predicted_block
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import GPUS, Hardware, hardware_for, hardware_yaml
-from fsdp_plan.cost.memory import Precision
+from fsdp_plan.cost.precision import Precision
 from fsdp_plan.cost.step_time import (
     Rates,
     StepTime,
@@ -24,8 +24,10 @@ from fsdp_plan.cost.step_time import (
     simulate_step,
 )
 from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.plan.build import predicted_block
 from fsdp_plan.plan.report import ascii_timeline, chrome_trace
-from fsdp_plan.search.fsdp import Evaluator, SearchSettings
+from fsdp_plan.search.candidate import SearchSettings
+from fsdp_plan.search.evaluator import Evaluator
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_llama_facts.json"
 
@@ -41,7 +43,7 @@ def evaluate(facts: ModelFacts, hw: Hardware, *, layout: str, fwp: int = 0, bwp:
         precision=Precision(orig_bytes=4, param_bytes=2, reduce_bytes=4), optimizer="adamw",
         hardware=hw))
     groups = [[b] for b in facts.graph.blocks] if layout == "per-block" else []
-    return ev.evaluate(name=layout, strategy="full", replicate=1, shard=8, groups=groups,
+    return evaluate_layout(ev, name=layout, strategy="full", replicate=1, shard=8, groups=groups,
                        reshard=[True] * len(groups), root_reshard=False, k=0,
                        forward_prefetch=fwp, backward_prefetch=bwp)
 
@@ -348,10 +350,10 @@ def test_optimizer_time_counts_parameters_and_tensors():
     hw = hardware_for("h100", {"optimizer_s_per_param": {"adamw": 1e-9},
                                "optimizer_s_per_tensor": {"adamw": 1e-4}})
     rates = Rates.of(hw)
-    assert optimizer_time(hw, rates, "adamw", 10**6, 4, 2, tensors=10) == pytest.approx(2e-3)
-    assert optimizer_time(hw, rates, "adam", 10**6, 4, 2, tensors=10) == pytest.approx(2e-3)
+    assert optimizer_time(hw, rates, "adamw", 10**6, 4, tensors=10) == pytest.approx(2e-3)
+    assert optimizer_time(hw, rates, "adam", 10**6, 4, tensors=10) == pytest.approx(2e-3)
     # no measured figure: the bytes at the memory bandwidth
-    assert optimizer_time(GPUS["h100"], Rates.of(GPUS["h100"]), "adamw", 10**6, 4, 2) == \
+    assert optimizer_time(GPUS["h100"], Rates.of(GPUS["h100"]), "adamw", 10**6, 4) == \
         pytest.approx(10**6 * 4 * 7 / GPUS["h100"].memory_bandwidth)
 
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from layouts import evaluate
 
 from fsdp_plan.cost.hardware import hardware_for
 from fsdp_plan.facts.analysis import analyze
@@ -13,7 +14,8 @@ from fsdp_plan.facts.graph import build_module_graph
 from fsdp_plan.measure.collectives import count_collectives_many
 from fsdp_plan.model.load import ModelSource, load_model
 from fsdp_plan.plan.document import Mesh, Plan, Unit
-from fsdp_plan.search.fsdp import Evaluator, SearchSettings
+from fsdp_plan.search.candidate import SearchSettings
+from fsdp_plan.search.evaluator import Evaluator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIXED = os.path.join(ROOT, "examples", "mixed.py")
@@ -29,7 +31,7 @@ def test_shared_module_unit_counts_match_gloo():
                                                    gpus_per_node=8, hardware=hardware_for("h100")))
     jobs, expected = [], []
     for reshard in (True, False):
-        cand = ev.evaluate(name="x", strategy="full", replicate=1, shard=2,
+        cand = evaluate(ev, name="x", strategy="full", replicate=1, shard=2,
                            groups=[["shared_proj"], ["branches.wide"]], reshard=[reshard, True],
                            root_reshard=False, k=0, forward_prefetch=0, backward_prefetch=1)
         plan = Plan(model={"source": MIXED, "entry": "build_model", "args": {}, "batch_size": 1,

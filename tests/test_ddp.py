@@ -12,13 +12,9 @@ import os
 import pytest
 import yaml
 
-from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts, precision_of, predict
+from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts, predict
 from fsdp_plan.cli.main import main
-from fsdp_plan.cost.hardware import hardware_for
-from fsdp_plan.model.source import ModelSource
-from fsdp_plan.plan.document import Plan
-from fsdp_plan.plan.emit import load_policy_module, render_policy_module
-from fsdp_plan.search.ddp import (
+from fsdp_plan.cost.ddp_buckets import (
     DDPConfig,
     assign_by_size,
     build_buckets,
@@ -27,6 +23,11 @@ from fsdp_plan.search.ddp import (
     evaluate_ddp,
     unused_parameters,
 )
+from fsdp_plan.cost.hardware import hardware_for
+from fsdp_plan.cost.precision import Precision
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.plan.document import Plan
+from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -104,7 +105,7 @@ def test_keyword_arguments_follow_ddps_first_bucket_rule():
 
 def test_gradient_as_bucket_view_saves_a_gradient_copy(facts):
     f = facts[(GPT2, "tiny")]
-    p = precision_of("float32", "float32")
+    p = Precision.of("float32", "float32")
     view = ddp_memory(f.graph, f.analysis, p, "adamw", DDPConfig())
     copy = ddp_memory(f.graph, f.analysis, p, "adamw", DDPConfig(gradient_as_bucket_view=False))
     assert copy.peak_bytes - view.peak_bytes == f.graph.total_param_bytes
@@ -115,7 +116,7 @@ def test_bf16_compression_halves_the_all_reduce_bytes(facts):
     hw = dataclasses.replace(hardware_for("h100"), collective_latency_s=0.0,
                              launch_overhead_s=0.0, inter_node_bandwidth=1e6)
     common = {"hw": hw, "world_size": 16, "gpus_per_node": 8, "optimizer": "adamw",
-              "precision": precision_of("float32", "float32"), "dtype": "float32"}
+              "precision": Precision.of("float32", "float32"), "dtype": "float32"}
     plain = evaluate_ddp(f.graph, f.analysis, DDPConfig(), **common)
     half = evaluate_ddp(f.graph, f.analysis, DDPConfig(comm_hook="bf16_compress"), **common)
     assert half.time.total_comm_s == pytest.approx(plain.time.total_comm_s / 2, rel=1e-6)
@@ -126,7 +127,7 @@ def test_small_buckets_pay_latency_and_large_ones_a_tail(facts):
     hw = dataclasses.replace(hardware_for("h100"), collective_latency_s=1e-3,
                              intra_node_bandwidth=2e8)
     common = {"hw": hw, "world_size": 8, "gpus_per_node": 8, "optimizer": "adamw",
-              "precision": precision_of("float32", "float32"), "dtype": "float32"}
+              "precision": Precision.of("float32", "float32"), "dtype": "float32"}
     small = evaluate_ddp(f.graph, f.analysis, DDPConfig(bucket_cap_mb=0.01,
                                                         first_bucket_mb=0.01), **common)
     one = evaluate_ddp(f.graph, f.analysis, DDPConfig(bucket_cap_mb=400,
@@ -201,11 +202,11 @@ def test_a_ddp_block_on_an_fsdp_plan_is_refused(tmp_path, capsys):
 def test_buckets_counts_and_peak_equal_ddp_on_gloo(facts):
     """One launch of 2 gloo workers: every bucket list above, the all-reduce and broadcast
     counts, and the MemTracker peak of a steady step against the prediction (within 5%)."""
+    from fsdp_plan.cost.ddp_buckets import evaluate_ddp as evaluate
     from fsdp_plan.measure.ddp import measure_ddp_many
-    from fsdp_plan.search.ddp import evaluate_ddp as evaluate
 
     hw = hardware_for("h100")
-    p = precision_of("float32", "float32")
+    p = Precision.of("float32", "float32")
     jobs, expected = [], []
     for key in sorted(MEASURED, key=str):
         path, size, cap, first = key
@@ -231,13 +232,13 @@ def auto_request(budget: int) -> PlanRequest:
 
 
 def test_auto_picks_ddp_when_it_fits_and_is_faster_and_says_why():
-    from fsdp_plan.search.ddp import DDPCandidate, why_line
+    from fsdp_plan.plan.report import why_line
 
     request = auto_request(8 * 10**9)
     f = analyze_model(request.source, param_dtype=request.param_dtype).facts
     result = plan_from_facts(f, request)
-    fsdp = [c for c in result.ranked if c.fits and not isinstance(c, DDPCandidate)]
-    assert isinstance(result.best, DDPCandidate) and result.plan.strategy == "ddp"
+    fsdp = [c for c in result.ranked if c.fits and c.strategy != "ddp"]
+    assert result.best.strategy == "ddp" and result.plan.strategy == "ddp"
     assert result.best.time.step_s < min(c.time.step_s for c in fsdp)
     line = why_line(result.ranked)
     assert line.startswith(f"why: {result.best.name} wins") and "\n" not in line
@@ -245,13 +246,13 @@ def test_auto_picks_ddp_when_it_fits_and_is_faster_and_says_why():
 
 
 def test_auto_keeps_fsdp_when_ddp_does_not_fit_and_says_why():
-    from fsdp_plan.search.ddp import DDPCandidate, why_line
+    from fsdp_plan.plan.report import why_line
 
     request = auto_request(5 * 10**6)  # the model states fit sharded, not replicated
     f = analyze_model(request.source, param_dtype=request.param_dtype).facts
     result = plan_from_facts(f, request)
     assert result.plan.strategy != "ddp"
-    assert any(isinstance(c, DDPCandidate) and not c.fits for c in result.ranked)
+    assert any(c.strategy == "ddp" and not c.fits for c in result.ranked)
     assert "DDP does not fit" in why_line(result.ranked)
 
 
@@ -262,7 +263,7 @@ def test_without_overlap_backward_waits_for_every_all_reduce(facts):
     hw = dataclasses.replace(hardware_for("h100"), comm_overlaps_compute=False,
                              collective_latency_s=1e-3)
     common = {"hw": hw, "world_size": 8, "gpus_per_node": 8, "optimizer": "adamw",
-              "precision": precision_of("float32", "float32"), "dtype": "float32"}
+              "precision": Precision.of("float32", "float32"), "dtype": "float32"}
     small = evaluate_ddp(f.graph, f.analysis, DDPConfig(bucket_cap_mb=0.05,
                                                         first_bucket_mb=0.05), **common)
     one = evaluate_ddp(f.graph, f.analysis, DDPConfig(bucket_cap_mb=400,

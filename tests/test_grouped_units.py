@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from layouts import evaluate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VIT = os.path.join(ROOT, "examples", "vit.py")
@@ -111,7 +112,10 @@ def test_search_evaluates_grouped_layouts_with_the_exact_models():
     group (FSDP2) and one per module (FSDP1)."""
     from fsdp_plan.cost.hardware import hardware_for
     from fsdp_plan.facts.types import ModelFacts
-    from fsdp_plan.search.fsdp import Evaluator, SearchSettings, block_layouts, search
+    from fsdp_plan.search.candidate import SearchSettings
+    from fsdp_plan.search.evaluator import Evaluator
+    from fsdp_plan.search.fsdp import ShardedStrategy
+    from fsdp_plan.search.layouts import block_layouts
     with open(os.path.join(ROOT, "tests", "fixtures", "tiny_llama_facts.json")) as f:
         facts = ModelFacts.from_json(f.read())
     settings = SearchSettings(budget_bytes=10**10, headroom_bytes=0, world_size=64,
@@ -120,7 +124,7 @@ def test_search_evaluates_grouped_layouts_with_the_exact_models():
     layouts = block_layouts(facts.graph, True, ev)
     grouped = {k: v for k, v in layouts.items() if k.startswith("grouped/")}
     assert grouped, layouts.keys()
-    ranked = search(ev)
+    ranked = ShardedStrategy().candidates(ev)
     cands = [c for c in ranked if " grouped/" in c.name]
     assert cands
     for c in cands:
@@ -144,8 +148,8 @@ def test_grouped_unit_collectives_match_gloo(mesh):
     from fsdp_plan.model.load import load_model
     from fsdp_plan.model.source import ModelSource
     from fsdp_plan.plan.document import Mesh, Plan, Unit
-    from fsdp_plan.search.fsdp import Evaluator, SearchSettings
-
+    from fsdp_plan.search.candidate import SearchSettings
+    from fsdp_plan.search.evaluator import Evaluator
     replicate, shard = mesh
     world = replicate * shard
     source = ModelSource(source=VIT, args={"size": "tiny"}, batch_size=2, seq_len=1)
@@ -160,7 +164,7 @@ def test_grouped_unit_collectives_match_gloo(mesh):
     jobs, expected = [], []
     for groups, reshard in (([b[:2], b[2:]], [True, True]), ([b[:3], b[3:]], [True, False]),
                             ([["patch_embed"], b[:4]], [True, True])):
-        cand = ev.evaluate(name="x", strategy=strategy, replicate=replicate, shard=shard,
+        cand = evaluate(ev, name="x", strategy=strategy, replicate=replicate, shard=shard,
                            groups=groups, reshard=reshard, root_reshard=False, k=0,
                            forward_prefetch=0, backward_prefetch=1)
         plan = Plan(model={"source": VIT, "entry": "build_model", "args": {"size": "tiny"},

@@ -6,14 +6,18 @@ from __future__ import annotations
 import os
 
 import pytest
+from layouts import evaluate
 
-from fsdp_plan.api import PlanRequest, plan_from_facts, to_plan
-from fsdp_plan.cost.memory import Precision
+from fsdp_plan.api import PlanRequest, plan_from_facts
+from fsdp_plan.cost.collectives import cross_node_bytes
+from fsdp_plan.cost.precision import Precision
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.measure.collectives import count_collectives_many
 from fsdp_plan.model.load import ModelSource
+from fsdp_plan.plan.build import to_plan
 from fsdp_plan.plan.report import gather_mesh_rows
-from fsdp_plan.search.fsdp import Evaluator, cross_node_bytes, hybrid_shard_sizes
+from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.fsdp import hybrid_shard_sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_llama_facts.json")
@@ -66,7 +70,7 @@ def test_hsdp_2x2_and_replicated_4x1_counts_match_gloo():
         settings = request.settings()
         ev = Evaluator(facts.graph, facts.analysis, settings)
         blocks = facts.graph.blocks
-        cand = ev.evaluate(name="t", strategy=strategy, replicate=mesh[0], shard=mesh[1],
+        cand = evaluate(ev, name="t", strategy=strategy, replicate=mesh[0], shard=mesh[1],
                            groups=[[b] for b in blocks], reshard=[mesh[1] > 1] * len(blocks),
                            root_reshard=False, forward_prefetch=0, backward_prefetch=1)
         plan = to_plan(cand, request, numel=facts.graph.total_numel, digest="")

@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from layouts import evaluate
 
 from fsdp_plan.api import PlanRequest, plan_from_facts, predict
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.cost.hardware import hardware_for
-from fsdp_plan.cost.memory import OPTIMIZER_STATES, Precision
+from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision
 from fsdp_plan.facts.types import (
     Analysis,
     Event,
@@ -29,7 +30,8 @@ from fsdp_plan.facts.types import (
     Timeline,
 )
 from fsdp_plan.model.source import ModelSource
-from fsdp_plan.search.fsdp import Evaluator, SearchSettings
+from fsdp_plan.search.candidate import SearchSettings
+from fsdp_plan.search.evaluator import Evaluator
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_llama_facts.json"
 SOURCE = ModelSource(source="examples/llama.py", args={"size": "tiny"}, batch_size=2, seq_len=64)
@@ -100,7 +102,7 @@ def evaluator(facts: ModelFacts, world: int = 8, budget: int = 80 * 10**9,
 
 def per_block(ev: Evaluator, *, k: int = 0, fwp: int = 0, bwp: int = 1, world: int = 8):
     groups = [[b] for b in ev.graph.blocks]
-    return ev.evaluate(name="t", strategy="full", replicate=1, shard=world, groups=groups,
+    return evaluate(ev, name="t", strategy="full", replicate=1, shard=world, groups=groups,
                        reshard=[True] * len(groups), root_reshard=False, k=k,
                        forward_prefetch=fwp, backward_prefetch=bwp)
 
@@ -143,7 +145,7 @@ def test_optimizer_states_scale_with_the_optimizer(llama):
 
 def test_per_block_units_peak_below_root_only(llama):
     ev = evaluator(llama)
-    root_only = ev.evaluate(name="root", strategy="full", replicate=1, shard=8, groups=[],
+    root_only = evaluate(ev, name="root", strategy="full", replicate=1, shard=8, groups=[],
                             reshard=[], root_reshard=False, forward_prefetch=0,
                             backward_prefetch=1)
     assert per_block(ev).memory.peak_bytes < root_only.memory.peak_bytes
@@ -165,11 +167,11 @@ def test_any_set_of_checkpointed_blocks_composes(llama):
     none = per_block(ev).memory.peak_bytes
     every = per_block(ev, k=4).memory.peak_bytes
     groups = [[b] for b in ev.graph.blocks]
-    some = ev.evaluate(name="t", strategy="full", replicate=1, shard=8, groups=groups,
+    some = evaluate(ev, name="t", strategy="full", replicate=1, shard=8, groups=groups,
                        reshard=[True] * 4, root_reshard=False, forward_prefetch=0,
                        backward_prefetch=1, checkpoint=frozenset({1, 3})).memory.peak_bytes
     assert every < some < none
-    assert ev.evaluate(name="t", strategy="full", replicate=1, shard=8, groups=groups,
+    assert evaluate(ev, name="t", strategy="full", replicate=1, shard=8, groups=groups,
                        reshard=[True] * 4, root_reshard=False, forward_prefetch=0,
                        backward_prefetch=1, checkpoint=frozenset(range(4))
                        ).memory.peak_bytes == every
@@ -181,7 +183,7 @@ def test_collective_counts_follow_the_rule():
     # two block units gather in forward and again in backward; the root (head) once, since it
     # does not reshard after forward; every unit reduce-scatters once
     assert cand.collectives == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 0}
-    hsdp = ev.evaluate(name="t", strategy="hybrid", replicate=2, shard=4,
+    hsdp = evaluate(ev, name="t", strategy="hybrid", replicate=2, shard=4,
                        groups=[["layers.0"], ["layers.1"]], reshard=[True, True],
                        root_reshard=False, forward_prefetch=0, backward_prefetch=1)
     assert hsdp.collectives == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}
@@ -194,7 +196,7 @@ def test_unit_compute_adds_up_to_the_models_flops(facts_name, llama):
     ev = evaluator(facts)
     hw = ev.settings.hardware
     rate = hw.peak_flops * hw.efficiency
-    for cand in (per_block(ev), ev.evaluate(name="root", strategy="full", replicate=1, shard=8,
+    for cand in (per_block(ev), evaluate(ev, name="root", strategy="full", replicate=1, shard=8,
                                             groups=[], reshard=[], root_reshard=False,
                                             forward_prefetch=0, backward_prefetch=1)):
         flops = [ev._unit_flops(u) for u in cand.units]
@@ -261,7 +263,7 @@ def test_predict_a_hand_written_torchtitan_plan(llama):
                                  forward_prefetch={}, backward_prefetch={})
     got = predict(edited, llama)
     ev = evaluator(llama)
-    direct = ev.evaluate(name="t", strategy="full", replicate=1, shard=8,
+    direct = evaluate(ev, name="t", strategy="full", replicate=1, shard=8,
                          groups=[[b] for b in blocks], reshard=[True, True, True, False],
                          root_reshard=False, k=4, forward_prefetch=0, backward_prefetch=1)
     assert got.predicted["peak_bytes"] == direct.memory.peak_bytes
@@ -285,9 +287,8 @@ def test_predict_refuses_what_it_cannot_model(llama):
 def test_accumulation_records_the_gradient_sync_it_chose(llama):
     """With room for the held gradients, reducing only after the last of 4 micro-batches
     skips three reduce-scatters: the plan says so and counts one per unit."""
-    from fsdp_plan.search.batching import plan_with_choices
     req = dataclasses.replace(request(10**12, strategy="full"), grad_accum_steps=4)
-    result = plan_with_choices(llama, req)
+    result = plan_from_facts(llama, req)
     plan = result.plan
     assert plan.grad_accum_steps == 4 and plan.fsdp_plan_version == 2
     assert plan.gradient_sync == "last"

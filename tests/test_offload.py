@@ -7,23 +7,25 @@ the accounting is tested here and the device peak is checked on a GPU (``bench.g
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import yaml
+from layouts import evaluate
 
 from fsdp_plan.cost.hardware import hardware_for
-from fsdp_plan.cost.memory import Precision, StepContext, estimate_peak
-from fsdp_plan.facts.types import ModelFacts
-from fsdp_plan.search.fsdp import Evaluator, SearchSettings
-from fsdp_plan.search.offload import (
+from fsdp_plan.cost.memory import StepContext, estimate_peak
+from fsdp_plan.cost.offload import (
     DEFAULT_PCIE_BANDWIDTH,
     HOST_OPTIMIZER_BANDWIDTH,
     host_bytes,
-    offload_memory,
     pcie_bandwidth,
-    with_offload,
 )
+from fsdp_plan.cost.precision import Precision
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.search.candidate import OffloadDetail, SearchSettings
+from fsdp_plan.search.evaluator import Evaluator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
@@ -45,20 +47,25 @@ def _evaluator(facts: ModelFacts, budget: int = 10**10) -> Evaluator:
 
 def _per_block(ev: Evaluator, k: int = 0):
     groups = [[b] for b in ev.graph.blocks]
-    return ev.evaluate(name="per-block", strategy="full", replicate=1, shard=2, groups=groups,
+    return evaluate(ev, name="per-block", strategy="full", replicate=1, shard=2, groups=groups,
                        reshard=[True] * len(groups), root_reshard=False, k=k,
                        forward_prefetch=0, backward_prefetch=1)
+
+
+def offloaded(ev, cand):
+    """``cand``'s layout evaluated with ``CPUOffloadPolicy``."""
+    return ev.evaluate(dataclasses.replace(cand.layout, offload=True), cand.name + " offload")
 
 
 def test_device_peak_excludes_what_lives_on_the_host(facts):
     ev = _evaluator(facts)
     cand = _per_block(ev)
-    device = offload_memory(ev, cand)
+    device = offloaded(ev, cand).memory
     parts = device.breakdown
     assert parts["sharded_params"] == 0 and parts["optimizer_states"] == 0
     assert "sharded_grads" not in parts and "optimizer_temporaries" not in parts
     assert device.phase != "optimizer step"
-    host = host_bytes(cand, "adamw")
+    host = host_bytes(cand.units, "adamw")
     shard = sum(u.shard_numel for u in cand.units)
     assert host == {"sharded_params": 4 * shard, "sharded_grads": 4 * shard,
                     "optimizer_states": 8 * shard}
@@ -70,14 +77,13 @@ def test_device_peak_excludes_what_lives_on_the_host(facts):
 
 def test_offload_copies_are_the_shard_and_its_cast(facts):
     """While an all-gather input is built: the shard copied in (float32) and cast (bf16)."""
-    from fsdp_plan.search.offload import _profile
     ev = _evaluator(facts)
     cand = _per_block(ev)
     ctx = StepContext(precision=Precision(), shard_size=2, optimizer="adamw", buffer_bytes=0,
                       input_bytes=0, offload=True)
     plain = StepContext(precision=Precision(), shard_size=2, optimizer="adamw", buffer_bytes=0,
                         input_bytes=0)
-    profile = _profile(ev, cand)
+    profile = ev.profile(cand.layout.full, cand.layout.selective)
     with_copies = estimate_peak(profile, cand.units, ctx)
     without = estimate_peak(profile, cand.units, plain)
     biggest = max(u.shard_numel for u in cand.units)
@@ -89,25 +95,21 @@ def test_offload_copies_are_the_shard_and_its_cast(facts):
 def test_offload_time_adds_copies_and_a_cpu_optimizer_step(facts):
     ev = _evaluator(facts)
     cand = _per_block(ev)
-    off = with_offload(ev, cand)
+    off = offloaded(ev, cand)
     shard = sum(u.shard_numel for u in cand.units)
     assert off.time.optimizer_s == pytest.approx(shard * 4 * 7 / HOST_OPTIMIZER_BANDWIDTH)
-    assert off.copy_s == pytest.approx(
+    assert off.detail.copy_s == pytest.approx(
         sum(u.shard_numel * 4 * (2 if u.reshard_after_forward else 1)
             for u in cand.units if u.numel) / pcie_bandwidth(hardware_for("h100")))
     assert off.time.step_s >= cand.time.step_s - cand.time.optimizer_s + off.time.optimizer_s
     assert off.collectives == cand.collectives  # offload changes no collective
-    assert off.offload == {"params": True, "optimizer": True}
+    assert off.layout.offload and isinstance(off.detail, OffloadDetail)
 
 
 def test_pcie_bandwidth_comes_from_the_hardware_description():
-    class Bare:
-        name = "x"
-    assert pcie_bandwidth(Bare()) == DEFAULT_PCIE_BANDWIDTH
-
-    class WithLink:
-        h2d_bandwidth = 25e9
-    assert pcie_bandwidth(WithLink()) == 25e9
+    h100 = hardware_for("h100")
+    assert pcie_bandwidth(dataclasses.replace(h100, h2d_bandwidth=0.0)) == DEFAULT_PCIE_BANDWIDTH
+    assert pcie_bandwidth(dataclasses.replace(h100, h2d_bandwidth=25e9)) == 25e9
 
 
 def _offload_window(facts):

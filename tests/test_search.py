@@ -6,19 +6,16 @@ import os
 
 import pytest
 import torch
+from layouts import evaluate
 
 from fsdp_plan.cost.hardware import hardware_for
 from fsdp_plan.facts.analysis import analyze
 from fsdp_plan.facts.graph import build_module_graph
 from fsdp_plan.model.load import ModelSource, load_model
-from fsdp_plan.search.fsdp import (
-    Evaluator,
-    SearchSettings,
-    choose,
-    search,
-    size_based_units,
-    standard_recipes,
-)
+from fsdp_plan.search.candidate import SearchSettings, choose
+from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.fsdp import ShardedStrategy, standard_recipes
+from fsdp_plan.search.layouts import size_based_units
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,7 +38,7 @@ def evaluator(tiny, budget: int, world: int = 8) -> Evaluator:
 def test_peak_falls_as_more_blocks_are_checkpointed(tiny):
     ev = evaluator(tiny, 10**9)
     blocks = ev.graph.blocks
-    peaks = [ev.evaluate(name="x", strategy="full", replicate=1, shard=8, groups=[[b] for b in blocks],
+    peaks = [evaluate(ev, name="x", strategy="full", replicate=1, shard=8, groups=[[b] for b in blocks],
                          reshard=[True] * len(blocks), root_reshard=False, k=k, forward_prefetch=0,
                          backward_prefetch=1).memory.peak_bytes for k in range(len(blocks) + 1)]
     assert all(a >= b for a, b in zip(peaks, peaks[1:])), peaks
@@ -53,8 +50,8 @@ def test_deeper_prefetch_never_lowers_the_peak(tiny):
     blocks = ev.graph.blocks
     common = dict(name="x", strategy="full", replicate=1, shard=8, groups=[[b] for b in blocks],
                   reshard=[True] * len(blocks), root_reshard=False, k=0)
-    base = ev.evaluate(forward_prefetch=0, backward_prefetch=1, **common).memory.peak_bytes
-    deeper = ev.evaluate(forward_prefetch=1, backward_prefetch=2, **common).memory.peak_bytes
+    base = evaluate(ev, forward_prefetch=0, backward_prefetch=1, **common).memory.peak_bytes
+    deeper = evaluate(ev, forward_prefetch=1, backward_prefetch=2, **common).memory.peak_bytes
     assert deeper >= base
 
 
@@ -62,7 +59,7 @@ def test_deeper_prefetch_never_lowers_the_peak(tiny):
 def test_winner_fits_and_is_no_slower_than_any_fitting_recipe(tiny, budget):
     ev = evaluator(tiny, budget)
     recipes = standard_recipes(ev)
-    ranked = choose(search(ev), recipes)
+    ranked = choose(ShardedStrategy().candidates(ev), recipes)
     best = ranked[0]
     assert best.fits and best.memory.peak_bytes <= budget - budget // 10
     for r in recipes:
@@ -72,11 +69,11 @@ def test_winner_fits_and_is_no_slower_than_any_fitting_recipe(tiny, budget):
 
 def test_impossible_budget_has_no_fitting_candidate(tiny):
     ev = evaluator(tiny, 100_000)
-    assert not any(c.fits for c in search(ev))
+    assert not any(c.fits for c in ShardedStrategy().candidates(ev))
 
 
 def test_fewer_gpus_never_lower_the_smallest_peak(tiny):
-    smallest = {w: min(c.memory.peak_bytes for c in search(evaluator(tiny, 10**9, w))) for w in (2, 8)}
+    smallest = {w: min(c.memory.peak_bytes for c in ShardedStrategy().candidates(evaluator(tiny, 10**9, w))) for w in (2, 8)}
     assert smallest[2] >= smallest[8]
 
 

@@ -21,7 +21,8 @@ from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.model.source import ModelSource
 from fsdp_plan.plan.document import Plan, plan_to_yaml, read_plan
-from fsdp_plan.search.fsdp import Evaluator, standard_recipes
+from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.fsdp import standard_recipes
 
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 

@@ -98,7 +98,7 @@ def _with_units(plan: Plan, groups: list[list[str]], reshard: list[bool]) -> Pla
     root = next(u for u in plan.units if u.modules == [""])
     units = [Unit(modules=g, reshard_after_forward=r) for g, r in zip(groups, reshard)]
     keys = [g[0] for g in groups]
-    from fsdp_plan.api import prefetch_depths, prefetch_maps
+    from fsdp_plan.plan.build import prefetch_depths, prefetch_maps
     fwd, bwd = prefetch_depths(plan)
     forward, backward = prefetch_maps(keys, fwd, bwd)
     return dataclasses.replace(plan, units=[*units, root], forward_prefetch=forward,
@@ -107,7 +107,7 @@ def _with_units(plan: Plan, groups: list[list[str]], reshard: list[bool]) -> Pla
 
 def neighbours(plan: Plan, facts: ModelFacts) -> list[tuple[str, str, Plan]]:
     """Plans one knob away from ``plan``: ``(knob, change, plan)``."""
-    from fsdp_plan.api import prefetch_depths, prefetch_maps
+    from fsdp_plan.plan.build import prefetch_depths, prefetch_maps
     out: list[tuple[str, str, Plan]] = []
     blocks = facts.graph.blocks
     groups, reshard = _layout(plan)

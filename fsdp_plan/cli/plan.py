@@ -12,12 +12,14 @@ import os
 import sys
 from typing import Any
 
+from fsdp_plan.api import PlanRequest, make_plan, verify_by_measurement
+from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import check_outputs, check_writable
 from fsdp_plan.common.limits import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
 from fsdp_plan.common.sizes import format_bytes, parse_bytes, parse_share_of
 from fsdp_plan.cost.hardware import GPUS, hardware_for, read_hardware_file
-from fsdp_plan.cost.memory import OPTIMIZER_STATES, canonical_dtype
+from fsdp_plan.cost.precision import OPTIMIZERS
 from fsdp_plan.model.source import (
     MAX_BATCH_SIZE,
     MAX_SEQ_LEN,
@@ -27,6 +29,13 @@ from fsdp_plan.model.source import (
     parse_model_args,
     source_kind,
 )
+from fsdp_plan.plan.report import (
+    candidate_row,
+    format_report,
+    gather_mesh_rows,
+    gather_module_rows,
+)
+from fsdp_plan.search.candidate import STRATEGY_CHOICES
 
 # Nothing above imports torch: every flag is checked before the ~6 s torch import (run()).
 
@@ -64,14 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "gradients are reduced, for the most tokens/s per GPU (default: off)")
     parser.add_argument("--seq-len", type=int, default=4096,
                         help=f"tokens per sample, 1..{MAX_SEQ_LEN:,} (default: %(default)s)")
-    parser.add_argument("--strategy", default="auto", choices=["auto", "full", "hybrid", "grad-op", "none", "ddp"],
+    parser.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES,
                         help="sharding strategy; auto picks the best that fits (default: %(default)s)")
     parser.add_argument("--param-dtype", default="bf16",
                         help="mixed-precision parameter dtype: bf16, fp16 or fp32 (default: %(default)s)")
     parser.add_argument("--reduce-dtype", default="fp32",
                         help="gradient reduction dtype: bf16, fp16, fp32, or auto to let the "
                         "planner reduce in bf16 where it pays (default: %(default)s)")
-    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZER_STATES),
+    parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),
                         help="optimizer whose states are counted (default: %(default)s)")
     parser.add_argument("--gpu", default="h100", help=f"GPU preset for the time model: "
                         f"{', '.join(GPUS)} (default: %(default)s)")
@@ -181,8 +190,6 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"give either MODEL ({args.model!r}) or --hf-config ({args.hf_config!r}), "
                        "not both: --hf-config builds the model from the config alone.")
     source = model_source(args)
-    from fsdp_plan.api import PlanRequest, make_plan, verify_by_measurement
-    from fsdp_plan.plan.report import candidate_row, gather_mesh_rows, gather_module_rows
 
     progress = (lambda m: sys.stderr.write(f"fsdp-plan: {m}\n")) if args.format == "table" else None
     request = PlanRequest(
@@ -192,10 +199,9 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis,
         allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
         auto_batch=args.batch_size == "auto")
-    from fsdp_plan.model.load import (
-        user_code_output_to_stderr,  # the model's print()s stay off stdout
-    )
-    with user_code_output_to_stderr():
+    # loading the model imports torch (~6 s): only now, after every flag was checked
+    from fsdp_plan.model.load import user_code_output_to_stderr
+    with user_code_output_to_stderr():  # the model's print()s stay off stdout
         result = make_plan(request, progress)
         if args.verify and result.loaded is not None and result.plan.offload:
             if progress:  # [Note: offload as the last resort]: one memory on a CPU
@@ -217,90 +223,7 @@ def run(args: argparse.Namespace) -> int:
                           "modules": gather_module_rows(result.facts.graph, result.facts.analysis),
                           "planning_seconds": round(result.seconds, 3)}, default=str))
     else:
-        print_report(result, rows, values, args)
+        print(format_report(result, rows, model_name=args.model or args.hf_config))
     for path in written if progress else ():
         progress(f"wrote {path}")
     return 0
-
-
-def print_report(result, rows: list[dict[str, Any]], values: dict[str, Any],
-                 args: argparse.Namespace) -> None:
-    from tabulate import tabulate
-
-    from fsdp_plan.plan.report import (
-        ascii_timeline,
-        format_breakdown,
-        format_candidates,
-        format_checkpointing,
-        format_mesh_rows,
-        gather_mesh_rows,
-        gather_module_rows,
-    )
-    graph, analysis, best = result.facts.graph, result.facts.analysis, result.best
-    total = graph.total_numel
-    plan = result.plan
-    print(f"model: {args.model or args.hf_config}  parameters: {total:,} "
-          f"({format_bytes(total * 4)} fp32)  micro-batch {plan.model['batch_size']} x seq "
-          f"{args.seq_len}" + (f" x {plan.grad_accum_steps} accumulation steps"
-                               if plan.grad_accum_steps > 1 else ""))
-    shard_states = total * 4 * (1 + OPTIMIZER_STATES.get(args.optimizer, 0)) / args.world_size
-    print(f"budget {format_bytes(values['budget'])}, headroom {format_bytes(values['headroom'])}; "
-          f"model states fully sharded over {args.world_size} GPUs: {format_bytes(shard_states)} per rank")
-    print()
-    mods = gather_module_rows(graph, analysis, max_depth=1 if len(graph.modules) > 60 else 2)
-    print(tabulate([[r["module"], r["class"], f"{r['params']:,}", format_bytes(r["saved_activation_bytes"]),
-                     f"{r['fw_flops'] / 1e12:.2f}", f"{r['bw_flops'] / 1e12:.2f}"] for r in mods[:40]],
-                   headers=["module", "class", "params", "saved activations", "fw TFLOP", "bw TFLOP"]))
-    print()
-    print(format_candidates(rows))
-    print()
-    print(format_mesh_rows(gather_mesh_rows(result.ranked)))
-    print()
-    print(f"chosen: {best.name}; peak {format_bytes(best.memory.peak_bytes)} at {best.memory.phase}")
-    print(format_breakdown(best.memory.breakdown))
-    print()
-    print(format_checkpointing(best, analysis.selective_unavailable))
-    print_units_and_offload(result)
-    print()
-    print(ascii_timeline(best.time))
-    from fsdp_plan.search.ddp import report_lines  # DDP: why it won or lost, its buckets and tail
-    for line in report_lines(best, result.ranked):
-        print(line)
-    print_throughput(result)
-    print(f"\nplanned in {result.seconds:.1f} s")
-
-
-def print_throughput(result) -> None:
-    """Tokens/s per GPU and MFU, the micro-batches tried, and why each choice went its way."""
-    from tabulate import tabulate
-    predicted = result.plan.predicted
-    if "tokens_per_s" in predicted:
-        print(f"throughput: {predicted['tokens_per_s']:,.0f} tokens/s per GPU, MFU "
-              f"{predicted['mfu']:.1%} (step {result.best.time.step_s:.4g} s for "
-              f"{result.plan.grad_accum_steps} micro-batch(es) of {result.plan.model['batch_size']})")
-    if result.batch_options:
-        print(tabulate([[o["micro_batch"], o["grad_accum_steps"], o["gradient_sync"],
-                         "yes" if o["fits"] else "NO", f"{o['step_s']:.4g}",
-                         f"{o['tokens_per_s']:,.0f}", f"{o['mfu']:.1%}", o["note"]]
-                        for o in result.batch_options],
-                       headers=["micro-batch", "accumulation", "sync", "fits", "step s",
-                                "tokens/s/GPU", "MFU", "note"]))
-    for reason in result.reasons:
-        print(f"why: {reason}")
-
-
-def print_units_and_offload(result) -> None:
-    """Grouped units with their modules, and what an offloaded plan keeps on the host."""
-    grouped = [u for u in result.best.units if len(u.modules) > 1]
-    if grouped:
-        print(f"grouped units ({len(grouped)}; one fully_shard call each, FSDP1 wraps each "
-              "module separately):")
-        for u in grouped:
-            print(f"  {', '.join(u.modules)}  ({u.numel:,} parameters)")
-    host = getattr(result.best, "host_bytes", None)
-    if host:
-        total = sum(host.values())
-        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items())
-        print(f"CPU offload (FSDP2 CPUOffloadPolicy): on the host per rank {format_bytes(total)} "
-              f"({parts}); optimizer step on the CPU {result.best.time.optimizer_s * 1e3:.1f} ms; "
-              f"host-device copies {result.best.copy_s * 1e3:.1f} ms per step")

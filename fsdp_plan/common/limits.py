@@ -1,7 +1,7 @@
 """Upper bounds on what a user (flag) or a plan file (field) may ask for, written once.
 
 Anything larger is a typing mistake, refused before any work with the reason below; the
-command line (cli/plan.py, source.py), sizes (sizes.py) and plan validation (plan_check.py)
+command line (cli/plan.py, model/source.py), sizes (sizes.py) and plan validation (plan/check.py)
 read the same figures.
 """
 
@@ -24,3 +24,8 @@ MAX_TOKENS = 2**32
 hidden size, and element counts must stay well inside int64."""
 MAX_BYTES = 2**60
 """Memory sizes: larger ones are typing mistakes (and would overflow float arithmetic)."""
+
+
+def budget_limit(budget_bytes: int, headroom_bytes: int) -> int:
+    """The peak a plan may reach (SPEC section 2): the budget minus the headroom kept free."""
+    return budget_bytes - headroom_bytes

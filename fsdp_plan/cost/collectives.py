@@ -16,6 +16,7 @@ reshards (``FULL_SHARD``/``HYBRID_SHARD``), else once. (Measured with gloo on to
 
 from __future__ import annotations
 
+from fsdp_plan.cost.precision import Precision
 from fsdp_plan.cost.units import UnitSpec
 
 
@@ -71,3 +72,22 @@ def per_step(counts: dict[str, int], grad_accum_steps: int, gradient_sync: str
     return {"all_gather": counts["all_gather"] * grad_accum_steps,
             "reduce_scatter": counts["reduce_scatter"] * reduces,
             "all_reduce": counts["all_reduce"] * reduces}
+
+
+def cross_node_bytes(units: list[UnitSpec], *, replicate: int, shard: int, world_size: int,
+                     gpus_per_node: int, precision: Precision) -> int:
+    """Bytes one GPU sends across nodes per step: ring all-gathers (forward, and backward for
+    units that reshard) and reduce-scatters when a shard group spans nodes, and the HSDP
+    all-reduce when a replicate group does."""
+    total = 0.0
+    if shard > gpus_per_node:
+        ring = (shard - 1) / shard
+        for u in units:
+            if u.numel:
+                gathers = 2 if u.reshard_after_forward else 1
+                total += ring * u.unsharded_numel(shard) * (
+                    gathers * precision.unit_param_bytes(u) + precision.reduce_bytes)
+    if replicate > 1 and world_size > gpus_per_node:
+        ring = 2 * (replicate - 1) / replicate
+        total += sum(ring * u.shard_numel * precision.reduce_bytes for u in units if u.numel)
+    return int(total)

@@ -3,7 +3,7 @@
 [Note: FSDP2 memory timeline]
 Peak = max over the step of: sharded parameters, optimizer states and buffers (always live);
 sharded gradients of the units already reduce-scattered; the activation timeline of the
-analysis (see analysis.py); and what FSDP2 keeps unsharded at that moment:
+analysis (see facts/analysis.py); and what FSDP2 keeps unsharded at that moment:
 - a unit's parameters, all-gathered in ``param_dtype`` when it (or, with prefetch, the unit
   ``d`` before it) starts forward, freed after its forward when it reshards, and gathered
   again for backward when the unit ahead of it in backward order starts (FSDP2's implicit
@@ -23,6 +23,21 @@ the activations and what FSDP2 gathers and reduces, as above; in addition, while
 all-gather input is built, its shard copied from the host (stored dtype) and cast to
 ``param_dtype``, and after its reduce-scatter the reduced shard until it is copied back. No
 sharded gradient accumulates on the device and the optimizer step adds nothing there.
+[Note: gradient accumulation]
+Measured with FSDPMemTracker over whole steps (torch 2.13): a step of several micro-batches
+peaks in a micro-batch after the first, where what the earlier ones left is held throughout:
+with ``every`` the reduce-scattered fp32 sharded gradients (FSDP2 accumulates into them); with
+``last`` (no reduce-scatter before the last micro-batch) every parameter's unsharded gradient,
+accumulated in the reduce dtype when it differs from the compute dtype, else in the compute
+dtype. The optimizer step comes after the last micro-batch has reduced them: not held there.
+
+[Note: sub-steps]
+Several FSDP actions share one module boundary; they run in this order: 0 the ending unit's
+post-forward/post-backward (reshard, reduce-scatter), 1 the starting unit's copy-out of its
+all-gather, 2 the prefetch of the next unit's all-gather. A live buffer is (start, end, bytes,
+category) with start/end = (event, sub-step), present at instants start <= t < end and in the
+gap before event k when start < k <= end.
+
 All figures are bytes per rank; the search calls ``estimate_peak`` thousands of times, so it
 walks only the unit boundaries and reads activation maxima between them from a sparse table.
 """
@@ -33,47 +48,9 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from fsdp_plan.common.errors import BadInput
+from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
 from fsdp_plan.cost.units import UnitSpec
 from fsdp_plan.facts.types import Event
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-"""Bytes per element of the floating dtypes a plan may name (canonical torch names)."""
-DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                 "float": "float32", "fp64": "float64", "double": "float64"}
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "none": 0}
-"""Optimizer states per parameter, each the size of the fp32 shard (AdamW: exp_avg, exp_avg_sq)."""
-
-
-def canonical_dtype(name: str, what: str = "dtype") -> str:
-    """``bf16`` -> ``bfloat16``; ``BadInput`` naming ``what`` for anything not a float dtype."""
-    key = str(name).lower().removeprefix("torch.")
-    key = DTYPE_ALIASES.get(key, key)
-    if key not in DTYPE_BYTES:
-        raise BadInput(f"{what} {name!r} is not a floating dtype fsdp-plan knows; use one of "
-                       "bf16, fp16, fp32 (or bfloat16, float16, float32, float64).")
-    return key
-
-
-@dataclass(kw_only=True, frozen=True)
-class Precision:
-    """Element sizes: the stored (sharded) parameters, the compute copy, the gradient reduction."""
-
-    orig_bytes: int = 4
-    param_bytes: int = 2
-    reduce_bytes: int = 4
-
-    @property
-    def lowers_precision(self) -> bool:
-        """Whether the plan computes in a dtype smaller than the stored parameters."""
-        return self.param_bytes < self.orig_bytes
-
-    def unit_param_bytes(self, unit: UnitSpec) -> int:
-        """The unit's gathered parameters and unsharded gradients: ``param_bytes``, or the
-        stored ``orig_bytes`` for batch norm kept in full precision (see units.py)."""
-        if unit.full_precision and self.param_bytes < self.orig_bytes:
-            return self.orig_bytes
-        return self.param_bytes
 
 
 @dataclass(kw_only=True)
@@ -311,20 +288,14 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     total_shard = sum(u.shard_numel for u in units)
     static = {
         "sharded_params": total_shard * p.orig_bytes,
-        "optimizer_states": OPTIMIZER_STATES.get(ctx.optimizer, 0) * total_shard * p.orig_bytes
-        + (4 * sum(u.num_params for u in units) if ctx.optimizer in ("adamw", "adam") else 0),
+        "optimizer_states": optimizer_state_bytes(ctx.optimizer, total_shard,
+                                                  sum(u.num_params for u in units), p.orig_bytes),
         "buffers": ctx.buffer_bytes,
         "inputs": ctx.input_bytes,
     }
     if ctx.offload:  # [Note: CPU offload on the device]: these live on the host
         static["sharded_params"] = static["optimizer_states"] = 0
-    # [Note: gradient accumulation] (measured with FSDPMemTracker over whole steps, torch 2.13)
-    # A step of several micro-batches peaks in a micro-batch after the first, where what the
-    # earlier ones left is held throughout: with ``every`` the reduce-scattered fp32 sharded
-    # gradients (FSDP2 accumulates into them); with ``last`` (no reduce-scatter before the last
-    # micro-batch) every parameter's unsharded gradient, accumulated in the reduce dtype when it
-    # differs from the compute dtype, else in the compute dtype.
-    # The optimizer step comes after the last micro-batch has reduced them: not held there.
+    # what earlier micro-batches leave held: [Note: gradient accumulation]
     held: dict[str, int] = {}
     if ctx.grad_accum_steps > 1 and ctx.gradient_sync == "every" and not ctx.offload:
         held["sharded_grads"] = total_shard * p.orig_bytes
@@ -337,11 +308,7 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     fw_order = sorted(ran, key=lambda i: windows[i].fw_start)
     bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
 
-    # [Note: sub-steps] Several FSDP actions share one module boundary; they run in this order:
-    # 0 the ending unit's post-forward/post-backward (reshard, reduce-scatter), 1 the starting
-    # unit's copy-out of its all-gather, 2 the prefetch of the next unit's all-gather.
-    # A live buffer is (start, end, bytes, category) with start/end = (event, sub-step),
-    # present at instants start <= t < end and in the gap before event k when start < k <= end.
+    # live buffers and instants at (event, sub-step) points: [Note: sub-steps]
     bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
     # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
     # module hooks may report them the other way round: end each unit where the next begins.

@@ -16,13 +16,25 @@ Every wait lies inside a span where the communication stream is busy (an all-gat
 no later than the wait began is still running), so exposed <= total and hidden >= 0.
 
 [Note: per-op compute time]
-A unit's compute time comes from its ops (facts.py [Note: op classes]): matrix-multiply FLOPs
+A unit's compute time comes from its ops (facts/types.py [Note: op classes]): matrix-multiply FLOPs
 by shape class at the hardware's measured matmul rates for the compute dtype, attention FLOPs
 at the attention rate, bytes moved by memory-bound ops at the memory bandwidth, and a host
 overhead per op (``op_overhead_s``: added on a CPU, overlapped on a GPU whose host runs ahead,
 where an op costs max(work, overhead)), plus ``unit_overhead_s`` per FSDP unit and pass.
 Facts without op counters (written before they existed) fall back to FLOPs at
 ``peak_flops x efficiency``.
+
+[Note: bandwidth across nodes]
+``inter_node_bandwidth`` is one GPU's share of its node's network (HGX/DGX nodes: one NIC
+per GPU, e.g. 400 Gb/s NDR ~ 40-45 GB/s achieved). In every data-parallel collective all
+GPUs of a node take part at once, each in its own group, so a group with k ranks on a node
+has k NICs' worth of bandwidth there: NCCL runs a ring channel through each NIC, and a node
+must take in (n-1)/n of an all-gather's bytes through them while each GPU takes in
+(N-1)/N over NVLink. The bus bandwidth is therefore min(intra-node, k x inter_node): full
+sharding over several 8-GPU nodes with a NIC per GPU runs at 8 NICs' worth (on H100 with
+400 Gb/s NICs, close to its NVLink figure), while an HSDP replica group (one rank per node)
+runs at one NIC's rate. Checked against torchtitan's published 64-A100 runs
+(benchmarks/published_runs.py): one NIC for the whole ring had predicted them 38-44% slow.
 """
 
 from __future__ import annotations
@@ -33,6 +45,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fsdp_plan.cost.hardware import Hardware
+from fsdp_plan.cost.precision import step_bytes
+from fsdp_plan.cost.streams import Streams
 
 MM_KEYS = ("mm_small", "mm_medium", "mm_large")
 
@@ -104,7 +118,7 @@ def exclusive_ops(module_names: set[str], modules: Mapping[str, object]
 
 
 def optimizer_time(hw: Hardware, rates: Rates, optimizer: str, shard_numel: int,
-                   orig_bytes: int, states: int, tensors: int = 0) -> float:
+                   orig_bytes: int, tensors: int = 0) -> float:
     """The optimizer step over this rank's shard: measured seconds per parameter when the
     hardware file has them, else its bytes (parameter, gradient, states read and written)
     at the memory bandwidth."""
@@ -117,7 +131,7 @@ def optimizer_time(hw: Hardware, rates: Rates, optimizer: str, shard_numel: int,
         return shard_numel * per_param + tensors * (per_tensor or 0.0)
     if optimizer == "none":
         return 0.0
-    return shard_numel * orig_bytes * (3 + 2 * states) / rates.memory
+    return step_bytes(optimizer, shard_numel, orig_bytes) / rates.memory
 
 
 def fsdp_copy_time(hw: Hardware, rates: Rates, nbytes: float, kind: str) -> float:
@@ -177,19 +191,6 @@ def collective_time(hw: Hardware, nbytes: float, group: int, kind: str = "all_ga
     return hw.launch_overhead_s + latency + factor * (group - 1) / group * nbytes / bw
 
 
-# [Note: bandwidth across nodes]
-# ``inter_node_bandwidth`` is one GPU's share of its node's network (HGX/DGX nodes: one NIC
-# per GPU, e.g. 400 Gb/s NDR ~ 40-45 GB/s achieved). In every data-parallel collective all
-# GPUs of a node take part at once, each in its own group, so a group with k ranks on a node
-# has k NICs' worth of bandwidth there: NCCL runs a ring channel through each NIC, and a node
-# must take in (n-1)/n of an all-gather's bytes through them while each GPU takes in
-# (N-1)/N over NVLink. The bus bandwidth is therefore min(intra-node, k x inter_node): full
-# sharding over several 8-GPU nodes with a NIC per GPU runs at 8 NICs' worth (on H100 with
-# 400 Gb/s NICs, close to its NVLink figure), while an HSDP replica group (one rank per node)
-# runs at one NIC's rate. Checked against torchtitan's published 64-A100 runs
-# (benchmarks/published_runs.py): one NIC for the whole ring had predicted them 38-44% slow.
-
-
 def ranks_per_node_in(group: int, stride: int, gpus_per_node: int) -> int:
     """Ranks of a group on each node it spans, for a group of ``group`` ranks ``stride``
     apart (a mesh's shard dimension: stride 1; its replicate dimension: stride = shard)."""
@@ -246,31 +247,9 @@ class StepTime:
 
 def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int = 0,
                   backward_prefetch: int = 1, optimizer_s: float = 0.0) -> StepTime:
-    """Run the two-stream simulation over ``units`` given in forward order."""
-    spans: list[tuple[str, str, float, float]] = []
-    comm_free = 0.0
-    comm_busy: list[tuple[float, float]] = []
-    comm_ends: list[float] = []
-
-    def issue(label: str, at: float, duration: float) -> float:
-        nonlocal comm_free
-        start = max(at, comm_free)
-        comm_free = start + duration
-        comm_busy.append((start, comm_free))
-        comm_ends.append(comm_free)
-        spans.append(("comm", label, start, comm_free))
-        return comm_free
-
-    def overlap(start: float, end: float) -> float:
-        # comm_busy is sorted and disjoint (one stream): scan from the first busy span ending
-        # after ``start``.
-        total = 0.0
-        i = bisect.bisect_right(comm_ends, start)
-        while i < len(comm_busy) and comm_busy[i][0] < end:
-            s, e = comm_busy[i]
-            total += max(0.0, min(end, e) - max(start, s))
-            i += 1
-        return total
+    """Run the two-stream simulation over ``units`` given in forward order
+    ([Note: two-stream simulation], on ``cost/streams.Streams``)."""
+    streams = Streams(hw)
 
     def run_pass(order: list[UnitCost], phase: str, now: float, prefetch: int,
                  gathers: list[bool]) -> tuple[float, float, float]:
@@ -281,46 +260,37 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
             # issue all-gathers up to ``prefetch`` units ahead of the one about to compute
             while issued < len(order) and issued <= i + prefetch:
                 cost = order[issued]
-                ready[issued] = (issue(f"AG {cost.key}", now, cost.all_gather_s)
+                ready[issued] = (streams.issue(f"AG {cost.key}", now, cost.all_gather_s)
                                  if gathers[issued] else now)
                 issued += 1
             # without overlap (gloo) compute also waits for whatever the stream still runs
-            start = max(now, ready[i], comm_free if not hw.comm_overlaps_compute else 0.0)
+            start = max(now, ready[i], streams.comm_free if not hw.comm_overlaps_compute else 0.0)
             if start > now:
-                spans.append(("wait", f"wait AG {u.key}", now, start))
+                streams.wait(f"wait AG {u.key}", now, start)
             bubbles += start - now
             duration = u.fw_compute_s if phase == "fw" else u.bw_compute_s
-            slowed = duration * (1 + hw.contention * min(1.0, overlap(start, start + duration)
-                                                          / max(duration, 1e-12)))
-            contention += slowed - duration
-            now = start + slowed
-            spans.append(("compute", f"{phase.upper()} {u.key}", start, now))
+            now, slowdown = streams.compute(f"{phase.upper()} {u.key}", start, duration)
+            contention += slowdown
             if phase == "bw":
-                issue(f"RS {u.key}", now, u.reduce_scatter_s)
+                streams.issue(f"RS {u.key}", now, u.reduce_scatter_s)
                 if u.all_reduce_s:
-                    issue(f"AR {u.key}", comm_free, u.all_reduce_s)
+                    streams.issue(f"AR {u.key}", streams.comm_free, u.all_reduce_s)
         return now, bubbles, contention
 
     fw_end, fw_bubbles, fw_cont = run_pass(units, "fw", 0.0, forward_prefetch, [True] * len(units))
     bw_order = list(reversed(units))
     bw_end, bw_bubbles, bw_cont = run_pass(bw_order, "bw", fw_end, backward_prefetch,
                                            [u.regather for u in bw_order])
-    comm_finish = max([e for _, e in comm_busy], default=bw_end)
-    tail = max(0.0, comm_finish - bw_end)
-    if tail > 0:
-        spans.append(("wait", "wait: communication tail", bw_end, comm_finish))
-    total_comm = sum(e - s for s, e in comm_busy)
+    tail, total_comm = streams.finish(bw_end, optimizer_s)
     forward = sum(u.fw_compute_s for u in units)
     backward = sum(u.bw_compute_s for u in units)
     bubbles = fw_bubbles + bw_bubbles
     exposed = bubbles + tail
     step = forward + backward + (fw_cont + bw_cont) + exposed + optimizer_s
-    end = bw_end + tail
-    spans.append(("compute", "optimizer", end, end + optimizer_s))
     return StepTime(step_s=step, forward_s=forward, backward_s=backward + bw_cont,
                     exposed_comm_s=exposed, total_comm_s=total_comm, optimizer_s=optimizer_s,
                     bubbles_s=bubbles, contention_s=fw_cont + bw_cont, comm_tail_s=tail,
-                    spans=spans)
+                    spans=streams.spans)
 
 
 def step_phases(time: StepTime) -> dict[str, float]:

@@ -96,7 +96,7 @@ def _tensor_bytes(value: Any) -> int:
 
 def _mm_class(func, args: tuple) -> str:
     """``mm_small`` / ``mm_medium`` / ``mm_large`` by the smallest GEMM dimension
-    ([Note: op classes] in facts.py); convolutions count as medium."""
+    ([Note: op classes] in facts/types.py); convolutions count as medium."""
     mats = [a for a in (args[1:] if func._overloadpacket in _BIAS_FIRST else args)
             if isinstance(a, torch.Tensor) and a.dim() >= 2][:2]
     if len(mats) < 2 or mats[0].dim() > 3:
@@ -107,7 +107,7 @@ def _mm_class(func, args: tuple) -> str:
 
 class _ActivationMeter(TorchDispatchMode):
     """Counts bytes of live non-parameter storages, with the peak since the last ``mark``,
-    FLOPs, and the op-class counters of [Note: op classes] (facts.py) since ``take_ops``."""
+    FLOPs, and the op-class counters of [Note: op classes] (facts/types.py) since ``take_ops``."""
 
     def __init__(self, excluded: set[int]) -> None:
         super().__init__()

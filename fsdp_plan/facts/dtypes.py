@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fsdp_plan.common.errors import BadInput
+
 aten = torch.ops.aten
 
 # Ops whose CPU/CUDA kernels require every floating-point operand to share one dtype.
@@ -80,7 +82,6 @@ class DtypeChecker(TorchDispatchMode):
         """``BadInput`` naming the ops, modules and dtypes when any mismatch was recorded."""
         if not self.mismatches:
             return
-        from fsdp_plan.common.errors import BadInput
         raise BadInput(
             f"the model's forward mixes dtypes in ops whose real kernels need one dtype "
             f"({'; '.join(self.mismatches)}), which a real GPU or CPU refuses (\"expected mat1 "

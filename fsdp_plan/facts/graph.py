@@ -1,7 +1,7 @@
 """The module graph: the module tree with parameter counts, tied parameters and repeated blocks.
 
 Built from a model on ``meta`` (nothing is allocated) as the plain ``ModuleGraph`` of
-facts.py (a ``ModuleInfo`` per module, ``""`` the root), which is what the rest of the
+facts/types.py (a ``ModuleInfo`` per module, ``""`` the root), which is what the rest of the
 pipeline reads.
 """
 

@@ -7,6 +7,29 @@ places that touch a live ``nn.Module``. What they produce is defined here, free 
 ``ModuleCompute``. The memory model, the step-time model, the collective rule and the search
 read only these, so they run (and are tested) on a JSON fixture without building a model.
 ``ModelFacts`` bundles both with a JSON form (``to_json`` / ``from_json``).
+
+[Note: op classes]
+What the step-time model needs to time a module's ops on a given machine (cost/step_time.py
+``compute_time``): matrix-multiply FLOPs by shape class (the smallest of M, N, K below 128,
+below 1024, or larger: small GEMMs run far below peak), attention FLOPs (SDPA kernels),
+bytes read and written by every other op that computes (memory-bound: norms, activations,
+residual adds, casts, copies, the loss), and the number of such ops (each pays a launch or
+dispatch overhead). Views and other metadata-only ops count nothing.
+
+[Note: FLOP attribution]
+The FLOPs between two boundaries belong to the innermost module open at the first of
+them: in forward the last pre-forward not yet closed by its post-forward; in backward the
+last pre-backward not yet closed by its post-backward (a module's backward ops run right
+after its pre-backward hook) that has no open submodule (a module and its last submodule
+share an output, and the outer pre-backward hook fires second). Backward windows are not
+nested: a module's post-backward waits for its input's whole gradient, so siblings that
+share an input (q, k and v projections) close together after all of them ran, and their windows overlap. Measuring
+each module over its own window would count q's backward in k's and v's too (the tiny
+Llama's units summed to 1.4x the model's backward FLOPs). Each op's FLOPs go to one
+module (``own_*``); a module's inclusive figure adds those of its FQN descendants, so the
+units of any plan add up to the model. FLOPs outside every module (the loss) are the root's.
+The op-class counters (``Event.ops``, [Note: op classes]) are attributed the same way
+(``own_fw_ops`` / ``own_bw_ops``), those outside every module to the root.
 """
 
 from __future__ import annotations
@@ -18,13 +41,7 @@ from typing import Any
 FACTS_VERSION = 1
 
 OP_CLASSES = ("mm_small", "mm_medium", "mm_large", "attention", "memory_bytes", "ops")
-"""[Note: op classes]
-What the step-time model needs to time a module's ops on a given machine (cost.py
-``compute_time``): matrix-multiply FLOPs by shape class (the smallest of M, N, K below 128,
-below 1024, or larger: small GEMMs run far below peak), attention FLOPs (SDPA kernels),
-bytes read and written by every other op that computes (memory-bound: norms, activations,
-residual adds, casts, copies, the loss), and the number of such ops (each pays a launch or
-dispatch overhead). Views and other metadata-only ops count nothing."""
+"""The op-class counters a module's ops are summed into: see [Note: op classes]."""
 
 
 @dataclass(kw_only=True)
@@ -186,21 +203,6 @@ def _timeline(raw: dict[str, Any]) -> Timeline:
 
 def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
     """Forward/backward FLOPs per module, each op counted once (see [Note: FLOP attribution]).
-
-    [Note: FLOP attribution]
-    The FLOPs between two boundaries belong to the innermost module open at the first of
-    them: in forward the last pre-forward not yet closed by its post-forward; in backward the
-    last pre-backward not yet closed by its post-backward (a module's backward ops run right
-    after its pre-backward hook) that has no open submodule (a module and its last submodule
-    share an output, and the outer pre-backward hook fires second). Backward windows are not nested: a module's post-backward
-    waits for its input's whole gradient, so siblings that share an input (q, k and v
-    projections) close together after all of them ran, and their windows overlap. Measuring
-    each module over its own window would count q's backward in k's and v's too (the tiny
-    Llama's units summed to 1.4x the model's backward FLOPs). Each op's FLOPs go to one
-    module (``own_*``); a module's inclusive figure adds those of its FQN descendants, so the
-    units of any plan add up to the model. FLOPs outside every module (the loss) are the root's.
-    The op-class counters (``Event.ops``, [Note: op classes]) are attributed the same way
-    (``own_fw_ops`` / ``own_bw_ops``), those outside every module to the root.
     """
     for comp in modules.values():
         comp.fw_flops = comp.bw_flops = comp.own_fw_flops = comp.own_bw_flops = 0.0

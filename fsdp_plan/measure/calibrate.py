@@ -5,7 +5,7 @@
 does, one thread each on a CPU, so the figures are those of a bench run) and on every rank at
 once measures, each repeated and reduced to a median:
 - the host overhead of one op in a training step: a chain of tiny ops forward and backward,
-  its dispatched ops counted as the analysis counts them (facts.py [Note: op classes]);
+  its dispatched ops counted as the analysis counts them (facts/types.py [Note: op classes]);
 - matrix multiplies per dtype (float32, bfloat16, and float16 on a GPU) in the three shape
   classes, the overhead of one op subtracted;
 - attention (SDPA forward + backward) at its FLOP count;
@@ -45,7 +45,7 @@ MESSAGE_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23, 1 << 26, 1 << 27)
 _SHAPES = {"small": ((64, 768, 768), (768, 64, 768), (768, 768, 64)),
            "medium": ((256, 768, 768), (768, 256, 768), (768, 768, 256)),
            "large": ((1024, 1024, 1024),)}
-"""(M, K, N) shapes per class; the smallest dimension decides the class (facts.py). A class's
+"""(M, K, N) shapes per class; the smallest dimension decides the class (facts/types.py). A class's
 rate is the harmonic mean of its shapes': training multiplies activations by weights (M
 small in decode-like shapes) and, for weight gradients, over the tokens (K small)."""
 _GPU_SHAPES = {"small": ((64, 4096, 4096), (4096, 64, 4096), (4096, 4096, 64)),

@@ -19,11 +19,10 @@ import torch
 from torch import nn
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.cost.precision import OPTIMIZERS
 from fsdp_plan.model.load import LoadedModel, ModelSource, load_model, source_digest, source_kind
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.plan.read import resolve_candidates
-
-OPTIMIZERS = ("adamw", "adam", "sgd", "none")
 
 
 def source_from_plan(plan: Plan, model_path: str | None = None,
@@ -36,7 +35,7 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
     (``.json``) that exists as a regular file, but never a module to import (``kind: import``
     would run whatever the plan names). A relative path is looked up next to the plan file
     first, then in the working folder, then in the plan folder's parents
-    (``plan_read.resolve_candidates``).
+    (``plan/read.resolve_candidates``).
     """
     raw = plan.model
     entry = str(raw.get("entry") or "build_model")

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.model.hf import hf_default_inputs, hf_factory, is_hf_model
 from fsdp_plan.model.source import (  # noqa: F401  (re-exported: callers import these from load)
     ModelSource,
     parse_model_args,
@@ -353,7 +354,6 @@ def _first_leaf(model: nn.Module) -> nn.Module | None:
 
 
 def _default_inputs_for(model: nn.Module, source: ModelSource):
-    from fsdp_plan.model.hf import hf_default_inputs, is_hf_model
     if is_hf_model(model):
         return hf_default_inputs(model, source.source)
     leaf = _first_leaf(model)
@@ -450,7 +450,6 @@ def default_loss(output: Any) -> torch.Tensor:
 def load_model(source: ModelSource) -> LoadedModel:
     """Build the model on ``meta`` and resolve its inputs and loss, per SPEC section 1."""
     if source.kind == "hf-config":
-        from fsdp_plan.model.hf import hf_factory
         factory, user_module = hf_factory(source.source), None
     else:
         factory, user_module = _resolve_factory(source)

@@ -152,7 +152,7 @@ def parse_model_args(pairs: list[str] | None) -> dict[str, Any]:
 
 def _check_scalar(key: str, value: Any, where: str) -> None:
     """A plan file's model argument: a plain scalar, or (hand-written plans) lists and mappings
-    of them, as ``plan_check`` accepts."""
+    of them, as ``plan/check.py`` accepts."""
     if value is None or isinstance(value, bool | int | str):
         return
     if isinstance(value, float) and math.isfinite(value):

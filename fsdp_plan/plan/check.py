@@ -25,6 +25,7 @@ import math
 import re
 from typing import Any
 
+from fsdp_plan.common.dtypes import PLAN_DTYPE_NAMES
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.limits import (
     MAX_BATCH_SIZE,
@@ -33,14 +34,14 @@ from fsdp_plan.common.limits import (
     MAX_TOKENS,
     MAX_WORLD_SIZE,
 )
+from fsdp_plan.cost.precision import OPTIMIZERS
 from fsdp_plan.plan.read import MAX_DEPTH, MAX_NODES, clip
+from fsdp_plan.search.candidate import GRADIENT_SYNCS, STRATEGIES
 
 PLAN_VERSIONS = (1, 2)
-STRATEGIES = ("full", "hybrid", "grad-op", "none")
-OPTIMIZERS = ("adamw", "adam", "sgd", "none")
+FSDP_STRATEGIES = tuple(s for s in STRATEGIES if s != "ddp")
+"""Strategies of a sharded plan's ``strategy`` field (``ddp`` is checked on its own)."""
 MODEL_KINDS = ("file", "import", "hf-config")
-# The dtype names the generated policy module maps to torch dtypes (emit._DTYPES).
-DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32", "float64", "fp64")
 CHECKPOINT_MODES = ("full", "selective")
 
 MAX_NAME_CHARS = 4096
@@ -452,14 +453,14 @@ def _check_units(check: _Checker, value: Any
 def _check_strategy(check: _Checker, raw: dict, replicate: int, shard: int,
                     units: list[tuple[list[str], bool, Any]]) -> str:
     """``strategy`` against the mesh and resharding, accepting what the planner writes
-    (``search.strategies_for``: full and grad-op shard over all ranks, none replicates, hybrid
+    (``search/fsdp.meshes_for``: full and grad-op shard over all ranks, none replicates, hybrid
     may have one replica when the world fits in a node); absent, it follows from the mesh."""
     if "strategy" not in raw or raw["strategy"] is None:
         return "hybrid" if replicate > 1 and shard > 1 else "none" if shard == 1 < replicate \
             else "full"
     if raw["strategy"] == "ddp":
         return _check_ddp_strategy(check, shard, units)
-    strategy = check.choice(raw["strategy"], "strategy", STRATEGIES,
+    strategy = check.choice(raw["strategy"], "strategy", FSDP_STRATEGIES,
                             "full (FULL_SHARD), hybrid (HSDP), grad-op (SHARD_GRAD_OP) or none")
     if strategy in ("full", "grad-op") and replicate != 1:
         raise check.fail("strategy", f"is {strategy} but mesh.replicate is {replicate}",
@@ -561,7 +562,7 @@ def _check_precision(check: _Checker, value: Any, path: str = "mixed_precision",
     out: dict[str, str | None] = {}
     for key, dtype in mapping.items():
         if dtype is not None:
-            check.choice(dtype, f"{path}.{key}", DTYPE_NAMES,
+            check.choice(dtype, f"{path}.{key}", PLAN_DTYPE_NAMES,
                          "FSDP casts to floating dtypes only: use bfloat16, float16 or float32, "
                          "or null to keep the parameters' dtype")
         out[key] = dtype
@@ -598,7 +599,6 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
     return copy.deepcopy(predicted)
 
 
-GRADIENT_SYNC = ("every", "last")
 
 
 def _check_accumulation(check: _Checker, raw: dict) -> tuple[int, str]:
@@ -607,7 +607,7 @@ def _check_accumulation(check: _Checker, raw: dict) -> tuple[int, str]:
     steps = raw.get("grad_accum_steps", 1)
     check.integer(steps, "grad_accum_steps", 1, 2**20, "grad_accum_steps counts micro-batches "
                   "per optimizer step: a whole number >= 1")
-    sync = check.choice(raw.get("gradient_sync", "every"), "gradient_sync", GRADIENT_SYNC,
+    sync = check.choice(raw.get("gradient_sync", "every"), "gradient_sync", GRADIENT_SYNCS,
                         "every reduces gradients after each micro-batch, last only after the "
                         "last one")
     return steps, sync

@@ -8,16 +8,16 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 
 from fsdp_plan.common.files import atomic_write_all, atomic_write_text, check_writable  # noqa: F401
+from fsdp_plan.common.limits import budget_limit
 from fsdp_plan.plan.check import check_plan_document
 from fsdp_plan.plan.read import read_plan_document
 
 PLAN_VERSION = 1
-Strategy = Literal["full", "hybrid", "grad-op", "none", "ddp"]
 
 
 @dataclass(kw_only=True)
@@ -82,6 +82,11 @@ class Plan:
     offload: dict[str, bool] | None = None
     """``{params: true, optimizer: true}``: FSDP2 ``CPUOffloadPolicy`` (version 2); None: none."""
     fsdp_plan_version: int = PLAN_VERSION
+
+    @property
+    def limit_bytes(self) -> int:
+        """The peak the plan may reach: budget minus headroom."""
+        return budget_limit(self.budget_bytes, self.headroom_bytes)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML document, keys in SPEC order first."""

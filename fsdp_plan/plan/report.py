@@ -7,14 +7,29 @@ so ``--format json`` and the tables show the same figures.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from tabulate import tabulate
 
 from fsdp_plan.common.sizes import format_bytes, format_gb
+from fsdp_plan.cost.ddp_buckets import MIB
+from fsdp_plan.cost.precision import OPTIMIZER_STATES
 from fsdp_plan.cost.step_time import StepTime
-from fsdp_plan.facts.types import Analysis, ModuleGraph
-from fsdp_plan.search.fsdp import Candidate
+from fsdp_plan.facts.types import Analysis, ModelFacts, ModuleGraph
+from fsdp_plan.plan.document import Plan
+from fsdp_plan.search.candidate import Candidate, DDPDetail, OffloadDetail
+
+
+class PlannedResult(Protocol):
+    """What the report reads of a planning result (``api.PlanResult``)."""
+
+    plan: Plan
+    best: Candidate
+    ranked: list[Candidate]
+    facts: ModelFacts
+    reasons: list[str]
+    batch_options: list[dict[str, Any]]
+    seconds: float
 
 
 def gather_module_rows(graph: ModuleGraph, analysis: Analysis, max_depth: int = 2) -> list[dict[str, Any]]:
@@ -30,7 +45,7 @@ def gather_module_rows(graph: ModuleGraph, analysis: Analysis, max_depth: int = 
         saved = saved_incl[fqn]
         rows.append({
             "module": fqn or "<root>", "class": info.class_name, "params": info.subtree_numel,
-            "param_bytes": info.subtree_numel * 4, "saved_activation_bytes": saved,
+            "param_bytes": fp32_bytes(info.subtree_numel), "saved_activation_bytes": saved,
             "fw_flops": fw_incl[fqn], "bw_flops": bw_incl[fqn],
             "calls": comp.calls if comp else 0,
         })
@@ -80,7 +95,7 @@ def candidate_row(c: Candidate) -> dict[str, Any]:
 
 def gather_checkpointing_rows(c: Candidate) -> list[dict[str, Any]]:
     """Per checkpointed block: its mode, the activation bytes the mode saves (against no
-    checkpointing) and its recompute seconds in backward (search.py [Note: recompute time])."""
+    checkpointing) and its recompute seconds in backward (search/evaluator.py [Note: recompute time])."""
     return [{"block": m.block, "mode": m.mode, "saved_bytes": m.saved_bytes,
              "recompute_s": m.recompute_s} for m in c.block_modes]
 
@@ -202,3 +217,152 @@ def chrome_trace(time: StepTime) -> str:
                for n, t in (("compute (predicted)", 1), ("communication (predicted)", 2),
                             ("compute waits for communication (predicted)", 3))]
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
+
+
+def format_report(result: PlannedResult, rows: list[dict[str, Any]], *, model_name: str) -> str:
+    """The table report of ``fsdp-plan MODEL``: the model, its modules, the candidates, the
+    meshes, the chosen plan's peak, checkpointing, units, timeline, DDP lines and throughput."""
+    graph, analysis, best = result.facts.graph, result.facts.analysis, result.best
+    total = graph.total_numel
+    plan = result.plan
+    lines = [f"model: {model_name}  parameters: {total:,} "
+             f"({format_bytes(fp32_bytes(total))} fp32)  micro-batch {plan.model['batch_size']} x "
+             f"seq {plan.model['seq_len']}" + (f" x {plan.grad_accum_steps} accumulation steps"
+                                                if plan.grad_accum_steps > 1 else "")]
+    shard_states = (fp32_bytes(total) * (1 + OPTIMIZER_STATES.get(plan.optimizer, 0))
+                    / plan.world_size)
+    lines.append(f"budget {format_bytes(plan.budget_bytes)}, headroom "
+                 f"{format_bytes(plan.headroom_bytes)}; model states fully sharded over "
+                 f"{plan.world_size} GPUs: {format_bytes(shard_states)} per rank")
+    lines.append("")
+    mods = gather_module_rows(graph, analysis, max_depth=1 if len(graph.modules) > 60 else 2)
+    lines.append(tabulate([[r["module"], r["class"], f"{r['params']:,}",
+                            format_bytes(r["saved_activation_bytes"]),
+                            f"{r['fw_flops'] / 1e12:.2f}", f"{r['bw_flops'] / 1e12:.2f}"]
+                           for r in mods[:40]],
+                          headers=["module", "class", "params", "saved activations", "fw TFLOP",
+                                   "bw TFLOP"]))
+    lines += ["", format_candidates(rows), "", format_mesh_rows(gather_mesh_rows(result.ranked)),
+              "", f"chosen: {best.name}; peak {format_bytes(best.memory.peak_bytes)} at "
+              f"{best.memory.phase}", format_breakdown(best.memory.breakdown), "",
+              format_checkpointing(best, analysis.selective_unavailable)]
+    lines += format_units_and_offload(best)
+    lines += ["", ascii_timeline(best.time)]
+    lines += ddp_lines(best, result.ranked)
+    lines += format_throughput(result)
+    lines.append(f"\nplanned in {result.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def format_throughput(result: PlannedResult) -> list[str]:
+    """Tokens/s per GPU and MFU, the micro-batches tried, and why each choice went its way."""
+    lines = []
+    predicted = result.plan.predicted
+    if "tokens_per_s" in predicted:
+        lines.append(f"throughput: {predicted['tokens_per_s']:,.0f} tokens/s per GPU, MFU "
+                     f"{predicted['mfu']:.1%} (step {result.best.time.step_s:.4g} s for "
+                     f"{result.plan.grad_accum_steps} micro-batch(es) of "
+                     f"{result.plan.model['batch_size']})")
+    if result.batch_options:
+        lines.append(tabulate([[o["micro_batch"], o["grad_accum_steps"], o["gradient_sync"],
+                                "yes" if o["fits"] else "NO", f"{o['step_s']:.4g}",
+                                f"{o['tokens_per_s']:,.0f}", f"{o['mfu']:.1%}", o["note"]]
+                               for o in result.batch_options],
+                              headers=["micro-batch", "accumulation", "sync", "fits", "step s",
+                                       "tokens/s/GPU", "MFU", "note"]))
+    lines += [f"why: {reason}" for reason in result.reasons]
+    return lines
+
+
+def format_units_and_offload(best: Candidate) -> list[str]:
+    """Grouped units with their modules, and what an offloaded plan keeps on the host."""
+    lines = []
+    grouped = [u for u in best.units if len(u.modules) > 1]
+    if grouped:
+        lines.append(f"grouped units ({len(grouped)}; one fully_shard call each, FSDP1 wraps "
+                     "each module separately):")
+        lines += [f"  {', '.join(u.modules)}  ({u.numel:,} parameters)" for u in grouped]
+    if isinstance(best.detail, OffloadDetail):
+        host = best.detail.host_bytes
+        total = sum(host.values())
+        parts = ", ".join(f"{k.replace('_', ' ')} {format_bytes(v)}" for k, v in host.items())
+        lines.append(f"CPU offload (FSDP2 CPUOffloadPolicy): on the host per rank "
+                     f"{format_bytes(total)} ({parts}); optimizer step on the CPU "
+                     f"{best.time.optimizer_s * 1e3:.1f} ms; host-device copies "
+                     f"{best.detail.copy_s * 1e3:.1f} ms per step")
+    return lines
+
+
+def fp32_bytes(numel: int) -> int:
+    """Bytes of ``numel`` parameters stored in float32 (how FSDP keeps the sharded copy)."""
+    return numel * 4
+
+
+def describe_buckets(candidate: Candidate, limit: int = 12) -> list[str]:
+    """Report lines: each bucket's bytes, when it is ready and when its all-reduce runs."""
+    detail = candidate.detail
+    assert isinstance(detail, DDPDetail), "buckets are a DDP candidate's"
+    ar = [s for s in candidate.time.spans if s[0] == "comm" and s[1].startswith("AR bucket")]
+    lines = []
+    ready = detail.ready_s or [span[2] for span in ar]
+    for i, (bucket, span, at) in enumerate(zip(detail.buckets, ar, ready)):
+        if i == limit and len(detail.buckets) > limit + 1:
+            lines.append(f"  ... {len(detail.buckets) - limit - 1} more buckets")
+            continue
+        if limit < i < len(detail.buckets) - 1:
+            continue
+        lines.append(f"  bucket {i:>3}: {bucket.nbytes / MIB:9.2f} MiB, "
+                     f"{len(bucket.params):>4} params, ready {at * 1e3:9.3f} ms, all-reduce "
+                     f"{span[2] * 1e3:9.3f} -> {span[3] * 1e3:9.3f} ms")
+    t = candidate.time
+    bw_end = t.forward_s + t.backward_s
+    lines.append(f"  backward ends at {bw_end * 1e3:.3f} ms; communication tail "
+                 f"{t.exposed_comm_s * 1e3:.3f} ms (forward {t.forward_s * 1e3:.3f} ms, no "
+                 "communication)")
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
+def why_line(ranked: list[Candidate]) -> str:
+    """One line: why the winner beat the best candidate of the other kind (DDP vs FSDP/HSDP),
+    on the same clock; empty when only one kind was planned."""
+    fitting = [c for c in ranked if c.fits]
+    if not fitting:
+        return ""
+    best = fitting[0]
+    is_ddp = best.strategy == "ddp"
+    other = next((c for c in fitting if (c.strategy == "ddp") != is_ddp), None)
+    if other is None:
+        ddp = next((c for c in ranked if c.strategy == "ddp"), None)
+        if is_ddp or ddp is None:
+            return ""
+        return (f"why: {best.name} wins; DDP does not fit: its peak "
+                f"{format_bytes(ddp.memory.peak_bytes)} holds every parameter, gradient and "
+                "optimizer state on each GPU.")
+    b, o = best.time, other.time
+    ddp, fsdp = (b, o) if is_ddp else (o, b)
+    return (f"why: {best.name} wins: step {_ms(b.step_s)} vs {_ms(o.step_s)} for {other.name}; "
+            f"DDP (no parameter all-gathers, gradient buckets all-reduced during backward) "
+            f"exposes {_ms(ddp.exposed_comm_s)} of {_ms(ddp.total_comm_s)} communication, "
+            f"FSDP/HSDP {_ms(fsdp.exposed_comm_s)} of {_ms(fsdp.total_comm_s)}; peak "
+            f"{format_bytes(best.memory.peak_bytes)} vs {format_bytes(other.memory.peak_bytes)}.")
+
+
+def ddp_lines(best: Candidate, ranked: list[Candidate]) -> list[str]:
+    """The report's DDP lines: why the winner won (DDP vs FSDP/HSDP) and, for a DDP winner,
+    its buckets becoming ready with their all-reduces and the tail."""
+    lines = []
+    why = why_line(ranked)
+    if why:
+        lines.append(why)
+    if isinstance(best.detail, DDPDetail):
+        c = best.detail.config
+        lines.append(f"DDP buckets after the rebuild ({len(best.detail.buckets)}, cap "
+                     f"{c.bucket_cap_mb:g} MiB, first {c.first_bucket_mb:g} MiB"
+                     + (", bf16 compression hook" if c.comm_hook else "")
+                     + (", find_unused_parameters" if c.find_unused_parameters else "") + "):")
+        lines.extend(describe_buckets(best))
+    return lines

@@ -1,5 +1,7 @@
 """Choices that trade memory or numerics for tokens per second: micro-batch size, gradient
-accumulation, when gradients are reduced, and the reduction dtype (issue 11).
+accumulation, when gradients are reduced, and the reduction dtype: the outer sweep around
+the search. It is handed the analysis (``facts_at``) and the search (``search``) as functions,
+and returns its choice; ``api`` writes the plan once, from that choice (plan/build.py).
 
 [Note: choosing for throughput]
 Users have a global batch (samples per optimizer step over all data-parallel ranks) and want
@@ -20,19 +22,25 @@ wins; every option's figures are kept for the report.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
-from fsdp_plan.search.fsdp import Candidate, Evaluator
-
-if TYPE_CHECKING:
-    from fsdp_plan.api import PlanRequest, PlanResult, Progress
-    from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.search.candidate import Candidate, SearchSettings
+from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.request import PlanRequest
+from fsdp_plan.search.run import SearchResult
 
 REDUCE_DTYPE_GAIN = 0.02
 """bfloat16 gradient reduction must beat float32 by this share of step time to be chosen."""
 MAX_AUTO_MICRO_BATCH = 1 << 16
+
+Search = Callable[[ModelFacts, SearchSettings], SearchResult]
+"""The search with its strategies bound (search/run.py ``run_search``)."""
+FactsAt = Callable[[int], ModelFacts]
+"""The model's facts at a micro-batch size (facts/analyze.py, injected by ``api``)."""
 
 
 @dataclass(kw_only=True)
@@ -72,104 +80,148 @@ def throughput(candidate: Candidate, facts: ModelFacts, *, micro_batch: int, seq
     return Throughput(tokens_per_s=tokens / step, mfu=flops / step / peak_flops)
 
 
-def evaluate_like(evaluator: Evaluator, candidate: Candidate, name: str) -> Candidate:
-    """``candidate``'s layout, checkpointing and prefetch evaluated under ``evaluator``'s
-    settings (another gradient sync, another reduce dtype)."""
-    units = candidate.units
-    index = {b: i for i, b in enumerate(evaluator.graph.blocks)}
-    selective = frozenset(index[b] for b in getattr(candidate, "selective", []) or [])
-    full = frozenset(index[b] for b in candidate.checkpointed if index[b] not in selective)
-    return evaluator.evaluate(
-        name=name, strategy=candidate.strategy, replicate=candidate.replicate,
-        shard=candidate.shard, groups=[list(u.modules) for u in units[:-1]],
-        reshard=[u.reshard_after_forward for u in units[:-1]],
-        root_reshard=units[-1].reshard_after_forward, checkpoint=full, selective=selective,
-        forward_prefetch=candidate.forward_prefetch, backward_prefetch=candidate.backward_prefetch)
+@dataclass(kw_only=True)
+class BatchChoice:
+    """What the sweep chose: the search that won, the request as chosen (micro-batch in
+    ``request.source.batch_size``, accumulation, gradient sync, reduce dtype), its facts and
+    throughput, why, and every micro-batch tried."""
+
+    result: SearchResult
+    request: PlanRequest
+    facts: ModelFacts
+    throughput: Throughput
+    reasons: list[str] = field(default_factory=list)
+    options: list[BatchOption] = field(default_factory=list)
+    global_batch_size: int | None = None
+    """The global batch the micro-batch and accumulation were chosen for, if one was asked."""
+
+    @property
+    def best(self) -> Candidate:
+        return self.result.best
+
+    @property
+    def gradient_sync(self) -> str:
+        """When gradients are reduced (``every`` without accumulation)."""
+        return self.request.gradient_sync if self.request.grad_accum_steps > 1 else "every"
 
 
-def plan_with_choices(facts: ModelFacts, request: PlanRequest, *, digest: str = "",
-                      notes: list[str] | None = None) -> PlanResult:
-    """``plan_from_facts`` plus the reduce-dtype choice (``auto``) and, with accumulation,
-    the gradient-sync choice; the plan records throughput and the reasons."""
-    from fsdp_plan.api import plan_from_facts
+def choose_batch(request: PlanRequest, *, facts_at: FactsAt, search: Search) -> BatchChoice:
+    """The micro-batch, accumulation, gradient sync and reduce dtype with the most tokens per
+    second per GPU ([Note: choosing for throughput]); ``NoFeasiblePlan`` when nothing fits.
+    Without ``global_batch_size`` or ``auto_batch`` the micro-batch is the request's."""
+    if request.global_batch_size is None and not request.auto_batch:
+        return _choose_at(request, facts_at(request.source.batch_size), search)
+    per_rank = (request.global_batch_size // request.world_size
+                if request.global_batch_size else None)
+    options: list[BatchOption] = []
+    best: BatchChoice | None = None
+    failure: NoFeasiblePlan | None = None
+    for b in micro_batch_sizes(request):
+        k = per_rank // b if per_rank else 1
+        one = dataclasses.replace(request, source=dataclasses.replace(request.source, batch_size=b),
+                                  grad_accum_steps=k, global_batch_size=None, auto_batch=False)
+        try:
+            choice = _choose_at(one, facts_at(b), search)
+        except NoFeasiblePlan as e:
+            failure = failure or e
+            options.append(BatchOption(micro_batch=b, grad_accum_steps=k, note="no plan fits; "
+                                       "larger micro-batches hold more activations"))
+            break  # larger micro-batches need more memory still
+        options.append(BatchOption(
+            micro_batch=b, grad_accum_steps=k, gradient_sync=choice.gradient_sync,
+            reduce_dtype=choice.request.reduce_dtype, fits=True, step_s=choice.best.time.step_s,
+            tokens_per_s=round(choice.throughput.tokens_per_s, 3),
+            mfu=round(choice.throughput.mfu, 4), peak_bytes=choice.best.memory.peak_bytes))
+        # a larger micro-batch must be strictly faster to win (auto: "largest that fits, or
+        # the fastest if larger is not faster")
+        if best is None or options[-1].tokens_per_s > round(best.throughput.tokens_per_s, 3) * (
+                1 + 1e-9):
+            best = choice
+    if best is None:
+        assert failure is not None
+        raise failure
+    chosen = next(o for o in options if o.fits and o.micro_batch == best.request.source.batch_size)
+    others = ", ".join(f"{o.micro_batch}x{o.grad_accum_steps}: "
+                       + (f"{o.tokens_per_s:.4g} tokens/s" if o.fits else "does not fit")
+                       for o in options if o is not chosen)
+    best.reasons = [f"micro-batch {chosen.micro_batch} x {chosen.grad_accum_steps} "
+                    f"accumulation step(s): {chosen.tokens_per_s:.4g} tokens/s per GPU, the "
+                    f"most of the micro-batches tried ({others or 'no other fits'})",
+                    *best.reasons]
+    best.options = options
+    best.global_batch_size = request.global_batch_size
+    return best
+
+
+def _choose_at(request: PlanRequest, facts: ModelFacts, search: Search) -> BatchChoice:
+    """One micro-batch: the reduce-dtype choice (``auto``) and, with accumulation, the
+    gradient-sync choice."""
     reasons: list[str] = []
     if request.reduce_dtype == "auto":
-        results = {}
-        for dtype in ("float32", "bfloat16"):
-            try:
-                results[dtype] = plan_from_facts(
-                    facts, dataclasses.replace(request, reduce_dtype=dtype), digest=digest,
-                    notes=notes)
-            except NoFeasiblePlan:
-                continue
-        if not results:
-            return plan_from_facts(facts, dataclasses.replace(request, reduce_dtype="bfloat16"),
-                                   digest=digest, notes=notes)
-        fp32, bf16 = results.get("float32"), results.get("bfloat16")
-        if fp32 is None:
-            result, chosen = bf16, "bfloat16"
-            reasons.append("reduce in bfloat16: with float32 reduction no plan fits")
-        elif bf16 is None or bf16.best.time.step_s > fp32.best.time.step_s * (
-                1 - REDUCE_DTYPE_GAIN):
-            result, chosen = fp32, "float32"
-            gain = 0.0 if bf16 is None else 1 - bf16.best.time.step_s / fp32.best.time.step_s
-            reasons.append(f"reduce in float32: bfloat16 would gain {gain:.1%} of step time, "
-                           f"under the {REDUCE_DTYPE_GAIN:.0%} that pays for its precision loss")
-        else:
-            result, chosen = bf16, "bfloat16"
-            reasons.append(f"reduce in bfloat16: step {bf16.best.time.step_s:.4g} s vs "
-                           f"{fp32.best.time.step_s:.4g} s in float32 (reduce-scatter bytes "
-                           "halved; gradients are summed in bfloat16, as --reduce-dtype auto "
-                           "allows)")
-        request = dataclasses.replace(request, reduce_dtype=chosen)
+        result, request = _with_reduce_dtype_choice(request, facts, search, reasons)
     else:
-        result = plan_from_facts(facts, request, digest=digest, notes=notes)
-    if request.grad_accum_steps > 1 and not getattr(result.best, "offload", None):
+        result = search(facts, request.settings())
+    if request.grad_accum_steps > 1 and not result.best.layout.offload:
         result, request = _with_sync_choice(facts, request, result, reasons)
-    _record(result, request, facts, reasons)
-    return result
+    rate = throughput(result.best, facts, micro_batch=request.source.batch_size,
+                      seq_len=request.source.seq_len, grad_accum_steps=request.grad_accum_steps,
+                      peak_flops=request.hardware.peak_flops)
+    return BatchChoice(result=result, request=request, facts=facts, throughput=rate,
+                       reasons=reasons)
 
 
-def _with_sync_choice(facts: ModelFacts, request: PlanRequest, result: PlanResult,
-                      reasons: list[str]) -> tuple[PlanResult, PlanRequest]:
-    """The faster of reducing after every micro-batch and only after the last, with the
-    request that produced it."""
-    from fsdp_plan.api import to_plan
+def _with_reduce_dtype_choice(request: PlanRequest, facts: ModelFacts, search: Search,
+                              reasons: list[str]) -> tuple[SearchResult, PlanRequest]:
+    """Search with float32 and bfloat16 reduction; bfloat16 only when it gains at least
+    ``REDUCE_DTYPE_GAIN`` of step time (or float32 fits nowhere)."""
+    results: dict[str, SearchResult] = {}
+    for dtype in ("float32", "bfloat16"):
+        try:
+            results[dtype] = search(facts, dataclasses.replace(request,
+                                                               reduce_dtype=dtype).settings())
+        except NoFeasiblePlan:
+            continue
+    if not results:  # neither fits: the bfloat16 search's NoFeasiblePlan is the answer
+        bf16_request = dataclasses.replace(request, reduce_dtype="bfloat16")
+        return search(facts, bf16_request.settings()), bf16_request
+    fp32, bf16 = results.get("float32"), results.get("bfloat16")
+    if fp32 is None:
+        result, chosen = bf16, "bfloat16"
+        reasons.append("reduce in bfloat16: with float32 reduction no plan fits")
+    elif bf16 is None or bf16.best.time.step_s > fp32.best.time.step_s * (1 - REDUCE_DTYPE_GAIN):
+        result, chosen = fp32, "float32"
+        gain = 0.0 if bf16 is None else 1 - bf16.best.time.step_s / fp32.best.time.step_s
+        reasons.append(f"reduce in float32: bfloat16 would gain {gain:.1%} of step time, "
+                       f"under the {REDUCE_DTYPE_GAIN:.0%} that pays for its precision loss")
+    else:
+        result, chosen = bf16, "bfloat16"
+        reasons.append(f"reduce in bfloat16: step {bf16.best.time.step_s:.4g} s vs "
+                       f"{fp32.best.time.step_s:.4g} s in float32 (reduce-scatter bytes "
+                       "halved; gradients are summed in bfloat16, as --reduce-dtype auto "
+                       "allows)")
+    assert result is not None
+    return result, dataclasses.replace(request, reduce_dtype=chosen)
+
+
+def _with_sync_choice(facts: ModelFacts, request: PlanRequest, result: SearchResult,
+                      reasons: list[str]) -> tuple[SearchResult, PlanRequest]:
+    """The faster of reducing after every micro-batch and only after the last (the winner's
+    layout evaluated again under ``gradient_sync: last``), with the request that produced it."""
     last_request = dataclasses.replace(request, gradient_sync="last")
     evaluator = Evaluator(facts.graph, facts.analysis, last_request.settings())
-    other = evaluate_like(evaluator, result.best, result.best.name + " sync-last")
-    every_s = result.best.time.step_s
+    best = result.best
+    other = evaluator.evaluate(best.layout, best.name + " sync-last")
+    every_s = best.time.step_s
     if other.fits and other.time.step_s < every_s:
         reasons.append(f"reduce gradients only after the last of {request.grad_accum_steps} "
                        f"micro-batches: step {other.time.step_s:.4g} s vs {every_s:.4g} s "
                        "reducing after every one (the held unsharded gradients fit)")
-        plan = to_plan(other, last_request, numel=facts.graph.total_numel,
-                       digest=str(result.plan.model.get("digest", "")),
-                       selective_ops=facts.analysis.selective_ops)
-        plan.model.update({k: v for k, v in result.plan.model.items() if k == "notes"})
-        return dataclasses.replace(result, plan=plan, best=other,
-                                   ranked=[other, *result.ranked]), last_request
+        return dataclasses.replace(result, ranked=[other, *result.ranked]), last_request
     why = ("its held unsharded gradients do not fit" if not other.fits
            else f"it is not faster ({other.time.step_s:.4g} s vs {every_s:.4g} s)")
     reasons.append(f"reduce gradients after every micro-batch: reducing only after the last, "
                    f"{why}")
     return result, request
-
-
-def _record(result: PlanResult, request: PlanRequest, facts: ModelFacts,
-            reasons: list[str]) -> None:
-    """Accumulation, throughput and the reasons for each choice, in the plan and result."""
-    plan = result.plan
-    plan.grad_accum_steps = request.grad_accum_steps
-    plan.gradient_sync = request.gradient_sync if request.grad_accum_steps > 1 else "every"
-    if plan.grad_accum_steps > 1:
-        plan.fsdp_plan_version = 2
-    rate = throughput(result.best, facts, micro_batch=request.source.batch_size,
-                      seq_len=request.source.seq_len, grad_accum_steps=request.grad_accum_steps,
-                      peak_flops=request.hardware.peak_flops)
-    plan.predicted["tokens_per_s"] = round(rate.tokens_per_s, 3)
-    plan.predicted["mfu"] = round(rate.mfu, 4)
-    result.reasons = [*getattr(result, "reasons", []), *reasons]
 
 
 def micro_batch_sizes(request: PlanRequest) -> list[int]:
@@ -189,59 +241,3 @@ def micro_batch_sizes(request: PlanRequest) -> list[int]:
                        f"number of samples per step. Try {nearest}.")
     per_rank = request.global_batch_size // ranks
     return [b for b in range(1, per_rank + 1) if per_rank % b == 0]
-
-
-def plan_micro_batches(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
-    """The micro-batch, accumulation and gradient sync with the most tokens per second per GPU
-    ([Note: choosing for throughput]); ``NoFeasiblePlan`` when no micro-batch fits."""
-    from fsdp_plan.api import analyze_model
-    per_rank = (request.global_batch_size // request.world_size
-                if request.global_batch_size else None)
-    options: list[BatchOption] = []
-    best: tuple[float, PlanResult] | None = None
-    failure: NoFeasiblePlan | None = None
-    for b in micro_batch_sizes(request):
-        k = per_rank // b if per_rank else 1
-        source = dataclasses.replace(request.source, batch_size=b)
-        one = dataclasses.replace(request, source=source, grad_accum_steps=k,
-                                  global_batch_size=None, auto_batch=False)
-        if progress:
-            progress(f"micro-batch {b} x {k} accumulation step(s)")
-        analyzed = analyze_model(source, param_dtype=one.param_dtype, exact=one.exact_analysis)
-        try:
-            result = plan_with_choices(analyzed.facts, one, digest=analyzed.digest,
-                                       notes=analyzed.notes)
-        except NoFeasiblePlan as e:
-            failure = failure or e
-            options.append(BatchOption(micro_batch=b, grad_accum_steps=k, note="no plan fits; "
-                                       "larger micro-batches hold more activations"))
-            break  # larger micro-batches need more memory still
-        result.loaded = analyzed.loaded
-        rate = result.plan.predicted
-        options.append(BatchOption(
-            micro_batch=b, grad_accum_steps=k, gradient_sync=result.plan.gradient_sync,
-            reduce_dtype=str(result.plan.mixed_precision.get("reduce_dtype")), fits=True,
-            step_s=result.best.time.step_s, tokens_per_s=rate["tokens_per_s"], mfu=rate["mfu"],
-            peak_bytes=result.best.memory.peak_bytes))
-        # a larger micro-batch must be strictly faster to win (auto: "largest that fits, or
-        # the fastest if larger is not faster")
-        if best is None or rate["tokens_per_s"] > best[0] * (1 + 1e-9):
-            best = (rate["tokens_per_s"], result)
-    if best is None:
-        assert failure is not None
-        raise failure
-    result = best[1]
-    chosen = next(o for o in options if o.fits and o.micro_batch == result.plan.model[
-        "batch_size"])
-    others = ", ".join(f"{o.micro_batch}x{o.grad_accum_steps}: "
-                       + (f"{o.tokens_per_s:.4g} tokens/s" if o.fits else "does not fit")
-                       for o in options if o is not chosen)
-    result.reasons = [f"micro-batch {chosen.micro_batch} x {chosen.grad_accum_steps} "
-                      f"accumulation step(s): {chosen.tokens_per_s:.4g} tokens/s per GPU, the "
-                      f"most of the micro-batches tried ({others or 'no other fits'})",
-                      *getattr(result, "reasons", [])]
-    result.batch_options = [o.row() for o in options]
-    if request.global_batch_size:
-        result.plan.predicted["global_batch_size"] = request.global_batch_size
-    return result
-

@@ -16,7 +16,7 @@ behind) and its reduce-scatter when it is the last (the tail after backward). Co
 come from ``cost.collective_time`` (latency and bandwidth). The edges go forward only, so the
 graph is a DAG and Dijkstra (``networkx.shortest_path``) finds the best cut exactly for this
 weight. The search then evaluates each resulting layout with the exact memory and step-time
-models (search.py), so the weight only has to rank cuts, not predict the step.
+models (search/evaluator.py), so the weight only has to rank cuts, not predict the step.
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ file) are hardware files too, each figure with its source in a comment. ``--hard
 override the fields of the ``--gpu`` preset (the plan's GPU for ``predict``), so a file may
 hold a single field; a file written before the per-op fields existed still reads, and the
 step-time model derives what it lacks from ``peak_flops`` x ``efficiency`` and
-``hbm_bandwidth`` (cost.py ``Rates``).
+``hbm_bandwidth`` (cost/step_time.py ``Rates``).
 
 Per-op fields (all optional):
 - ``matmul_flops``: ``{dtype: {small, medium, large}}`` achieved FLOP/s of matrix multiplies
-  by shape class (the smallest of M, N, K: < 128, < 1024, larger; facts.py [Note: op classes]);
+  by shape class (the smallest of M, N, K: < 128, < 1024, larger; facts/types.py [Note: op classes]);
 - ``attention_flops``: ``{dtype: FLOP/s}`` of scaled-dot-product attention (forward and
   backward together);
 - ``memory_bandwidth``: bytes/s that memory-bound ops (norms, activations, adds, copies) reach;
@@ -47,6 +47,7 @@ from importlib import resources
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.cost.precision import OPTIMIZERS
 
 MM_CLASSES = ("small", "medium", "large")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -68,7 +69,7 @@ class Hardware:
     inter_node_bandwidth: float = 40e9
     """One GPU's achieved share of its node's network, bytes/s (400 Gb/s InfiniBand per GPU:
     ~40 GB/s). A group with k ranks per node crosses nodes at k times this, capped by the
-    intra-node bandwidth ([Note: bandwidth across nodes] in cost.py)."""
+    intra-node bandwidth ([Note: bandwidth across nodes] in cost/step_time.py)."""
     collective_latency_s: float = 20e-6
     launch_overhead_s: float = 10e-6
     """Host cost of issuing one collective."""
@@ -206,7 +207,7 @@ def _nested(key: str, value: object, where: str) -> dict[str, Any]:
         return table
     if key in ("optimizer_s_per_param", "optimizer_s_per_tensor"):
         per_opt = _mapping(value, key, where, f"{key}: {{adamw: 2e-12}}")
-        _keys(per_opt, ("adamw", "adam", "sgd"), key, where)
+        _keys(per_opt, tuple(o for o in OPTIMIZERS if o != "none"), key, where)
         return {o: _number("optimizer_s_per_param", v, where, f"{key}.{o}")
                 for o, v in per_opt.items()}
     kinds = _mapping(value, key, where,

@@ -1,0 +1,467 @@
+"""DDP's cost model: gradient buckets, their ready order, memory and step time, from the same
+facts and two-stream clock (cost/streams.py) as FSDP.
+
+When the unsharded model states and the activations fit on one GPU, plain
+``DistributedDataParallel`` gathers no parameters: its only collective is the gradient
+all-reduce, one per bucket, issued during backward. Its knob is ``bucket_cap_mb``: small
+buckets start early but pay launch and latency per all-reduce; large ones start late and
+leave a tail after backward. This module predicts the buckets exactly as DDP builds them,
+when each becomes ready, the all-reduce schedule on the communication stream and the per-rank
+memory; search/ddp.py picks the cap with the lowest step time. Pure functions over
+``ModelFacts``.
+
+[Note: DDP buckets] (read in torch 2.13 ``nn/parallel/distributed.py`` and the C++ reducer;
+checked on gloo with 2 processes by ``fsdp_plan.measure.ddp`` for tiny Llama, GPT-2 with
+tied embeddings, a ResNet and a model with an unused parameter)
+- Parameters: ``named_modules()`` order, each module's ``named_parameters(recurse=False)``,
+  a tied parameter once, at its first owner (``_build_params_for_reducer``); ``ModuleInfo``
+  keeps exactly that (``param_shapes`` at the first owner).
+- The first iteration uses one bucket (``static_graph`` or not ``find_unused_parameters``) or
+  reverse parameter order. At the end of the first backward the reducer records the order in
+  which gradients became ready, and at the start of the second forward it rebuilds the buckets
+  over that order with ``compute_bucket_assignment_by_size``: a greedy walk that closes a
+  bucket as soon as its bytes reach the limit (``>=``, the parameter that crosses the limit
+  included), the first bucket against ``first_bucket_bytes_cap``, every later one against
+  ``bucket_bytes_cap``. Buckets are kept per dtype; this model has one gradient dtype.
+- The first bucket's cap is ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) only when
+  ``bucket_cap_mb`` is left at its default (None, 25 MiB); an explicit ``bucket_cap_mb``
+  makes the first bucket as large as the others. Any other pair needs
+  ``bucket_cap_mb_list=[first, cap]`` (torch >= 2.13), whose list is used for both bucketings.
+- With ``find_unused_parameters`` (and no ``static_graph``) the reducer never rebuilds
+  (``should_rebuild_buckets``): the buckets stay the first bucketing, which walks the
+  parameters in order with the same limits and reverses the bucket list (the first-defined
+  parameters, whose gradients come last, end in the last, smallest-capped bucket); the
+  logged ``bucket_sizes`` is then the truth. After the last bucket the reducer all-reduces
+  its used-parameter map (one more ``allreduce_``).
+- ``rebuilt_bucket_sizes`` in ``_get_ddp_logging_data()`` lists each bucket's bytes
+  (numel x element size, no padding) in that order; that is ``predicted.buckets``.
+
+[Note: gradient ready order]
+A parameter's gradient is ready when its ``AccumulateGrad`` node runs, right after the last
+backward op that uses it (autograd runs accumulation nodes first). From the analysis
+timeline: the module's last ``pre_bw`` (its backward ops start there; a module called twice
+is ready after its earlier call's backward), a parameter registered on a container (not a
+leaf) at the container's last ``post_bw``, a tied parameter at the latest of its modules,
+and a parameter whose modules never ran backward is unused. Within one module, ``Linear``
+(and ``Conv1D``) gives its bias first (the add's backward runs before the matmul's), while
+fused kernels (norms, convolutions with bias) accumulate in registration order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_plan.cost.hardware import Hardware
+from fsdp_plan.cost.memory import MemoryEstimate
+from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
+from fsdp_plan.cost.step_time import (
+    Rates,
+    StepTime,
+    collective_time,
+    compute_time,
+    optimizer_time,
+    ranks_per_node_in,
+)
+from fsdp_plan.cost.streams import Streams
+from fsdp_plan.facts.types import Analysis, Event, ModuleGraph
+
+MIB = 1 << 20
+DEFAULT_BUCKET_CAP_MB = 25
+"""DDP's ``bucket_cap_mb`` default (``_DEFAULT_BUCKET_CAP_MB``), MiB."""
+DEFAULT_FIRST_BUCKET_MB = 1
+"""``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB): the first bucket's cap under the default."""
+CAP_GRID_MB = (1, 2, 5, 10, 25, 50, 100, 200, 400)
+"""Bucket caps the search tries (MiB)."""
+BIAS_FIRST_CLASSES = frozenset({"Linear", "NonDynamicallyQuantizableLinear", "LazyLinear",
+                                "Conv1D"})
+"""Module classes whose bias gradient is ready before the weight's ([Note: gradient ready
+order])."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class DDPConfig:
+    """The ``DistributedDataParallel`` arguments a plan sets (SPEC 6 ``ddp``)."""
+
+    bucket_cap_mb: int = DEFAULT_BUCKET_CAP_MB
+    first_bucket_mb: int = DEFAULT_FIRST_BUCKET_MB
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into the buckets: no second copy of them."""
+    static_graph: bool = False
+    find_unused_parameters: bool = False
+    comm_hook: str | None = None
+    """``bf16_compress`` (``default_hooks.bf16_compress_hook``: half the bytes) or None."""
+
+    @property
+    def limits(self) -> list[int]:
+        """The reducer's bucket size limits at the rebuild, bytes."""
+        return [self.first_bucket_mb * MIB, self.bucket_cap_mb * MIB]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"bucket_cap_mb": self.bucket_cap_mb, "first_bucket_mb": self.first_bucket_mb,
+               "gradient_as_bucket_view": self.gradient_as_bucket_view,
+               "static_graph": self.static_graph,
+               "find_unused_parameters": self.find_unused_parameters}
+        if self.comm_hook:
+            out["comm_hook"] = self.comm_hook
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> DDPConfig:
+        raw = dict(raw or {})
+        return cls(**{k: raw[k] for k in ("bucket_cap_mb", "first_bucket_mb",
+                                          "gradient_as_bucket_view", "static_graph",
+                                          "find_unused_parameters", "comm_hook") if k in raw})
+
+
+@dataclass(kw_only=True)
+class GradParam:
+    """One parameter as DDP's reducer sees it."""
+
+    index: int
+    """Its index in DDP's parameter list."""
+    module: str
+    position: int
+    """Its place among the parameters registered directly on ``module``."""
+    numel: int
+    nbytes: int
+    ready_event: int | None = None
+    """Timeline event that orders it among the ready gradients; None when it gets none."""
+    ready_at: int | None = None
+    """Timeline event whose time is when its gradient is ready (after its module's ops)."""
+
+
+@dataclass(kw_only=True)
+class Bucket:
+    """One gradient bucket after DDP's rebuild."""
+
+    params: list[int]
+    nbytes: int
+    ready_event: int
+    """The latest ``ready_at`` event of its parameters: its all-reduce may start there."""
+
+
+@dataclass(kw_only=True)
+class DDPEvaluation:
+    """Buckets, memory and time of one DDP configuration."""
+
+    config: DDPConfig
+    buckets: list[Bucket]
+    memory: MemoryEstimate
+    time: StepTime
+    collectives: dict[str, int]
+    unused: list[int] = field(default_factory=list)
+    ready_s: list[float] = field(default_factory=list)
+    """When each bucket's last gradient is ready (seconds from the step's start)."""
+
+
+# --- parameters, ready order, buckets ---------------------------------------------------------
+
+def ddp_parameters(graph: ModuleGraph) -> list[GradParam]:
+    """DDP's parameter list: ``named_modules()`` order, direct parameters, tied ones once."""
+    out: list[GradParam] = []
+    for fqn, info in graph.modules.items():
+        if not info.param_shapes:
+            continue
+        total_bytes = sum(info.direct_bytes_by_dtype.values())
+        element = max(1, round(total_bytes / info.direct_numel)) if info.direct_numel else 4
+        for position, shape in enumerate(info.param_shapes):
+            numel = 1
+            for dim in shape:
+                numel *= int(dim)
+            out.append(GradParam(index=len(out), module=fqn, position=position, numel=numel,
+                                 nbytes=numel * element))
+    return out
+
+
+def _module_ready_events(graph: ModuleGraph, events: list[Event]
+                         ) -> dict[str, tuple[int, int]]:
+    """Per module with parameters: (the event ordering its gradients, the event at whose time
+    they are ready); absent when its backward never ran. See [Note: gradient ready order]."""
+    backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), len(events))
+    last_pre: dict[str, int] = {}
+    last_post: dict[str, int] = {}
+    for i in range(backward_start, len(events)):
+        ev = events[i]
+        if ev.kind == "pre_bw":
+            last_pre[ev.module] = i
+        elif ev.kind == "post_bw":
+            last_post[ev.module] = i
+    ready: dict[str, tuple[int, int]] = {}
+    for fqn, info in graph.modules.items():
+        if info.children and fqn in last_post:
+            ready[fqn] = (last_post[fqn], last_post[fqn])
+        elif fqn in last_pre:
+            ready[fqn] = (last_pre[fqn], _after_own_ops(events, last_pre[fqn]))
+    for group in graph.tied_groups:
+        seen = [ready[m] for m in group if m in ready]
+        if seen:
+            for m in group:
+                ready[m] = max(seen)
+    return ready
+
+
+def _after_own_ops(events: list[Event], at: int) -> int:
+    """The first event after module ``events[at]``'s pre-backward that ends its own ops: the
+    pre-backward hooks of modules around it fire at the same moment and hold none of them."""
+    inner = events[at].module
+    j = at + 1
+    while j < len(events) - 1 and events[j].kind == "pre_bw" and (
+            events[j].module == "" or inner.startswith(events[j].module + ".")):
+        j += 1
+    return min(j, len(events) - 1)
+
+
+def grad_parameters(graph: ModuleGraph, events: list[Event]) -> list[GradParam]:
+    """``ddp_parameters`` with each one's ready event from the analysis timeline."""
+    params = ddp_parameters(graph)
+    ready = _module_ready_events(graph, events)
+    for p in params:
+        if p.module in ready:
+            p.ready_event, p.ready_at = ready[p.module]
+    return params
+
+
+def rebuilt_order(graph: ModuleGraph, params: list[GradParam]) -> list[GradParam]:
+    """The order DDP's reducer records gradients becoming ready (unused ones first)."""
+    unused = [p for p in params if p.ready_event is None]
+
+    def within(p: GradParam) -> int:
+        bias_first = graph.modules[p.module].class_name in BIAS_FIRST_CLASSES
+        return -p.position if bias_first else p.position
+    used = sorted((p for p in params if p.ready_event is not None),
+                  key=lambda p: (p.ready_event, within(p)))
+    return unused + used
+
+
+def assign_by_size(sizes: list[int], limits: list[int]) -> list[list[int]]:
+    """``compute_bucket_assignment_by_size`` for one dtype: positions into ``sizes`` per bucket.
+
+    A bucket closes once its bytes reach its limit; the first bucket uses ``limits[0]``,
+    each next one the next limit, the last limit repeating."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    limit_at = 0
+    for i, nbytes in enumerate(sizes):
+        current.append(i)
+        size += nbytes
+        if size >= limits[limit_at]:
+            buckets.append(current)
+            current, size = [], 0
+            limit_at = min(limit_at + 1, len(limits) - 1)
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def build_buckets(graph: ModuleGraph, events: list[Event], config: DDPConfig,
+                  params: list[GradParam] | None = None) -> tuple[list[Bucket], list[GradParam]]:
+    """The buckets DDP builds after its rebuild, and its parameters (see [Note: DDP buckets]);
+    ``params`` is ``grad_parameters(graph, events)`` when the caller already has it."""
+    params = grad_parameters(graph, events) if params is None else params
+    last = len(events) - 1
+    backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), last)
+    if rebuilds(config):
+        order = rebuilt_order(graph, params)
+        groups = assign_by_size([p.nbytes for p in order], config.limits)
+    else:  # DDP keeps its first bucketing: parameter order, the bucket list reversed
+        order = params
+        groups = assign_by_size([p.nbytes for p in order], config.limits)[::-1]
+    out = []
+    for positions in groups:
+        members = [order[i] for i in positions]
+        # unused parameters are marked ready at the first autograd hook
+        ready = max((p.ready_at if p.ready_at is not None else backward_start)
+                    for p in members)
+        out.append(Bucket(params=[p.index for p in members],
+                          nbytes=sum(p.nbytes for p in members), ready_event=ready))
+    return out, params
+
+
+def rebuilds(config: DDPConfig) -> bool:
+    """Whether DDP rebuilds its buckets after the first iteration (the reducer's
+    ``should_rebuild_buckets``: with ``find_unused_parameters`` and no ``static_graph`` it
+    never does, and the first bucketing stays)."""
+    return config.static_graph or not config.find_unused_parameters
+
+
+def unused_parameters(graph: ModuleGraph, analysis: Analysis) -> list[GradParam]:
+    """Parameters that get no gradient in the analysed step (DDP needs
+    ``find_unused_parameters=True`` for them)."""
+    return [p for p in grad_parameters(graph, analysis.timeline.events) if p.ready_event is None]
+
+
+
+# --- the clock --------------------------------------------------------------------------------
+
+def event_times(events: list[Event], hw: Hardware, dtype: str) -> list[float]:
+    """Compute seconds from the step's start to each event on the hardware's clock: the ops
+    between two boundaries (``Event.ops``) timed as cost/step_time.py times a unit's ops."""
+    rates = Rates.of(hw, dtype)
+    times = [0.0] * len(events)
+    for i in range(1, len(events)):
+        delta = max(0.0, events[i].flops - events[i - 1].flops)
+        times[i] = times[i - 1] + compute_time(rates, events[i].ops, delta)
+    return times
+
+
+def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, world_size: int,
+                  gpus_per_node: int, optimizer_s: float, times: list[float],
+                  compress: bool = False, used_map_bytes: int = 0) -> tuple[StepTime, list[float]]:
+    """Forward, then backward with each bucket's all-reduce issued when it is ready and all
+    earlier buckets were issued (the reducer launches buckets in order), on the two streams of
+    cost/streams.py. Where the hardware file says collectives do not overlap compute
+    (``comm_overlaps_compute: false``, gloo on a CPU, as the FSDP simulation reads it too)
+    backward waits for each all-reduce, counted as exposed communication: the reducer's gloo
+    threads then share the few cores backward runs on. ``times`` is ``event_times(events, hw,
+    dtype)`` (the same for every bucket size). Returns the step and when each bucket became
+    ready."""
+    n = len(events)
+    bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
+    forward = times[bw_start]
+    local = ranks_per_node_in(world_size, 1, gpus_per_node)
+    streams = Streams(hw)
+    streams.spans.append(("compute", "FW", 0.0, forward))
+    now, unslowed_at, contention, waited = forward, forward, 0.0, 0.0
+    ready: list[float] = []
+
+    def all_reduce(label: str, nbytes: float) -> None:
+        nonlocal now, waited
+        streams.issue(label, now, collective_time(hw, nbytes, world_size, "all_reduce",
+                                                  ranks_per_node=local))
+        if not hw.comm_overlaps_compute:  # gloo on a CPU: the all-reduce takes the cores
+            streams.wait(f"wait {label}", now, streams.comm_free)
+            waited += streams.comm_free - now
+            now = streams.comm_free
+
+    def compute_until(target: float, label: str) -> None:
+        nonlocal now, unslowed_at, contention
+        duration = max(0.0, target - unslowed_at)
+        if duration <= 0:
+            return
+        now, slowdown = streams.compute(label, now, duration)
+        contention += slowdown
+        unslowed_at = target
+
+    for i, bucket in enumerate(buckets):
+        compute_until(times[bucket.ready_event], f"BW to bucket {i}")
+        ready.append(now)
+        wire = bucket.nbytes / 2 if compress else bucket.nbytes
+        all_reduce(f"AR bucket {i} ({wire / MIB:.1f} MiB)", wire)
+    compute_until(times[-1], "BW")
+    if used_map_bytes:
+        all_reduce("AR used-parameter map", used_map_bytes)
+    tail, total_comm = streams.finish(now, optimizer_s)
+    backward = times[-1] - forward
+    step = StepTime(step_s=forward + backward + contention + waited + tail + optimizer_s,
+                    forward_s=forward, backward_s=backward + contention,
+                    exposed_comm_s=waited + tail, total_comm_s=total_comm,
+                    optimizer_s=optimizer_s, bubbles_s=waited, contention_s=contention,
+                    comm_tail_s=tail, spans=streams.spans)
+    return step, ready
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, optimizer: str,
+               config: DDPConfig, unused: list[GradParam] | None = None) -> MemoryEstimate:
+    """Per-rank peak of a steady DDP step (every rank holds everything).
+
+    Always alive: fp32 parameters, the bucket storage (which is the gradients under
+    ``gradient_as_bucket_view``; otherwise ``.grad`` is a second copy once backward has
+    written it), optimizer states (AdamW: two per parameter and a step count per tensor),
+    buffers and inputs. On top: the analysis' activation peak (it already holds each weight
+    gradient from the op that makes it until it is accumulated), or the optimizer step's
+    temporary (one gradient-sized ``foreach`` buffer, as in cost/memory.py). A plan computing below
+    float32 runs under ``torch.autocast``, which keeps a low-precision copy of each weight
+    from its forward use to its backward."""
+    params = graph.total_param_bytes
+    # a parameter that never gets a gradient gets no optimizer state and no step temporary
+    if unused is None:
+        unused = unused_parameters(graph, analysis)
+    trained = params - sum(p.nbytes for p in unused)
+    num_tensors = sum(len(m.param_shapes) for m in graph.modules.values()) - len(unused)
+    states = OPTIMIZER_STATES.get(optimizer, 0)
+    static = {
+        "params": params,
+        "gradient_buckets": params,
+        # ``trained`` is already in bytes of the stored parameters: elements of one byte
+        "optimizer_states": optimizer_state_bytes(optimizer, trained, num_tensors, 1),
+        "buffers": graph.total_buffer_bytes,
+        "inputs": analysis.input_bytes,
+    }
+    if not config.gradient_as_bucket_view:
+        static["grads"] = params
+    events = analysis.timeline.events
+    activations = max((e.peak for e in events), default=0)
+    autocast = (graph.total_numel * precision.param_bytes
+                if precision.param_bytes < precision.orig_bytes else 0)
+    base = sum(static.values())
+    step = {**static, "activations": activations}
+    if autocast:
+        step["autocast_weights"] = autocast
+    opt_temp = trained if states else 0
+    if base + opt_temp > base + activations + autocast:
+        return MemoryEstimate(peak_bytes=base + opt_temp, phase="optimizer step",
+                              breakdown={**static, "optimizer_temporaries": opt_temp})
+    peak_at = max(range(len(events)), key=lambda i: events[i].peak) if events else 0
+    ev = events[peak_at] if events else None
+    where = f"{ev.kind} {ev.module or '<root>'}" if ev else "step"
+    phase = "backward" if ev and ev.kind.endswith("bw") else "forward"
+    return MemoryEstimate(peak_bytes=base + activations + autocast, phase=f"{phase} ({where})",
+                          breakdown=step)
+
+
+# --- evaluation ----------------------------------------------------------------------------
+
+def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, hw: Hardware,
+                 world_size: int, gpus_per_node: int, precision: Precision, optimizer: str,
+                 dtype: str = "bfloat16", params: list[GradParam] | None = None,
+                 times: list[float] | None = None) -> DDPEvaluation:
+    """Buckets, memory, collectives and step time of one DDP configuration (``params``: the
+    model's ``grad_parameters``, and ``times``: ``event_times``, computed once when several
+    configurations are evaluated)."""
+    events = analysis.timeline.events
+    buckets, params = build_buckets(graph, events, config, params)
+    unused = [p.index for p in params if p.ready_event is None]
+    optimizer_s = optimizer_time(hw, Rates.of(hw, dtype), optimizer, graph.total_numel,
+                                 precision.orig_bytes)
+    time, ready = ddp_step_time(
+        buckets, events, hw, world_size=world_size, gpus_per_node=gpus_per_node,
+        optimizer_s=optimizer_s, compress=config.comm_hook == "bf16_compress",
+        used_map_bytes=4 * len(params) if config.find_unused_parameters else 0,
+        times=event_times(events, hw, dtype) if times is None else times)
+    memory = ddp_memory(graph, analysis, precision, optimizer, config,
+                        [p for p in params if p.ready_event is None])
+    collectives = {"all_gather": 0, "reduce_scatter": 0,
+                   "all_reduce": len(buckets) + (1 if config.find_unused_parameters else 0)}
+    if buffer_broadcasts(graph):
+        collectives["broadcast"] = buffer_broadcasts(graph)
+    return DDPEvaluation(config=config, buckets=buckets, memory=memory, time=time,
+                         collectives=collectives, unused=unused, ready_s=ready)
+
+
+def buffer_broadcasts(graph: ModuleGraph) -> int:
+    """Broadcasts DDP issues in each forward to keep buffers equal (``broadcast_buffers``,
+    its default): ``_broadcast_coalesced`` sends one per tensor type in chunks of 250 MiB, so
+    one for floating buffers and one more for batch norm's int64 ``num_batches_tracked``
+    (checked on gloo: 1 for the Llama's rotary table, 2 for the ResNet, none without buffers)."""
+    if not graph.total_buffer_bytes:
+        return 0
+    batch_norm = any("BatchNorm" in m.class_name and m.buffer_bytes
+                     for m in graph.modules.values())
+    floating = graph.total_buffer_bytes > (8 * sum(1 for m in graph.modules.values()
+                                                   if "BatchNorm" in m.class_name
+                                                   and m.buffer_bytes))
+    chunks = max(1, -(-graph.total_buffer_bytes // (250 * MIB)))
+    return (chunks if floating else 0) + (1 if batch_norm else 0)
+
+
+def ddp_api_kwargs(config: DDPConfig) -> dict[str, Any]:
+    """The ``DistributedDataParallel`` keyword arguments that build ``config``'s buckets: the
+    generated policy's own rule (``policy_runtime.ddp_kwargs``), so both sides agree."""
+    from fsdp_plan.policy_runtime import ddp_kwargs
+    return ddp_kwargs(config.to_dict())
+
+

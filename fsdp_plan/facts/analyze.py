@@ -1,0 +1,67 @@
+"""The one step that builds a model: load it on ``meta`` and analyse one fake step into
+``ModelFacts``. Everything after this (cost, search, plan) is pure over the facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fsdp_plan.common.dtypes import canonical_dtype
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.progress import Progress
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.model.source import ModelSource, source_digest
+
+if TYPE_CHECKING:  # loading imports torch: named here for the annotations only
+    from fsdp_plan.model.load import LoadedModel
+
+
+@dataclass(kw_only=True)
+class Analyzed:
+    """A model built on ``meta`` and its facts (the one step that needs torch)."""
+
+    loaded: LoadedModel
+    facts: ModelFacts
+    digest: str
+    notes: list[str] = field(default_factory=list)
+
+
+def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: bool = False,
+                  progress: Progress | None = None) -> Analyzed:
+    """Build the model on ``meta`` and run the fake forward + backward (facts/analysis.py)."""
+    _, _, load = _torch_stages()
+    return analyze_loaded(load.load_model(source), param_dtype=param_dtype, exact=exact,
+                          progress=progress)
+
+
+def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact: bool = False,
+                   progress: Progress | None = None) -> Analyzed:
+    """``analyze_model`` for a model already loaded (verify and predict load it to check it)."""
+    import torch  # see _torch_stages
+
+    analysis, graph_of, load = _torch_stages()
+    source = loaded.source
+    graph = graph_of.build_module_graph(loaded.model)
+    if graph.total_numel == 0:
+        raise BadInput(f"model {source.source!r} has no parameters; there is nothing to shard.")
+    if progress:
+        for note in loaded.notes:
+            progress(f"note: {note}")
+        progress(f"analysing {graph.total_numel:,} parameters, batch {source.batch_size} x "
+                 f"sequence {source.seq_len}")
+    with load.user_code_output_to_stderr():  # the model's print()s: stdout is the report's
+        analysed = analysis.analyze(loaded,
+                                    param_dtype=getattr(torch, canonical_dtype(param_dtype)),
+                                    blocks=graph.blocks, exact=exact, progress=progress)
+    return Analyzed(loaded=loaded, facts=ModelFacts(graph=graph, analysis=analysed),
+                    digest=source_digest(source), notes=list(loaded.notes))
+
+
+def _torch_stages():
+    """The stages that build and trace a live model, imported on first use: they import
+    torch, and ``import fsdp_plan`` (and planning from saved facts) must not. The package's
+    one deliberate deferred import of its own modules (as FSDP2 defers its own)."""
+    from fsdp_plan.facts import analysis, graph
+    from fsdp_plan.model import load
+    return analysis, graph, load

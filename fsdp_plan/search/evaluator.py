@@ -1,0 +1,379 @@
+"""The one evaluation entry point: a ``Layout`` in, a ``Candidate`` out.
+
+``Evaluator(graph, analysis, settings).evaluate(layout, name)`` runs the memory model
+(cost/memory.py), the collective counts (cost/collectives.py) and the two-stream clock
+(cost/step_time.py, cost/ddp_buckets.py) for any layout the search, a fallback, the
+micro-batch sweep or ``predict`` hands it: FSDP and HSDP units, DDP buckets, CPU offload. It
+caches what many layouts share (activation profiles per checkpointed set, per-unit times, DDP's
+parameter order and event clock).
+
+[Note: recompute time]
+A checkpointed block replays part of its forward inside its unit's backward: all of it
+(``full``) or the ops not saved (``selective``: norms, activations, rotary embeddings,
+casts: few FLOPs, much memory traffic). Both are measured per block as the backward its
+mode's pass ran beyond the plain pass's, and timed like any other ops (cost/step_time.py
+``compute_time``: matmul FLOPs by shape class, attention, memory-bound bytes, per-op
+overhead). The cost of a set of modes is the sum over its blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fsdp_plan.cost.collectives import count_fsdp1, count_fsdp2, cross_node_bytes, per_step
+from fsdp_plan.cost.ddp_buckets import GradParam, evaluate_ddp, event_times, grad_parameters
+from fsdp_plan.cost.memory import ActivationProfile, StepContext, estimate_peak
+from fsdp_plan.cost.offload import host_bytes, offload_seconds, offloaded_time
+from fsdp_plan.cost.step_time import (
+    Rates,
+    StepTime,
+    UnitCost,
+    accumulated_step,
+    add_ops,
+    collective_time,
+    compute_time,
+    exclusive_ops,
+    fsdp_copy_time,
+    optimizer_time,
+    ranks_per_node_in,
+    simulate_step,
+)
+from fsdp_plan.cost.timeline import TimelineComposer
+from fsdp_plan.cost.units import UnitSpec, build_units
+from fsdp_plan.facts.types import Analysis, ModuleGraph
+from fsdp_plan.search.candidate import (
+    BlockMode,
+    Candidate,
+    DDPDetail,
+    Layout,
+    OffloadDetail,
+    SearchSettings,
+)
+
+
+class Evaluator:
+    """Evaluates layouts against one analysis and one set of settings."""
+
+    def __init__(self, graph: ModuleGraph, analysis: Analysis, settings: SearchSettings) -> None:
+        self.graph = graph
+        self.analysis = analysis
+        self.settings = settings
+        self.composer = TimelineComposer(analysis, graph.blocks)
+        self._profiles: dict[tuple[frozenset[int], frozenset[int]], ActivationProfile] = {}
+        self.exclusive_fw, self.exclusive_bw = _exclusive_flops(graph, analysis)
+        self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks if b in analysis.modules}
+        self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
+        self._ops_cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
+        self._cost_cache: dict[tuple, UnitCost] = {}
+        """A unit's times without recompute, by what it owns, its bytes and the mesh."""
+        self._param_tensors = sum(len(i.param_shapes) for i in graph.modules.values())
+        self._own_ops: tuple[dict, dict] | None = None
+        """Each module's own op counters, computed at the first timing."""
+        self._ddp_params: list[GradParam] | None = None
+        self._ddp_times: list[float] | None = None
+        """DDP's parameter list with ready events, and its event clock: shared by every bucket
+        configuration."""
+        self.block_cost = self._block_costs()
+
+    def evaluate(self, layout: Layout, name: str) -> Candidate:
+        """Memory, collectives and step time of ``layout``, named ``name``."""
+        if layout.strategy == "ddp":
+            return self._replicated(layout, name)
+        candidate = self._sharded(layout, name)
+        return self._offloaded(candidate) if layout.offload else candidate
+
+    def _sharded(self, layout: Layout, name: str) -> Candidate:
+        """FSDP or HSDP units with their checkpointed blocks and prefetch."""
+        s = self.settings
+        replicate, shard = layout.mesh
+        which, selective = layout.full, layout.selective - layout.full
+        units = self.units_of(layout)
+        ctx = StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
+                          buffer_bytes=self.graph.total_buffer_bytes,
+                          input_bytes=self.analysis.input_bytes,
+                          grad_accum_steps=s.grad_accum_steps, gradient_sync=s.gradient_sync)
+        profile = self.profile(which, selective)
+        memory = estimate_peak(profile, units, ctx, forward_prefetch=layout.forward_prefetch,
+                               backward_prefetch=layout.backward_prefetch)
+        ran = [profile.ran(u) for u in units]
+        blocks = self.graph.blocks
+        block_modes = [self._block_mode(blocks[i], "selective" if i in selective else "full")
+                       for i in sorted(which | selective)]
+        time = self._time(units, shard, replicate, block_modes, layout.forward_prefetch,
+                          layout.backward_prefetch)
+        calls = self._calls(units)
+        return Candidate(
+            name=name, layout=layout, units=units, memory=memory, time=time,
+            collectives=per_step(count_fsdp2(units, replicate=replicate, shard=shard, ran=ran,
+                                             calls=calls),
+                                 s.grad_accum_steps, s.gradient_sync),
+            collectives_fsdp1=per_step(count_fsdp1(units, strategy=layout.strategy,
+                                                   replicate=replicate, ran=ran, calls=calls),
+                                       s.grad_accum_steps, s.gradient_sync),
+            fits=runnable(units, ran) and memory.peak_bytes <= s.limit_bytes,
+            block_modes=block_modes,
+            cross_node_bytes=cross_node_bytes(units, replicate=replicate, shard=shard,
+                                              world_size=s.world_size,
+                                              gpus_per_node=s.gpus_per_node,
+                                              precision=s.precision),
+        )
+
+    def units_of(self, layout: Layout) -> list[UnitSpec]:
+        """The ``fully_shard`` units of a sharded layout, children first, the root last."""
+        return build_units(self.graph, [list(g) for g in layout.groups] + [[""]],
+                           [*layout.reshard, layout.root_reshard], layout.shard)
+
+    def _offloaded(self, candidate: Candidate) -> Candidate:
+        """``candidate`` with ``CPUOffloadPolicy``: device peak and step time
+        (cost/offload.py [Note: offload as the last resort])."""
+        s = self.settings
+        layout = candidate.layout
+        ctx = StepContext(precision=s.precision, shard_size=layout.shard, optimizer=s.optimizer,
+                          buffer_bytes=self.graph.total_buffer_bytes,
+                          input_bytes=self.analysis.input_bytes, offload=True)
+        profile = self.profile(layout.full, layout.selective - layout.full)
+        memory = estimate_peak(profile, candidate.units, ctx,
+                               forward_prefetch=layout.forward_prefetch,
+                               backward_prefetch=layout.backward_prefetch)
+        orig = s.precision.orig_bytes
+        copy_s, exposed, cpu_optimizer_s = offload_seconds(candidate.units, candidate.time,
+                                                           s.hardware, s.optimizer, orig)
+        ran = [profile.ran(u) for u in candidate.units]
+        return dataclasses.replace(
+            candidate, memory=memory,
+            time=offloaded_time(candidate.time, copy_s, exposed, cpu_optimizer_s),
+            fits=runnable(candidate.units, ran) and memory.peak_bytes <= s.limit_bytes,
+            detail=OffloadDetail(host_bytes=host_bytes(candidate.units, s.optimizer, orig),
+                                 copy_s=copy_s))
+
+    def _replicated(self, layout: Layout, name: str) -> Candidate:
+        """``DistributedDataParallel`` with ``layout.ddp``'s buckets (cost/ddp_buckets.py)."""
+        s = self.settings
+        if self._ddp_params is None:
+            events = self.analysis.timeline.events
+            self._ddp_params = grad_parameters(self.graph, events)
+            self._ddp_times = event_times(events, s.hardware, self.analysis.param_dtype)
+        assert layout.ddp is not None, "a DDP layout carries its bucket configuration"
+        e = evaluate_ddp(self.graph, self.analysis, layout.ddp, hw=s.hardware,
+                         world_size=s.world_size, gpus_per_node=s.gpus_per_node,
+                         precision=s.precision, optimizer=s.optimizer,
+                         dtype=self.analysis.param_dtype, params=self._ddp_params,
+                         times=self._ddp_times)
+        return Candidate(
+            name=name, layout=layout, units=build_units(self.graph, [[""]], [False], 1),
+            memory=e.memory, time=e.time, collectives=dict(e.collectives),
+            collectives_fsdp1=dict(e.collectives),
+            fits=e.memory.peak_bytes <= s.limit_bytes,
+            detail=DDPDetail(config=e.config, buckets=e.buckets, unused=e.unused,
+                             ready_s=e.ready_s))
+
+    def _block_costs(self) -> dict[str, dict[str, BlockMode]]:
+        """Per block and mode: bytes saved and recompute seconds ([Note: recompute time])."""
+        hw = self.settings.hardware
+        rates = Rates.of(hw, self.analysis.param_dtype) if hw else None
+        c = self.composer
+        modes = ["full"] if c.ckpt_seg is not None else []
+        modes += ["selective"] if c.sel_seg is not None else []
+        out: dict[str, dict[str, BlockMode]] = {}
+        if c.plain_seg is None:
+            return out
+        for i, b in enumerate(self.graph.blocks):
+            kept, _ = c.segment_delta(i, "none")
+            per: dict[str, BlockMode] = {}
+            for mode in modes:
+                level, _ = c.segment_delta(i, mode)
+                saved = max(0, kept - level)
+                flops, ops = _replayed(c, i, mode)
+                if rates is None:
+                    seconds = 0.0
+                elif ops is not None:
+                    seconds = compute_time(rates, ops, flops)
+                else:  # facts without op counters: the FLOPs, and for the memory-bound ops
+                    # the bytes no longer kept, written once and read once
+                    flops = self.block_fw.get(b, flops) if mode == "full" else flops
+                    seconds = (compute_time(rates, None, flops)
+                               + compute_time(rates, {"memory_bytes": 2.0 * saved}, 0.0))
+                per[mode] = BlockMode(block=b, mode=mode, saved_bytes=saved, recompute_s=seconds)
+            out[b] = per
+        return out
+
+    def _calls(self, units: list[UnitSpec]) -> list[int]:
+        """Forward calls of each unit's modules in one step (a shared module runs twice)."""
+        mods = self.analysis.modules
+        return [max([mods[m].calls for m in u.modules if m in mods] or [1]) for u in units]
+
+    def _unit_flops(self, unit: UnitSpec) -> tuple[float, float, frozenset[str]]:
+        """Forward and backward FLOPs of the modules a unit owns, and those modules."""
+        key = tuple(unit.owned_modules)
+        if key not in self._flops_cache:
+            self._flops_cache[key] = (
+                sum(self.exclusive_fw.get(m, 0.0) for m in unit.owned_modules),
+                sum(self.exclusive_bw.get(m, 0.0) for m in unit.owned_modules),
+                frozenset(unit.owned_modules))
+        return self._flops_cache[key]
+
+    def profile(self, checkpointed: frozenset[int],
+                selective: frozenset[int] = frozenset()) -> ActivationProfile:
+        """The activation profile with the given block indices fully and selectively
+        checkpointed."""
+        key = (checkpointed, selective)
+        if key not in self._profiles:
+            self._profiles[key] = ActivationProfile(self.composer.events(checkpointed, selective))
+        return self._profiles[key]
+
+    def checkpoint_options(self) -> list[list[tuple[int, int]]]:
+        """Paths of ``(n_full, n_selective)`` block counts to search, each ordered by recompute
+        time with the peak falling along it ([Note: choosing checkpointing modes])."""
+        c = self.composer
+        n = c.max_checkpointed
+        if n == 0:
+            return [[(0, 0)]]
+        full = [(k, 0) for k in range(n + 1)] if c.supports_partial() else [(0, 0), (n, 0)]
+        if not c.has_selective:
+            return [full]
+        if not c.supports_mixed():
+            return [full, [(0, 0), (0, n)]]
+        # The cheaper path by the modes' bytes saved per recompute second, summed over blocks.
+        per = [m for m in self.block_cost.values() if "full" in m and "selective" in m]
+        sel_saved = sum(m["selective"].saved_bytes for m in per)
+        full_saved = sum(m["full"].saved_bytes for m in per)
+        sel_s = sum(m["selective"].recompute_s for m in per)
+        full_s = sum(m["full"].recompute_s for m in per)
+        if sel_saved <= 0 or sel_saved * full_s <= full_saved * sel_s:
+            return [full]  # selective saves less per second than full: never on the hull
+        return [[(0, k) for k in range(n + 1)] + [(k, n - k) for k in range(1, n + 1)]]
+
+    def _unit_ops(self, unit: UnitSpec, own_fw, own_bw
+                  ) -> tuple[dict[str, float], dict[str, float]]:
+        """The op counters of the modules a unit owns, cached by those modules (the search
+        times the same units under many prefetch and strategy choices)."""
+        key = tuple(unit.owned_modules)
+        if key not in self._ops_cache:
+            fw_ops: dict[str, float] = {}
+            bw_ops: dict[str, float] = {}
+            for m in unit.owned_modules:
+                add_ops(fw_ops, own_fw.get(m))
+                add_ops(bw_ops, own_bw.get(m))
+            self._ops_cache[key] = (fw_ops, bw_ops)
+        return self._ops_cache[key]
+
+    def _block_mode(self, block: str, mode: str) -> BlockMode:
+        cost = self.block_cost.get(block, {}).get(mode)
+        if cost is None:  # a hand-written plan on blocks without aligned segments
+            hw = self.settings.hardware
+            rate = hw.peak_flops * hw.efficiency if hw else 1.0
+            flops = self.block_fw.get(block, 0.0) if mode == "full" else 0.0
+            cost = BlockMode(block=block, mode=mode, saved_bytes=0, recompute_s=flops / rate)
+        return cost
+
+    def _time(self, units: list[UnitSpec], shard: int, replicate: int,
+              block_modes: list[BlockMode], forward_prefetch: int, backward_prefetch: int
+              ) -> StepTime:
+        """Per-op unit times ([Note: per-op compute time] in cost/step_time.py), then the two streams."""
+        s = self.settings
+        hw = s.hardware
+        rates = Rates.of(hw, self.analysis.param_dtype)
+        if self._own_ops is None:
+            self._own_ops = exclusive_ops(set(self.graph.modules), self.analysis.modules)
+        own_fw, own_bw = self._own_ops
+        p = s.precision
+        shard_local = ranks_per_node_in(shard, 1, s.gpus_per_node)
+        replicate_local = ranks_per_node_in(replicate, shard, s.gpus_per_node)
+        recompute_of = {m.block: m.recompute_s for m in block_modes}
+        costs: list[UnitCost] = []
+        for u in units:
+            fw, bw, owned = self._unit_flops(u)
+            # The same unit recurs across prefetch, strategy and checkpointing choices: its
+            # times without recompute depend only on what it owns, its bytes and the mesh.
+            key = (owned, u.key, u.numel, u.shard_numel, p.unit_param_bytes(u),
+                   u.reshard_after_forward, shard, replicate)
+            base = self._cost_cache.get(key)
+            if base is None:
+                fw_ops, bw_ops = self._unit_ops(u, own_fw, own_bw)
+                unsharded = u.unsharded_numel(shard)
+                ag_bytes = unsharded * p.unit_param_bytes(u)
+                rs_bytes = unsharded * p.reduce_bytes
+                base = self._cost_cache[key] = UnitCost(
+                    key=u.key or "<root>",
+                    fw_compute_s=compute_time(rates, fw_ops, fw) + hw.unit_overhead_s,
+                    bw_compute_s=compute_time(rates, bw_ops, bw) + hw.unit_overhead_s,
+                    all_gather_s=collective_time(hw, ag_bytes, shard, ranks_per_node=shard_local)
+                    + fsdp_copy_time(hw, rates, ag_bytes, "all_gather") if u.numel else 0.0,
+                    reduce_scatter_s=collective_time(hw, rs_bytes, shard, "reduce_scatter",
+                                                     ranks_per_node=shard_local)
+                    + fsdp_copy_time(hw, rates, rs_bytes, "reduce_scatter")
+                    if u.numel else 0.0,
+                    all_reduce_s=collective_time(hw, u.shard_numel * p.reduce_bytes, replicate,
+                                                 "all_reduce", ranks_per_node=replicate_local)
+                    if replicate > 1 and u.numel else 0.0,
+                    regather=u.reshard_after_forward,
+                )
+            # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
+            # its unit's backward: [Note: recompute time].
+            recompute_s = (sum(recompute_of[b] for b in owned if b in recompute_of)
+                           if recompute_of else 0.0)
+            costs.append(dataclasses.replace(base, bw_compute_s=base.bw_compute_s + recompute_s)
+                         if recompute_s else base)
+        # Forward order: the root gathers first, then units as they run.
+        root = [c for c in costs if c.key == "<root>"]
+        ordered = root + [c for c in costs if c.key != "<root>"]
+        total_shard = sum(u.shard_numel for u in units)
+        optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, p.orig_bytes,
+                                     self._param_tensors)
+        step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
+                             backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
+        if s.grad_accum_steps == 1:
+            return step
+        earlier = step
+        if s.gradient_sync == "last":  # micro-batches before the last reduce nothing
+            quiet = [dataclasses.replace(c, reduce_scatter_s=0.0, all_reduce_s=0.0)
+                     for c in ordered]
+            earlier = simulate_step(quiet, hw, forward_prefetch=forward_prefetch,
+                                    backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
+        return accumulated_step(step, earlier, s.grad_accum_steps)
+
+
+def _replayed(composer: TimelineComposer, i: int, mode: str
+              ) -> tuple[float, dict[str, float] | None]:
+    """FLOPs and op-class counters ([Note: op classes]) block ``i`` replays in backward in
+    ``mode``: its backward segment in that mode's pass minus the plain pass's (None for the
+    counters when the analysis has none).
+
+    See [Note: recompute time].
+    """
+    _, flops = composer.segment_delta(i, mode, "bw")
+    _, plain = composer.segment_delta(i, "none", "bw")
+    counters: list[dict[str, float]] = []
+    for src, seg in ((composer.plain, composer.plain_seg),
+                     ({"full": composer.ckpt, "selective": composer.sel}[mode],
+                      {"full": composer.ckpt_seg, "selective": composer.sel_seg}[mode])):
+        start, end = seg.bw[i]
+        ops = [getattr(e, "ops", None) for e in src.events[start + 1:end + 1]]
+        if not any(ops):
+            return max(0.0, flops - plain), None
+        total: dict[str, float] = {}
+        for o in ops:
+            add_ops(total, o)
+        counters.append(total)
+    delta = {k: max(0.0, counters[1].get(k, 0.0) - counters[0].get(k, 0.0))
+             for k in set(counters[0]) | set(counters[1])}
+    return max(0.0, flops - plain), delta
+
+
+def _exclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
+    """FLOPs of each module's own ops ([Note: FLOP attribution]); the root takes the rest."""
+    fw = {m: c.own_fw_flops for m, c in analysis.modules.items() if m and m in graph.modules}
+    bw = {m: c.own_bw_flops for m, c in analysis.modules.items() if m and m in graph.modules}
+    # Ops outside every module (the loss) and the root's own ops: the root's unit runs them.
+    fw[""] = max(0.0, analysis.total_fw_flops - sum(fw.values()))
+    bw[""] = max(0.0, analysis.total_bw_flops - sum(bw.values()))
+    return fw, bw
+
+
+
+
+def runnable(units: list[UnitSpec], ran: list[bool]) -> bool:
+    """Whether every unit with parameters runs forward: FSDP2 unshards a unit in its forward
+    pre-hook, so a unit that never runs forward (a container such as ``ModuleList``) would
+    leave its parameters sharded."""
+    return all(r or u.numel == 0 or u.modules == [""] for r, u in zip(ran, units))

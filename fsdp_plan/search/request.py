@@ -1,0 +1,79 @@
+"""What the user asks the planner for: ``PlanRequest``, validated on construction, and the
+``SearchSettings`` the search holds fixed for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fsdp_plan.common.dtypes import canonical_dtype
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.limits import budget_limit
+from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.cost.hardware import Hardware, hardware_for
+from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.search.candidate import SearchSettings
+
+
+@dataclass(kw_only=True)
+class PlanRequest:
+    """What the user asks for: a model, a per-GPU budget, the cluster and the training setup."""
+
+    source: ModelSource
+    budget_bytes: int
+    """Per-GPU memory budget in bytes (``--mem``)."""
+    headroom_bytes: int | None = None
+    """Kept free for the CUDA context, communication buffers and fragmentation; default 10%."""
+    world_size: int = 8
+    gpus_per_node: int = 8
+    strategy: str = "auto"
+    """``auto``, ``full``, ``hybrid``, ``grad-op``, ``none`` or ``ddp`` (DistributedDataParallel)."""
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    optimizer: str = "adamw"
+    hardware: Hardware = field(default_factory=lambda: hardware_for("h100"))
+    exact_analysis: bool = False
+    """Analyse every block instead of three per stack (facts/depth.py)."""
+    allow_offload: bool = False
+    """When nothing fits on the device, plan FSDP2 ``CPUOffloadPolicy`` (``--allow-offload``;
+    cost/offload.py [Note: offload as the last resort])."""
+    grad_accum_steps: int = 1
+    """Micro-batches (``source.batch_size`` samples each, per rank) per optimizer step."""
+    gradient_sync: str = "every"
+    """Reduce gradients after ``every`` micro-batch or only the ``last``."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all data-parallel ranks: the planner chooses the
+    micro-batch, accumulation and gradient sync (search/batching.py)."""
+    auto_batch: bool = False
+    """``--batch-size auto``: the largest micro-batch that fits, or the fastest if larger is
+    not faster."""
+
+    def __post_init__(self) -> None:
+        self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
+        if self.reduce_dtype != "auto":  # auto: the search tries float32 and bfloat16
+            self.reduce_dtype = canonical_dtype(self.reduce_dtype, "reduce_dtype")
+        if self.headroom_bytes is None:
+            self.headroom_bytes = self.budget_bytes // 10
+        if not 0 <= self.headroom_bytes < self.budget_bytes:
+            raise BadInput(f"headroom {format_bytes(self.headroom_bytes)} must be at least 0 and "
+                           f"leave part of the budget {format_bytes(self.budget_bytes)}.")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise BadInput(f"optimizer {self.optimizer!r} is not one of "
+                           f"{', '.join(OPTIMIZER_STATES)}.")
+
+    @property
+    def limit_bytes(self) -> int:
+        """The peak a plan may reach: budget minus headroom."""
+        return budget_limit(self.budget_bytes, int(self.headroom_bytes or 0))
+
+    def settings(self) -> SearchSettings:
+        """What the search holds fixed for this request."""
+        return SearchSettings(budget_bytes=self.budget_bytes,
+                              headroom_bytes=int(self.headroom_bytes or 0),
+                              world_size=self.world_size, gpus_per_node=self.gpus_per_node,
+                              strategy=self.strategy,
+                              precision=Precision.of(self.param_dtype, self.reduce_dtype),
+                              optimizer=self.optimizer, hardware=self.hardware,
+                              grad_accum_steps=self.grad_accum_steps,
+                              gradient_sync=self.gradient_sync,
+                              micro_batch=self.source.batch_size)
