@@ -31,8 +31,21 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.measure import runtime
+from fsdp_plan.measure.collectives import CollectiveCounter
 from fsdp_plan.measure.launch import launch
-from fsdp_plan.model.load import ModelSource
+from fsdp_plan.measure.measured import MeasuredMemory
+from fsdp_plan.measure.worker_setup import init_worker_process_group, source_payload
+from fsdp_plan.model.load import LoadedModel, load_model
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.plan.document import Plan
 
 
 def _bucket_sizes(ddp: Any, key: str = "rebuilt_bucket_sizes") -> list[int]:
@@ -43,13 +56,6 @@ def _bucket_sizes(ddp: Any, key: str = "rebuilt_bucket_sizes") -> list[int]:
 
 def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[str, Any]:
     """One job on this rank: see the module docstring for the steps."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.collectives import CollectiveCounter
-
     model = runtime.build_real_model(loaded, device)
     dtype = getattr(torch, job["autocast"]) if job.get("autocast") else None
     if job.get("policy_source"):
@@ -95,11 +101,6 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
 
 def _ddp_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
     """Worker target: each job's buckets in use, counts, step time and peak."""
-    import torch.distributed as dist
-
-    from fsdp_plan.measure.worker_setup import init_worker_process_group
-    from fsdp_plan.model.load import load_model
-
     device = init_worker_process_group(ctx.local_rank)
     models: dict[str, Any] = {}
     results = []
@@ -128,8 +129,6 @@ def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = 
     Registered first, while the gradients exist: the model, its gradients (under
     ``gradient_as_bucket_view`` views of DDP's bucket storage, which the reducer allocated
     before and the tracker would otherwise never see), the optimizer states and the inputs."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     forward_backward()
     tracker = MemTracker()
     tensors = []
@@ -173,8 +172,6 @@ def measure_ddp_many(jobs: list[dict[str, Any]], *, nproc: int = 2,
     "policy_source": text}`` (a plan's policy module; ``apply_ddp`` is used), with optional
     ``optimizer`` (default adamw), ``steps`` (timed steps, default 0) and ``memory`` (True:
     measure one steady step's peak with MemTracker)."""
-    from fsdp_plan.measure.worker_setup import source_payload
-
     prepared = []
     for job in jobs:
         item = {k: v for k, v in job.items() if k != "source"}
@@ -190,14 +187,10 @@ MAX_REAL_RUN_BYTES = 8 << 30
 whole model: a bigger one belongs on a GPU, ``fsdp-plan bench``)."""
 
 
-def measure_ddp_peak(loaded: Any, plan: Any, *, timeout_s: float = 600.0) -> Any:
+def measure_ddp_peak(loaded: LoadedModel, plan: Plan, *, timeout_s: float = 600.0
+                     ) -> MeasuredMemory:
     """A DDP plan's per-rank steady-step peak: a real gloo run of one rank with ``MemTracker``
-    (see [Note: DDP peak on a CPU]). Returns ``fsdp_plan.measure.memory.MeasuredMemory``."""
-    from fsdp_plan.common.errors import BadInput
-    from fsdp_plan.common.sizes import format_bytes
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.memory import MeasuredMemory
-
+    (see [Note: DDP peak on a CPU])."""
     expected = (plan.predicted or {}).get("peak_bytes") or 0
     if expected > MAX_REAL_RUN_BYTES:
         raise BadInput(f"verify measures a DDP plan with a real run of one rank on this CPU (a "
@@ -220,7 +213,7 @@ def measure_ddp_peak(loaded: Any, plan: Any, *, timeout_s: float = 600.0) -> Any
     return MeasuredMemory(peak_bytes=int(result["peak_bytes"]),
                           breakdown=dict(result["peak_breakdown"]), step_start_bytes=0,
                           world_size=1, mesh=(1, 1), seconds=time.perf_counter() - started,
-                          notes=notes)
+                          notes=notes, where="on a real one-rank gloo run (MemTracker)")
 
 
 def buckets_in_use(ddp: Any) -> list[int]:
