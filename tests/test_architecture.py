@@ -15,11 +15,25 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_main_guard(node: ast.stmt) -> bool:
+    """``if __name__ == "__main__":``"""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name)
+            and test.left.id == "__name__" and len(test.comparators) == 1
+            and isinstance(test.comparators[0], ast.Constant)
+            and test.comparators[0].value == "__main__")
+
+
 def imports(path: Path, *, module_level_only: bool) -> set[str]:
     """fsdp_plan modules ``path`` imports (``from fsdp_plan.x import y`` names ``fsdp_plan.x``,
-    or ``fsdp_plan.x.y`` when that is a module)."""
+    or ``fsdp_plan.x.y`` when that is a module).
+
+    An ``if __name__ == "__main__":`` block is left out: it runs only when the file is started
+    as a program (``python -m fsdp_plan.bench.worker``), as the top of its own import chain,
+    so it is a command-line entry and takes part in no cycle."""
     tree = ast.parse(path.read_text())
-    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    body = [node for node in tree.body if not _is_main_guard(node)]
+    nodes = body if module_level_only else [n for top in body for n in ast.walk(top)]
     found = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fsdp_plan"):

@@ -15,24 +15,26 @@ Each rank's figures are gathered to rank 0, which returns (or, under torchrun, w
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from fsdp_plan.measure.launch import (
-    Terminated,
-    WorkerContext,
-    context_from_env,
-    maybe_inject_fault,
-    stop_on_signals,
-)
+from fsdp_plan.bench.results import phase_seconds
+from fsdp_plan.measure import runtime
+from fsdp_plan.measure.collectives import CollectiveCounter
+from fsdp_plan.measure.ddp import buckets_in_use, peak_of_step
+from fsdp_plan.measure.launch import WorkerContext, maybe_inject_fault
+from fsdp_plan.measure.profile import analyze_trace
+from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
+from fsdp_plan.model.load import load_model
+from fsdp_plan.model.source import ModelSource
 
 
 def _sync(device: torch.device) -> None:
@@ -69,15 +71,6 @@ def _without_profiler_chatter(folder: str, rank: int) -> Iterator[None]:
 
 def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Measure this rank; rank 0 returns every rank's figures under ``ranks``."""
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.collectives import CollectiveCounter
-    from fsdp_plan.measure.profile import analyze_trace
-    from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
-    from fsdp_plan.model.load import ModelSource, load_model
-
     ctx.report(phase="imported")
     device = init_worker_process_group(ctx.local_rank)
     ctx.report(phase="process group up")
@@ -130,7 +123,6 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     peak_source, ddp_buckets = None, None
     if hasattr(model, "_get_ddp_logging_data"):  # a DDP plan: the buckets DDP really built
-        from fsdp_plan.measure.ddp import buckets_in_use, peak_of_step
         ddp_buckets = buckets_in_use(model)
         if device.type != "cuda":  # no allocator peak: MemTracker over one more steady step
             peak, _ = peak_of_step(model, optimizer, micro_batches, inputs)
@@ -153,7 +145,6 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     trace_path = os.path.join(payload["trace_dir"], f"rank{ctx.rank}.trace.json")
     prof.export_chrome_trace(trace_path)
     comm = analyze_trace(trace_path).to_dict()
-    from fsdp_plan.bench.results import phase_seconds
     phases = phase_seconds(trace_path)
     ctx.report(phase="done", step=total, steps=total)
 
@@ -167,34 +158,6 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     return {"ranks": gathered} if ctx.rank == 0 else {"rank": ctx.rank}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fsdp_plan.bench.worker``: one rank under torchrun; rank 0 writes the result."""
-    from fsdp_plan.bench import session
-    from fsdp_plan.common.errors import FsdpPlanError
-
-    parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.worker",
-                                     description="One fsdp-plan benchmark rank (under torchrun).")
-    session.add_run_arguments(parser)
-    args = parser.parse_args(argv)
-    ctx = context_from_env()
-    prepared = None
-    try:
-        with stop_on_signals():  # torchrun ends its workers with SIGTERM
-            prepared = session.prepare(args, nproc=ctx.world_size)
-            per_rank = bench_rank(ctx, prepared.payload)
-            if ctx.rank != 0:
-                return 0
-            return session.finish(args, prepared, per_rank["ranks"])
-    except FsdpPlanError as e:
-        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}\n")
-        return e.exit_code
-    except Terminated as e:
-        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}.\n")
-        return e.exit_code
-    finally:
-        if prepared is not None:
-            shutil.rmtree(prepared.payload["trace_dir"], ignore_errors=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the torchrun entry; its options are the CLI's (cli/bench.py)
+    from fsdp_plan.cli.bench import torchrun_main
+    sys.exit(torchrun_main())
