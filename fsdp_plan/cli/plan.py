@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from fsdp_plan.api import PlanRequest, make_plan, verify_by_measurement
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import check_outputs, check_writable
 from fsdp_plan.common.limits import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
@@ -27,6 +28,7 @@ from fsdp_plan.model.source import (
     parse_model_args,
     source_kind,
 )
+from fsdp_plan.plan.report import candidate_row, gather_mesh_rows, gather_module_rows
 
 # Nothing above imports torch: every flag is checked before the ~6 s torch import (run()).
 
@@ -181,9 +183,6 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"give either MODEL ({args.model!r}) or --hf-config ({args.hf_config!r}), "
                        "not both: --hf-config builds the model from the config alone.")
     source = model_source(args)
-    from fsdp_plan.api import PlanRequest, make_plan, verify_by_measurement
-    from fsdp_plan.plan.report import candidate_row, gather_mesh_rows, gather_module_rows
-
     progress = (lambda m: sys.stderr.write(f"fsdp-plan: {m}\n")) if args.format == "table" else None
     request = PlanRequest(
         source=source, budget_bytes=values["budget"], headroom_bytes=values["headroom"],
@@ -192,10 +191,10 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis,
         allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
         auto_batch=args.batch_size == "auto")
-    from fsdp_plan.model.load import (
-        user_code_output_to_stderr,  # the model's print()s stay off stdout
-    )
-    with user_code_output_to_stderr():
+    # Imported here, not above: model.load imports torch (about 6 s), and every flag was to be
+    # checked before that wait (see the note under the imports).
+    from fsdp_plan.model.load import user_code_output_to_stderr
+    with user_code_output_to_stderr():  # the model's print()s stay off stdout
         result = make_plan(request, progress)
         if args.verify and result.loaded is not None and result.plan.offload:
             if progress:  # [Note: offload as the last resort]: one memory on a CPU

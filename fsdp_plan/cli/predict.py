@@ -16,8 +16,10 @@ import argparse
 import json
 from typing import Any
 
+from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.common.errors import NoFeasiblePlan
 from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.measure import runtime
 from fsdp_plan.plan.document import Plan, read_plan
 
 
@@ -78,9 +80,6 @@ def format_report(data: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
-    from fsdp_plan.measure import runtime
-
     plan = read_plan(args.plan)
     hardware = plan_hardware(plan, gpu=args.gpu, hardware_file=args.hardware)
     gpus_per_node = args.gpus_per_node or int(plan.predicted.get("gpus_per_node", 0) or 8)

@@ -36,6 +36,8 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import Hardware
+from fsdp_plan.cost.step_time import collective_time
+from fsdp_plan.measure.launch import launch
 
 OPTIMIZER_PARAMS = 1 << 22
 """Parameters of the timed optimizer step: 4M fp32 (64 MiB with gradients and AdamW's two
@@ -379,8 +381,6 @@ def _fsdp_bytes(device: Any, sync: Callable[[], None], repeat: int,
     from torch.distributed.fsdp import fully_shard
 
     world = dist.get_world_size()
-
-    from fsdp_plan.cost.step_time import collective_time
     fitted_only = Hardware(name="fits", peak_flops=1.0, launch_overhead_s=0.0,
                            collectives=collectives)  # the cost model's rule on the fits above
 
@@ -503,8 +503,6 @@ def calibrate(*, nproc: int, backend: str, repeat: int = 5,
               on_progress: Callable[[int, dict[str, Any]], None] | None = None
               ) -> tuple[Hardware, dict[str, Any]]:
     """Run the micro-benchmarks on ``nproc`` workers; the hardware and the raw figures."""
-    from fsdp_plan.measure.launch import launch
-
     if backend not in ("gloo", "nccl"):
         raise BadInput(f"--backend {backend!r}: choose gloo (CPU) or nccl (GPUs).")
     if backend == "nccl":
