@@ -96,7 +96,7 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     def micro_batches() -> None:  # every micro-batch of one optimizer step (SPEC 6)
         runtime.micro_batches(model, loaded, inputs, policy)
 
-    # DDP rebuilds its buckets in its second forward (and broadcasts them): count after it
+    # a DDP plan's steady step is its third: [Note: DDP's bucket rebuild] (measure/ddp.py)
     for _ in range(max(warmup, 2 if hasattr(model, "_get_ddp_logging_data") else 0)):
         begin("warm-up")
         micro_batches()

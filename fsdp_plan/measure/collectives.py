@@ -142,9 +142,7 @@ def _count_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, int]]:
         # forward and backward passes (every micro-batch of it)
         runtime.micro_batches(worker.model, worker.loaded, worker.inputs, worker.policy)
         runtime.finish_step(worker.model, worker.optimizer)
-        if hasattr(worker.model, "_get_ddp_logging_data"):
-            # DDP rebuilds its buckets in its second forward, broadcasting the new assignment
-            # from rank 0 (two more broadcasts): the steady step is the third
+        if hasattr(worker.model, "_get_ddp_logging_data"):  # [Note: DDP's bucket rebuild]
             runtime.micro_batches(worker.model, worker.loaded, worker.inputs, worker.policy)
             runtime.finish_step(worker.model, worker.optimizer)
         with CollectiveCounter() as counter:

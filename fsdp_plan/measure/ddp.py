@@ -7,11 +7,20 @@ keyword arguments), and then:
 
 1. runs one step (the reducer records the order gradients became ready);
 2. runs a second step, whose forward rebuilds the buckets;
-3. counts one more forward + backward with ``CollectiveCounter`` (``c10d.allreduce_``), after
-   whose forward the logger holds ``_get_ddp_logging_data()["rebuilt_bucket_sizes"]`` (bytes,
-   comma separated; it is recorded at the forward after the rebuild, not at the rebuild);
+3. counts one more forward + backward with ``CollectiveCounter`` (``c10d.allreduce_``) and
+   reads the buckets in use (see [Note: DDP's bucket rebuild]);
 4. times ``steps`` further steps, and measures the peak of one steady step with
    ``MemTracker`` (see [Note: DDP peak on a CPU]).
+
+[Note: DDP's bucket rebuild]
+DDP first buckets the gradients in the parameters' order, records the order in which they
+become ready during the first backward, and rebuilds its buckets in that order in the second
+forward, broadcasting the new assignment from rank 0 (two more broadcasts). The step training
+repeats, with the buckets and collectives it keeps, is therefore the third: every count of a
+DDP plan (here, ``measure/collectives.py``, ``bench/worker.py``) warms up two steps. The
+logger holds ``_get_ddp_logging_data()["rebuilt_bucket_sizes"]`` (bytes, comma separated)
+from the forward after the rebuild, not from the rebuild itself; a DDP that never rebuilds
+(``find_unused_parameters``) keeps its first bucketing, ``bucket_sizes`` (``buckets_in_use``).
 
 [Note: DDP peak on a CPU]
 A DDP rank holds the whole model whatever the world size, so a real run at world size 1 or 2
@@ -23,7 +32,10 @@ DDP's bucket storage and the optimizer states exist before the measured step, so
 registered with ``track_external`` (the buckets through the gradients that view them, and
 ``reducer``-owned tensors otherwise invisible are added from the logging data's bucket bytes
 only if not seen). Its peak over the second steady step is the truth the prediction is
-held against. ``torch.cuda.max_memory_allocated`` would be the GPU equivalent.
+held against. ``torch.cuda.max_memory_allocated`` would be the GPU equivalent. The optimizer
+step is measured as a GPU runs it: a GPU's AdamW takes the foreach path by default (one
+gradient-sized temporary, which the model predicts), a CPU's loops per tensor, so
+``peak_of_step`` turns ``foreach`` on for the measured step.
 """
 
 from __future__ import annotations
@@ -78,15 +90,12 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
         forward_backward()
         runtime.finish_step(ddp, optimizer)
     step()
-    step()  # its forward rebuilds the buckets
+    step()  # its forward rebuilds the buckets: see [Note: DDP's bucket rebuild]
     with CollectiveCounter() as counter:
         forward_backward()
     runtime.finish_step(ddp, optimizer)
-    # DDP's logger records the rebuilt buckets at the forward after the rebuild
     first = _bucket_sizes(ddp, "bucket_sizes")
-    # without a rebuild (find_unused_parameters) the first bucketing is the one in use
-    rebuilt = _bucket_sizes(ddp) if ddp._get_ddp_logging_data().get(
-        "has_rebuilt_buckets") else first
+    rebuilt = buckets_in_use(ddp)
     times = []
     for _ in range(int(job.get("steps", 0))):
         dist.barrier()
@@ -136,8 +145,7 @@ def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = 
         args, kwargs = inputs
         tensors = [t for t in (*args, *kwargs.values()) if hasattr(t, "untyped_storage")]
     tracker.track_external(ddp, *([optimizer] if optimizer is not None else []), *tensors)
-    # A GPU's AdamW takes the foreach path by default (one gradient-sized temporary, which the
-    # model predicts); on a CPU it loops per tensor. Measure the GPU's optimizer step.
+    # the GPU's optimizer step (foreach), see [Note: DDP peak on a CPU]
     saved = [group.get("foreach") for group in optimizer.param_groups] if optimizer else []
     for group in optimizer.param_groups if optimizer else []:
         if "foreach" in group:
@@ -218,7 +226,8 @@ def measure_ddp_peak(loaded: LoadedModel, plan: Plan, *, timeout_s: float = 600.
 
 def buckets_in_use(ddp: Any) -> list[int]:
     """Bytes of each bucket DDP uses after its first iteration (read after the third
-    forward): the rebuilt ones, or the first bucketing when it never rebuilds."""
+    forward): the rebuilt ones, or the first bucketing when it never rebuilds ([Note: DDP's
+    bucket rebuild])."""
     data = ddp._get_ddp_logging_data()
     return _bucket_sizes(ddp) if data.get("has_rebuilt_buckets") else _bucket_sizes(
         ddp, "bucket_sizes")
