@@ -204,12 +204,13 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
 
 def verify_by_measurement(result: PlanResult, loaded: LoadedModel,
                           progress: Progress | None = None) -> int:
-    """Measure the chosen plan with FSDPMemTracker on the fake process group (``--verify``);
+    """Measure the chosen plan (FSDPMemTracker on the fake process group, or one real DDP rank:
+    measure/peak.py) for ``--verify``;
     records the figure in the plan and raises ``NoFeasiblePlan`` when it is over the limit."""
     # measurement imports torch: ``import fsdp_plan`` and planning from facts stay torch-free
-    from fsdp_plan.measure.memory import measure_peak
+    from fsdp_plan.measure.peak import measured_peak
     plan = result.plan
-    measured = measure_peak(loaded, plan, load_policy_module(result.policy_source()))
+    measured = measured_peak(loaded, plan, load_policy_module(result.policy_source()))
     predicted = plan.predicted["peak_bytes"]
     plan.predicted["measured_peak_bytes"] = int(measured.peak_bytes)
     if progress:

@@ -17,6 +17,7 @@ import pytest
 from test_measure_helpers import ROOT, plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.bench import results, session
+from fsdp_plan.cli.bench import add_run_arguments, bench_request
 from fsdp_plan.common.errors import CheckFailed
 
 PREDICTED = {"collectives_per_step": {"all_gather": 9, "reduce_scatter": 5, "all_reduce": 0},
@@ -133,19 +134,18 @@ def test_bench_exits_non_zero_when_compare_finds_a_regression(bench_run, tmp_pat
     old_path = tmp_path / "old.json"
     old_path.write_text(json.dumps(_slower(real, 1 / 1.5)))
     parser = argparse.ArgumentParser()
-    session.add_run_arguments(parser)
+    add_run_arguments(parser)
     args = parser.parse_args([plan, "--out", str(tmp_path / "new"), "--compare", str(old_path)])
-    prepared = session.prepare(args, nproc=2)
+    prepared = session.prepare(bench_request(args), nproc=2)
     request.addfinalizer(lambda: shutil.rmtree(prepared.payload["trace_dir"]))
     with pytest.raises(CheckFailed, match=r"step time median regressed \+50\.0%"):
-        session.finish(args, prepared, ranks)
+        session.finish(prepared, ranks)
     assert "REGRESSED" in capsys.readouterr().out
     assert len(glob.glob(str(tmp_path / "new" / "*.json"))) == 1  # the run is still recorded
     old_path.write_text(json.dumps(real))
-    args = parser.parse_args([plan, "--out", str(tmp_path / "new"), "--compare", str(old_path)])
-    again = session.prepare(args, nproc=2)
+    again = session.prepare(bench_request(args), nproc=2)
     request.addfinalizer(lambda: shutil.rmtree(again.payload["trace_dir"]))
-    assert session.finish(args, again, ranks) == 0
+    assert session.finish(again, ranks) == 0
 
 
 def test_side_by_side_trace_starts_both_timelines_at_zero():

@@ -102,6 +102,9 @@ def test_fsdp1_and_an_existing_process_group_are_refused():
     plan = tiny_llama_plan(world=2)
     with pytest.raises(BadInput, match="FSDP2"):
         measure_peak(runtime.load_planned_model(plan), plan, None, fsdp_version=1)
+    plan.strategy = "ddp"  # no shards to track: measure.peak sends it to a real run instead
+    with pytest.raises(BadInput, match="measured_peak"):
+        measure_peak(runtime.load_planned_model(plan), plan, None)
     with fake_process_group(2), pytest.raises(RuntimeError, match="already exists"), \
             fake_process_group(2):
         pass

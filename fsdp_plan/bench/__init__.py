@@ -1,2 +1,15 @@
-"""``fsdp-plan bench``: real runs of a plan (``worker``), one session's flow (``session``) and
-the result files that let reruns be compared (``results``)."""
+"""Stage 7, real runs of a plan: ``fsdp-plan bench`` and ``fsdp-plan tune`` on real workers.
+
+Its modules, in the order a run uses them:
+
+- ``inputs``: ``BenchRequest`` and every other input of a run, checked before a worker starts;
+- ``session``: one run's flow: ``prepare`` (read and check), then ``finish`` (result, report,
+  exit code);
+- ``worker``: one benchmark rank (counts, timed steps, peak, a profiled step); also the torchrun
+  entry, ``python -m fsdp_plan.bench.worker``;
+- ``results``: the result files that let reruns be compared, the report, ``--compare``;
+- ``refit``: ``--refit``, a hardware file corrected from what a run measured;
+- ``timing``: several plans timed on one set of workers (what ``tune`` benches);
+- ``tune``: neighbouring plans, one knob at a time, kept when they beat the noise;
+- ``gpu_check``: the prepared one-shot check of predictions on a real GPU.
+"""

@@ -16,22 +16,32 @@ runs it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Any
 
-from fsdp_plan.bench.results import device_name, git_commit, plan_hash
+import torch
+
+from fsdp_plan.api import analyze_model, predict
+from fsdp_plan.bench.inputs import check_out_folder
+from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, device_name, git_commit, plan_hash
+from fsdp_plan.bench.timing import time_plans
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.files import atomic_write_text
+from fsdp_plan.cost.hardware import Hardware, hardware_yaml
 from fsdp_plan.measure import runtime
-from fsdp_plan.plan.document import atomic_write_text, read_plan
+from fsdp_plan.measure.allocator import allocator_peak
+from fsdp_plan.measure.calibrate import calibrate
+from fsdp_plan.measure.peak import measured_peak
+from fsdp_plan.plan.document import Mesh, read_plan
 
 
 def check_plan(path: str) -> dict[str, Any]:
     """Allocator peak vs FSDPMemTracker vs prediction for one plan."""
-    from fsdp_plan.measure.allocator import allocator_peak
-    from fsdp_plan.measure.memory import measure_peak
-
     plan = read_plan(path)
     loaded = runtime.load_planned_model(plan, None, path)
     policy = runtime.load_policy(runtime.policy_source(plan))
@@ -39,7 +49,7 @@ def check_plan(path: str) -> dict[str, Any]:
     # An offloaded plan's device peak has no CPU measurement (host and device are one memory
     # there): the allocator's figure is the only check of its prediction.
     offloaded = any((getattr(plan, "offload", None) or {}).values())
-    tracker = None if offloaded else measure_peak(loaded, plan, policy)
+    tracker = None if offloaded else measured_peak(loaded, plan, policy)
     tracker_peak = tracker.peak_bytes if tracker else None
     predicted = (plan.predicted or {}).get("peak_bytes")
 
@@ -60,9 +70,6 @@ def time_plan(path: str) -> dict[str, Any]:
     """One real NCCL run of the plan at world 1 (``bench.timing``): measured median step time
     beside the prediction. At world 1 there is no communication to wait for, so it checks
     the compute clock; the plan's own world size needs ``fsdp-plan bench`` under torchrun."""
-    import statistics
-
-    from fsdp_plan.bench.timing import time_plans
     plan = read_plan(path)
     loaded = runtime.load_planned_model(plan, None, path)
     print(f"gpu_check: timing {path} on one GPU", file=sys.stderr, flush=True)
@@ -73,13 +80,9 @@ def time_plan(path: str) -> dict[str, Any]:
             "predicted_step_s_at_plan_world": predicted}
 
 
-def predict_at_world(path: str, hardware: Any, world: int = 1) -> float:
+def predict_at_world(path: str, hardware: Hardware, world: int = 1) -> float:
     """The plan's step time predicted with ``hardware`` at ``world`` ranks of plain FSDP (what
     a world-1 bench measures: no communication to wait for)."""
-    import dataclasses
-
-    from fsdp_plan.api import analyze_model, predict
-    from fsdp_plan.plan.document import Mesh
     plan = read_plan(path)
     loaded = runtime.load_planned_model(plan, None, path)
     dtype = (plan.mixed_precision or {}).get("param_dtype") or "float32"
@@ -93,17 +96,14 @@ def predict_at_world(path: str, hardware: Any, world: int = 1) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.gpu_check")
     parser.add_argument("plans", nargs="+", metavar="PLAN.yaml")
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--out", default=DEFAULT_RESULTS_DIR)
     parser.add_argument("--no-bench", action="store_true", help="skip the NCCL world-1 bench")
     parser.add_argument("--calibrate", action="store_true",
                         help="calibrate the GPUs first and predict each plan with the result")
     args = parser.parse_args(argv)
-    import torch
     if not torch.cuda.is_available():
         print("gpu_check needs a CUDA GPU.", file=sys.stderr)
         return 2
-    from fsdp_plan.bench.inputs import check_out_folder
-    from fsdp_plan.common.errors import BadInput
     try:
         check_out_folder(args.out)  # checked now, created only when the result is written
     except BadInput as e:
@@ -116,8 +116,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(checks[-1]), flush=True)
     calibration, hw_text = None, None
     if args.calibrate:
-        from fsdp_plan.cost.hardware import hardware_yaml
-        from fsdp_plan.measure.calibrate import calibrate
         print("gpu_check: calibrate (NCCL, every GPU)", file=sys.stderr, flush=True)
         hw, _raw = calibrate(nproc=torch.cuda.device_count(), backend="nccl")
         calibration = hw.to_dict()

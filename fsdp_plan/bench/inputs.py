@@ -10,11 +10,11 @@ result is written, never for a run that is refused.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from fsdp_plan.common.errors import BadInput
 
@@ -25,17 +25,46 @@ MAX_TRACE_BYTES = 1 << 30
 """A predicted trace is read whole into memory: refuse anything bigger than 1 GiB."""
 
 
-def check_run_numbers(args: argparse.Namespace) -> None:
-    """``--steps``, ``--warmup`` and ``--threshold`` within bounds (NaN and inf refused)."""
-    if not 1 <= args.steps <= MAX_STEPS:
-        raise BadInput(f"--steps is the number of timed steps, from 1 to {MAX_STEPS:,}; got "
-                       f"{args.steps}.")
-    if not 0 <= args.warmup <= MAX_WARMUP:
-        raise BadInput(f"--warmup is the number of unmeasured warm-up steps, from 0 to "
-                       f"{MAX_WARMUP:,}; got {args.warmup}.")
-    if not (math.isfinite(args.threshold) and 0 < args.threshold < MAX_THRESHOLD):
-        raise BadInput(f"--threshold is a fraction above 0 and below {MAX_THRESHOLD:g} "
-                       f"(0.10 = 10%), got {args.threshold}.")
+@dataclass(frozen=True, kw_only=True)
+class BenchRequest:
+    """What one benchmark run is asked to do, as the command line gave it (``fsdp-plan bench``
+    and the torchrun worker entry both build one, in ``cli/bench.py``). Its numbers are
+    checked when it is made; its files are read by ``session.prepare``."""
+
+    plan_path: str
+    """The plan file (``PLAN.yaml``)."""
+    model_path: str | None
+    """The model file; ``None``: the source the plan records."""
+    steps: int
+    """Timed steady steps, 1 to ``MAX_STEPS``."""
+    warmup: int
+    """Unmeasured warm-up steps before them, 0 to ``MAX_WARMUP``."""
+    fsdp_version: Literal[1, 2]
+    """2: FSDP2 ``fully_shard``; 1: FSDP1 ``FullyShardedDataParallel`` (``--fsdp1``)."""
+    out: str
+    """The folder the result JSON and trace are written to (created only then)."""
+    threshold: float
+    """Relative regression that fails ``compare`` (above 0, below ``MAX_THRESHOLD``)."""
+    format: Literal["table", "json"]
+    """How the report is printed on stdout."""
+    compare: str | None = None
+    """A previous result to hold this run against."""
+    predicted_trace: str | None = None
+    """The planner's ``--trace`` output, for a side-by-side trace."""
+    refit: str | None = None
+    """A hardware file to rewrite from what the run measured (``bench/refit.py``)."""
+
+    def __post_init__(self) -> None:
+        """``--steps``, ``--warmup`` and ``--threshold`` within bounds (NaN and inf refused)."""
+        if not 1 <= self.steps <= MAX_STEPS:
+            raise BadInput(f"--steps is the number of timed steps, from 1 to {MAX_STEPS:,}; got "
+                           f"{self.steps}.")
+        if not 0 <= self.warmup <= MAX_WARMUP:
+            raise BadInput(f"--warmup is the number of unmeasured warm-up steps, from 0 to "
+                           f"{MAX_WARMUP:,}; got {self.warmup}.")
+        if not (math.isfinite(self.threshold) and 0 < self.threshold < MAX_THRESHOLD):
+            raise BadInput(f"--threshold is a fraction above 0 and below {MAX_THRESHOLD:g} "
+                           f"(0.10 = 10%), got {self.threshold}.")
 
 
 def check_timeout(timeout_s: float) -> None:

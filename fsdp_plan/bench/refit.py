@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.files import atomic_write_all, check_writable
 from fsdp_plan.cost.hardware import GPUS, Hardware, hardware_for, hardware_yaml, read_hardware_file
 
 _CLIP = (0.05, 20.0)
@@ -79,8 +80,6 @@ def scaled(hw: Hardware, f: dict[str, float]) -> Hardware:
 def check_refit_path(path: str) -> None:
     """``--refit``: a .yaml path that can be written, holding a valid hardware file if it
     exists (``BadInput`` before any worker starts)."""
-    from fsdp_plan.common.files import check_writable
-
     if not path.endswith((".yaml", ".yml")):
         raise BadInput(f"--refit {path!r} must name a .yaml hardware file.")
     if os.path.exists(path):
@@ -91,8 +90,6 @@ def check_refit_path(path: str) -> None:
 def refit(path: str, gpu: str, result: dict[str, Any]) -> tuple[Hardware, dict[str, float]]:
     """Rewrite the hardware file ``path`` (or write it from the plan's ``gpu`` preset when it
     does not exist) from ``result``; returns the new hardware and the factors."""
-    from fsdp_plan.common.files import atomic_write_all
-
     overrides = read_hardware_file(path) if os.path.exists(path) else None
     base = gpu if gpu in GPUS else "h100"
     hw = hardware_for(base, overrides if overrides is not None else {},

@@ -21,10 +21,12 @@ import torch
 from tabulate import tabulate
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.files import atomic_write_all
 from fsdp_plan.common.sizes import format_bytes
-from fsdp_plan.plan.document import atomic_write_all
 
 RESULT_VERSION = 1
+DEFAULT_RESULTS_DIR = os.path.join("benchmarks", "results")
+"""Where bench, tune and the GPU check write their results unless told otherwise."""
 
 
 def plan_hash(plan_dict: dict[str, Any]) -> str:
@@ -101,24 +103,26 @@ def _phases(ranks: list[dict[str, Any]], median_s: float,
 
 
 def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, Any]) -> dict[str, Any]:
-    """The result document of one run from every rank's figures."""
-    plan = prepared.plan
+    """The result document of one run from every rank's figures. ``prepared`` is a
+    ``session.Prepared`` (typed ``Any``: the session imports this module)."""
+    plan, plan_path = prepared.plan, prepared.request.plan_path
     predicted = plan.predicted or {}
-    counts_key = "collectives_per_step_fsdp1" if prepared.fsdp_version == 1 else "collectives_per_step"
+    fsdp_version = prepared.request.fsdp_version
+    counts_key = "collectives_per_step_fsdp1" if fsdp_version == 1 else "collectives_per_step"
     counts = ranks[0]["counts"]
     comm = ranks[0]["comm"]
     worst = max(ranks, key=lambda r: r["comm"].get("exposed_s", 0.0))
     return {
         "fsdp_plan_bench_version": RESULT_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "plan": {"path": prepared.plan_path, "abspath": os.path.abspath(prepared.plan_path),
+        "plan": {"path": plan_path, "abspath": os.path.abspath(plan_path),
                  "hash": plan_hash(plan.to_dict()),
                  "world_size": plan.world_size, "gpu": plan.gpu,
                  "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard}},
         "model": dict(plan.model),
         "run": {"nproc": prepared.nproc, "mesh": {"replicate": prepared.mesh[0],
                                                   "shard": prepared.mesh[1]},
-                "fsdp_version": prepared.fsdp_version, "steps": prepared.payload["steps"],
+                "fsdp_version": fsdp_version, "steps": prepared.payload["steps"],
                 "warmup": prepared.payload["warmup"], "device": ranks[0]["device"],
                 "device_name": device_name(), "torch": torch.__version__,
                 "python": platform.python_version(), "git": git_commit()},

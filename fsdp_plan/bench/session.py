@@ -1,66 +1,38 @@
-"""One benchmark session, shared by ``fsdp-plan bench`` and the torchrun worker entry:
-validate the inputs before any work (``prepare``), then turn every rank's figures into one
-result file, a report and an exit code (``finish``).
+"""One benchmark session, shared by ``fsdp-plan bench`` and the torchrun worker entry (both in
+``cli/bench.py``): validate the inputs before any work (``prepare``), then turn every rank's
+figures into one result file, a report and an exit code (``finish``).
 """
 
 from __future__ import annotations
 
-import argparse
-import os
+import json
 import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_plan.bench import inputs
+from fsdp_plan.bench import inputs, results
+from fsdp_plan.bench.inputs import BenchRequest
+from fsdp_plan.bench.refit import check_refit_path, refit
 from fsdp_plan.common.errors import BadInput, CheckFailed
 from fsdp_plan.measure import runtime
+from fsdp_plan.measure.memory import measure_peak
 from fsdp_plan.measure.worker_setup import source_payload
 from fsdp_plan.model.load import LoadedModel
 from fsdp_plan.plan.document import Plan, read_plan
 
-DEFAULT_OUT = os.path.join("benchmarks", "results")
-
-
-def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options a benchmark run needs, wherever it is launched from."""
-    parser.add_argument("plan", metavar="PLAN.yaml", help="a plan written by fsdp-plan --plan")
-    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
-                        help="the model file (default: the source recorded in the plan)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steady steps, 1 to 100000 (default 20)")
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="warm-up steps skipped before measuring, 0 to 10000 (default 3)")
-    parser.add_argument("--fsdp1", action="store_true",
-                        help="apply the plan with FSDP1 FullyShardedDataParallel(auto_wrap_policy=...) "
-                             "instead of FSDP2 fully_shard")
-    parser.add_argument("--out", default=DEFAULT_OUT,
-                        help=f"folder for the result JSON and trace (default {DEFAULT_OUT})")
-    parser.add_argument("--compare", metavar="OLD.json", default=None,
-                        help="a previous result: print both side by side, exit 1 on a regression")
-    parser.add_argument("--threshold", type=float, default=0.10,
-                        help="relative step-time / peak-memory regression that fails --compare "
-                             "(default 0.10 = 10%%)")
-    parser.add_argument("--predicted-trace", metavar="TRACE.json", default=None,
-                        help="the planner's --trace output: also write one Perfetto trace with "
-                             "the predicted and the measured step side by side")
-    parser.add_argument("--refit", metavar="HW.yaml", default=None,
-                        help="after the run, rewrite this hardware file (or write it from the "
-                             "plan's GPU preset) so predictions match what was measured "
-                             "(fsdp_plan/bench/refit.py); plan with --hardware HW.yaml next")
-    parser.add_argument("--format", choices=("table", "json"), default="table")
-
 
 @dataclass(kw_only=True)
 class Prepared:
-    """Everything checked before launching: the plan, the model, the run's mesh, the payload."""
+    """Everything checked before launching: the request, the plan, the model, the run's mesh,
+    the payload."""
 
+    request: BenchRequest
     plan: Plan
-    plan_path: str
     loaded: LoadedModel
     nproc: int
     mesh: tuple[int, int]
-    fsdp_version: int
     payload: dict[str, Any]
     notes: list[str] = field(default_factory=list)
     old_result: dict[str, Any] | None = None
@@ -93,36 +65,32 @@ def run_mesh(plan: Plan, nproc: int) -> tuple[tuple[int, int], list[str]]:
     return mesh, notes
 
 
-def prepare(args: argparse.Namespace, *, nproc: int) -> Prepared:
+def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
     """Read and check every input before any worker starts (bad input fails fast, exit 2):
-    numbers, the plan and its model, ``--compare``, ``--predicted-trace`` and ``--out``.
-    Creates nothing but the run's private trace folder, last (the caller removes it)."""
-    from fsdp_plan.bench.results import read_result
-
-    inputs.check_run_numbers(args)
+    the plan and its model, ``--compare``, ``--predicted-trace``, ``--refit`` and ``--out``
+    (the numbers were checked when ``request`` was made). Creates nothing but the run's
+    private trace folder, last (the caller removes it)."""
     if nproc < 1:
         raise BadInput(f"--nproc must be at least 1, got {nproc}.")
-    old = read_result(args.compare) if args.compare else None
-    predicted_trace = (inputs.read_predicted_trace(args.predicted_trace)
-                       if args.predicted_trace else None)
-    inputs.check_out_folder(args.out)
-    if getattr(args, "refit", None):  # checked before the run: a bad file fails fast
-        from fsdp_plan.bench.refit import check_refit_path
-        check_refit_path(args.refit)
-    plan = read_plan(args.plan)
-    loaded = runtime.load_planned_model(plan, args.model, args.plan)
+    old = results.read_result(request.compare) if request.compare else None
+    predicted_trace = (inputs.read_predicted_trace(request.predicted_trace)
+                       if request.predicted_trace else None)
+    inputs.check_out_folder(request.out)
+    if request.refit:  # checked before the run: a bad file fails fast
+        check_refit_path(request.refit)
+    plan = read_plan(request.plan_path)
+    loaded = runtime.load_planned_model(plan, request.model_path, request.plan_path)
     mesh, notes = run_mesh(plan, nproc)
-    fsdp_version = 1 if args.fsdp1 else 2
     payload = {
         "source": source_payload(loaded.source),
         "policy_source": runtime.policy_source(plan), "mesh": list(mesh),
-        "fsdp_version": fsdp_version, "optimizer": plan.optimizer,
-        "warmup": args.warmup, "steps": args.steps,
+        "fsdp_version": request.fsdp_version, "optimizer": plan.optimizer,
+        "warmup": request.warmup, "steps": request.steps,
     }
     payload["trace_dir"] = tempfile.mkdtemp(prefix="fsdp-plan-traces-")
     try:
-        return Prepared(plan=plan, plan_path=args.plan, loaded=loaded, nproc=nproc, mesh=mesh,
-                        fsdp_version=fsdp_version, payload=payload, notes=notes, old_result=old,
+        return Prepared(request=request, plan=plan, loaded=loaded, nproc=nproc, mesh=mesh,
+                        payload=payload, notes=notes, old_result=old,
                         predicted_trace=predicted_trace)
     except BaseException:  # a signal right here: the caller never sees the folder
         shutil.rmtree(payload["trace_dir"], ignore_errors=True)
@@ -132,9 +100,7 @@ def prepare(args: argparse.Namespace, *, nproc: int) -> Prepared:
 def _cpu_memory(prepared: Prepared) -> dict[str, Any]:
     """On CPU there is no allocator peak: measure the plan with FSDPMemTracker on the fake
     process group at the plan's world size (SPEC 5's CPU definition of peak)."""
-    from fsdp_plan.measure.memory import measure_peak
-
-    if prepared.fsdp_version != 2:
+    if prepared.request.fsdp_version != 2:
         return {"peak_bytes": None, "source": "not measured: FSDPMemTracker tracks FSDP2 only"}
     measured = measure_peak(prepared.loaded, prepared.plan,
                             runtime.load_policy(prepared.payload["policy_source"]))
@@ -143,10 +109,9 @@ def _cpu_memory(prepared: Prepared) -> dict[str, Any]:
                       f"{prepared.plan.world_size} (CPU run: no allocator peak)"}
 
 
-def finish(args: argparse.Namespace, prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
+def finish(prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
     """Write the result, print the report, check counts and ``--compare``; the exit code."""
-    from fsdp_plan.bench import results
-
+    request = prepared.request
     if ranks and ranks[0].get("peak_bytes") is not None:
         memory = {"peak_bytes": max(r["peak_bytes"] for r in ranks),
                   "source": ranks[0].get("peak_source")
@@ -158,21 +123,20 @@ def finish(args: argparse.Namespace, prepared: Prepared, ranks: list[dict[str, A
     compare_table, compare_problems = "", []
     if prepared.old_result is not None:
         compare_table, compare_problems = results.compare(prepared.old_result, result,
-                                                          args.threshold)
+                                                          request.threshold)
     try:
-        path = results.write_result(result, args.out, trace_from=ranks[0]["trace"],
+        path = results.write_result(result, request.out, trace_from=ranks[0]["trace"],
                                     predicted_trace=prepared.predicted_trace)
     except BadInput as e:  # the run is done: show its figures before saying they were not saved
-        _print_report(args, result, prepared, compare_table)
+        _print_report(result, prepared, compare_table)
         raise BadInput(f"{e} The figures above were measured but not saved.") from e
     result["path"] = path
-    _print_report(args, result, prepared, compare_table)
-    if getattr(args, "refit", None):
-        from fsdp_plan.bench.refit import refit
-        hw, f = refit(args.refit, prepared.plan.gpu, result)
-        print(f"refit {args.refit}: compute x{f['compute']:.3g}, communication "
+    _print_report(result, prepared, compare_table)
+    if request.refit:
+        hw, f = refit(request.refit, prepared.plan.gpu, result)
+        print(f"refit {request.refit}: compute x{f['compute']:.3g}, communication "
               f"x{f['communication']:.3g}, optimizer x{f['optimizer']:.3g} ({hw.name}); plan "
-              f"or predict with --hardware {args.refit}", file=sys.stderr)
+              f"or predict with --hardware {request.refit}", file=sys.stderr)
     failures = problems + compare_problems
     if failures:
         raise CheckFailed("; ".join(failures) + f". The result was still written to {path}.")
@@ -180,12 +144,8 @@ def finish(args: argparse.Namespace, prepared: Prepared, ranks: list[dict[str, A
     return 0
 
 
-def _print_report(args: argparse.Namespace, result: dict[str, Any], prepared: Prepared,
-                  compare_table: str) -> None:
-    from fsdp_plan.bench import results
-
-    if args.format == "json":
-        import json
+def _print_report(result: dict[str, Any], prepared: Prepared, compare_table: str) -> None:
+    if prepared.request.format == "json":
         print(json.dumps(result, indent=2, default=str))
         return
     text = results.format_report(result, prepared.notes)

@@ -18,20 +18,23 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from fsdp_plan.measure import runtime
 from fsdp_plan.measure.launch import launch
-from fsdp_plan.model.load import ModelSource
+from fsdp_plan.measure.worker_setup import (
+    build_planned_worker,
+    init_worker_process_group,
+    source_payload,
+)
+from fsdp_plan.model.load import load_model
+from fsdp_plan.model.source import ModelSource
 from fsdp_plan.plan.document import Plan
 
 
 def _time_worker(ctx: Any, payload: dict[str, Any]) -> list[list[float]]:
     """Worker target: for each job, build the planned model and time its steady steps."""
-    import torch
-    import torch.distributed as dist
-
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
-    from fsdp_plan.model.load import load_model
-
     device = init_worker_process_group(ctx.local_rank)
     loaded = load_model(ModelSource(**payload["source"]))
 
@@ -80,8 +83,6 @@ def time_plans(source: ModelSource, plans: list[Plan], *, nproc: int, mesh: tupl
                interleave: bool = False) -> list[list[list[float]]]:
     """Per plan, per rank, the steady steps' seconds; ``interleave`` times the plans' steps in
     turn on models built side by side ([Note: interleaved timing])."""
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.worker_setup import source_payload
     jobs = [{"policy_source": runtime.policy_source(plan), "mesh": list(mesh),
              "optimizer": plan.optimizer} for plan in plans]
     payload = {"source": source_payload(source), "jobs": jobs, "steps": steps,

@@ -26,8 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_plan.api import predict as predict_plan
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.plan.build import prefetch_depths, prefetch_maps
 from fsdp_plan.plan.document import Plan, Unit
 
 NOISE_FLOOR = 0.02
@@ -98,7 +100,6 @@ def _with_units(plan: Plan, groups: list[list[str]], reshard: list[bool]) -> Pla
     root = next(u for u in plan.units if u.modules == [""])
     units = [Unit(modules=g, reshard_after_forward=r) for g, r in zip(groups, reshard)]
     keys = [g[0] for g in groups]
-    from fsdp_plan.plan.build import prefetch_depths, prefetch_maps
     fwd, bwd = prefetch_depths(plan)
     forward, backward = prefetch_maps(keys, fwd, bwd)
     return dataclasses.replace(plan, units=[*units, root], forward_prefetch=forward,
@@ -107,7 +108,6 @@ def _with_units(plan: Plan, groups: list[list[str]], reshard: list[bool]) -> Pla
 
 def neighbours(plan: Plan, facts: ModelFacts) -> list[tuple[str, str, Plan]]:
     """Plans one knob away from ``plan``: ``(knob, change, plan)``."""
-    from fsdp_plan.plan.build import prefetch_depths, prefetch_maps
     out: list[tuple[str, str, Plan]] = []
     blocks = facts.graph.blocks
     groups, reshard = _layout(plan)
@@ -131,14 +131,14 @@ def neighbours(plan: Plan, facts: ModelFacts) -> list[tuple[str, str, Plan]]:
         out.append(("unit layout", f"{len(groups)} units -> root only",
                     _with_units(plan, [], [])))
         if all(len(g) == 1 for g in groups) and len(groups) >= 4 and groups[0][0] in blocks:
-            pairs = [sum(groups[i:i + 2], []) for i in range(0, len(groups), 2)]
+            pairs = [[m for g in groups[i:i + 2] for m in g] for i in range(0, len(groups), 2)]
             out.append(("unit layout", "one unit per block -> two blocks per unit",
                         _with_units(plan, pairs, [True] * len(pairs))))
         if reshard and reshard[-1]:
             out.append(("reshard", f"keep {keys[-1]} unsharded after forward",
                         _with_units(plan, groups, [*reshard[:-1], False])))
     checkpointed = plan.activation_checkpointing
-    names = list(checkpointed) if isinstance(checkpointed, dict) else list(checkpointed)
+    names = list(checkpointed)
     if names:
         fewer = names[:-1]
         out.append(("checkpointing", f"{len(names)} -> {len(fewer)} blocks",
@@ -179,8 +179,6 @@ def tune(plan: Plan, facts: ModelFacts, bench, *, budget_s: float, max_rounds: i
     """Run [Note: the tuning loop]. ``bench(plans) -> list of per-rank step-time lists`` runs
     plans on real workers (one launch per call); ``hardware`` (a calibrated file's figures)
     orders the proposals."""
-    from fsdp_plan.api import predict as predict_plan
-
     def predict(candidate: Plan):
         return predict_plan(candidate, facts, hardware=hardware)
     started = time.perf_counter()

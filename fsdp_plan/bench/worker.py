@@ -15,24 +15,31 @@ Each rank's figures are gathered to rank 0, which returns (or, under torchrun, w
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
-import shutil
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, record_function
 
-from fsdp_plan.measure.launch import (
-    Terminated,
-    WorkerContext,
-    context_from_env,
-    maybe_inject_fault,
-    stop_on_signals,
+from fsdp_plan.bench.results import phase_seconds
+from fsdp_plan.measure import runtime
+from fsdp_plan.measure.collectives import CollectiveCounter
+from fsdp_plan.measure.ddp import buckets_in_use, peak_of_step
+from fsdp_plan.measure.launch import WorkerContext, maybe_inject_fault
+from fsdp_plan.measure.profile import analyze_trace
+from fsdp_plan.measure.worker_setup import (
+    PlannedWorker,
+    build_planned_worker,
+    init_worker_process_group,
 )
+from fsdp_plan.model.load import load_model
+from fsdp_plan.model.source import ModelSource
 
 
 def _sync(device: torch.device) -> None:
@@ -67,17 +74,71 @@ def _without_profiler_chatter(folder: str, rank: int) -> Iterator[None]:
                 sys.stderr.flush()
 
 
+@dataclass
+class _Steps:
+    """One rank's planned model and its step counter: each step is announced to the launcher
+    (progress) and numbered, which is where a test's fault is injected."""
+
+    ctx: WorkerContext
+    worker: PlannedWorker
+    total: int
+    number: int = 0
+
+    def begin(self, phase: str) -> None:
+        self.number += 1
+        maybe_inject_fault(self.ctx.rank, self.number)
+        self.ctx.report(phase=phase, step=self.number, steps=self.total)
+
+    def micro_batches(self) -> None:
+        """Forward and backward of every micro-batch of one optimizer step (SPEC 6)."""
+        w = self.worker
+        runtime.micro_batches(w.model, w.loaded, w.inputs, w.policy)
+
+    def finish(self) -> None:
+        runtime.finish_step(self.worker.model, self.worker.optimizer)
+
+
+def _timed_steps(steps: _Steps, count: int) -> tuple[list[float], int | None]:
+    """Seconds of ``count`` whole steps, each bracketed by a device sync, and the allocator's
+    peak over them (a GPU; ``None`` on a CPU)."""
+    device = steps.worker.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(count):
+        steps.begin("timed")
+        _sync(device)
+        t0 = time.perf_counter()
+        steps.micro_batches()
+        steps.finish()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def _profiled_step(worker: PlannedWorker, folder: str, rank: int) -> str:
+    """One step under ``torch.profiler`` with the phases the trace analysis reads
+    (``fsdp_plan.forward``/``backward``/``optimizer``); the Chrome trace's path."""
+    device = worker.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with (_without_profiler_chatter(folder, rank),
+          profile(activities=activities) as prof, record_function("fsdp_plan.step")):
+        args, kwargs = worker.inputs
+        with record_function("fsdp_plan.forward"):
+            loss = worker.loaded.compute_loss(worker.model(*args, **kwargs))
+        with record_function("fsdp_plan.backward"):
+            loss.backward()
+            _sync(device)
+        with record_function("fsdp_plan.optimizer"):
+            runtime.finish_step(worker.model, worker.optimizer)
+        _sync(device)
+    trace_path = os.path.join(folder, f"rank{rank}.trace.json")
+    prof.export_chrome_trace(trace_path)
+    return trace_path
+
+
 def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Measure this rank; rank 0 returns every rank's figures under ``ranks``."""
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.collectives import CollectiveCounter
-    from fsdp_plan.measure.profile import analyze_trace
-    from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
-    from fsdp_plan.model.load import ModelSource, load_model
-
     ctx.report(phase="imported")
     device = init_worker_process_group(ctx.local_rank)
     ctx.report(phase="process group up")
@@ -86,80 +147,39 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
                                   fsdp_version=payload["fsdp_version"],
                                   optimizer=payload["optimizer"], rank=ctx.rank)
     ctx.report(phase="model built")
-    model, optimizer, loaded, inputs = worker.model, worker.optimizer, worker.loaded, worker.inputs
+    warmup, count = int(payload["warmup"]), int(payload["steps"])
+    steps = _Steps(ctx=ctx, worker=worker, total=warmup + count + 2)
+    ddp = worker.model if hasattr(worker.model, "_get_ddp_logging_data") else None
 
-    warmup, steps = int(payload["warmup"]), int(payload["steps"])
-    total = warmup + steps + 2
-    step_no = 0
-
-    def begin(phase: str) -> None:
-        nonlocal step_no
-        step_no += 1
-        maybe_inject_fault(ctx.rank, step_no)
-        ctx.report(phase=phase, step=step_no, steps=total)
-
-    policy = worker.policy
-
-    def micro_batches() -> None:  # every micro-batch of one optimizer step (SPEC 6)
-        runtime.micro_batches(model, loaded, inputs, policy)
-
-    # DDP rebuilds its buckets in its second forward (and broadcasts them): count after it
-    for _ in range(max(warmup, 2 if hasattr(model, "_get_ddp_logging_data") else 0)):
-        begin("warm-up")
-        micro_batches()
-        runtime.finish_step(model, optimizer)
+    # a DDP plan's steady step is its third: [Note: DDP's bucket rebuild] (measure/ddp.py)
+    for _ in range(max(warmup, 2 if ddp is not None else 0)):
+        steps.begin("warm-up")
+        steps.micro_batches()
+        steps.finish()
     _sync(device)
 
-    begin("count")
+    steps.begin("count")
     with CollectiveCounter() as counter:
-        micro_batches()
-    runtime.finish_step(model, optimizer)
+        steps.micro_batches()
+    steps.finish()
     counts = counter.counts()
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(steps):
-        begin("timed")
-        _sync(device)
-        t0 = time.perf_counter()
-        micro_batches()
-        runtime.finish_step(model, optimizer)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    times, peak = _timed_steps(steps, count)
     peak_source, ddp_buckets = None, None
-    if hasattr(model, "_get_ddp_logging_data"):  # a DDP plan: the buckets DDP really built
-        from fsdp_plan.measure.ddp import buckets_in_use, peak_of_step
-        ddp_buckets = buckets_in_use(model)
+    if ddp is not None:  # a DDP plan: the buckets DDP really built
+        ddp_buckets = buckets_in_use(ddp)
         if device.type != "cuda":  # no allocator peak: MemTracker over one more steady step
-            peak, _ = peak_of_step(model, optimizer, micro_batches, inputs)
+            peak, _ = peak_of_step(ddp, worker.optimizer, steps.micro_batches, worker.inputs)
             peak_source = ("MemTracker over a steady step of this real gloo run (a DDP rank "
                            "holds the whole model at any world size)")
 
-    begin("profile")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with (_without_profiler_chatter(payload["trace_dir"], ctx.rank),
-          profile(activities=activities) as prof, record_function("fsdp_plan.step")):
-        args, kwargs = inputs
-        with record_function("fsdp_plan.forward"):
-            loss = loaded.compute_loss(model(*args, **kwargs))
-        with record_function("fsdp_plan.backward"):
-            loss.backward()
-            _sync(device)
-        with record_function("fsdp_plan.optimizer"):
-            runtime.finish_step(model, optimizer)
-        _sync(device)
-    trace_path = os.path.join(payload["trace_dir"], f"rank{ctx.rank}.trace.json")
-    prof.export_chrome_trace(trace_path)
-    comm = analyze_trace(trace_path).to_dict()
-    from fsdp_plan.bench.results import phase_seconds
-    phases = phase_seconds(trace_path)
-    ctx.report(phase="done", step=total, steps=total)
-
-    mine = {"rank": ctx.rank, "counts": counts, "step_times_s": times, "peak_bytes": peak,
-            "comm": comm, "phases_s": phases, "trace": trace_path, "device": str(device),
+    steps.begin("profile")
+    trace_path = _profiled_step(worker, payload["trace_dir"], ctx.rank)
+    mine = {"rank": ctx.rank, "counts": counts, "step_times_s": times,
+            "peak_bytes": peak, "comm": analyze_trace(trace_path).to_dict(),
+            "phases_s": phase_seconds(trace_path), "trace": trace_path, "device": str(device),
             "peak_source": peak_source, "ddp_buckets": ddp_buckets}
+    ctx.report(phase="done", step=steps.total, steps=steps.total)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     dist.barrier()
@@ -167,34 +187,6 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     return {"ranks": gathered} if ctx.rank == 0 else {"rank": ctx.rank}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m fsdp_plan.bench.worker``: one rank under torchrun; rank 0 writes the result."""
-    from fsdp_plan.bench import session
-    from fsdp_plan.common.errors import FsdpPlanError
-
-    parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.worker",
-                                     description="One fsdp-plan benchmark rank (under torchrun).")
-    session.add_run_arguments(parser)
-    args = parser.parse_args(argv)
-    ctx = context_from_env()
-    prepared = None
-    try:
-        with stop_on_signals():  # torchrun ends its workers with SIGTERM
-            prepared = session.prepare(args, nproc=ctx.world_size)
-            per_rank = bench_rank(ctx, prepared.payload)
-            if ctx.rank != 0:
-                return 0
-            return session.finish(args, prepared, per_rank["ranks"])
-    except FsdpPlanError as e:
-        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}\n")
-        return e.exit_code
-    except Terminated as e:
-        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}.\n")
-        return e.exit_code
-    finally:
-        if prepared is not None:
-            shutil.rmtree(prepared.payload["trace_dir"], ignore_errors=True)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # the torchrun entry; its options are the CLI's (cli/bench.py)
+    from fsdp_plan.cli.bench import torchrun_main
+    sys.exit(torchrun_main())

@@ -20,15 +20,62 @@ import shutil
 import sys
 from typing import Any
 
+import torch
+
 from fsdp_plan.bench import session
-from fsdp_plan.bench.inputs import check_nproc, check_run_numbers, check_timeout
-from fsdp_plan.common.errors import BadInput
-from fsdp_plan.measure.launch import Terminated, WorkersFailed, launch, stop_on_signals
+from fsdp_plan.bench.inputs import BenchRequest, check_nproc, check_timeout
+from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR
+from fsdp_plan.bench.worker import bench_rank
+from fsdp_plan.common.errors import BadInput, FsdpPlanError
+from fsdp_plan.measure.launch import (
+    Terminated,
+    WorkersFailed,
+    context_from_env,
+    launch,
+    stop_on_signals,
+)
 from fsdp_plan.plan.document import read_plan
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of one benchmark run, wherever it is launched from (``fsdp-plan bench`` and
+    the torchrun worker entry, ``torchrun_main``)."""
+    parser.add_argument("plan", metavar="PLAN.yaml", help="a plan written by fsdp-plan --plan")
+    parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
+                        help="the model file (default: the source recorded in the plan)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steady steps, 1 to 100000 (default 20)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="warm-up steps skipped before measuring, 0 to 10000 (default 3)")
+    parser.add_argument("--fsdp1", action="store_true",
+                        help="apply the plan with FSDP1 FullyShardedDataParallel(auto_wrap_policy=...) "
+                             "instead of FSDP2 fully_shard")
+    parser.add_argument("--out", default=DEFAULT_RESULTS_DIR,
+                        help=f"folder for the result JSON and trace (default {DEFAULT_RESULTS_DIR})")
+    parser.add_argument("--compare", metavar="OLD.json", default=None,
+                        help="a previous result: print both side by side, exit 1 on a regression")
+    parser.add_argument("--threshold", type=float, default=0.10,
+                        help="relative step-time / peak-memory regression that fails --compare "
+                             "(default 0.10 = 10%%)")
+    parser.add_argument("--predicted-trace", metavar="TRACE.json", default=None,
+                        help="the planner's --trace output: also write one Perfetto trace with "
+                             "the predicted and the measured step side by side")
+    parser.add_argument("--refit", metavar="HW.yaml", default=None,
+                        help="after the run, rewrite this hardware file (or write it from the "
+                             "plan's GPU preset) so predictions match what was measured "
+                             "(fsdp_plan/bench/refit.py); plan with --hardware HW.yaml next")
+    parser.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def bench_request(args: argparse.Namespace) -> BenchRequest:
+    """The run ``add_run_arguments``' options ask for (its numbers checked: ``BadInput``)."""
+    return BenchRequest(plan_path=args.plan, model_path=args.model, steps=args.steps,
+                        warmup=args.warmup, fsdp_version=1 if args.fsdp1 else 2, out=args.out,
+                        threshold=args.threshold, format=args.format, compare=args.compare,
+                        predicted_trace=args.predicted_trace, refit=args.refit)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    session.add_run_arguments(parser)
+    add_run_arguments(parser)
     parser.add_argument("--nproc", type=int, default=None,
                         help="local worker processes (default: the plan's world size; at most "
                              "one per GPU, or 4 per CPU core and at least 8)")
@@ -40,7 +87,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def default_nproc(world_size: int) -> int:
     """The plan's world size, if this machine can run that many ranks."""
-    import torch
     if torch.cuda.is_available():
         if world_size > torch.cuda.device_count():
             raise BadInput(f"the plan is for {world_size} GPUs and this machine has "
@@ -77,13 +123,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         with stop_on_signals():
             check_timeout(args.timeout)
-            check_run_numbers(args)
+            request = bench_request(args)
             if args.nproc is not None:
                 check_nproc(args.nproc)
                 nproc = args.nproc
             else:
                 nproc = default_nproc(read_plan(args.plan).world_size)
-            prepared = session.prepare(args, nproc=nproc)
+            prepared = session.prepare(request, nproc=nproc)
             try:
                 results = launch("fsdp_plan.bench.worker:bench_rank", prepared.payload,
                                  nproc=nproc, timeout_s=args.timeout,
@@ -92,10 +138,37 @@ def run(args: argparse.Namespace) -> int:
                 if getattr(args, "debug", False) and e.failures:
                     sys.stderr.write(e.failures[0].detail + "\n")
                 raise
-            return session.finish(args, prepared, results[0]["ranks"])
+            return session.finish(prepared, results[0]["ranks"])
     except Terminated as e:
         sys.stderr.write(f"fsdp-plan bench: {e}; the workers were ended and the temporary "
                          "files removed.\n")
+        return e.exit_code
+    finally:
+        if prepared is not None:
+            shutil.rmtree(prepared.payload["trace_dir"], ignore_errors=True)
+
+
+def torchrun_main(argv: list[str] | None = None) -> int:
+    """``python -m fsdp_plan.bench.worker``: one rank under torchrun, with the run's options;
+    rank 0 writes the result. Errors are one paragraph on stderr and their exit code."""
+    parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.worker",
+                                     description="One fsdp-plan benchmark rank (under torchrun).")
+    add_run_arguments(parser)
+    args = parser.parse_args(argv)
+    ctx = context_from_env()
+    prepared = None
+    try:
+        with stop_on_signals():  # torchrun ends its workers with SIGTERM
+            prepared = session.prepare(bench_request(args), nproc=ctx.world_size)
+            per_rank = bench_rank(ctx, prepared.payload)
+            if ctx.rank != 0:
+                return 0
+            return session.finish(prepared, per_rank["ranks"])
+    except FsdpPlanError as e:
+        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}\n")
+        return e.exit_code
+    except Terminated as e:
+        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}.\n")
         return e.exit_code
     finally:
         if prepared is not None:

@@ -13,10 +13,14 @@ a worker failed or hung.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any
 
+from fsdp_plan.bench.inputs import check_nproc, check_timeout
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.files import atomic_write_all, check_writable
+from fsdp_plan.cost.hardware import Hardware, hardware_yaml
 from fsdp_plan.measure.launch import Terminated, stop_on_signals
 
 
@@ -36,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("table", "json"), default="table")
 
 
-def _summary(hw: Any) -> str:
+def _summary(hw: Hardware) -> str:
     lines = [f"calibrated {hw.source}"]
     for dtype, classes in hw.matmul_flops.items():
         shown = ", ".join(f"{c} {v / 1e9:,.1f}" for c, v in classes.items())
@@ -65,13 +69,10 @@ def _summary(hw: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # calibration imports torch (~6 s): deferred so --help and the flag checks answer at once
     import torch
 
-    from fsdp_plan.bench.inputs import check_nproc, check_timeout
-    from fsdp_plan.common.files import atomic_write_all, check_writable
-    from fsdp_plan.cost.hardware import hardware_yaml
     from fsdp_plan.measure.calibrate import calibrate
-
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and not torch.cuda.is_available():
         raise BadInput("--backend nccl needs CUDA GPUs and this machine has none; use "
@@ -102,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"fsdp-plan calibrate: {e}; the workers were ended.\n")
         return e.exit_code
     if args.format == "json":
-        import json
         print(json.dumps({"hardware": hw.to_dict(), "raw": raw}, indent=2, default=str))
     else:
         print(_summary(hw))

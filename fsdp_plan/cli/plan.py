@@ -190,7 +190,6 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"give either MODEL ({args.model!r}) or --hf-config ({args.hf_config!r}), "
                        "not both: --hf-config builds the model from the config alone.")
     source = model_source(args)
-
     progress = (lambda m: sys.stderr.write(f"fsdp-plan: {m}\n")) if args.format == "table" else None
     request = PlanRequest(
         source=source, budget_bytes=values["budget"], headroom_bytes=values["headroom"],
@@ -199,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis,
         allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
         auto_batch=args.batch_size == "auto")
-    # loading the model imports torch (~6 s): only now, after every flag was checked
+    # Imported here, not above: model.load imports torch (about 6 s), and every flag was to be
+    # checked before that wait (see the note under the imports).
     from fsdp_plan.model.load import user_code_output_to_stderr
     with user_code_output_to_stderr():  # the model's print()s stay off stdout
         result = make_plan(request, progress)

@@ -16,6 +16,7 @@ import argparse
 import json
 from typing import Any
 
+from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.common.errors import NoFeasiblePlan
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.plan.document import Plan, read_plan
@@ -78,12 +79,11 @@ def format_report(data: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
-    from fsdp_plan.measure import runtime
-
     plan = read_plan(args.plan)
     hardware = plan_hardware(plan, gpu=args.gpu, hardware_file=args.hardware)
     gpus_per_node = args.gpus_per_node or int(plan.predicted.get("gpus_per_node", 0) or 8)
+    # loading imports torch (~6 s): deferred so --help and the flag checks answer at once
+    from fsdp_plan.measure import runtime
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     prediction = predict(plan, analyze_for_plan(plan, loaded), hardware=hardware,
                          gpus_per_node=gpus_per_node)

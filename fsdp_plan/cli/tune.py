@@ -22,9 +22,14 @@ import sys
 import time
 from typing import Any
 
-from fsdp_plan.common.errors import BadInput
+from tabulate import tabulate
 
-DEFAULT_OUT = os.path.join("benchmarks", "results")
+from fsdp_plan.api import analyze_for_plan, plan_hardware
+from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, plan_hash
+from fsdp_plan.bench.tune import tune
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.files import atomic_write_all
+from fsdp_plan.plan.document import plan_to_yaml, read_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed steady steps per plan, 4..1000 (default: %(default)s)")
     parser.add_argument("--warmup", type=int, default=2,
                         help="warm-up steps per plan, excluded, 1..100 (default: %(default)s)")
-    parser.add_argument("--out", default=DEFAULT_OUT,
+    parser.add_argument("--out", default=DEFAULT_RESULTS_DIR,
                         help="folder for the best and rollback plans and the result JSON "
                         "(default: %(default)s)")
     parser.add_argument("--hardware", default=None, metavar="HW.yaml",
@@ -64,15 +69,13 @@ def _check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
-    from fsdp_plan.api import analyze_for_plan, plan_hardware
-    from fsdp_plan.bench.results import plan_hash
-    from fsdp_plan.bench.timing import time_plans
-    from fsdp_plan.bench.tune import tune
-    from fsdp_plan.common.files import atomic_write_all
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.plan.document import plan_to_yaml, read_plan
-
     plan = read_plan(args.plan)
+    # timing and loading import torch (~6 s): deferred so --help and the flag checks answer at
+    # once
+    import torch
+
+    from fsdp_plan.bench.timing import time_plans
+    from fsdp_plan.measure import runtime
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     facts = analyze_for_plan(plan, loaded)
     replicate, shard = plan.mesh.replicate, plan.mesh.shard
@@ -91,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
     hardware = plan_hardware(plan, hardware_file=args.hardware) if args.hardware else None
     result = tune(plan, facts, bench, budget_s=args.budget_minutes * 60, hardware=hardware,
                   progress=progress)
-    import torch
     stamp = time.strftime("%Y%m%d-%H%M%S")
     best_path = os.path.join(args.out, f"tune-{stamp}-best.yaml")
     rollback_path = os.path.join(args.out, f"tune-{stamp}-rollback.yaml")
@@ -117,7 +119,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(record: dict[str, Any]) -> str:
-    from tabulate import tabulate
     rows = [[t["knob"], t["change"],
              "-" if t["predicted_step_s"] is None else f"{t['predicted_step_s']:.4g}",
              f"{t['p50_step_s']:.4g}",
@@ -129,7 +130,7 @@ def format_table(record: dict[str, Any]) -> str:
         tabulate(rows, headers=["knob", "change", "predicted s", "P50 s (slowest rank)",
                                 "best so far, same launch", "P99 s", "slowest rank", ""]),
         "",
-        f"baseline {record['baseline_p50_s']:.4g} s -> best {record['best_p50_s']:.4g} s "
-        f"({gain:.1%} faster, chained from same-launch comparisons); noise {record['noise']:.1%}; {record['rounds']} round(s), stopped: "
-        f"{record['stopped']}.",
+        (f"baseline {record['baseline_p50_s']:.4g} s -> best {record['best_p50_s']:.4g} s "
+         f"({gain:.1%} faster, chained from same-launch comparisons); noise "
+         f"{record['noise']:.1%}; {record['rounds']} round(s), stopped: {record['stopped']}."),
         f"best plan: {record['best_plan']}", f"rollback plan: {record['rollback_plan']}"])

@@ -17,10 +17,13 @@ from typing import Any
 
 from tabulate import tabulate
 
+from fsdp_plan.api import analyze_for_plan, predict
 from fsdp_plan.common.errors import BadInput, CheckFailed
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.measure import runtime
-from fsdp_plan.measure.memory import MeasuredMemory, measure_peak
+from fsdp_plan.measure.measured import MeasuredMemory
+from fsdp_plan.measure.peak import measured_peak
+from fsdp_plan.model.load import LoadedModel, user_code_output_to_stderr
 from fsdp_plan.plan.document import Plan, read_plan
 
 # FSDPMemTracker's categories -> the planner's breakdown keys (several may share one key).
@@ -170,16 +173,11 @@ def run(args: argparse.Namespace) -> int:
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     fresh, fresh_note = fresh_prediction(plan, loaded)
     policy = runtime.load_policy(runtime.policy_source(plan))
-    from fsdp_plan.model.load import user_code_output_to_stderr
     with user_code_output_to_stderr():  # the model's print()s stay off the report
-        if plan.strategy == "ddp":  # a real one-rank run with MemTracker (measure/ddp.py)
-            from fsdp_plan.measure.ddp import measure_ddp_peak
-            measured = measure_ddp_peak(loaded, plan)
-        else:
-            measured = measure_peak(loaded, plan, policy)
+        measured = measured_peak(loaded, plan, policy)
     data = gather_data(plan, measured, args.tolerance, fresh, fresh_note)
-    if plan.strategy == "ddp":
-        data["where"] = "on a real one-rank gloo run (MemTracker)"
+    if measured.where:
+        data["where"] = measured.where
     if args.format == "json":
         print(json.dumps(data, indent=2))
     else:
@@ -189,9 +187,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def fresh_prediction(plan: Plan, loaded) -> tuple[dict[str, Any] | None, str | None]:
+def fresh_prediction(plan: Plan, loaded: LoadedModel
+                     ) -> tuple[dict[str, Any] | None, str | None]:
     """The plan's prediction as it is now, or None and the reason it cannot be predicted."""
-    from fsdp_plan.api import analyze_for_plan, predict
     try:
         return predict(plan, analyze_for_plan(plan, loaded)).predicted, None
     except BadInput as e:

@@ -1,7 +1,19 @@
-"""Measurement, kept apart from planning: the ground truth a plan is checked against.
+"""Stage 6, measurement, kept apart from planning: the ground truth a plan is checked against.
 
-- ``memory.measure_peak``: the steady-step peak on the fake process group (FSDPMemTracker);
-- ``collectives.count_collectives``: collectives per step on real gloo/NCCL workers;
-- ``launch.launch``: the worker launcher with crash/hang detection that both real runs use;
-- ``profile``: communication time, hidden and exposed, from a profiler trace.
+Its modules, from the ground up:
+
+- ``launch``: N local worker processes with crash and hang detection, which every real run uses;
+- ``runtime``: rebuild the planned model, build the mesh, apply the plan through its policy
+  module, make the optimizer, run a step (the same way for every measurement);
+- ``worker_setup``: the start of a real-worker measurement (process group, device, the planned
+  model on it, its optimizer and inputs);
+- ``measured``: ``MeasuredMemory``, what a memory measurement returns;
+- ``tracker``: ``FSDPMemTracker`` that keeps FSDP2's hooks of grouped units;
+- ``memory``: an FSDP2 plan's steady-step peak on the fake process group at its world size;
+- ``ddp``: a DDP plan's buckets, collectives, step time and peak on real gloo workers;
+- ``peak``: ``measured_peak``, the one choice between ``memory`` and ``ddp`` (verify, the API);
+- ``allocator``: the CUDA allocator's peak on one GPU (the GPU check);
+- ``collectives``: collectives per step on real gloo/NCCL workers (``CommDebugMode``);
+- ``profile``: communication time, hidden and exposed, from a profiler trace;
+- ``calibrate``: micro-benchmarks of this machine, written as a hardware file.
 """

@@ -14,15 +14,34 @@ once measures, each repeated and reduced to a median:
 - the optimizer step (AdamW, SGD) per parameter, and per parameter tensor on FSDP2 DTensors;
 - all_gather_into_tensor, reduce_scatter_tensor and all_reduce over message sizes, fitted to
   ``latency + factor * (g - 1) / g * bytes / bus_bandwidth`` through the smallest message
-  (the latency) and the largest, 128 MiB (the bandwidth FSDP's units see);
+  (the latency) and the largest, 128 MiB (the bandwidth FSDP's units see): [Note: fitting
+  collectives];
 - overlap and contention: whether compute runs while an all-gather is in flight (on gloo it
   may not: the collective can hold the core the computing thread needs), and how much
-  compute slows while it does (the overlap probe);
+  compute slows while it does: [Note: the overlap probe];
 - FSDP's host cost per unit and pass: an FSDP2 model of many tiny units against one unit,
   less the collectives the extra units issue; and FSDP2's cost per byte around a unit's
   all-gather and reduce-scatter (copies, allocation, division): units of four sizes, each
   one's forward and backward less the fitted collectives.
 Rank 0 returns the figures; the parent writes the hardware file (atomically, never half).
+
+[Note: fitting collectives]
+``t = latency + factor * (g-1)/g * bytes / bus_bandwidth``: the latency is what the two
+smallest messages cost (their bytes are nothing), the bandwidth what the largest reaches
+beyond it. FSDP's units are tens to hundreds of MiB, where the bandwidth matters; a least
+squares fit on relative error let mid-sized messages (2-8 MiB, faster per byte on gloo) set
+it, and predicted a 500 MB all-gather 1.5x too fast. Mid-sized messages now come out slower
+than measured, which only matters for plans of many small units.
+
+[Note: the overlap probe]
+Compute (matmuls) runs alone, an all-gather alone, then both at once: the share of the
+shorter one hidden by the overlap is ``overlap`` (1: all, 0: none), the compute's slowdown
+beside an all-gather in flight is ``contention``. The compute lasts about as long as the
+all-gather (on a CPU ~10 ms each): with compute much shorter, the hidden share is a small
+difference of two noisy times divided by a small number, and flipped between runs on gloo
+(0.19 on one rank, 0.66 on the other). Ranks wait for each other at every collective, so the
+rank that hides least decides whether the hardware file says compute overlaps communication
+(the median of those two ranks flipped the answer between runs).
 """
 
 from __future__ import annotations
@@ -36,10 +55,14 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import Hardware
+from fsdp_plan.cost.step_time import collective_time
+from fsdp_plan.measure.launch import launch
 
 OPTIMIZER_PARAMS = 1 << 22
 """Parameters of the timed optimizer step: 4M fp32 (64 MiB with gradients and AdamW's two
-states), beyond a 32 MiB last-level cache, as a model's shard is."""
+states), beyond a 32 MiB last-level cache, as a model's shard is. AdamW touches 16 bytes per
+fp32 parameter plus its gradient; over 1M parameters (16 MiB, inside a 32 MiB L3) it ran
+20-30% faster per parameter than over GPT-2 small's 62M-parameter shard."""
 MESSAGE_SIZES = (1 << 12, 1 << 16, 1 << 19, 1 << 21, 1 << 23, 1 << 26, 1 << 27)
 """Bytes of the full (gathered / reduced) buffer of each timed collective."""
 _SHAPES = {"small": ((64, 768, 768), (768, 64, 768), (768, 768, 64)),
@@ -93,14 +116,12 @@ def _count_ops(fn: Callable[[], Any]) -> int:
     return Counter.count
 
 
-def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict[str, Any]:
+def _op_overhead(device: Any, sync: Callable[[], None], repeat: int) -> tuple[float, int]:
+    """Host seconds per op of a training step, and the ops counted: a stack of tiny layers
+    forward and backward (module calls, autograd, gradient accumulation), its compute
+    negligible."""
     import torch
-    import torch.nn.functional as F
-    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
-    out: dict[str, Any] = {}
-    # 1. host overhead per op of a training step: a stack of tiny layers forward and
-    # backward (module calls, autograd, gradient accumulation), its compute negligible
     torch.manual_seed(0)
     stack = torch.nn.Sequential(*[layer for _ in range(8) for layer in (
         torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU())]).to(device)
@@ -110,12 +131,15 @@ def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict
         stack(x0).sum().backward()
         stack.zero_grad(set_to_none=True)
     ops = _count_ops(chain)
-    overhead = _timed(chain, sync, repeat) / max(ops, 1)
-    out["op_overhead_s"] = overhead
-    out["ops_in_probe"] = ops
+    return _timed(chain, sync, repeat) / max(ops, 1), ops
 
-    # 2. matmuls by dtype and shape class
-    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
+
+def _matmul_rates(device: Any, sync: Callable[[], None], repeat: int, dtypes: list[Any],
+                  overhead: float) -> dict[str, dict[str, float]]:
+    """FLOP/s of ``torch.mm`` per dtype and shape class (one op's overhead taken off on a CPU,
+    where it is paid in line)."""
+    import torch
+
     shapes = _GPU_SHAPES if device.type == "cuda" else _SHAPES
     matmul: dict[str, dict[str, float]] = {}
     for dtype in dtypes:
@@ -130,9 +154,17 @@ def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict
                 seconds += max(t - (0.0 if device.type == "cuda" else overhead), t * 0.05)
                 flops += 2.0 * m * k * n
             matmul[name][cls] = flops / seconds
-    out["matmul_flops"] = matmul
+    return matmul
 
-    # 3. attention: SDPA forward + backward
+
+def _attention_rates(device: Any, sync: Callable[[], None], repeat: int, dtypes: list[Any],
+                     overhead: float) -> dict[str, float]:
+    """FLOP/s of SDPA forward + backward per dtype (at its FLOP count, as the analysis counts
+    it; the ops' overhead taken off on a CPU)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
     attention: dict[str, float] = {}
     b_, h_, s_, d_ = (4, 16, 1024, 128) if device.type == "cuda" else (1, 4, 256, 64)
     for dtype in dtypes:
@@ -149,10 +181,16 @@ def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict
         t = _timed(attn, sync, repeat)
         attention[name] = flops / max(t - _count_ops(attn) * (
             0.0 if device.type == "cuda" else overhead), t * 0.05)
-    out["attention_flops"] = attention
+    return attention
 
-    # 4. memory-bound elementwise ops: bytes read + written per second, on tensors larger
-    # than any cache (small ones are dominated by the per-op overhead, counted apart)
+
+def _memory_bandwidth(device: Any, sync: Callable[[], None], repeat: int,
+                      overhead: float) -> float:
+    """Bytes read + written per second by memory-bound elementwise ops, on tensors larger than
+    any cache (small ones are dominated by the per-op overhead, counted apart)."""
+    import torch
+    import torch.nn.functional as F
+
     n = (1 << 26) if device.type == "cuda" else (1 << 23)
     a = torch.randn(n, device=device)
     b = torch.randn(n, device=device)
@@ -163,22 +201,14 @@ def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict
         F.gelu(a)
     moved = (3 + 3 + 2) * n * 4
     t = _timed(elementwise, sync, repeat)
-    out["memory_bandwidth"] = moved / max(t - (0.0 if device.type == "cuda" else 3 * overhead),
-                                          t * 0.05)
+    return moved / max(t - (0.0 if device.type == "cuda" else 3 * overhead), t * 0.05)
 
-    # 5. host to device copies
-    if device.type == "cuda":
-        host = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
-        t = _timed(lambda: host.to(device, non_blocking=True), sync, repeat)
-        out["h2d_bandwidth"] = host.numel() / t
-    else:
-        out["h2d_bandwidth"] = 0.0
-        out["notes"] = ["host-to-device copies: skipped, a CPU has no device to copy to"]
 
-    # 6. the optimizer step, per parameter (a list of tensors, as a model's parameters), on
-    # more parameters than a last-level cache holds, as a model's shard is: AdamW touches 16
-    # bytes per fp32 parameter plus its gradient; over 1M parameters (16 MiB, inside a 32 MiB
-    # L3) it ran 20-30% faster per parameter than over GPT-2 small's 62M-parameter shard.
+def _optimizer_rates(device: Any, sync: Callable[[], None], repeat: int) -> dict[str, float]:
+    """Seconds per parameter of the optimizer step, over a list of tensors (as a model's
+    parameters) holding more than a last-level cache does (``OPTIMIZER_PARAMS``)."""
+    import torch
+
     per_param: dict[str, float] = {}
     count = OPTIMIZER_PARAMS // 16
     for opt_name, make in (("adamw", lambda p: torch.optim.AdamW(p, lr=1e-4)),
@@ -190,7 +220,28 @@ def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict
         t = _timed(opt.step, sync, repeat)
         per_param[opt_name] = t / (16 * count)
         del params, opt
-    out["optimizer_s_per_param"] = per_param
+    return per_param
+
+
+def _compute_figures(device: Any, sync: Callable[[], None], repeat: int) -> dict[str, Any]:
+    """The figures of one rank that need no other rank, in this order: host overhead per op,
+    matmul and attention rates, memory bandwidth, host-to-device copies, the optimizer step."""
+    import torch
+
+    overhead, ops = _op_overhead(device, sync, repeat)
+    dtypes = [torch.float32, torch.bfloat16] + ([torch.float16] if device.type == "cuda" else [])
+    out: dict[str, Any] = {"op_overhead_s": overhead, "ops_in_probe": ops}
+    out["matmul_flops"] = _matmul_rates(device, sync, repeat, dtypes, overhead)
+    out["attention_flops"] = _attention_rates(device, sync, repeat, dtypes, overhead)
+    out["memory_bandwidth"] = _memory_bandwidth(device, sync, repeat, overhead)
+    if device.type == "cuda":
+        host = torch.empty(1 << 26, dtype=torch.uint8, pin_memory=True)
+        t = _timed(lambda: host.to(device, non_blocking=True), sync, repeat)
+        out["h2d_bandwidth"] = host.numel() / t
+    else:
+        out["h2d_bandwidth"] = 0.0
+        out["notes"] = ["host-to-device copies: skipped, a CPU has no device to copy to"]
+    out["optimizer_s_per_param"] = _optimizer_rates(device, sync, repeat)
     return out
 
 
@@ -208,12 +259,8 @@ def _reduce_scatter(part: Any, full: Any) -> Any:
 
 
 def _fit(sizes: list[int], times: list[float], group: int, factor: float) -> dict[str, float]:
-    """``t = latency + factor * (g-1)/g * bytes / bus_bandwidth``: the latency is what the two
-    smallest messages cost (their bytes are nothing), the bandwidth what the largest reaches
-    beyond it. FSDP's units are tens to hundreds of MiB, where the bandwidth matters; a least
-    squares fit on relative error let mid-sized messages (2-8 MiB, faster per byte on gloo)
-    set it, and predicted a 500 MB all-gather 1.5x too fast. Mid-sized messages now come out
-    slower than measured, which only matters for plans of many small units."""
+    """Latency and bus bandwidth of one collective from its times over message sizes, through
+    the two smallest messages and the largest: see [Note: fitting collectives]."""
     order = sorted(range(len(sizes)), key=sizes.__getitem__)
     large = order[-1]
     x_large = factor * (group - 1) / group * sizes[large]
@@ -264,9 +311,9 @@ def _collective_figures(device: Any, sync: Callable[[], None], repeat: int,
 
 
 def _contention(device: Any, sync: Callable[[], None], repeat: int) -> dict[str, float]:
-    """The overlap probe: how much of an all-gather's time compute can run beside it (1: all,
-    0: none, as when the collective holds the computing thread), and how much compute slows
-    while it does."""
+    """The overlap probe (see its Note): how much of an all-gather's time compute can run beside
+    it (1: all, 0: none, as when the collective holds the computing thread), and how much
+    compute slows while it does."""
     import torch
     import torch.distributed as dist
 
@@ -275,9 +322,7 @@ def _contention(device: Any, sync: Callable[[], None], repeat: int) -> dict[str,
     full = torch.zeros(world * (1 << 20), device=device)
     part = torch.zeros(1 << 20, device=device)
 
-    # compute about as long as the all-gather (a CPU: ~10 ms each): with compute much
-    # shorter, the hidden share is a small difference of two noisy times divided by a small
-    # number, and flipped between runs on gloo (0.19 on one rank, 0.66 on the other)
+    # compute about as long as the all-gather: [Note: the overlap probe]
     rounds = 8 if device.type == "cuda" else 32
 
     def compute() -> None:
@@ -379,8 +424,6 @@ def _fsdp_bytes(device: Any, sync: Callable[[], None], repeat: int,
     from torch.distributed.fsdp import fully_shard
 
     world = dist.get_world_size()
-
-    from fsdp_plan.cost.step_time import collective_time
     fitted_only = Hardware(name="fits", peak_flops=1.0, launch_overhead_s=0.0,
                            collectives=collectives)  # the cost model's rule on the fits above
 
@@ -483,9 +526,7 @@ def hardware_from(result: dict[str, Any], backend: str, nproc: int) -> Hardware:
         contention=fig.get("contention", 0.0) or 0.0,
         matmul_flops=matmul, attention_flops=fig["attention_flops"],
         op_overhead_s=fig["op_overhead_s"], async_launch=gpu,
-        # measured: can compute run while a collective is in flight (the overlap probe)? Ranks
-        # wait for each other at every collective, so the rank that hides least decides (the
-        # median of two ranks' 0.66 and 0.19 flipped the answer between runs on gloo).
+        # the rank that hides least decides: [Note: the overlap probe]
         comm_overlaps_compute=gpu or min((r.get("overlap") or 0.0) for r in ranks) >= 0.5,
         h2d_bandwidth=fig.get("h2d_bandwidth") or 0.0, collectives=coll,
         optimizer_s_per_param=fig["optimizer_s_per_param"],
@@ -503,8 +544,6 @@ def calibrate(*, nproc: int, backend: str, repeat: int = 5,
               on_progress: Callable[[int, dict[str, Any]], None] | None = None
               ) -> tuple[Hardware, dict[str, Any]]:
     """Run the micro-benchmarks on ``nproc`` workers; the hardware and the raw figures."""
-    from fsdp_plan.measure.launch import launch
-
     if backend not in ("gloo", "nccl"):
         raise BadInput(f"--backend {backend!r}: choose gloo (CPU) or nccl (GPUs).")
     if backend == "nccl":

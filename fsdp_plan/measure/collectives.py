@@ -19,12 +19,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_plan.measure import runtime
 from fsdp_plan.measure.launch import launch
-from fsdp_plan.model.load import ModelSource
+from fsdp_plan.measure.worker_setup import (
+    build_planned_worker,
+    init_worker_process_group,
+    source_payload,
+)
+from fsdp_plan.model.load import load_model
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.plan.document import Plan
 
 try:  # the op registry CommDebugMode counts (private; fall back to the c10d ops FSDP issues)
     from torch.distributed.tensor.debug._comm_mode import NATIVE_TO_PY_MAPPING as _NATIVE_TO_PY
@@ -117,12 +126,6 @@ class CollectiveCounter(CommDebugMode):
 
 def _count_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, int]]:
     """Worker target: for each job, apply the plan, warm up one step, count the next fwd+bwd."""
-    import torch.distributed as dist
-
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.worker_setup import build_planned_worker, init_worker_process_group
-    from fsdp_plan.model.load import load_model
-
     device = init_worker_process_group(ctx.local_rank)
     models: dict[str, Any] = {}
     results = []
@@ -139,9 +142,7 @@ def _count_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, int]]:
         # forward and backward passes (every micro-batch of it)
         runtime.micro_batches(worker.model, worker.loaded, worker.inputs, worker.policy)
         runtime.finish_step(worker.model, worker.optimizer)
-        if hasattr(worker.model, "_get_ddp_logging_data"):
-            # DDP rebuilds its buckets in its second forward, broadcasting the new assignment
-            # from rank 0 (two more broadcasts): the steady step is the third
+        if hasattr(worker.model, "_get_ddp_logging_data"):  # [Note: DDP's bucket rebuild]
             runtime.micro_batches(worker.model, worker.loaded, worker.inputs, worker.policy)
             runtime.finish_step(worker.model, worker.optimizer)
         with CollectiveCounter() as counter:
@@ -163,10 +164,6 @@ def count_collectives_many(source: ModelSource, jobs: list[dict[str, Any]], *, n
     ``source``, a ``ModelSource``, replaces ``source`` for that job).
     Returns, per job, each rank's counts.
     """
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.worker_setup import source_payload
-    from fsdp_plan.plan.document import Plan
-
     prepared = []
     for job in jobs:
         mesh = tuple(job.get("mesh") or (1, nproc))

@@ -7,11 +7,20 @@ keyword arguments), and then:
 
 1. runs one step (the reducer records the order gradients became ready);
 2. runs a second step, whose forward rebuilds the buckets;
-3. counts one more forward + backward with ``CollectiveCounter`` (``c10d.allreduce_``), after
-   whose forward the logger holds ``_get_ddp_logging_data()["rebuilt_bucket_sizes"]`` (bytes,
-   comma separated; it is recorded at the forward after the rebuild, not at the rebuild);
+3. counts one more forward + backward with ``CollectiveCounter`` (``c10d.allreduce_``) and
+   reads the buckets in use (see [Note: DDP's bucket rebuild]);
 4. times ``steps`` further steps, and measures the peak of one steady step with
    ``MemTracker`` (see [Note: DDP peak on a CPU]).
+
+[Note: DDP's bucket rebuild]
+DDP first buckets the gradients in the parameters' order, records the order in which they
+become ready during the first backward, and rebuilds its buckets in that order in the second
+forward, broadcasting the new assignment from rank 0 (two more broadcasts). The step training
+repeats, with the buckets and collectives it keeps, is therefore the third: every count of a
+DDP plan (here, ``measure/collectives.py``, ``bench/worker.py``) warms up two steps. The
+logger holds ``_get_ddp_logging_data()["rebuilt_bucket_sizes"]`` (bytes, comma separated)
+from the forward after the rebuild, not from the rebuild itself; a DDP that never rebuilds
+(``find_unused_parameters``) keeps its first bucketing, ``bucket_sizes`` (``buckets_in_use``).
 
 [Note: DDP peak on a CPU]
 A DDP rank holds the whole model whatever the world size, so a real run at world size 1 or 2
@@ -23,7 +32,10 @@ DDP's bucket storage and the optimizer states exist before the measured step, so
 registered with ``track_external`` (the buckets through the gradients that view them, and
 ``reducer``-owned tensors otherwise invisible are added from the logging data's bucket bytes
 only if not seen). Its peak over the second steady step is the truth the prediction is
-held against. ``torch.cuda.max_memory_allocated`` would be the GPU equivalent.
+held against. ``torch.cuda.max_memory_allocated`` would be the GPU equivalent. The optimizer
+step is measured as a GPU runs it: a GPU's AdamW takes the foreach path by default (one
+gradient-sized temporary, which the model predicts), a CPU's loops per tensor, so
+``peak_of_step`` turns ``foreach`` on for the measured step.
 """
 
 from __future__ import annotations
@@ -31,8 +43,21 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.measure import runtime
+from fsdp_plan.measure.collectives import CollectiveCounter
 from fsdp_plan.measure.launch import launch
-from fsdp_plan.model.load import ModelSource
+from fsdp_plan.measure.measured import MeasuredMemory
+from fsdp_plan.measure.worker_setup import init_worker_process_group, source_payload
+from fsdp_plan.model.load import LoadedModel, load_model
+from fsdp_plan.model.source import ModelSource
+from fsdp_plan.plan.document import Plan
 
 
 def _bucket_sizes(ddp: Any, key: str = "rebuilt_bucket_sizes") -> list[int]:
@@ -43,13 +68,6 @@ def _bucket_sizes(ddp: Any, key: str = "rebuilt_bucket_sizes") -> list[int]:
 
 def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[str, Any]:
     """One job on this rank: see the module docstring for the steps."""
-    import torch
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.collectives import CollectiveCounter
-
     model = runtime.build_real_model(loaded, device)
     dtype = getattr(torch, job["autocast"]) if job.get("autocast") else None
     if job.get("policy_source"):
@@ -72,15 +90,12 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
         forward_backward()
         runtime.finish_step(ddp, optimizer)
     step()
-    step()  # its forward rebuilds the buckets
+    step()  # its forward rebuilds the buckets: see [Note: DDP's bucket rebuild]
     with CollectiveCounter() as counter:
         forward_backward()
     runtime.finish_step(ddp, optimizer)
-    # DDP's logger records the rebuilt buckets at the forward after the rebuild
     first = _bucket_sizes(ddp, "bucket_sizes")
-    # without a rebuild (find_unused_parameters) the first bucketing is the one in use
-    rebuilt = _bucket_sizes(ddp) if ddp._get_ddp_logging_data().get(
-        "has_rebuilt_buckets") else first
+    rebuilt = buckets_in_use(ddp)
     times = []
     for _ in range(int(job.get("steps", 0))):
         dist.barrier()
@@ -95,11 +110,6 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
 
 def _ddp_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
     """Worker target: each job's buckets in use, counts, step time and peak."""
-    import torch.distributed as dist
-
-    from fsdp_plan.measure.worker_setup import init_worker_process_group
-    from fsdp_plan.model.load import load_model
-
     device = init_worker_process_group(ctx.local_rank)
     models: dict[str, Any] = {}
     results = []
@@ -128,8 +138,6 @@ def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = 
     Registered first, while the gradients exist: the model, its gradients (under
     ``gradient_as_bucket_view`` views of DDP's bucket storage, which the reducer allocated
     before and the tracker would otherwise never see), the optimizer states and the inputs."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     forward_backward()
     tracker = MemTracker()
     tensors = []
@@ -137,8 +145,7 @@ def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = 
         args, kwargs = inputs
         tensors = [t for t in (*args, *kwargs.values()) if hasattr(t, "untyped_storage")]
     tracker.track_external(ddp, *([optimizer] if optimizer is not None else []), *tensors)
-    # A GPU's AdamW takes the foreach path by default (one gradient-sized temporary, which the
-    # model predicts); on a CPU it loops per tensor. Measure the GPU's optimizer step.
+    # the GPU's optimizer step (foreach), see [Note: DDP peak on a CPU]
     saved = [group.get("foreach") for group in optimizer.param_groups] if optimizer else []
     for group in optimizer.param_groups if optimizer else []:
         if "foreach" in group:
@@ -173,8 +180,6 @@ def measure_ddp_many(jobs: list[dict[str, Any]], *, nproc: int = 2,
     "policy_source": text}`` (a plan's policy module; ``apply_ddp`` is used), with optional
     ``optimizer`` (default adamw), ``steps`` (timed steps, default 0) and ``memory`` (True:
     measure one steady step's peak with MemTracker)."""
-    from fsdp_plan.measure.worker_setup import source_payload
-
     prepared = []
     for job in jobs:
         item = {k: v for k, v in job.items() if k != "source"}
@@ -190,14 +195,10 @@ MAX_REAL_RUN_BYTES = 8 << 30
 whole model: a bigger one belongs on a GPU, ``fsdp-plan bench``)."""
 
 
-def measure_ddp_peak(loaded: Any, plan: Any, *, timeout_s: float = 600.0) -> Any:
+def measure_ddp_peak(loaded: LoadedModel, plan: Plan, *, timeout_s: float = 600.0
+                     ) -> MeasuredMemory:
     """A DDP plan's per-rank steady-step peak: a real gloo run of one rank with ``MemTracker``
-    (see [Note: DDP peak on a CPU]). Returns ``fsdp_plan.measure.memory.MeasuredMemory``."""
-    from fsdp_plan.common.errors import BadInput
-    from fsdp_plan.common.sizes import format_bytes
-    from fsdp_plan.measure import runtime
-    from fsdp_plan.measure.memory import MeasuredMemory
-
+    (see [Note: DDP peak on a CPU])."""
     expected = (plan.predicted or {}).get("peak_bytes") or 0
     if expected > MAX_REAL_RUN_BYTES:
         raise BadInput(f"verify measures a DDP plan with a real run of one rank on this CPU (a "
@@ -220,12 +221,13 @@ def measure_ddp_peak(loaded: Any, plan: Any, *, timeout_s: float = 600.0) -> Any
     return MeasuredMemory(peak_bytes=int(result["peak_bytes"]),
                           breakdown=dict(result["peak_breakdown"]), step_start_bytes=0,
                           world_size=1, mesh=(1, 1), seconds=time.perf_counter() - started,
-                          notes=notes)
+                          notes=notes, where="on a real one-rank gloo run (MemTracker)")
 
 
 def buckets_in_use(ddp: Any) -> list[int]:
     """Bytes of each bucket DDP uses after its first iteration (read after the third
-    forward): the rebuilt ones, or the first bucketing when it never rebuilds."""
+    forward): the rebuilt ones, or the first bucketing when it never rebuilds ([Note: DDP's
+    bucket rebuild])."""
     data = ddp._get_ddp_logging_data()
     return _bucket_sizes(ddp) if data.get("has_rebuilt_buckets") else _bucket_sizes(
         ddp, "bucket_sizes")

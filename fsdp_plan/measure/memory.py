@@ -3,7 +3,10 @@
 
 The model is rebuilt on ``meta``, given fake storage, sharded by the generated policy module
 on a CPU device mesh of the plan's shape, and trained for two steps under ``FakeTensorMode``:
-no real memory, no real communication, any world size in one process.
+no real memory, no real communication, any world size in one process. The tracker is
+``GroupAwareMemTracker`` (``measure/tracker.py``): grouped units need their FSDP2 group hooks
+kept, see [Note: FSDPMemTracker and grouped units]. FSDP2 plans only: a DDP plan has no
+shards and is measured by a real run (``measure/ddp.py``); ``measure/peak.py`` chooses.
 
 [Note: the steady step]
 Step 1 is warm-up: the optimizer creates its states lazily inside it, so its peak is not the
@@ -25,7 +28,6 @@ import time
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -34,38 +36,13 @@ from torch import nn
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.measure import runtime
+from fsdp_plan.measure.measured import MeasuredMemory
+from fsdp_plan.measure.tracker import GroupAwareMemTracker
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import LoadedModel, rebuild_meta
 from fsdp_plan.plan.document import Plan
 
 _TOTAL = "Total"
-
-
-@dataclass(kw_only=True)
-class MeasuredMemory:
-    """One rank's steady-step memory, as ``FSDPMemTracker`` accounts it (bytes)."""
-
-    peak_bytes: int
-    """Highest total during the steady step."""
-    breakdown: dict[str, int]
-    """Tracker categories at that peak (``Sharded Param``, ``Activation``, ``OptState``, ...)."""
-    step_start_bytes: int
-    """Memory alive when the steady step began (what the peak was restarted from)."""
-    module_peaks: dict[str, int] = field(default_factory=dict)
-    """Per module FQN (``""`` the root): the highest total while that module ran."""
-    world_size: int = 1
-    mesh: tuple[int, int] = (1, 1)
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    dtype_mismatches: list[str] = field(default_factory=list)
-    """Ops a real device would refuse (see ``dtypes.DtypeChecker``): the plan cannot run."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "breakdown": dict(self.breakdown),
-                "step_start_bytes": self.step_start_bytes, "module_peaks": dict(self.module_peaks),
-                "world_size": self.world_size, "mesh": list(self.mesh),
-                "seconds": round(self.seconds, 3), "notes": list(self.notes),
-                "dtype_mismatches": list(self.dtype_mismatches)}
 
 
 @contextmanager
@@ -132,9 +109,9 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     ``policy_module`` is the generated module (``apply_fully_shard(model, mesh)``); the mesh is
     the plan's (1-D shard mesh, or 2-D ``("replicate", "shard")``) at its real world size.
     """
-    if plan.strategy == "ddp":  # no shards: a real one-rank run measures it (measure/ddp.py)
-        from fsdp_plan.measure.ddp import measure_ddp_peak
-        return measure_ddp_peak(loaded, plan)
+    if plan.strategy == "ddp":
+        raise BadInput("measure_peak measures FSDP2 plans; a DDP plan has no shards and is "
+                       "measured by a real one-rank run (measure.peak.measured_peak chooses).")
     if fsdp_version != 2:
         raise BadInput("verify measures FSDP2 (fully_shard) plans only: PyTorch's FSDPMemTracker "
                        "does not track FSDP1 modules. Use bench --fsdp1 on GPUs for FSDP1 memory.")
@@ -143,8 +120,6 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
                        "host and device memory are the same, so its device peak cannot be "
                        "measured here. Measure it on a GPU: python -m fsdp_plan.bench.gpu_check "
                        "PLAN.yaml.")
-    # grouped units need their FSDP2 group hooks kept: [Note: FSDPMemTracker and grouped units]
-    from fsdp_plan.measure.tracker import GroupAwareMemTracker as FSDPMemTracker
 
     started = time.perf_counter()
     replicate, shard = runtime.mesh_shape(plan.mesh)
@@ -158,7 +133,7 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
             model = policy_module.apply_fully_shard(model, mesh)
             optimizer = runtime.make_optimizer(plan.optimizer, model.parameters())
             inputs = loaded.make_inputs(source.batch_size, source.seq_len)
-            warmup = FSDPMemTracker(model, optimizer)
+            warmup = GroupAwareMemTracker(model, optimizer)
             warmup.track_inputs(inputs)
             def training_step(tracker) -> None:
                 # every micro-batch of one optimizer step (SPEC 6), then the step itself;
@@ -168,7 +143,7 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
                 runtime.finish_step(model, optimizer)
             with warmup:  # step 1: lazy optimizer states, first-step FSDP initialisation
                 training_step(warmup)
-            tracker = FSDPMemTracker(model, optimizer)  # see [Note: the steady step]
+            tracker = GroupAwareMemTracker(model, optimizer)  # see [Note: the steady step]
             tracker.track_inputs(inputs)
             checker = DtypeChecker(running_modules(getattr(tracker, "_mod_tracker", None)))
             with tracker, checker:

@@ -20,8 +20,10 @@ from torch import nn
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.precision import OPTIMIZERS
-from fsdp_plan.model.load import LoadedModel, ModelSource, load_model, source_digest, source_kind
+from fsdp_plan.model.load import LoadedModel, load_model, source_digest
+from fsdp_plan.model.source import ModelSource, source_kind
 from fsdp_plan.plan.document import Plan
+from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 from fsdp_plan.plan.read import resolve_candidates
 
 
@@ -126,13 +128,11 @@ def load_planned_model(plan: Plan, model_path: str | None = None,
 
 def policy_source(plan: Plan) -> str:
     """The policy module's text, rendered as ``fsdp-plan -o`` writes it (what users import)."""
-    from fsdp_plan.plan.emit import render_policy_module
     return render_policy_module(plan)
 
 
 def load_policy(source_text: str) -> types.ModuleType:
     """Import a rendered policy module from its text."""
-    from fsdp_plan.plan.emit import load_policy_module
     return load_policy_module(source_text)
 
 
