@@ -4,6 +4,7 @@
     fsdp-plan verify PLAN.yaml [MODEL]      dry run on the fake process group
     fsdp-plan bench  PLAN.yaml [MODEL]      real run: counts, time, memory
     fsdp-plan emit   PLAN.yaml -o POLICY.py the policy module of a plan file
+    fsdp-plan export PLAN.yaml --to FRAMEWORK -o DIR   framework files made from a plan
 
 [Note: exit codes] SPEC 2: 0 success, 2 bad input, 3 no plan fits, 1 a check failed. Every
 error reaches the user as one paragraph on stderr, never a Python traceback (``--debug``
@@ -30,7 +31,8 @@ from fsdp_plan.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError
 
 VERBS = {"verify": "fsdp_plan.cli.verify", "bench": "fsdp_plan.cli.bench",
          "predict": "fsdp_plan.cli.predict", "calibrate": "fsdp_plan.cli.calibrate",
-         "tune": "fsdp_plan.cli.tune", "emit": "fsdp_plan.cli.emit"}
+         "tune": "fsdp_plan.cli.tune", "emit": "fsdp_plan.cli.emit",
+         "export": "fsdp_plan.cli.export"}
 PLAN_VERB = "fsdp_plan.cli.plan"
 
 
