@@ -13,6 +13,8 @@ below keep their empty defaults and ``_configure()`` (at the end) does nothing.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import weakref
 
 import torch
@@ -58,6 +60,8 @@ _UNIT_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
 # Derived from PLAN by _configure() at the end of the module (empty while PLAN is).
 PARAM_DTYPE: torch.dtype | None = None
 REDUCE_DTYPE: torch.dtype | None = None
+AUTOCAST_DTYPE: torch.dtype | None = None
+"""The dtype forward and loss run in under ``torch.autocast`` (``autocast()``), None for none."""
 FSDP1_UNITS: list[str] = []
 """The modules FSDP1 wraps: every module of a grouped unit separately ("" is the root)."""
 FSDP_KWARGS: dict = {}
@@ -276,8 +280,12 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Mo
     (children first, root last) with the unit's ``reshard_after_forward`` and its
     ``MixedPrecisionPolicy`` (the plan's, or the unit's own override), then explicit
     forward/backward prefetch between units. The mesh and the unit names are checked before
-    the model is changed.
+    the model is changed. A DDP plan is refused: ``apply`` (or ``apply_ddp``) applies it.
     """
+    if PLAN.get("strategy") == "ddp":
+        raise ValueError("PLAN is a DDP plan (strategy ddp): apply it with apply(model), which "
+                         "wraps DistributedDataParallel as planned, or apply_ddp(model); "
+                         "apply_fully_shard would train FSDP2 on a replicate mesh instead.")
     if mesh is None:
         mesh = build_device_mesh()
     _find_modules(model, FSDP1_UNITS, deepest=False)
@@ -326,7 +334,7 @@ def ddp_kwargs(ddp: dict) -> dict:
     DDP caps its first bucket at 1 MiB only when ``bucket_cap_mb`` is left at its default
     (None: 25 MiB); an explicit ``bucket_cap_mb`` caps the first bucket like the others, and
     any other pair needs ``bucket_cap_mb_list=[first, cap]`` (torch >= 2.13). See
-    [Note: DDP buckets] in fsdp-plan's ddp.py, which reads this same rule."""
+    [Note: DDP buckets] in fsdp-plan's cost/ddp_buckets.py, which reads this same rule."""
     kwargs = {key: bool(ddp[key]) for key in ("gradient_as_bucket_view", "static_graph",
                                               "find_unused_parameters")}
     first, cap = ddp["first_bucket_mb"], ddp["bucket_cap_mb"]
@@ -339,28 +347,89 @@ def ddp_kwargs(ddp: dict) -> dict:
     return kwargs
 
 
-def apply_ddp(model: nn.Module, device_ids: list | None = None) -> nn.Module:
+def apply_ddp(model: nn.Module, device_ids: list | None = None,
+              device_mesh: DeviceMesh | None = None) -> nn.Module:
     """Apply a DDP plan: activation checkpointing first, then ``DistributedDataParallel`` with
     ``DDP_KWARGS`` (and the bf16 gradient compression hook when the plan has it); returns the
-    DDP module. Compute in ``PARAM_DTYPE`` with ``torch.autocast`` in the training loop when it
-    is below float32 (DDP keeps float32 parameters)."""
+    DDP module. On a GPU, move the model to ``local_device()`` and pass
+    ``device_ids=[local_device().index]`` (``apply`` does both). DDP keeps float32 parameters:
+    run forward and loss under ``autocast()``, which computes in ``PARAM_DTYPE`` when it is
+    below float32. A sharded plan is refused: ``apply`` (or ``apply_fully_shard``) applies it."""
     from torch.nn.parallel import DistributedDataParallel
 
     if PLAN.get("strategy") != "ddp":
-        raise ValueError(f"PLAN is a {PLAN.get('strategy')!r} plan, not a DDP plan; use "
-                         "apply_fully_shard.")
+        raise ValueError(f"PLAN is a sharded plan (strategy {PLAN.get('strategy')!r}), not a DDP "
+                         "plan: apply it with apply(model) or apply_fully_shard(model).")
     kwargs = dict(DDP_KWARGS)
     if "bucket_cap_mb_list" in kwargs and "bucket_cap_mb_list" not in (
             DistributedDataParallel.__init__.__code__.co_varnames):
         raise ValueError("PLAN caps the first DDP bucket apart from the others, which needs "
                          "bucket_cap_mb_list (torch >= 2.13); re-plan, or set first_bucket_mb "
                          "equal to bucket_cap_mb.")
+    if device_mesh is not None:
+        kwargs["device_mesh"] = device_mesh
     apply_activation_checkpointing(model)
     ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
     if PLAN["ddp"].get("comm_hook") == "bf16_compress":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
         ddp.register_comm_hook(None, bf16_compress_hook)
     return ddp
+
+
+def local_device() -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` on a GPU machine (``torchrun`` sets LOCAL_RANK;
+    without it, the current CUDA device), else the CPU.
+
+    FSDP1 needs it on every device as ``device_id``: on a GPU without it FSDP1 shards on the
+    CPU, and on a CPU without ``device_id=torch.device("cpu")`` it fails ("FSDP needs a non-CPU
+    accelerator device")::
+
+        FullyShardedDataParallel(model, auto_wrap_policy=auto_wrap_policy,
+                                 device_id=local_device(), **FSDP_KWARGS)
+    """
+    if torch.cuda.is_available():
+        local_rank = os.environ.get("LOCAL_RANK")
+        return torch.device("cuda", int(local_rank) if local_rank is not None
+                            else torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def apply(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Apply the plan whatever its strategy and return the module to train.
+
+    FSDP2 (full, grad-op, none and HSDP plans): ``apply_fully_shard(model, mesh)``, which
+    returns ``model`` sharded in place. DDP plans: the model moves to ``local_device()`` on a
+    GPU, then ``apply_ddp`` wraps it, and the ``DistributedDataParallel`` module is returned
+    (``mesh``, when given, is passed as its 1-D ``device_mesh``). Train what this returns, and
+    wrap forward and loss in ``autocast()``::
+
+        model = apply(model)
+        with autocast():
+            loss = loss_fn(model(batch))
+        loss.backward()
+    """
+    if PLAN.get("strategy") != "ddp":
+        return apply_fully_shard(model, mesh)
+    device = local_device()
+    if device.type != "cpu":
+        model.to(device)
+    return apply_ddp(model, device_ids=[device.index] if device.type != "cpu" else None,
+                     device_mesh=mesh)
+
+
+def autocast() -> contextlib.AbstractContextManager:
+    """The context a training loop wraps forward and loss in.
+
+    ``torch.autocast(device_type, AUTOCAST_DTYPE)`` where the plan computes under autocast: its
+    ``mixed_precision.autocast_dtype`` (parameters kept in float32 by FSDP, compute in a lower
+    dtype), or a DDP plan whose ``param_dtype`` is below float32 (DDP keeps float32
+    parameters). Otherwise a no-op (``contextlib.nullcontext()``): FSDP2's
+    ``MixedPrecisionPolicy`` already casts each unit's parameters and inputs. The device type
+    is that of ``local_device()``.
+    """
+    if AUTOCAST_DTYPE is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=local_device().type, dtype=AUTOCAST_DTYPE)
 
 
 class _PlanWrapPolicy:
@@ -420,12 +489,16 @@ def _fsdp1_mixed_precision() -> MixedPrecision | None:
 
 def _configure() -> None:
     """Check PLAN and derive the module-level constants from it (nothing when PLAN is empty)."""
-    global PARAM_DTYPE, REDUCE_DTYPE, auto_wrap_policy
+    global PARAM_DTYPE, REDUCE_DTYPE, AUTOCAST_DTYPE, auto_wrap_policy
     if not PLAN:
         return
     _check_plan()
     PARAM_DTYPE = _dtype(PLAN["mixed_precision"].get("param_dtype"))
     REDUCE_DTYPE = _dtype(PLAN["mixed_precision"].get("reduce_dtype"))
+    AUTOCAST_DTYPE = _dtype(PLAN["mixed_precision"].get("autocast_dtype"))
+    if (AUTOCAST_DTYPE is None and PLAN["strategy"] == "ddp" and PARAM_DTYPE is not None
+            and PARAM_DTYPE.itemsize < 4):
+        AUTOCAST_DTYPE = PARAM_DTYPE  # DDP keeps float32 parameters and computes under autocast
     FSDP1_UNITS[:] = [fqn for unit in PLAN["units"] for fqn in unit["modules"]]
     FSDP_KWARGS.update({
         "sharding_strategy": _SHARDING_STRATEGIES[PLAN["strategy"]],

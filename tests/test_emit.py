@@ -97,7 +97,7 @@ def test_imports_only_torch_and_stdlib() -> None:
             imported.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module.split(".")[0])
-    assert imported <= {"torch", "__future__", "weakref"}, imported
+    assert imported <= {"torch", "__future__", "contextlib", "os", "weakref"}, imported
 
 
 def _statements(source: str) -> list[str]:
@@ -469,7 +469,7 @@ def _fsdp1_worker(rank: int, world_size: int, port: int, source: str) -> None:
         calls = []
         block0.register_forward_pre_hook(lambda *a: calls.append(1))  # recompute stops early
         fsdp = FSDP(model, auto_wrap_policy=policy.auto_wrap_policy,
-                    device_id=torch.device("cpu"), **policy.FSDP_KWARGS)
+                    device_id=policy.local_device(), **policy.FSDP_KWARGS)  # as README says
         wrapped = [policy.plain_fqn(n) for n, m in fsdp.named_modules() if isinstance(m, FSDP)]
         assert sorted(wrapped) == sorted(policy.FSDP1_UNITS), wrapped
 

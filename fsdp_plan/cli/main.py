@@ -3,6 +3,8 @@
     fsdp-plan MODEL --mem 70GB [...]        plan (the default verb)
     fsdp-plan verify PLAN.yaml [MODEL]      dry run on the fake process group
     fsdp-plan bench  PLAN.yaml [MODEL]      real run: counts, time, memory
+    fsdp-plan emit   PLAN.yaml -o POLICY.py the policy module of a plan file
+    fsdp-plan export PLAN.yaml --to FRAMEWORK -o DIR   framework files made from a plan
 
 [Note: exit codes] SPEC 2: 0 success, 2 bad input, 3 no plan fits, 1 a check failed. Every
 error reaches the user as one paragraph on stderr, never a Python traceback (``--debug``
@@ -31,10 +33,11 @@ from fsdp_plan.common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanE
 
 VERBS = {"verify": "fsdp_plan.cli.verify", "bench": "fsdp_plan.cli.bench",
          "predict": "fsdp_plan.cli.predict", "calibrate": "fsdp_plan.cli.calibrate",
-         "tune": "fsdp_plan.cli.tune"}
-"""The other verbs' modules, imported by name only when the verb is given: each imports torch
-at module level (about 6 s), which ``fsdp-plan --help`` and the plan verb's flag checks do not
-wait for. The plan verb imports no torch until it runs, so it is imported above
+         "tune": "fsdp_plan.cli.tune", "emit": "fsdp_plan.cli.emit",
+         "export": "fsdp_plan.cli.export"}
+"""The other verbs' modules, imported by name only when the verb is given: most import torch
+(about 6 s) before their work, which ``fsdp-plan --help`` and the plan verb's flag checks do
+not wait for. The plan verb imports no torch until it runs, so it is imported above
 (tests/test_architecture.py checks both)."""
 PLAN_VERB = plan_verb.__name__
 

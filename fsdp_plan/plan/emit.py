@@ -10,7 +10,9 @@ Example usage::
 
     write_policy_module(plan, "policies/llama70b.py")
     policy = load_policy_module("policies/llama70b.py")
-    model = policy.apply_fully_shard(model)
+    model = policy.apply(model)          # FSDP2, HSDP or DDP, as planned
+    with policy.autocast():              # torch.autocast where the plan computes under it
+        loss = loss_fn(model(batch))
 
 [Note: untrusted strings]
 Module names, the model source path and its arguments come from user files and may contain
@@ -34,12 +36,13 @@ whitelist (no quotes, no backslashes). Numbers in the docstring are formatted fr
   which is what FSDP1's default ``_module_classes_to_ignore`` hooks do (checked on gloo).
 - FSDP1's ``_recursive_wrap`` asks the policy about the root first (``recurse=True``) and never
   asks ``recurse=False`` about the root (``only_wrap_children``); the policy learns FQNs there.
-- A DDP plan (``strategy: ddp``, SPEC 6) is applied with ``apply_ddp(model, device_ids=None)``:
+- A DDP plan (``strategy: ddp``, SPEC 6) is applied with ``apply_ddp(model, device_ids=None)``
+  (``apply`` calls it for DDP plans and ``apply_fully_shard`` for the others):
   activation checkpointing first, then ``DistributedDataParallel(model, **DDP_KWARGS)``.
   ``bucket_cap_mb=None`` is DDP's default (25 MiB buckets, the first capped at 1 MiB); an
   explicit ``bucket_cap_mb`` caps the first bucket like the rest; other pairs need
   ``bucket_cap_mb_list`` (torch >= 2.13). The buckets DDP builds after its first iteration are
-  the plan's ``predicted.buckets`` (checked on gloo; ``fsdp_plan/ddp.py`` [Note: DDP buckets]).
+  the plan's ``predicted.buckets`` (checked on gloo; ``fsdp_plan/cost/ddp_buckets.py`` [Note: DDP buckets]).
   ``FSDP_KWARGS`` of a DDP plan is FSDP1 ``NO_SHARD``, its nearest FSDP form.
 """
 
@@ -200,10 +203,20 @@ def _docstring(document: dict[str, Any]) -> str:
 
 
 _USAGE = r'''
-FSDP2 (``fully_shard``), after ``torch.distributed.init_process_group(...)``::
+One training loop for every plan (FSDP2, HSDP or DDP), after
+``torch.distributed.init_process_group(...)``::
 
-    model = apply_fully_shard(model)                 # AC, units, prefetch, mixed precision
-    model = apply_fully_shard(model, mesh=my_mesh)   # with your own (replicate, shard) mesh
+    model = apply(model)                             # the plan, whatever its strategy
+    optimizer = torch.optim.AdamW(model.parameters())  # after apply: parameters are sharded
+    with autocast():                                 # torch.autocast where the plan computes
+        loss = loss_fn(model(batch))                 # under it, else a no-op
+    loss.backward()
+    optimizer.step()
+
+``apply`` calls ``apply_fully_shard`` (FSDP2: AC, units, prefetch, mixed precision) or, for a
+DDP plan, ``apply_ddp`` (AC, then ``DistributedDataParallel`` with ``DDP_KWARGS``); each of
+those two refuses the other kind of plan. ``apply(model, mesh=my_mesh)`` uses your own
+(replicate, shard) mesh.
 
 A unit may carry its own ``mixed_precision`` (each batch norm is a float32 unit under bf16:
 its weights meet float32 running statistics); ``apply_fully_shard`` applies it to that unit.
@@ -215,14 +228,19 @@ all-reduced, no all-gather or reduce-scatter.
 
 FSDP1 (``FullyShardedDataParallel``)::
 
-    model = FullyShardedDataParallel(model, auto_wrap_policy=auto_wrap_policy, **FSDP_KWARGS)
+    model = FullyShardedDataParallel(model, auto_wrap_policy=auto_wrap_policy,
+                                     device_id=local_device(), **FSDP_KWARGS)
     apply_activation_checkpointing(model)            # after wrapping, for FSDP1
+    # forward and loss under autocast() as above
 
+- ``device_id`` is needed on every device: ``local_device()`` is ``cuda:LOCAL_RANK`` on a GPU
+  (without it FSDP1 shards on the CPU) and ``torch.device("cpu")`` on a CPU (without it FSDP1
+  fails: "FSDP needs a non-CPU accelerator device"; gloo runs it).
 - A unit that groups several modules in FSDP2 cannot be one FSDP1 instance: FSDP1 wraps each
   listed module separately. ``FSDP1_UNITS`` lists the modules FSDP1 wraps ("" is the root).
 - Hybrid sharding needs the 2-D mesh passed in (always on CPU, where node groups cannot be
   derived): ``FullyShardedDataParallel(model, auto_wrap_policy=auto_wrap_policy,
-  **fsdp1_kwargs(build_device_mesh()))``.
+  device_id=local_device(), **fsdp1_kwargs(build_device_mesh()))``.
 - FSDP1 has no per-unit prefetch lists: ``backward_prefetch`` is BACKWARD_PRE when the plan
   prefetches in backward (else None, no backward prefetch at all, where FSDP2 would still
   prefetch one unit implicitly), and ``forward_prefetch`` is on when it prefetches in forward.

@@ -1,0 +1,168 @@
+"""The accelerate export: an ``accelerate launch`` config (FSDP version 2) and, where the plan
+holds more than that config can say, a hook that shards with the policy before ``prepare``.
+
+[Note: accelerate and a model sharded before prepare] (read in accelerate 1.15)
+``Accelerator.prepare`` wraps a model in ``DistributedDataParallel`` under ``MULTI_GPU`` and
+``MULTI_CPU`` (accelerate never uses FSDP on a CPU), which fails on a model whose parameters
+are FSDP2 DTensors ("aten.cat.default got mixed torch.Tensor and DTensor"); under ``FSDP``
+version 2 it shards what is not yet an ``FSDPModule`` and applies its own activation
+checkpointing when the config asks for it. ``prepare_model`` returns a model at once when its
+``_is_accelerate_prepared`` is set (accelerate's guard against double wrapping), so the hook
+applies the plan and sets it, and a hook-mode config turns accelerate's own checkpointing and
+mixed precision off: the policy applies both, and the loop runs forward under its
+``autocast()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from fsdp_plan.export.common import (
+    POLICY_FILE,
+    Export,
+    Gap,
+    PlanShape,
+    class_wrap_gaps,
+    precision_name,
+    readme,
+)
+from fsdp_plan.plan.document import Plan
+
+CONFIG_FILE = "accelerate_config.yaml"
+HOOK_FILE = "fsdp_plan_accelerate.py"
+WHO = "accelerate"
+
+
+def ddp_gaps(shape: PlanShape, who: str = WHO) -> list[Gap]:
+    """What an accelerate config cannot say about a DDP plan (its DDP arguments live in code,
+    ``DistributedDataParallelKwargs``, and it has no first-bucket size)."""
+    ddp = shape.ddp or {}
+    gaps = []
+    if (ddp.get("first_bucket_mb"), ddp.get("bucket_cap_mb")) != (1, 25):
+        gaps.append(Gap("ddp buckets", f"buckets of {ddp.get('bucket_cap_mb')} MB, the first "
+                        f"{ddp.get('first_bucket_mb')} MB", f"{who} keeps DDP's 25 MB (first 1 MB)"))
+    flags = [k for k in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
+             if ddp.get(k)]
+    if flags:
+        gaps.append(Gap("ddp", ", ".join(flags), f"{who}'s config leaves them off"))
+    if ddp.get("comm_hook"):
+        gaps.append(Gap("ddp", f"the {ddp['comm_hook']} gradient hook", f"{who} registers none"))
+    if shape.checkpointed:
+        gaps.append(Gap("activation_checkpointing", f"{len(shape.checkpointed)} checkpointed "
+                        "module(s)", f"{who} checkpoints nothing under DDP"))
+    return gaps
+
+
+def config_gaps(shape: PlanShape) -> list[Gap]:
+    """What ``accelerate_config.yaml`` alone cannot say (see [Note: configuration reach])."""
+    if shape.strategy == "ddp":
+        return ddp_gaps(shape)
+    gaps = class_wrap_gaps(shape, WHO)
+    if shape.strategy == "none":
+        gaps.append(Gap("mesh", f"strategy none (a {shape.replicate} x 1 replicate mesh)",
+                        f"{WHO}'s FSDP2 config shards over its shard axis"))
+    return gaps
+
+
+def config(plan: Plan, shape: PlanShape, hook: bool) -> dict[str, Any]:
+    """The ``accelerate launch --config_file`` document. With the hook, accelerate's own
+    checkpointing and mixed precision are off (the policy applies them)."""
+    gpus_per_node = int(plan.predicted.get("gpus_per_node") or 8)
+    document: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False}
+    if shape.strategy == "ddp":
+        document["distributed_type"] = "MULTI_GPU"
+    else:
+        document["distributed_type"] = "FSDP"
+        document["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": ",".join(shape.block_classes),
+            "fsdp_reshard_after_forward": bool(shape.block_reshard and shape.block_reshard[-1]),
+            "fsdp_activation_checkpointing": bool(shape.checkpointed) and not hook,
+            "fsdp_offload_params": shape.offload,
+            "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        }
+        if shape.replicate > 1 and shape.strategy == "hybrid":
+            document["parallelism_config"] = {
+                "parallelism_config_dp_replicate_size": shape.replicate,
+                "parallelism_config_dp_shard_size": shape.shard,
+            }
+    document.update({
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": "no" if hook else (precision_name(shape) or "no"),
+        "num_machines": max(1, shape.world_size // gpus_per_node),
+        "num_processes": shape.world_size,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    })
+    return document
+
+
+_HOOK = '''"""fsdp-plan's hook for accelerate: apply the plan before ``Accelerator.prepare``.
+
+    import fsdp_plan_accelerate as plan
+    model = plan.apply(model)               # before prepare, before the optimizer
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    with plan.autocast():
+        loss = loss_fn(model(batch))
+    accelerator.backward(loss)
+
+``prepare`` would wrap a sharded model in DistributedDataParallel (it fails on FSDP2's
+DTensors) or shard it again; a model marked ``_is_accelerate_prepared`` is taken as it is.
+Written by ``fsdp-plan export``.
+"""
+
+import fsdp_plan_policy as policy
+
+autocast = policy.autocast
+prepare_microbatch = policy.prepare_microbatch
+
+
+def apply(model):
+    """The plan applied to ``model`` (``policy.apply``: FSDP2 units, HSDP mesh or DDP),
+    marked so that ``accelerator.prepare`` neither wraps nor shards it again."""
+    model = policy.apply(model)
+    model._is_accelerate_prepared = True
+    return model
+'''
+
+
+def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
+    result = Export("accelerate", config_gaps=config_gaps(shape))
+    hook = result.needs_hook
+    result.files[CONFIG_FILE] = yaml.safe_dump(config(plan, shape, hook), sort_keys=False)
+    files = {CONFIG_FILE: "`accelerate launch --config_file` configuration (FSDP version 2)"
+                          if shape.strategy != "ddp" else "`accelerate launch` configuration",
+             POLICY_FILE: "the plan's policy module (imports only torch)"}
+    if hook:
+        result.files[HOOK_FILE] = _HOOK
+        files[HOOK_FILE] = "the code hook: `apply(model)` before `accelerator.prepare`"
+    accum = plan.grad_accum_steps
+    batch = (f"Per process: micro-batch {shape.micro_batch}"
+             + (f", sequence length {shape.seq_len}" if shape.seq_len else "")
+             + (f", {accum} micro-batches per optimizer step (`Accelerator("
+                f"gradient_accumulation_steps={accum})`)" if accum > 1 else "") + ".")
+    launch = (f"```bash\naccelerate launch --config_file {CONFIG_FILE} train.py\n```\n\n"
+              f"{batch} On a CPU (gloo), start the processes with `torchrun --nproc_per_node N "
+              "train.py`: `accelerate launch --cpu` may start one process.")
+    hook_text = ("Put this folder on `PYTHONPATH` and, in `train.py`:\n\n```python\n"
+                 "import fsdp_plan_accelerate as plan\n"
+                 "model = plan.apply(model)                 # before prepare and the optimizer\n"
+                 "optimizer = torch.optim.AdamW(model.parameters(), lr=...)\n"
+                 "model, optimizer, loader = accelerator.prepare(model, optimizer, loader)\n"
+                 "for index, batch in enumerate(loader):\n"
+                 + (f"    plan.prepare_microbatch(model, index % {accum}, {accum})\n"
+                    if accum > 1 else "")
+                 + "    with plan.autocast():\n        loss = loss_fn(model(batch))\n"
+                 "    accelerator.backward(loss)\n```\n\n"
+                 "The policy applies the units, checkpointing, prefetch and mixed precision, so "
+                 f"`{CONFIG_FILE}` turns accelerate's own checkpointing and mixed precision off.")
+    result.files["README.md"] = readme(f"accelerate export of {shape.model_source or 'a plan'}",
+                                       result, launch, hook_text, files)
+    return result

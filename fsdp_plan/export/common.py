@@ -1,0 +1,288 @@
+"""What a plan asks of a training framework, and what a framework's configuration cannot say.
+
+[Note: configuration reach]
+A framework's configuration describes FSDP coarsely: accelerate and the HF Trainer wrap every
+module of some classes (``transformer_layer_cls_to_wrap``) with one ``reshard_after_forward``,
+checkpoint all of those modules or none, never set explicit prefetch, and know one mixed
+precision (``bf16``: parameters, gradient reduction and outputs all in bf16). A plan may say
+more: grouped units, units that are not one class, per-unit reshard, checkpointing of some
+blocks (full or selective), prefetch lists, float32 reduction, bf16 autocast over float32
+parameters, gradient sync on the last micro-batch only, DDP bucket sizes. Each thing a
+configuration cannot say is a ``Gap`` (what the plan holds, what the framework does instead).
+``export`` writes the configuration alone when there is no gap; otherwise it also writes a
+code hook that applies the plan through its policy module, and the README lists any gap the
+hook cannot close either. Planning for a framework (``--framework``) keeps the search to plans
+without configuration gaps, through the same ``config_gaps`` functions.
+
+[Note: PlanShape]
+``plan_shape`` reads the plan together with the model built on ``meta`` (class names are
+not in the plan): which classes the units' modules have, and whether "every module of those
+classes, one unit each, plus the root" is exactly the plan's units. Everything after it is a
+pure function of ``PlanShape``, so the frameworks' rules are tested without a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.plan.document import Plan
+
+FRAMEWORKS = ("accelerate", "trainer", "lightning", "torchtitan")
+POLICY_FILE = "fsdp_plan_policy.py"
+"""Name of the policy module inside an export folder (hooks import it as ``fsdp_plan_policy``)."""
+
+
+@dataclass(frozen=True)
+class Gap:
+    """One thing a plan holds that a framework's configuration cannot say."""
+
+    feature: str
+    """What it concerns: ``units``, ``reshard_after_forward``, ``activation_checkpointing``..."""
+    plan: str
+    """What the plan holds."""
+    instead: str
+    """What the framework does instead."""
+
+    def line(self) -> str:
+        return f"{self.feature}: the plan has {self.plan}; {self.instead}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanShape:
+    """The plan as a framework configuration sees it (see [Note: PlanShape])."""
+
+    strategy: str
+    world_size: int
+    replicate: int
+    shard: int
+    block_classes: tuple[str, ...]
+    """Class names of the modules in the units other than the root, first seen first."""
+    class_units: bool
+    """The non-root units are exactly every module of ``block_classes``, one unit each."""
+    class_modules: int
+    """How many modules of ``block_classes`` the model has (what a class-based wrap wraps)."""
+    grouped_units: int
+    """Units with more than one module."""
+    units: int
+    block_reshard: tuple[bool, ...]
+    """The distinct ``reshard_after_forward`` values of the non-root units."""
+    root_reshard: bool
+    checkpointed: dict[str, str]
+    """``{FQN: full | selective}``."""
+    checkpoint_all_class_modules: bool
+    """Every module of ``block_classes`` is fully checkpointed and nothing else is."""
+    forward_prefetch: bool
+    deep_backward_prefetch: bool
+    """Some unit prefetches more than one unit in backward (FSDP2's implicit prefetch: one)."""
+    param_dtype: str | None
+    reduce_dtype: str | None
+    autocast_dtype: str | None
+    """The dtype forward runs in under ``torch.autocast`` (the policy's ``AUTOCAST_DTYPE``)."""
+    unit_precision: int
+    """Units with their own ``mixed_precision`` (batch norm kept in float32)."""
+    micro_batch: int
+    seq_len: int | None
+    grad_accum_steps: int
+    gradient_sync: str
+    offload: bool
+    ddp: dict[str, Any] | None
+    hf_model: bool
+    """The model has ``get_input_embeddings`` (accelerate gives HF models extra units)."""
+    model_source: str = ""
+    model_class: str = ""
+
+
+@dataclass
+class Export:
+    """The files of one framework export and what was lost."""
+
+    framework: str
+    files: dict[str, str] = field(default_factory=dict)
+    """File name inside the export folder -> text."""
+    config_gaps: list[Gap] = field(default_factory=list)
+    """What the configuration alone cannot say (empty: the configuration is the whole plan)."""
+    lost: list[Gap] = field(default_factory=list)
+    """What is lost even with the hook."""
+
+    @property
+    def needs_hook(self) -> bool:
+        return bool(self.config_gaps)
+
+
+def _autocast_dtype(plan: Plan) -> str | None:
+    """The policy module's ``AUTOCAST_DTYPE`` rule (``policy_runtime._configure``), on names."""
+    mp = plan.mixed_precision
+    if mp.get("autocast_dtype"):
+        return mp["autocast_dtype"]
+    if plan.strategy == "ddp" and mp.get("param_dtype") in ("bfloat16", "float16"):
+        return mp["param_dtype"]
+    return None
+
+
+def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
+    """Read ``plan`` against ``model`` (built on ``meta``) as a framework configuration sees it."""
+    modules = dict(model.named_modules())
+    inner = [unit for unit in plan.units if unit.modules != [""]]
+    missing = sorted({fqn for unit in inner for fqn in unit.modules} - set(modules))
+    if missing:
+        raise BadInput(f"the plan's units name {missing[:5]!r}, which the model does not have; "
+                       "give the model the plan was made for.")
+    classes: list[str] = []
+    for unit in inner:
+        for fqn in unit.modules:
+            name = type(modules[fqn]).__name__
+            if name not in classes:
+                classes.append(name)
+    class_fqns = {fqn for fqn, module in modules.items()
+                  if fqn and type(module).__name__ in classes}
+    unit_fqns = [fqn for unit in inner for fqn in unit.modules]
+    checkpointed = (dict(plan.activation_checkpointing)
+                    if isinstance(plan.activation_checkpointing, dict)
+                    else {fqn: "full" for fqn in plan.activation_checkpointing})
+    root = [unit for unit in plan.units if unit.modules == [""]]
+    return PlanShape(
+        strategy=plan.strategy, world_size=plan.world_size, replicate=plan.mesh.replicate,
+        shard=plan.mesh.shard, block_classes=tuple(classes),
+        class_units=(all(len(unit.modules) == 1 for unit in inner)
+                     and sorted(unit_fqns) == sorted(class_fqns)),
+        class_modules=len(class_fqns),
+        grouped_units=sum(len(unit.modules) > 1 for unit in plan.units),
+        units=len(plan.units),
+        block_reshard=tuple(sorted({bool(unit.reshard_after_forward) for unit in inner})),
+        root_reshard=bool(root[0].reshard_after_forward) if root else False,
+        checkpointed=checkpointed,
+        checkpoint_all_class_modules=(set(checkpointed) == class_fqns
+                                      and set(checkpointed.values()) <= {"full"}),
+        forward_prefetch=any(plan.forward_prefetch.values()),
+        deep_backward_prefetch=any(len(t) > 1 for t in plan.backward_prefetch.values()),
+        param_dtype=plan.mixed_precision.get("param_dtype"),
+        reduce_dtype=plan.mixed_precision.get("reduce_dtype"),
+        autocast_dtype=_autocast_dtype(plan),
+        unit_precision=sum(bool(unit.mixed_precision) for unit in plan.units),
+        micro_batch=int(plan.model.get("batch_size") or 1),
+        seq_len=plan.model.get("seq_len"),
+        grad_accum_steps=plan.grad_accum_steps,
+        gradient_sync=plan.gradient_sync,
+        offload=bool((plan.offload or {}).get("params")),
+        ddp=plan.ddp,
+        hf_model=callable(getattr(model, "get_input_embeddings", None)),
+        model_source=str(plan.model.get("source", "")),
+        model_class=type(model).__name__,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Gaps shared by the class-wrapping configurations (accelerate, HF Trainer)
+# ---------------------------------------------------------------------------------------------
+
+_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
+
+
+def precision_name(shape: PlanShape) -> str | None:
+    """accelerate's ``mixed_precision`` (``no``, ``bf16``, ``fp16``) that is the plan's, or None.
+
+    accelerate's ``bf16`` with FSDP2 is ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=bf16, output_dtype=bf16)``; without a lower dtype it is ``no``."""
+    low = {d for d in (shape.param_dtype, shape.reduce_dtype) if d not in (None, "float32")}
+    if shape.autocast_dtype is not None and shape.strategy != "ddp":
+        return None
+    if not low:
+        return "no"
+    if len(low) == 1 and shape.param_dtype == shape.reduce_dtype and low <= set(_SHORT):
+        return _SHORT[shape.param_dtype]
+    return None
+
+
+def class_wrap_gaps(shape: PlanShape, who: str) -> list[Gap]:
+    """What a class-based FSDP2 configuration (one reshard flag, AC all or none, implicit
+    prefetch, one precision) cannot say about a sharded plan; ``who`` names the framework."""
+    gaps = []
+    if shape.grouped_units:
+        gaps.append(Gap("units", f"{shape.grouped_units} unit(s) grouping several modules in "
+                        "one fully_shard call", f"{who} gives each module of a class its own unit"))
+    if not shape.class_units:
+        gaps.append(Gap("units", f"{shape.units - 1} unit(s) besides the root",
+                        f"{who} would wrap all {shape.class_modules} modules of class "
+                        f"{', '.join(shape.block_classes) or '(none)'}"))
+    if shape.hf_model:
+        gaps.append(Gap("units", "no unit of its own for the input embedding or for the final "
+                        "norm with the output head", f"{who} adds both for a Hugging Face model"))
+    if len(shape.block_reshard) > 1:
+        gaps.append(Gap("reshard_after_forward", "units that reshard after forward and units "
+                        "that do not", f"{who} sets one reshard_after_forward for every unit"))
+    if shape.root_reshard:
+        gaps.append(Gap("reshard_after_forward", "the root resharded after forward",
+                        f"{who} leaves the root to FSDP2's default (not resharded)"))
+    if shape.checkpointed and not shape.checkpoint_all_class_modules:
+        modes = sorted(set(shape.checkpointed.values()))
+        gaps.append(Gap("activation_checkpointing", f"{len(shape.checkpointed)} module(s) "
+                        f"checkpointed ({'/'.join(modes)})", f"{who} checkpoints all "
+                        f"{shape.class_modules} wrapped modules fully, or none"))
+    if shape.forward_prefetch or shape.deep_backward_prefetch:
+        gaps.append(Gap("prefetch", "explicit forward/backward prefetch lists",
+                        f"{who} keeps FSDP2's implicit prefetch (one unit, backward only)"))
+    if precision_name(shape) is None:
+        gaps.append(Gap("mixed_precision", _precision_text(shape),
+                        f"{who}'s bf16/fp16 casts parameters, gradient reduction and outputs "
+                        "to one dtype"))
+    if shape.unit_precision:
+        gaps.append(Gap("mixed_precision", f"{shape.unit_precision} unit(s) with their own "
+                        "precision (batch norm in float32)", f"{who} has one policy for all"))
+    if shape.gradient_sync == "last" and shape.grad_accum_steps > 1:
+        gaps.append(Gap("gradient_sync", "gradients reduced on the last micro-batch only",
+                        f"{who}'s configuration has no FSDP2 gradient-sync switch"))
+    return gaps
+
+
+def _precision_text(shape: PlanShape) -> str:
+    text = f"param_dtype {shape.param_dtype or 'float32'}, reduce_dtype " \
+           f"{shape.reduce_dtype or shape.param_dtype or 'float32'}"
+    if shape.autocast_dtype:
+        text += f", forward under {shape.autocast_dtype} autocast"
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# The export itself
+# ---------------------------------------------------------------------------------------------
+
+
+def export_plan(plan: Plan, shape: PlanShape, framework: str, policy_source: str,
+                options: dict[str, Any] | None = None) -> Export:
+    """The files of ``framework``'s export of ``plan`` (``policy_source`` is its policy module)."""
+    if framework not in FRAMEWORKS:
+        raise BadInput(f"--to {framework!r} is not a framework fsdp-plan exports to; choose one "
+                       f"of {', '.join(FRAMEWORKS)}.")
+    module = importlib.import_module(f"fsdp_plan.export.{framework}")
+    result: Export = module.render(plan, shape, dict(options or {}))
+    result.files[POLICY_FILE] = policy_source
+    return result
+
+
+def readme(title: str, export: Export, launch: str, hook_text: str, files: dict[str, str]
+           ) -> str:
+    """The export folder's README.md: the files, how to launch, what (if anything) is lost."""
+    lines = [f"# {title}", "",
+             "Written by `fsdp-plan export`; regenerate it from the plan rather than editing it.",
+             "", "## Files", ""]
+    lines += [f"- `{name}`: {what}" for name, what in files.items()]
+    lines += ["", "## Launch", "", launch.strip(), ""]
+    if export.config_gaps:
+        lines += ["## The code hook", "", "The configuration alone cannot say all of the plan:",
+                  ""]
+        lines += [f"- {gap.line()}" for gap in export.config_gaps]
+        lines += ["", hook_text.strip(), ""]
+    else:
+        lines += ["## The configuration is the whole plan", "",
+                  "Nothing in the plan is beyond this configuration: no code hook is needed.", ""]
+    lines += ["## What is lost", ""]
+    if export.lost:
+        lines += [f"- {gap.line()}" for gap in export.lost]
+    else:
+        lines.append("Nothing: launched as above, the run is the planned run.")
+    return "\n".join(lines) + "\n"

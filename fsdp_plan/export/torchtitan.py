@@ -1,0 +1,163 @@
+"""The torchtitan export: a config module for the torchtitan on PyPI (0.3: configs are Python
+functions, ``--module M --config F``) derived from one of torchtitan's own configs, with a
+``parallelize`` function that applies the plan where torchtitan's options cannot say it.
+
+[Note: torchtitan configs] (read in torchtitan 0.3.0)
+``python -m torchtitan.train --module M --config F`` imports ``M`` (a dotted module path, or
+``M.config_registry``) and calls ``F()`` for a ``Trainer.Config``; command-line flags override
+fields after that. The model comes from the base config's ``model_spec``; its
+``parallelize_fn(model, *, parallel_dims, training, parallelism, compile_config, ac_config,
+dump_folder)`` shards the model built on ``meta``. torchtitan's own parallelize wraps each
+block, the embeddings and ``[norm, output]`` with one reshard policy, checkpoints every block
+or none, computes in ``mixed_precision_param`` (bf16 or fp32) and reduces in float32, and
+runs autocast only without sharding. The plan's units are module FQNs, so the plan must be
+made for the torchtitan model itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.export.common import POLICY_FILE, Export, Gap, PlanShape, readme
+from fsdp_plan.plan.document import Plan
+
+MODULE_FILE = "fsdp_plan_torchtitan.py"
+CONFIG_FUNCTION = "fsdp_plan"
+WHO = "torchtitan"
+
+
+def config_gaps(shape: PlanShape) -> list[Gap]:
+    """What torchtitan's options alone cannot say (its own parallelize, see the Note)."""
+    if shape.strategy == "ddp":
+        return []
+    gaps = []
+    if shape.grouped_units or not shape.class_units or shape.units - 1 != shape.class_modules:
+        gaps.append(Gap("units", f"{shape.units} units of its own choosing",
+                        f"{WHO} wraps each block, the embeddings and [norm, output]"))
+    if len(shape.block_reshard) > 1:
+        gaps.append(Gap("reshard_after_forward", "units that reshard after forward and units "
+                        "that do not", f"{WHO} has one policy for all blocks"))
+    modes = set(shape.checkpointed.values())
+    if shape.checkpointed and (len(modes) > 1 or len(shape.checkpointed) != shape.class_modules):
+        gaps.append(Gap("activation_checkpointing", f"{len(shape.checkpointed)} of "
+                        f"{shape.class_modules} blocks checkpointed ({'/'.join(sorted(modes))})",
+                        f"{WHO} checkpoints every block one way, or none"))
+    if shape.forward_prefetch or shape.deep_backward_prefetch:
+        gaps.append(Gap("prefetch", "explicit prefetch lists", f"{WHO} sets none for dense models"))
+    if shape.param_dtype not in (None, "float32", "bfloat16") or shape.reduce_dtype not in (
+            None, "float32"):
+        gaps.append(Gap("mixed_precision", f"param_dtype {shape.param_dtype}, reduce_dtype "
+                        f"{shape.reduce_dtype}", f"{WHO} computes in bf16 or fp32 and reduces "
+                        "in fp32"))
+    return gaps
+
+
+def lost_with_hook(shape: PlanShape) -> list[Gap]:
+    """What torchtitan's training loop loses even with the plan's parallelize."""
+    lost = []
+    if shape.strategy == "ddp":
+        ddp = shape.ddp or {}
+        lost.append(Gap("ddp", f"DDP buckets of {ddp.get('bucket_cap_mb')} MB (first "
+                        f"{ddp.get('first_bucket_mb')} MB)"
+                        + (", checkpointed modules" if shape.checkpointed else ""),
+                        f"{WHO} replicates with its own data parallelism "
+                        "(data_parallel_replicate_degree) and its own settings"))
+    elif shape.autocast_dtype:
+        lost.append(Gap("autocast", f"forward under {shape.autocast_dtype} autocast",
+                        f"{WHO} runs autocast only without sharding"))
+    if shape.gradient_sync == "last" and shape.grad_accum_steps > 1:
+        lost.append(Gap("gradient_sync", "gradients reduced on the last micro-batch only",
+                        f"{WHO} reduces after every micro-batch"))
+    if shape.offload:
+        lost.append(Gap("offload", "parameters and optimizer states on the host",
+                        f"{WHO} offloads through its own training.enable_cpu_offload, set here"))
+    return lost
+
+
+def _module_text(plan: Plan, shape: PlanShape, base: str, hook: bool) -> str:
+    """The config module (see [Note: torchtitan configs]); the base config is named in it."""
+    precision = shape.param_dtype if shape.param_dtype in ("bfloat16", "float32") else "float32"
+    replicate, shard = ((shape.world_size, 1) if shape.strategy == "ddp"
+                        else (shape.replicate, shape.shard))
+    global_batch = shape.micro_batch * shape.grad_accum_steps * shape.world_size
+    assignments = [
+        f"config.training.local_batch_size = {shape.micro_batch}",
+        f"config.training.global_batch_size = {global_batch}",
+        *([f"config.training.seq_len = {int(shape.seq_len)}"] if shape.seq_len else []),
+        f"config.training.mixed_precision_param = {precision!r}",
+        "config.training.mixed_precision_reduce = 'float32'",
+        f"config.training.enable_cpu_offload = {shape.offload}",
+        f"config.parallelism.data_parallel_replicate_degree = {replicate}",
+        f"config.parallelism.data_parallel_shard_degree = {shard}",
+    ]
+    if hook:
+        assignments += ["config.activation_checkpoint = None  # the policy checkpoints",
+                        "config.model_spec.parallelize_fn = parallelize"]
+    else:
+        reshard = "always" if shape.block_reshard[-1:] == (True,) else "never"
+        ac = {"full": "FullAC", "selective": "SelectiveAC"}.get(
+            next(iter(set(shape.checkpointed.values())), ""), "")
+        assignments.append(f"config.parallelism.fsdp_reshard_after_forward = {reshard!r}")
+        assignments.append("config.activation_checkpoint = "
+                           + (f"activation_checkpoint.{ac}.Config()" if ac else "None"))
+    body = "\n".join(f"    {line}" for line in assignments)
+    ac_import = ("" if hook else
+                 "\nfrom torchtitan.distributed import activation_checkpoint  # noqa: F401\n")
+    parallelize = '''
+
+def parallelize(model, *, parallel_dims, **_options):
+    """torchtitan's parallelize_fn: the plan's units, checkpointing, prefetch and mixed
+    precision on torchtitan's data-parallel mesh (dp_replicate x fsdp)."""
+    names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    return policy.apply(model, mesh=parallel_dims.get_mesh(names))
+''' if hook else ""
+    return f'''"""torchtitan config made by fsdp-plan from the plan for {shape.model_source!s:.60}.
+
+    python -m torchtitan.train --module fsdp_plan_torchtitan --config {CONFIG_FUNCTION}
+
+BASE names the torchtitan config this one starts from (the model, data, optimizer and steps
+are its); the plan sets batch, sequence, precision and data parallelism{", and parallelize"
+" applies the plan's units" if hook else ""}. Written by ``fsdp-plan export``.
+"""
+
+import importlib
+{ac_import}
+import fsdp_plan_policy as policy
+
+BASE = {base!r}
+{parallelize}
+
+def {CONFIG_FUNCTION}():
+    """torchtitan's config for the plan: BASE with the plan's settings."""
+    module, _, function = BASE.partition(":")
+    config = getattr(importlib.import_module(module), function)()
+{body}
+    return config
+
+'''
+
+
+def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
+    base = options.get("torchtitan_config")
+    if not base or ":" not in base:
+        raise BadInput("--to torchtitan needs --torchtitan-config MODULE:FUNCTION, the torchtitan "
+                       "config of the model this plan is for (torchtitan trains its own model "
+                       "definitions), e.g. torchtitan.models.llama3.config_registry:llama3_8b.")
+    result = Export("torchtitan", config_gaps=config_gaps(shape))
+    result.lost = lost_with_hook(shape)
+    result.files[MODULE_FILE] = _module_text(plan, shape, base, result.needs_hook)
+    files = {MODULE_FILE: f"the torchtitan config (`--config {CONFIG_FUNCTION}`)"
+                          + (" and `parallelize`, the plan's parallelize_fn"
+                             if result.needs_hook else ""),
+             POLICY_FILE: "the plan's policy module (imports only torch)"}
+    launch = ("```bash\nPYTHONPATH=. torchrun --nproc_per_node GPUS_PER_NODE --nnodes NODES "
+              f"-m torchtitan.train --module fsdp_plan_torchtitan --config {CONFIG_FUNCTION}\n```"
+              f"\n\n({shape.world_size} processes in all; run it from this folder.) The model "
+              f"is BASE's (`{base}`): plan that model, since the plan names its modules.")
+    hook_text = ("`parallelize` replaces BASE's parallelize_fn: it applies the plan through "
+                 "the policy on torchtitan's data-parallel mesh, and torchtitan's own activation "
+                 "checkpointing is off (the policy applies the plan's).")
+    result.files["README.md"] = readme(f"torchtitan export of {shape.model_source or 'a plan'}",
+                                       result, launch, hook_text, files)
+    return result
