@@ -7,9 +7,9 @@ machine it runs on; ``bench --refit`` corrects one from a measured run; anyone m
 hand. The presets (``h100.yaml``, ``h200.yaml``, ``a100.yaml``, ``b200.yaml`` beside this
 file) are hardware files too, each figure with its source in a comment. ``--hardware`` files
 override the fields of the ``--gpu`` preset (the plan's GPU for ``predict``), so a file may
-hold a single field; a file written before the per-op fields existed still reads, and the
-step-time model derives what it lacks from ``peak_flops`` x ``efficiency`` and
-``hbm_bandwidth`` (cost.py ``Rates``).
+hold a single field; a base figure it sets reaches the preset's tables fitted at that figure
+(derived.py [Note: base figures and derived tables]: they are rescaled unless the file sets
+them too). A file written before the per-op fields existed still reads that way.
 
 Per-op fields (all optional):
 - ``matmul_flops``: ``{dtype: {small, medium, large}}`` achieved FLOP/s of matrix multiplies
@@ -47,6 +47,7 @@ from importlib import resources
 from typing import Any
 
 from fsdp_plan.errors import BadInput
+from fsdp_plan.hardware.derived import follow_base_figures
 
 MM_CLASSES = ("small", "medium", "large")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -61,7 +62,8 @@ class Hardware:
     peak_flops: float
     """Dense bf16 FLOP/s (datasheet)."""
     efficiency: float = 0.5
-    """Share of peak a real training step reaches: used only where per-op figures are absent."""
+    """Share of peak a real training step reaches: the rate of facts without op counters; a
+    file that changes it rescales the preset's per-op rates (derived.py)."""
     hbm_bandwidth: float = 3.3e12
     intra_node_bandwidth: float = 360e9
     """Achieved bus bandwidth of collectives inside a node, bytes/s per GPU."""
@@ -268,6 +270,12 @@ def _apply(hw: Hardware, overrides: object, where: str) -> Hardware:
             values[key] = _nested(key, value, where)
         else:
             values[key] = _number(key, value, where)
+    rescaled = follow_base_figures({f.name: getattr(hw, f.name) for f in fields(hw)}, values,
+                                   set(overrides))
+    if rescaled and "source" not in overrides:  # [Note: base figures and derived tables]
+        values["source"] = (f"{hw.source or hw.name}; {where} sets "
+                            f"{', '.join(sorted(k for k in overrides if k != 'name'))}, and the "
+                            f"tables it leaves out follow: {', '.join(rescaled)}")
     return Hardware(**values)
 
 

@@ -1,0 +1,136 @@
+"""Hardware files (SPEC 6) and the hardware a plan keeps (SPEC 7), through the real CLI.
+
+Issue 21 (S3-02, S3-04 to S3-09, S3-27) and issue 19 item 5. Every refusal keeps the SPEC 2
+contract: exit 2, a message naming the field, its value and what is accepted, no traceback,
+nothing on stdout and no file written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+from fsdp_plan.cli.main import main
+from fsdp_plan.hardware import GPUS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory) -> str:
+    """The issue's plan: tiny Llama, 2 ranks, full sharding, on the h100 preset."""
+    folder = tmp_path_factory.mktemp("hw")
+    path = str(folder / "full.yaml")
+    assert main([LLAMA, "--model-arg", "size=tiny", "--mem", "80GB", "--world-size", "2",
+                 "--seq-len", "64", "--strategy", "full", "--format", "json",
+                 "--plan", path]) == 0
+    return path
+
+
+def write_yaml(folder, name: str, doc) -> str:
+    path = folder / name
+    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
+
+
+def predicted(capsys, plan: str, *flags: str) -> dict:
+    capsys.readouterr()
+    assert main(["predict", plan, "--format", "json", *flags]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)["predicted"]
+
+
+def refused(capsys, argv: list[str], *needles: str, code: int = 2) -> str:
+    got = main(argv)
+    captured = capsys.readouterr()
+    assert got == code, captured.err
+    assert "Traceback" not in captured.err, captured.err
+    assert captured.out == "", captured.out
+    for needle in needles:
+        assert needle in captured.err, captured.err
+    return captured.err
+
+
+# --- S3-02: a base figure reaches the tables fitted at it -----------------------------------
+
+# Communication is bus time alone: no latency, no launch cost, no FSDP copies around it.
+BUS_ONLY = {"collective_latency_s": 0, "launch_overhead_s": 0,
+            "fsdp_s_per_byte": {"all_gather": {"1": 0}, "reduce_scatter": {"1": 0}}}
+
+
+def test_a_slower_link_slows_communication_by_its_factor(planned, tmp_path, capsys):
+    """The issue's case first (360x slower link: more communication than without the file),
+    then exactly: with communication pure bus time, a 10x slower link is 10x the time."""
+    preset = predicted(capsys, planned)
+    slow = predicted(capsys, planned, "--hardware",
+                     write_yaml(tmp_path, "slow.yaml", {"intra_node_bandwidth": 1.0e9}))
+    assert slow["total_comm_s"] > preset["total_comm_s"]
+    assert slow["step_time_s"] > preset["step_time_s"]
+    fast = predicted(capsys, planned, "--hardware", write_yaml(
+        tmp_path, "a.yaml", {**BUS_ONLY, "intra_node_bandwidth": 1.0e8}))
+    slower = predicted(capsys, planned, "--hardware", write_yaml(
+        tmp_path, "b.yaml", {**BUS_ONLY, "intra_node_bandwidth": 1.0e7}))
+    assert fast["total_comm_s"] > 1e-3  # well above the 1e-6 rounding of the plan's figures
+    assert slower["total_comm_s"] == pytest.approx(10 * fast["total_comm_s"], rel=1e-4)
+    assert slower["compute_s"] == fast["compute_s"]
+
+
+def test_a_lower_peak_slows_compute_by_its_factor(planned, tmp_path, capsys):
+    """The preset's per-op rates follow peak_flops: 10x lower peak, 10x the matmul and
+    attention time (host overheads off, memory-bound ops at the fastest memory accepted)."""
+    quiet = {"op_overhead_s": 0, "memory_bandwidth": 1e15}
+    base = predicted(capsys, planned, "--hardware", write_yaml(
+        tmp_path, "base.yaml", {**quiet, "peak_flops": 1e10}))
+    low = predicted(capsys, planned, "--hardware", write_yaml(
+        tmp_path, "low.yaml", {**quiet, "peak_flops": 1e9}))
+    assert base["compute_s"] > 1e-2
+    assert low["compute_s"] == pytest.approx(10 * base["compute_s"], rel=1e-3)
+    # the issue's case: 989x lower FLOP/s is not the preset's step any more
+    issue = predicted(capsys, planned, "--hardware", write_yaml(
+        tmp_path, "issue.yaml", {"peak_flops": 1.0e10}))
+    assert issue["compute_s"] > 10 * predicted(capsys, planned)["compute_s"]
+
+
+def test_rescaled_tables_equal_the_same_tables_written_out(planned, tmp_path, capsys):
+    """A file that sets peak_flops alone predicts what a file with the preset's per-op rates
+    scaled by the same ratio, written as tables, predicts: those are taken as written."""
+    h100 = GPUS["h100"]
+    ratio = 1e11 / h100.peak_flops
+    short = predicted(capsys, planned, "--hardware", write_yaml(
+        tmp_path, "short.yaml", {"peak_flops": 1e11}))
+    written = predicted(capsys, planned, "--hardware", write_yaml(tmp_path, "long.yaml", {
+        "peak_flops": 1e11,
+        "matmul_flops": {d: {c: v * ratio for c, v in t.items()}
+                         for d, t in h100.matmul_flops.items()},
+        "attention_flops": {d: v * ratio for d, v in h100.attention_flops.items()}}))
+    assert short == written
+    # a table written beside its base figure is taken as written, not rescaled
+    mine = predicted(capsys, planned, "--hardware", write_yaml(tmp_path, "mine.yaml", {
+        "peak_flops": 1e11, "matmul_flops": {d: dict(t) for d, t in h100.matmul_flops.items()},
+        "attention_flops": dict(h100.attention_flops)}))
+    assert mine["compute_s"] == predicted(capsys, planned)["compute_s"]
+
+
+def test_each_base_figure_rescales_its_own_tables():
+    from fsdp_plan.hardware import hardware_for
+    h100 = GPUS["h100"]
+    hw = hardware_for("h100", {"intra_node_bandwidth": 36e9, "collective_latency_s": 40e-6,
+                               "hbm_bandwidth": 3.35e11, "efficiency": 0.25})
+    for kind, groups in hw.collectives.items():
+        for group, fit in groups.items():
+            was = h100.collectives[kind][group]
+            assert fit["bus_bandwidth"] == pytest.approx(was["bus_bandwidth"] / 10)
+            assert fit["latency_s"] == pytest.approx(was["latency_s"] * 2)
+    assert hw.memory_bandwidth == pytest.approx(h100.memory_bandwidth / 10)
+    assert hw.matmul_flops["float32"]["large"] == pytest.approx(
+        h100.matmul_flops["float32"]["large"] / 2)
+    assert hw.attention_flops["bfloat16"] == pytest.approx(h100.attention_flops["bfloat16"] / 2)
+    assert "collectives.bus_bandwidth x0.1" in hw.source and "matmul_flops x0.5" in hw.source
+    # no latency at all: every fitted latency goes to 0 with it
+    zero = hardware_for("h100", {"collective_latency_s": 0})
+    assert all(fit["latency_s"] == 0 for g in zero.collectives.values() for fit in g.values())
+    # the same figure as the preset's changes nothing, and says nothing
+    assert hardware_for("h100", {"peak_flops": 989e12}) == h100
