@@ -134,3 +134,58 @@ def test_each_base_figure_rescales_its_own_tables():
     assert all(fit["latency_s"] == 0 for g in zero.collectives.values() for fit in g.values())
     # the same figure as the preset's changes nothing, and says nothing
     assert hardware_for("h100", {"peak_flops": 989e12}) == h100
+
+
+# --- S3-07, S3-27, S3-09: hardware files get the plan file's guards ------------------------
+
+# Imported => leaves a marker: a refusal "before any work" must leave none.
+MARKED = """\
+import os
+from torch import nn
+open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "imported.marker"), "w").close()
+
+def build_model():
+    return nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 4))
+"""
+
+BOMB = "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]\n" if i else
+               "l0: &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" for i in range(9))
+
+
+@pytest.mark.parametrize("text,needles", [
+    (BOMB, ["expands to more than 10,000 values", "anchors and aliases",
+            "a hardware file is a few dozen values"]),
+    ("a: &a [*a]\n", ["recursive alias *a", "a hardware file is a tree"]),
+    ("collectives: " + "[" * 20 + "]" * 20 + "\n", ["more than 16 deep",
+                                                     "a hardware file nests 4 deep"]),
+    ("peak_flops: 1.0e15\npeak_flops: 1.0e12\n", ["the key 'peak_flops' twice", "line 2",
+                                                  "keep only the last"]),
+    ("collectives:\n  all_gather: {'8': {bus_bandwidth: 1e9}, '8': {bus_bandwidth: 2e9}}\n",
+     ["the key '8' twice"]),
+    ("peak_flops: 1" + "0" * 5000 + "\n", ["cannot turn into data", "4300"]),
+    ("peak_flops: !!float 1e12\n", ["YAML tag", "constructs no tagged values"]),
+    ("\0peak_flops: 1\n", ["binary data", "a hardware file is YAML text"]),
+])
+def test_hostile_hardware_files_are_refused_before_any_work(tmp_path, capsys, text, needles):
+    model = tmp_path / "model.py"
+    model.write_text(MARKED)
+    hw = tmp_path / "hw.yaml"
+    hw.write_text(text)
+    refused(capsys, [str(model), "--mem", "80GB", "--hardware", str(hw), "--plan",
+                     str(tmp_path / "p.yaml"), "-o", str(tmp_path / "p.py")],
+            f"--hardware {str(hw)!r}", *needles)
+    assert sorted(os.listdir(tmp_path)) == ["hw.yaml", "model.py"]  # no marker, no output
+
+
+def test_the_alias_bomb_is_refused_at_once():
+    """The issue's 416-byte file took 45-65 s and gigabytes; the event walk stops at the
+    first mapping past the bound without building a value (a bound on work, not a timing)."""
+    import yaml
+
+    from fsdp_plan.errors import BadInput
+    from fsdp_plan.hardware import HARDWARE_DOCUMENT
+    from fsdp_plan.safe_yaml import load_yaml
+    events = sum(1 for _ in yaml.parse(BOMB))
+    assert events < 200 and len(BOMB) < 600  # 9**9 values once expanded
+    with pytest.raises(BadInput, match="expands to more than 10,000 values at line 5"):
+        load_yaml(BOMB.encode(), "--hardware 'hw.yaml'", HARDWARE_DOCUMENT)

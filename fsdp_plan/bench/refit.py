@@ -84,7 +84,7 @@ def check_refit_path(path: str) -> None:
     if not path.endswith((".yaml", ".yml")):
         raise BadInput(f"--refit {path!r} must name a .yaml hardware file.")
     if os.path.exists(path):
-        hardware_for("h100", read_hardware_file(path), where=f"--refit {path!r}")
+        hardware_for("h100", read_hardware_file(path, "--refit"), where=f"--refit {path!r}")
     check_writable(path, "--refit")
 
 
@@ -93,7 +93,7 @@ def refit(path: str, gpu: str, result: dict[str, Any]) -> tuple[Hardware, dict[s
     does not exist) from ``result``; returns the new hardware and the factors."""
     from fsdp_plan.outputs import atomic_write_all
 
-    overrides = read_hardware_file(path) if os.path.exists(path) else None
+    overrides = read_hardware_file(path, "--refit") if os.path.exists(path) else None
     base = gpu if gpu in GPUS else "h100"
     hw = hardware_for(base, overrides if overrides is not None else {},
                       where=f"--refit {path!r}")

@@ -1,7 +1,7 @@
 """The machine the step-time model runs on: ``Hardware``, the bundled presets, hardware files.
 
 [Note: hardware files]
-A hardware file (SPEC section 6) is YAML, read with ``safe_load``: ``field: value`` lines for
+A hardware file (SPEC section 6) is YAML, read with the plan file's guards (safe_yaml.py): ``field: value`` lines for
 the fields of ``Hardware``. ``fsdp-plan calibrate`` writes one from micro-benchmarks on the
 machine it runs on; ``bench --refit`` corrects one from a measured run; anyone may write one by
 hand. The presets (``h100.yaml``, ``h200.yaml``, ``a100.yaml``, ``b200.yaml`` beside this
@@ -48,10 +48,20 @@ from typing import Any
 
 from fsdp_plan.errors import BadInput
 from fsdp_plan.hardware.derived import follow_base_figures
+from fsdp_plan.safe_yaml import DocumentKind, load_yaml
 
 MM_CLASSES = ("small", "medium", "large")
 DTYPES = ("float32", "bfloat16", "float16")
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+MAX_HARDWARE_FILE_BYTES = 1 << 20
+HARDWARE_DOCUMENT = DocumentKind(
+    text="a hardware file is YAML text", written_by=" such as peak_flops: 989e12",
+    plain="a hardware file is plain field: value lines (numbers, text, true or false)",
+    size="a hardware file is a few dozen values", name="a hardware file",
+    depth="a hardware file nests 4 deep (collectives: kind: group: figure)",
+    max_nodes=10_000, max_depth=16)
+"""Hardware files get the plan file's guards (``fsdp_plan.safe_yaml``; issue 21, S3-07):
+a calibrated file holds about 60 values, 4 deep."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -238,11 +248,12 @@ def _preset_text(name: str) -> str:
 
 
 def _load_presets() -> dict[str, Hardware]:
-    import yaml
     base = Hardware(name="base", peak_flops=989e12)
     out = {}
     for name in ("h100", "h200", "a100", "b200"):
-        out[name] = _apply(base, yaml.safe_load(_preset_text(name)), f"preset {name}.yaml")
+        where = f"preset {name}.yaml"
+        raw = load_yaml(_preset_text(name).encode("utf-8"), where, HARDWARE_DOCUMENT)
+        out[name] = _apply(base, raw, where)
     return out
 
 
@@ -301,39 +312,28 @@ def hardware_for(name: str, overrides: dict[str, object] | None = None,
     return _apply(hw, overrides, where)
 
 
-MAX_HARDWARE_FILE_BYTES = 1 << 20
-
-
-def read_hardware_file(path: str) -> dict[str, object]:
-    """The mapping in a ``--hardware`` YAML file (read with ``safe_load``); checked by
-    ``hardware_for``."""
-    import yaml
+def read_hardware_file(path: str, flag: str = "--hardware") -> dict[str, object]:
+    """The mapping in a hardware YAML file, read as untrusted data (size, encoding, tags,
+    aliases, depth and duplicate keys are checked before anything is built); its fields are
+    checked by ``hardware_for``. ``flag`` names the file in messages."""
+    where = f"{flag} {path!r}"
     if os.path.exists(path) and not os.path.isfile(path):
-        raise BadInput(f"--hardware {path!r} is not a regular file (a folder, pipe or device); "
-                       "give the path of a YAML file such as one fsdp-plan calibrate writes.")
-    if os.path.isfile(path) and os.path.getsize(path) > MAX_HARDWARE_FILE_BYTES:
-        raise BadInput(f"--hardware {path!r} is {os.path.getsize(path):,} bytes; a hardware file "
-                       f"is a few lines of field: value (at most {MAX_HARDWARE_FILE_BYTES:,} "
-                       "bytes).")
+        raise BadInput(f"{where} is not a regular file (a folder, pipe or device); give the path "
+                       "of a YAML file such as one fsdp-plan calibrate writes.")
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except UnicodeDecodeError as e:
-        raise BadInput(f"--hardware {path!r} is not UTF-8 text (byte {e.start}); a hardware file "
-                       "is YAML text such as peak_flops: 989e12.") from e
+        with open(path, "rb") as f:
+            data = f.read(MAX_HARDWARE_FILE_BYTES + 1)
     except OSError as e:
-        raise BadInput(f"--hardware {path!r} cannot be read: {e.strerror or e}.") from e
-    except yaml.constructor.ConstructorError as e:
-        raise BadInput(f"--hardware {path!r} holds a YAML tag that fsdp-plan never constructs "
-                       f"({' '.join(str(e.problem).split())}); a hardware file is plain "
-                       "field: number lines.") from e
-    except yaml.YAMLError as e:
-        raise BadInput(f"--hardware {path!r} is not valid YAML: {' '.join(str(e).split())}.") from e
+        raise BadInput(f"{where} cannot be read: {e.strerror or e}.") from e
+    if len(data) > MAX_HARDWARE_FILE_BYTES:
+        raise BadInput(f"{where} is larger than {MAX_HARDWARE_FILE_BYTES:,} bytes; a hardware "
+                       "file is a few lines of field: value (it was not parsed).")
+    raw = load_yaml(data, where, HARDWARE_DOCUMENT)
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise BadInput(f"--hardware {path!r} must hold a mapping of field: value (e.g. "
-                       f"peak_flops: 989e12), got {type(raw).__name__}.")
+        raise BadInput(f"{where} must hold a mapping of field: value (e.g. peak_flops: 989e12), "
+                       f"got {type(raw).__name__}.")
     return raw
 
 
