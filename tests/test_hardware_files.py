@@ -189,3 +189,60 @@ def test_the_alias_bomb_is_refused_at_once():
     assert events < 200 and len(BOMB) < 600  # 9**9 values once expanded
     with pytest.raises(BadInput, match="expands to more than 10,000 values at line 5"):
         load_yaml(BOMB.encode(), "--hardware 'hw.yaml'", HARDWARE_DOCUMENT)
+
+
+# --- S3-06, S3-08, S3-09: every figure bounded at reading -----------------------------------
+
+@pytest.mark.parametrize("text,needles", [
+    ("peak_flops: 1.0e-300\n", ["peak_flops 1e-300 is out of range",
+                                "from 1e+06 to 1e+18 FLOP/s"]),
+    ("intra_node_bandwidth: 5e-324\n", ["intra_node_bandwidth '5e-324' is out of range",
+                                        "from 1e+06 to 1e+15 bytes/s"]),
+    ("memory_bandwidth: 5.0e-324\n", ["memory_bandwidth 5e-324", "or 0 (0.8 x hbm_bandwidth)"]),
+    ("efficiency: 1.0e-300\n", ["efficiency 1e-300", "from 0.001 to 1"]),
+    ("collective_latency_s: 5.0e-324\n", ["collective_latency_s 5e-324",
+                                          "from 1e-15 to 10 seconds, or 0 (none)"]),
+    ("matmul_flops: {bfloat16: {large: 1.0e-300}}\n", ["matmul_flops.bfloat16.large 1e-300",
+                                                       "from 1e+06"]),
+    ("collectives: {all_gather: {'8': {bus_bandwidth: 5.0e-324}}}\n",
+     ["collectives.all_gather.8.bus_bandwidth 5e-324", "from 1e+06 to 1e+15 bytes/s"]),
+    ("fsdp_s_per_byte: {all_gather: {'1024': 1.0e-300}}\n",
+     ["fsdp_s_per_byte.all_gather.1024 1e-300", "or 0 (free)"]),
+    ("peak_flops: 1" + "0" * 400 + "\n", ["peak_flops a 1329-bit number is out of range"]),
+    ("h2d_bandwidth: -1.0e+400\n", ["h2d_bandwidth -inf is out of range"]),
+    # S3-08: digits int() refuses
+    ("collectives: {all_gather: {'²': {bus_bandwidth: 1.0e+9}}}\n",
+     ["collectives.all_gather.²", "group size '²'", "digits 0-9"]),
+    ("fsdp_s_per_byte: {reduce_scatter: {'٣٢': 1.0e-12}}\n",
+     ["fsdp_s_per_byte.reduce_scatter", "unit size '٣٢'", "digits 0-9"]),
+    ("collectives: {all_gather: {'99999999': {bus_bandwidth: 1.0e+9}}}\n",
+     ["group size '99999999'", "at most 1,048,576"]),
+    ("name: \"h100\\nbold\"\n", ["name is 'h100\\nbold'", "one printable line"]),
+])
+def test_figures_out_of_bounds_are_refused_with_the_range(planned, tmp_path, capsys, text,
+                                                          needles):
+    hw = write_yaml(tmp_path, "hw.yaml", text)
+    for argv in (["predict", planned, "--hardware", hw],
+                 [LLAMA, "--model-arg", "size=tiny", "--mem", "80GB", "--hardware", hw,
+                  "--plan", str(tmp_path / "p.yaml")]):
+        refused(capsys, argv, f"--hardware {hw!r}", *needles)
+    assert os.listdir(tmp_path) == ["hw.yaml"]
+
+
+def test_the_slowest_accepted_figures_give_finite_plans(tmp_path, capsys):
+    """At the lowest bounds every figure the plan holds is finite, and the plan reads back
+    (peak_flops 1e-300 wrote mfu: .inf, which predict then refused)."""
+    hw = write_yaml(tmp_path, "hw.yaml", {
+        "peak_flops": 1e6, "efficiency": 1e-3, "hbm_bandwidth": 1e6, "memory_bandwidth": 1e6,
+        "intra_node_bandwidth": 1e6, "inter_node_bandwidth": 1e6,
+        "matmul_flops": {"bfloat16": {"large": 1e6}}, "attention_flops": {"bfloat16": 1e6}})
+    plan = str(tmp_path / "p.yaml")
+    capsys.readouterr()
+    assert main([LLAMA, "--model-arg", "size=tiny", "--mem", "80GB", "--world-size", "2",
+                 "--seq-len", "64", "--strategy", "full", "--hardware", hw,
+                 "--format", "json", "--plan", plan]) == 0
+    stored = yaml.safe_load(open(plan))["predicted"]
+    assert all(v == v and abs(v) != float("inf") for v in
+               (stored["step_time_s"], stored["mfu"], stored["tokens_per_s"]))
+    assert stored["step_time_s"] > 1.0
+    assert predicted(capsys, plan, "--hardware", hw)["step_time_s"] == stored["step_time_s"]
