@@ -98,6 +98,9 @@ class PlanRequest:
         if self.optimizer not in OPTIMIZER_STATES:
             raise BadInput(f"optimizer {self.optimizer!r} is not one of "
                            f"{', '.join(OPTIMIZER_STATES)}.")
+        if self.allow_offload:  # before any work: h2d_bandwidth 0 cannot price the copies
+            from fsdp_plan.offload import pcie_bandwidth
+            pcie_bandwidth(self.hardware)
 
     @property
     def limit_bytes(self) -> int:

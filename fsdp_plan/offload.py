@@ -8,7 +8,7 @@ on the device). Its time cost, added to the device plan's simulated step:
 - every all-gather first copies the unit's shard host-to-device (stored dtype), and every
   reduce-scatter's output is copied back; these copies run at the host link's bandwidth
   (``h2d_bandwidth`` of the hardware description: PCIe Gen5 x16 on H100/H200/B200 hosts,
-  Gen4 on A100; ``DEFAULT_PCIE_BANDWIDTH`` when the description has none) on their own copy
+  Gen4 on A100; 0 means not measured and offload is then refused) on their own copy
   engine, so they hide behind compute the communication stream left free, and what does not
   fit there is exposed;
 - the optimizer step runs on the CPU instead of the device: AdamW reads parameters, gradients
@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fsdp_plan.errors import BadInput
 from fsdp_plan.memory import OPTIMIZER_STATES, MemoryEstimate, StepContext, estimate_peak
 from fsdp_plan.search import Candidate, Evaluator
 
@@ -50,12 +51,28 @@ class OffloadCandidate(Candidate):
 
 
 def pcie_bandwidth(hardware) -> float:
-    """The host link's copy bandwidth from the hardware description (see the Note)."""
-    for name in ("pcie_bandwidth", "h2d_bandwidth"):
-        value = getattr(hardware, name, 0.0) or 0.0
-        if value > 0:
-            return float(value)
-    return DEFAULT_PCIE_BANDWIDTH
+    """The host link's copy bandwidth from the hardware description (see the Note).
+
+    ``h2d_bandwidth: 0`` means not measured (``fsdp-plan calibrate`` on a CPU, which has no
+    device to copy to): offload copies cannot be priced then, and pricing them at a GPU
+    host's PCIe figure, or at nothing, would invent the step (issue 21, S3-05), so it is a
+    ``BadInput``. A description without the field at all takes ``DEFAULT_PCIE_BANDWIDTH``."""
+    value = getattr(hardware, "h2d_bandwidth", None)
+    if value is None:
+        return DEFAULT_PCIE_BANDWIDTH
+    if value > 0:
+        return float(value)
+    name = getattr(hardware, "name", "?")
+    raise BadInput(f"offload copies cannot be priced on hardware {name!r}: its h2d_bandwidth "
+                   "is 0, which means not measured (fsdp-plan calibrate writes 0 on a CPU, which "
+                   "has no device to copy to). Set h2d_bandwidth in the "
+                   "hardware file to the host-to-device copy rate in bytes/s (e.g. 50e9 for PCIe "
+                   "Gen5 x16), or plan without offload (no --allow-offload).")
+
+
+def offload_priced(hardware) -> bool:
+    """Whether ``pcie_bandwidth`` can price offload copies on ``hardware``."""
+    return getattr(hardware, "h2d_bandwidth", None) != 0
 
 
 def host_bytes(candidate: Candidate, optimizer: str, orig_bytes: int = 4) -> dict[str, int]:
@@ -137,6 +154,8 @@ def best_offloaded(evaluator: Evaluator, candidates: list[Candidate], limit: int
     """The fastest fitting offloaded variant among the ``limit`` smallest-peak candidates (and,
     for each, fewer checkpointed blocks: offload frees room that checkpointing bought), else
     the one with the smallest device peak; None without candidates."""
+    if not offload_priced(evaluator.settings.hardware):
+        return None  # nothing to offer; --allow-offload itself is refused (PlanRequest)
     # DDP keeps whole replicas (no CPUOffloadPolicy); FSDP candidates only.
     pool = sorted((c for c in candidates if c.strategy != "ddp"),
                   key=lambda c: c.memory.peak_bytes)[:limit]

@@ -8,6 +8,7 @@ nothing on stdout and no file written.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -35,6 +36,11 @@ def write_yaml(folder, name: str, doc) -> str:
     path = folder / name
     path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc, sort_keys=False))
     return str(path)
+
+
+def read_yaml(path: str):
+    with open(path) as f:
+        return yaml.safe_load(f)
 
 
 def predicted(capsys, plan: str, *flags: str) -> dict:
@@ -241,8 +247,38 @@ def test_the_slowest_accepted_figures_give_finite_plans(tmp_path, capsys):
     assert main([LLAMA, "--model-arg", "size=tiny", "--mem", "80GB", "--world-size", "2",
                  "--seq-len", "64", "--strategy", "full", "--hardware", hw,
                  "--format", "json", "--plan", plan]) == 0
-    stored = yaml.safe_load(open(plan))["predicted"]
-    assert all(v == v and abs(v) != float("inf") for v in
+    stored = read_yaml(plan)["predicted"]
+    assert all(math.isfinite(v) for v in
                (stored["step_time_s"], stored["mfu"], stored["tokens_per_s"]))
     assert stored["step_time_s"] > 1.0
     assert predicted(capsys, plan, "--hardware", hw)["step_time_s"] == stored["step_time_s"]
+
+
+# --- S3-05: h2d_bandwidth 0 means not measured ----------------------------------------------
+
+TIGHT = [LLAMA, "--model-arg", "size=tiny", "--mem", "3MB", "--headroom", "0", "--world-size",
+         "2", "--seq-len", "64", "--strategy", "full"]
+
+
+def test_offload_is_not_priced_without_a_measured_host_link(tmp_path, capsys):
+    """What calibrate writes on a CPU (h2d_bandwidth: 0) priced offload copies at a GPU
+    host's PCIe rate; now --allow-offload is refused before any work, a plan already
+    offloaded cannot be predicted on it, and without --allow-offload the no-fit answer (exit
+    3) stands, without offering offload it cannot price."""
+    hw = write_yaml(tmp_path, "cpu.yaml", {"name": "calibrated-cpu", "h2d_bandwidth": 0})
+    model = tmp_path / "model.py"
+    model.write_text(MARKED)
+    refused(capsys, [str(model), "--mem", "80GB", "--allow-offload", "--hardware", hw,
+                     "--plan", str(tmp_path / "p.yaml")],
+            "offload copies cannot be priced on hardware 'calibrated-cpu'",
+            "h2d_bandwidth is 0, which means not measured", "e.g. 50e9", "--allow-offload")
+    assert sorted(os.listdir(tmp_path)) == ["cpu.yaml", "model.py"]
+    offloaded = str(tmp_path / "offloaded.yaml")
+    assert main([*TIGHT, "--allow-offload", "--format", "json", "--plan", offloaded]) == 0
+    assert read_yaml(offloaded)["offload"] == {"params": True, "optimizer": True}
+    capsys.readouterr()
+    refused(capsys, ["predict", offloaded, "--hardware", hw],
+            "offload copies cannot be priced", "h2d_bandwidth")
+    err = refused(capsys, [*TIGHT, "--hardware", hw], "no plan fits", code=3)
+    assert "With --allow-offload it would fit" not in err
+    assert sorted(os.listdir(tmp_path)) == ["cpu.yaml", "model.py", "offloaded.yaml"]

@@ -1,15 +1,16 @@
 """The machine the step-time model runs on: ``Hardware``, the bundled presets, hardware files.
 
 [Note: hardware files]
-A hardware file (SPEC section 6) is YAML, read with the plan file's guards (safe_yaml.py): ``field: value`` lines for
-the fields of ``Hardware``. ``fsdp-plan calibrate`` writes one from micro-benchmarks on the
-machine it runs on; ``bench --refit`` corrects one from a measured run; anyone may write one by
-hand. The presets (``h100.yaml``, ``h200.yaml``, ``a100.yaml``, ``b200.yaml`` beside this
-file) are hardware files too, each figure with its source in a comment. ``--hardware`` files
-override the fields of the ``--gpu`` preset (the plan's GPU for ``predict``), so a file may
-hold a single field; a base figure it sets reaches the preset's tables fitted at that figure
-(derived.py [Note: base figures and derived tables]: they are rescaled unless the file sets
-them too). A file written before the per-op fields existed still reads that way.
+A hardware file (SPEC section 6) is YAML, read with the plan file's guards (safe_yaml.py):
+``field: value`` lines for the fields of ``Hardware``. ``fsdp-plan calibrate`` writes one from
+micro-benchmarks on the machine it runs on; ``bench --refit`` corrects one from a measured run;
+anyone may write one by hand. The presets (``h100.yaml``, ``h200.yaml``, ``a100.yaml``,
+``b200.yaml`` beside this file) are hardware files too, each figure with its source in a
+comment. ``--hardware`` files override the fields of the ``--gpu`` preset (the plan's GPU for
+``predict``), so a file may hold a single field; a base figure it sets reaches the preset's
+tables fitted at that figure (derived.py [Note: base figures and derived tables]: they are
+rescaled unless the file sets them too). A file written before the per-op fields existed still
+reads that way.
 
 Per-op fields (all optional):
 - ``matmul_flops``: ``{dtype: {small, medium, large}}`` achieved FLOP/s of matrix multiplies
@@ -33,7 +34,8 @@ Per-op fields (all optional):
   allocator hands large buffers out as fresh pages, so large units cost more per byte) and
   interpolated between them; absent, two passes over the bytes at ``memory_bandwidth``;
 - ``comm_overlaps_compute``: false where a collective holds the thread that computes (gloo);
-- ``h2d_bandwidth``: host-to-device copy bytes/s (offload); 0 where there is no device;
+- ``h2d_bandwidth``: host-to-device copy bytes/s (offload); 0 where there is no device (not
+  measured: offload is then refused, never priced);
 - ``source``: free text saying where the figures come from.
 """
 
@@ -96,7 +98,9 @@ class Hardware:
     comm_overlaps_compute: bool = True
     """Whether compute runs while a collective is in flight (NCCL on its own stream); gloo on
     a CPU runs a collective on the thread that issued it, which computes nothing meanwhile."""
-    h2d_bandwidth: float = 0.0
+    h2d_bandwidth: float = 50e9
+    """Host-to-device copy bytes/s (offload); 0 means not measured (calibrate on a CPU), and
+    offload is then refused rather than priced (offload.py ``pcie_bandwidth``)."""
     collectives: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
     optimizer_s_per_param: Mapping[str, float] = field(default_factory=dict)
     optimizer_s_per_tensor: Mapping[str, float] = field(default_factory=dict)
