@@ -26,7 +26,14 @@ import re
 from typing import Any
 
 from fsdp_plan.errors import BadInput
-from fsdp_plan.limits import MAX_BATCH_SIZE, MAX_BYTES, MAX_SEQ_LEN, MAX_TOKENS, MAX_WORLD_SIZE
+from fsdp_plan.limits import (
+    MAX_BATCH_SIZE,
+    MAX_BYTES,
+    MAX_GPUS_PER_NODE,
+    MAX_SEQ_LEN,
+    MAX_TOKENS,
+    MAX_WORLD_SIZE,
+)
 from fsdp_plan.plan_read import MAX_DEPTH, MAX_NODES, clip
 
 PLAN_VERSIONS = (1, 2)
@@ -569,6 +576,10 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
     if predicted.get("peak_bytes") is not None:
         check.integer(predicted["peak_bytes"], "predicted.peak_bytes", 0, MAX_BYTES,
                       "peak_bytes is a whole number of bytes >= 0")
+    if predicted.get("gpus_per_node") is not None:  # predict reads it (issue 21, S3-04)
+        check.integer(predicted["gpus_per_node"], "predicted.gpus_per_node", 1,
+                      MAX_GPUS_PER_NODE, f"gpus_per_node is the GPUs sharing one node's fast "
+                      f"links: a whole number from 1 to {MAX_GPUS_PER_NODE}, e.g. 8")
     for key in ("step_time_s", "exposed_comm_s", "hidden_comm_s", "comm_tail_s"):
         if predicted.get(key) is not None:
             check.number(predicted[key], f"predicted.{key}", "write seconds as a number")

@@ -282,3 +282,46 @@ def test_offload_is_not_priced_without_a_measured_host_link(tmp_path, capsys):
     err = refused(capsys, [*TIGHT, "--hardware", hw], "no plan fits", code=3)
     assert "With --allow-offload it would fit" not in err
     assert sorted(os.listdir(tmp_path)) == ["cpu.yaml", "model.py", "offloaded.yaml"]
+
+
+# --- S3-04: predict's --gpus-per-node and the plan's gpus_per_node -------------------------
+
+def edited(planned: str, tmp_path, change) -> str:
+    doc = read_yaml(planned)
+    change(doc)
+    return write_yaml(tmp_path, "edited.yaml", doc)
+
+
+@pytest.mark.parametrize("value,needles", [
+    ("0", ["--gpus-per-node 0 is outside 1..1,024", "8 on DGX/HGX"]),
+    ("-4", ["--gpus-per-node -4 is outside 1..1,024"]),
+    ("1025", ["--gpus-per-node 1025 is outside 1..1,024"]),
+])
+def test_predict_bounds_gpus_per_node_as_planning_does(planned, capsys, value, needles):
+    refused(capsys, ["predict", planned, "--gpus-per-node", value], *needles)
+
+
+@pytest.mark.parametrize("value,needles", [
+    ("eight", ["predicted.gpus_per_node must be a whole number, got 'eight'",
+               "from 1 to 1024"]),
+    (0, ["predicted.gpus_per_node is 0, outside 1..1024"]),
+    (True, ["predicted.gpus_per_node must be a whole number, got true"]),
+])
+def test_a_plans_gpus_per_node_is_checked_with_the_plan(planned, tmp_path, capsys, value,
+                                                        needles):
+    plan = edited(planned, tmp_path, lambda d: d["predicted"].update(gpus_per_node=value))
+    for verb in ("predict", "verify"):
+        refused(capsys, [verb, plan], *needles)
+
+
+def test_predict_wants_whole_nodes(planned, tmp_path, capsys):
+    """Six ranks on nodes of four leave a node half full: planning refuses that layout, and
+    so does predict (naming a --gpus-per-node that fits)."""
+    def six(doc):
+        doc["world_size"], doc["mesh"] = 6, {"replicate": 1, "shard": 6}
+    plan = edited(planned, tmp_path, six)
+    refused(capsys, ["predict", plan, "--gpus-per-node", "4"],
+            "world_size 6 is not a multiple of --gpus-per-node 4", "nodes must be full",
+            "(e.g. 3)")
+    plan = edited(planned, tmp_path, lambda d: (six(d), d["predicted"].update(gpus_per_node=4)))
+    refused(capsys, ["predict", plan], "world_size 6 is not a multiple of gpus_per_node 4")

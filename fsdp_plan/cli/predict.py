@@ -16,7 +16,7 @@ import argparse
 import json
 from typing import Any
 
-from fsdp_plan.errors import NoFeasiblePlan
+from fsdp_plan.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.plan import Plan, read_plan
 from fsdp_plan.sizes import format_bytes
 
@@ -77,13 +77,36 @@ def format_report(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_gpus_per_node(flag: int | None, plan: Plan) -> int:
+    """``--gpus-per-node``, else the plan's ``predicted.gpus_per_node`` (checked with the plan),
+    else 8: bounded as planning bounds it, and filling whole nodes at the plan's world size
+    (issue 21, S3-04: 0 and -4 were taken, and a 70B step became 14 s)."""
+    from fsdp_plan.limits import MAX_GPUS_PER_NODE
+    from fsdp_plan.source import check_count
+    if flag is not None:
+        check_count(flag, "--gpus-per-node", MAX_GPUS_PER_NODE,
+                    "GPUs sharing one node's fast links: 8 on DGX/HGX, 72 in an NVL72 rack")
+    gpus_per_node = flag if flag is not None else int(plan.predicted.get("gpus_per_node") or 8)
+    world = plan.world_size
+    if world > gpus_per_node and world % gpus_per_node:
+        raise BadInput(f"the plan's world_size {world} is not a multiple of "
+                       f"{'--gpus-per-node' if flag is not None else 'gpus_per_node'} "
+                       f"{gpus_per_node}; nodes must be full: give --gpus-per-node that divides "
+                       f"{world} (e.g. {_divisor_below(world, gpus_per_node)}).")
+    return gpus_per_node
+
+
+def _divisor_below(world: int, limit: int) -> int:
+    return max(d for d in range(1, min(world, limit) + 1) if world % d == 0)
+
+
 def run(args: argparse.Namespace) -> int:
     from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
     from fsdp_plan.measure import runtime
 
     plan = read_plan(args.plan)
     hardware = plan_hardware(plan, gpu=args.gpu, hardware_file=args.hardware)
-    gpus_per_node = args.gpus_per_node or int(plan.predicted.get("gpus_per_node", 0) or 8)
+    gpus_per_node = check_gpus_per_node(args.gpus_per_node, plan)
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     prediction = predict(plan, analyze_for_plan(plan, loaded), hardware=hardware,
                          gpus_per_node=gpus_per_node)
