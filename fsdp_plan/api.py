@@ -70,6 +70,9 @@ class PlanRequest:
     reduce_dtype: str = "float32"
     optimizer: str = "adamw"
     hardware: Hardware = field(default_factory=lambda: hardware_for("h100"))
+    hardware_origin: dict[str, str] | None = None
+    """Where ``hardware`` came from (``hardware.stored.file_origin`` of a ``--hardware``
+    file): the plan stores it beside the figures (SPEC 7)."""
     exact_analysis: bool = False
     """Analyse every block instead of three per stack (depth.py)."""
     allow_offload: bool = False
@@ -231,12 +234,18 @@ def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:
 
 def plan_hardware(plan: Plan, *, gpu: str | None = None, hardware_file: str | None = None
                   ) -> Hardware:
-    """The hardware a plan is timed on: ``gpu`` or the plan's own preset, with a hardware
-    file's figures (``--hardware``, e.g. from ``fsdp-plan calibrate``) over it."""
+    """The hardware a plan is timed on: a hardware file's figures (``--hardware``, e.g. from
+    ``fsdp-plan calibrate``) over ``gpu`` or the plan's preset; else the ``gpu`` preset; else
+    the figures the plan stored; else its ``gpu`` preset (hardware/stored.py [Note: plans keep
+    their hardware])."""
     from fsdp_plan.cost import read_hardware_file
-    overrides = read_hardware_file(hardware_file) if hardware_file else None
-    return hardware_for(gpu or plan.gpu or "h100", overrides,
-                        where=f"--hardware {hardware_file!r}")
+    if hardware_file:
+        return hardware_for(gpu or plan.gpu or "h100", read_hardware_file(hardware_file),
+                            where=f"--hardware {hardware_file!r}")
+    if gpu is None and plan.hardware is not None:
+        from fsdp_plan.hardware.stored import hardware_of
+        return hardware_of(plan.hardware)
+    return hardware_for(gpu or plan.gpu or "h100")
 
 
 def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
@@ -413,6 +422,7 @@ def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str,
     """The SPEC plan document for an evaluated candidate (version 2, with a mapping of modes
     and the saved ops, when a block is selectively checkpointed)."""
     from fsdp_plan.ddp import ddp_plan_block
+    from fsdp_plan.hardware.stored import stored_block
     forward, backward = prefetch_maps([u.key for u in best.units], best.forward_prefetch,
                                       best.backward_prefetch)
     return Plan(
@@ -434,6 +444,7 @@ def to_plan(best: Candidate, request: PlanRequest, *, numel: int, digest: str,
         mixed_precision={"param_dtype": request.param_dtype,
                          "reduce_dtype": request.reduce_dtype},
         optimizer=request.optimizer, gpu=request.hardware.name,
+        hardware=stored_block(request.hardware, request.hardware_origin),
         predicted=predicted_block(best), ddp=ddp_plan_block(best),
     )
 
@@ -457,7 +468,7 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
     checkpointed blocks, prefetch depths, mesh, mixed precision and optimizer are evaluated
     with the same memory model, collective rule and step-time model the search uses."""
     graph = facts.graph
-    hardware = hardware or hardware_for(plan.gpu if plan.gpu else "h100")
+    hardware = hardware or plan_hardware(plan)
     if plan.strategy == "ddp":  # one replicated model and its gradient buckets (ddp.py)
         from fsdp_plan.ddp import ddp_plan_candidate
         ddp = ddp_plan_candidate(plan, facts, hardware=hardware, gpus_per_node=gpus_per_node)

@@ -26,6 +26,7 @@ import re
 from typing import Any
 
 from fsdp_plan.errors import BadInput
+from fsdp_plan.hardware.stored import check_stored_block
 from fsdp_plan.limits import (
     MAX_BATCH_SIZE,
     MAX_BYTES,
@@ -46,7 +47,7 @@ CHECKPOINT_MODES = ("full", "selective")
 
 MAX_NAME_CHARS = 4096
 
-KEPT_AS_WRITTEN = ("model", "predicted")
+KEPT_AS_WRITTEN = ("model", "predicted", "hardware")
 """Sections the plan keeps beyond the fields checked one by one (the model's extra keys, the
 planner's report); they reach the policy module's ``PLAN`` literal, so they must be exact
 Python literals too. Unknown top-level keys are accepted (SPEC 3) and dropped."""
@@ -289,6 +290,8 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
                                     "set optimizer to the one the training script uses")
     gpu = raw.get("gpu", "h100")
     out["gpu"] = check.string(gpu, "gpu", "name the GPU the plan was made for, e.g. h100")
+    out["hardware"] = (check_stored_block(raw["hardware"], where)
+                       if raw.get("hardware") is not None else None)
     out["predicted"] = _check_predicted(check, raw.get("predicted"))
     out["ddp"] = _check_ddp(check, raw.get("ddp"), out["strategy"])
     out["grad_accum_steps"], out["gradient_sync"] = _check_accumulation(check, raw)

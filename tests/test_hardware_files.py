@@ -325,3 +325,140 @@ def test_predict_wants_whole_nodes(planned, tmp_path, capsys):
             "(e.g. 3)")
     plan = edited(planned, tmp_path, lambda d: (six(d), d["predicted"].update(gpus_per_node=4)))
     refused(capsys, ["predict", plan], "world_size 6 is not a multiple of gpus_per_node 4")
+
+
+# --- issue 19 item 5: plans keep their hardware (SPEC 7) ------------------------------------
+
+CALIBRATED = os.path.join(ROOT, "benchmarks", "results", "closed_loop_hw.yaml")
+
+
+def fake_time_plans(source, plans, *, nproc, mesh, steps, warmup, **kwargs):
+    """tune's bench without workers: every plan 1.0 s per step (1% jitter), both ranks."""
+    return [[[1.0 * (1 + 0.01 * (i % 3 - 1)) for i in range(steps)]] * nproc for _ in plans]
+
+
+@pytest.fixture(scope="module")
+def calibrated_plan(tmp_path_factory) -> dict:
+    """The tiny Llama planned with a file fsdp-plan calibrate wrote (this repo's closed loop),
+    then the file deleted: what each verb must do without it."""
+    folder = tmp_path_factory.mktemp("calibrated")
+    hw = folder / "cpu.yaml"
+    hw.write_bytes(open(CALIBRATED, "rb").read())
+    plan, policy = str(folder / "plan.yaml"), str(folder / "policy.py")
+    assert main([LLAMA, "--model-arg", "size=tiny", "--mem", "80GB", "--world-size", "2",
+                 "--seq-len", "64", "--strategy", "full", "--hardware", str(hw),
+                 "--format", "json", "--plan", plan, "-o", policy]) == 0
+    hw.unlink()
+    return {"plan": plan, "policy": policy, "folder": folder}
+
+
+def test_the_plan_stores_every_figure_and_where_it_came_from(calibrated_plan):
+    import hashlib
+
+    from fsdp_plan.emit import load_policy_module
+    from fsdp_plan.hardware import hardware_for, read_hardware_file
+    doc = read_yaml(calibrated_plan["plan"])
+    block = doc["hardware"]
+    assert list(doc)[list(doc).index("gpu") + 1] == "hardware"
+    assert block["file"] == "cpu.yaml"
+    assert block["sha256"] == hashlib.sha256(open(CALIBRATED, "rb").read()).hexdigest()
+    assert block["header"].startswith("Hardware file written by fsdp-plan calibrate")
+    calibrated = hardware_for("h100", read_hardware_file(CALIBRATED))
+    assert block["figures"] == calibrated.to_dict()
+    assert doc["gpu"] == calibrated.name
+    # the policy module's PLAN is the YAML, hardware included
+    assert load_policy_module(calibrated_plan["policy"]).PLAN == doc
+
+
+def test_predict_verify_and_tune_need_no_flag_after_the_file_is_gone(calibrated_plan, capsys,
+                                                                     monkeypatch):
+    plan, folder = calibrated_plan["plan"], calibrated_plan["folder"]
+    stored = read_yaml(plan)["predicted"]
+    assert not (folder / "cpu.yaml").exists()
+    again = predicted(capsys, plan)
+    for key in ("step_time_s", "exposed_comm_s", "total_comm_s", "compute_s", "phases_s",
+                "peak_bytes", "collectives_per_step"):
+        assert again[key] == stored[key], key
+    # the calibrated CPU is far slower than the h100 preset: the figures are really used
+    assert stored["step_time_s"] > 2 * predicted(capsys, plan, "--gpu", "h100")["step_time_s"]
+    # --hardware still overrides: the preset (the plan's name is no preset: h100) with it over
+    other = write_yaml(folder, "other.yaml", {"peak_flops": 1e10})
+    assert predicted(capsys, plan, "--hardware", other)["compute_s"] != stored["compute_s"]
+
+    capsys.readouterr()
+    assert main(["verify", plan, "--format", "json"]) == 0
+    checked = json.loads(capsys.readouterr().out)
+    assert checked["fresh_prediction"] and checked["ok"]
+    assert not any("cannot be predicted" in n for n in checked["notes"]), checked["notes"]
+
+    import fsdp_plan.bench.timing
+    monkeypatch.setattr(fsdp_plan.bench.timing, "time_plans", fake_time_plans)
+    out = folder / "tuned"
+    assert main(["tune", plan, "--nproc", "2", "--steps", "4", "--warmup", "1",
+                 "--budget-minutes", "1", "--out", str(out), "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["trials"][0]["knob"] == "baseline"
+    assert record["trials"][0]["predicted_step_s"] == pytest.approx(stored["step_time_s"],
+                                                                    abs=1e-6)
+    for key in ("best_plan", "rollback_plan"):
+        assert read_yaml(record[key])["hardware"] == read_yaml(plan)["hardware"]
+
+
+def test_a_preset_plan_records_only_its_gpu(planned):
+    doc = read_yaml(planned)
+    assert doc["gpu"] == "h100" and "hardware" not in doc
+
+
+def test_refit_starts_from_the_stored_figures(calibrated_plan, tmp_path):
+    """bench --refit into a new file begins from the figures the plan was predicted with (the
+    factors are measured against that prediction), not from the plan's name."""
+    from fsdp_plan.bench.refit import refit
+    from fsdp_plan.hardware import hardware_for, read_hardware_file
+    from fsdp_plan.hardware.stored import hardware_of
+    start = hardware_of(read_yaml(calibrated_plan["plan"])["hardware"])
+    result = {"path": "run.json",
+              "step_time": {"median_s": 2.0, "predicted_s": 1.0,
+                            "phases": {"measured": {"forward": 0.8, "backward": 1.0,
+                                                    "optimizer": 0.2},
+                                       "predicted": {"forward": 0.4, "backward": 0.5,
+                                                     "optimizer": 0.1}}},
+              "predicted_extra": {"compute_s": 0.8, "total_comm_s": 0.1},
+              "comm": {"rank0": {"step_s": 2.0, "compute_s": 1.6, "comm_s": 0.2}}}
+    path = tmp_path / "refit.yaml"
+    new, f = refit(str(path), start.name, result, start)
+    assert new.name == start.name and f["compute"] == pytest.approx(2.0)
+    assert new.matmul_flops["float32"]["large"] == pytest.approx(
+        start.matmul_flops["float32"]["large"] / 2)
+    assert hardware_for("h100", read_hardware_file(str(path))) == new
+
+
+@pytest.mark.parametrize("change,needles", [
+    (lambda h: h["figures"].update(peak_flops=0), ["hardware.figures: peak_flops 0 is out of "
+                                                   "range", "from 1e+06"]),
+    (lambda h: h["figures"].update(peak_flops=1.0e-300), ["peak_flops 1e-300"]),
+    (lambda h: h["figures"]["collectives"]["all_gather"].update({"²": {"bus_bandwidth": 1e9}}),
+     ["group size '²'"]),
+    (lambda h: h.update(colour="red"), ["hardware.colour is not a key", "figures"]),
+    (lambda h: h.pop("figures"), ["hardware has no figures"]),
+    (lambda h: h.update(sha256="xyz"), ["hardware.sha256 must be 64"]),
+    (lambda h: h["figures"].update(h2d_bandwidth=float("inf")),
+     ["hardware.figures.h2d_bandwidth is .inf", "finite numbers only"]),
+    (lambda h: h["figures"].update(h2d_bandwidth="fast"), ["h2d_bandwidth is 'fast' (str)"]),
+])
+def test_the_stored_hardware_is_checked_with_the_plan(calibrated_plan, tmp_path, capsys,
+                                                      change, needles):
+    doc = read_yaml(calibrated_plan["plan"])
+    change(doc["hardware"])
+    plan = write_yaml(tmp_path, "edited.yaml", doc)
+    before = sorted(os.listdir(tmp_path))
+    for verb in ("predict", "verify", "tune"):
+        refused(capsys, [verb, plan, "--out", str(tmp_path / "t")] if verb == "tune"
+                else [verb, plan], f"plan file {plan!r}", *needles)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_duplicate_figures_in_a_plan_are_refused(calibrated_plan, tmp_path, capsys):
+    text = open(calibrated_plan["plan"]).read().replace(
+        "    peak_flops:", "    peak_flops: 1.0e+12\n    peak_flops:", 1)
+    plan = write_yaml(tmp_path, "dup.yaml", text)
+    refused(capsys, ["predict", plan], "the key 'peak_flops' twice")

@@ -169,7 +169,11 @@ def finish(args: argparse.Namespace, prepared: Prepared, ranks: list[dict[str, A
     _print_report(args, result, prepared, compare_table)
     if getattr(args, "refit", None):
         from fsdp_plan.bench.refit import refit
-        hw, f = refit(args.refit, prepared.plan.gpu, result)
+        start = None
+        if prepared.plan.hardware is not None:  # the figures the plan was predicted with
+            from fsdp_plan.hardware.stored import hardware_of
+            start = hardware_of(prepared.plan.hardware)
+        hw, f = refit(args.refit, prepared.plan.gpu, result, start)
         print(f"refit {args.refit}: compute x{f['compute']:.3g}, communication "
               f"x{f['communication']:.3g}, optimizer x{f['optimizer']:.3g} ({hw.name}); plan "
               f"or predict with --hardware {args.refit}", file=sys.stderr)

@@ -156,7 +156,12 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     for what, path in outputs:
         if path is not None:
             check_writable(path, what)
+    origin = None
+    if args.hardware:
+        from fsdp_plan.hardware.stored import file_origin
+        origin = file_origin(args.hardware)
     return {"budget": budget, "headroom": headroom, "hardware": hardware,
+            "hardware_origin": origin,
             "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
 
 
@@ -189,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         source=source, budget_bytes=values["budget"], headroom_bytes=values["headroom"],
         world_size=args.world_size, gpus_per_node=args.gpus_per_node, strategy=args.strategy,
         param_dtype=values["param_dtype"], reduce_dtype=values["reduce_dtype"],
-        optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis,
+        optimizer=args.optimizer, hardware=values["hardware"],
+        hardware_origin=values["hardware_origin"], exact_analysis=args.exact_analysis,
         allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
         auto_batch=args.batch_size == "auto")
     from fsdp_plan.load import user_code_output_to_stderr  # the model's print()s stay off stdout

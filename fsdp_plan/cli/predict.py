@@ -27,9 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
                         help="the model file (default: the source recorded in the plan)")
     parser.add_argument("--gpu", default=None,
-                        help="GPU preset for the step time (default: the plan's gpu key)")
+                        help="GPU preset for the step time (default: the figures the plan "
+                        "stored under hardware, else its gpu key)")
     parser.add_argument("--hardware", default=None, metavar="HW.yaml",
-                        help="YAML file overriding the preset's figures")
+                        help="YAML file overriding the preset's figures (default: the figures "
+                        "the plan stored, if it was made with --hardware)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs per node, for which collectives cross nodes (default: the "
                         "plan's gpus_per_node key, else 8)")
