@@ -34,6 +34,7 @@ from fsdp_plan.common.files import atomic_write_all
 from fsdp_plan.common.progress import Progress
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for, read_hardware_file
+from fsdp_plan.cost.hardware.stored import hardware_of
 from fsdp_plan.cost.precision import Precision
 from fsdp_plan.facts.analyze import Analyzed, analyze_loaded, analyze_model
 from fsdp_plan.facts.types import ModelFacts
@@ -165,11 +166,16 @@ def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:
 
 def plan_hardware(plan: Plan, *, gpu: str | None = None, hardware_file: str | None = None
                   ) -> Hardware:
-    """The hardware a plan is timed on: ``gpu`` or the plan's own preset, with a hardware
-    file's figures (``--hardware``, e.g. from ``fsdp-plan calibrate``) over it."""
-    overrides = read_hardware_file(hardware_file) if hardware_file else None
-    return hardware_for(gpu or plan.gpu or "h100", overrides,
-                        where=f"--hardware {hardware_file!r}")
+    """The hardware a plan is timed on: a hardware file's figures (``--hardware``, e.g. from
+    ``fsdp-plan calibrate``) over ``gpu`` or the plan's preset; else the ``gpu`` preset; else
+    the figures the plan stored; else its ``gpu`` preset (cost/hardware/stored.py [Note: plans
+    keep their hardware])."""
+    if hardware_file:
+        return hardware_for(gpu or plan.gpu or "h100", read_hardware_file(hardware_file),
+                            where=f"--hardware {hardware_file!r}")
+    if gpu is None and plan.hardware is not None:
+        return hardware_of(plan.hardware)
+    return hardware_for(gpu or plan.gpu or "h100")
 
 
 @dataclass(kw_only=True)
@@ -193,7 +199,7 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
     settings = SearchSettings(
         budget_bytes=plan.budget_bytes, headroom_bytes=plan.headroom_bytes,
         world_size=plan.world_size, gpus_per_node=gpus_per_node,
-        hardware=hardware or hardware_for(plan.gpu or "h100"), strategy=plan.strategy,
+        hardware=hardware or plan_hardware(plan), strategy=plan.strategy,
         precision=Precision.of_plan(plan.mixed_precision), optimizer=plan.optimizer,
         grad_accum_steps=plan.grad_accum_steps, gradient_sync=plan.gradient_sync)
     candidate = Evaluator(facts.graph, facts.analysis, settings).evaluate(

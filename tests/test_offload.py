@@ -14,10 +14,10 @@ import pytest
 import yaml
 from layouts import evaluate
 
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import hardware_for
 from fsdp_plan.cost.memory import StepContext, estimate_peak
 from fsdp_plan.cost.offload import (
-    DEFAULT_PCIE_BANDWIDTH,
     HOST_OPTIMIZER_BANDWIDTH,
     host_bytes,
     pcie_bandwidth,
@@ -108,8 +108,9 @@ def test_offload_time_adds_copies_and_a_cpu_optimizer_step(facts):
 
 def test_pcie_bandwidth_comes_from_the_hardware_description():
     h100 = hardware_for("h100")
-    assert pcie_bandwidth(dataclasses.replace(h100, h2d_bandwidth=0.0)) == DEFAULT_PCIE_BANDWIDTH
     assert pcie_bandwidth(dataclasses.replace(h100, h2d_bandwidth=25e9)) == 25e9
+    with pytest.raises(BadInput, match="h2d_bandwidth is 0, which means not measured"):
+        pcie_bandwidth(dataclasses.replace(h100, h2d_bandwidth=0.0))  # calibrate on a CPU
 
 
 def _offload_window(facts):

@@ -83,17 +83,22 @@ def check_refit_path(path: str) -> None:
     if not path.endswith((".yaml", ".yml")):
         raise BadInput(f"--refit {path!r} must name a .yaml hardware file.")
     if os.path.exists(path):
-        hardware_for("h100", read_hardware_file(path), where=f"--refit {path!r}")
+        hardware_for("h100", read_hardware_file(path, "--refit"), where=f"--refit {path!r}")
     check_writable(path, "--refit")
 
 
-def refit(path: str, gpu: str, result: dict[str, Any]) -> tuple[Hardware, dict[str, float]]:
-    """Rewrite the hardware file ``path`` (or write it from the plan's ``gpu`` preset when it
-    does not exist) from ``result``; returns the new hardware and the factors."""
-    overrides = read_hardware_file(path) if os.path.exists(path) else None
+def refit(path: str, gpu: str, result: dict[str, Any], start: Hardware | None = None
+          ) -> tuple[Hardware, dict[str, float]]:
+    """Rewrite the hardware file ``path`` (or, when it does not exist, write it from
+    ``start``, the figures the plan stored, else the plan's ``gpu`` preset) from ``result``;
+    returns the new hardware and the factors."""
+    overrides = read_hardware_file(path, "--refit") if os.path.exists(path) else None
     base = gpu if gpu in GPUS else "h100"
-    hw = hardware_for(base, overrides if overrides is not None else {},
-                      where=f"--refit {path!r}")
+    if overrides is None and start is not None:
+        hw = start
+    else:
+        hw = hardware_for(base, overrides if overrides is not None else {},
+                          where=f"--refit {path!r}")
     f = factors(result)
     new = dataclasses.replace(scaled(hw, f), source=(
         f"{hw.source or hw.name}; refit by fsdp-plan bench from {result.get('path', 'a run')} "

@@ -16,6 +16,7 @@ from fsdp_plan.bench import inputs, results
 from fsdp_plan.bench.inputs import BenchRequest
 from fsdp_plan.bench.refit import check_refit_path, refit
 from fsdp_plan.common.errors import BadInput, CheckFailed
+from fsdp_plan.cost.hardware.stored import hardware_of
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import measure_peak
 from fsdp_plan.measure.worker_setup import source_payload
@@ -133,7 +134,10 @@ def finish(prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
     result["path"] = path
     _print_report(result, prepared, compare_table)
     if request.refit:
-        hw, f = refit(request.refit, prepared.plan.gpu, result)
+        start = None
+        if prepared.plan.hardware is not None:  # the figures the plan was predicted with
+            start = hardware_of(prepared.plan.hardware)
+        hw, f = refit(request.refit, prepared.plan.gpu, result, start)
         print(f"refit {request.refit}: compute x{f['compute']:.3g}, communication "
               f"x{f['communication']:.3g}, optimizer x{f['optimizer']:.3g} ({hw.name}); plan "
               f"or predict with --hardware {request.refit}", file=sys.stderr)

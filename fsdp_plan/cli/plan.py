@@ -19,6 +19,7 @@ from fsdp_plan.common.files import check_outputs, check_writable
 from fsdp_plan.common.limits import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
 from fsdp_plan.common.sizes import format_bytes, parse_bytes, parse_share_of
 from fsdp_plan.cost.hardware import GPUS, hardware_for, read_hardware_file
+from fsdp_plan.cost.hardware.stored import file_origin
 from fsdp_plan.cost.precision import OPTIMIZERS
 from fsdp_plan.model.source import (
     MAX_BATCH_SIZE,
@@ -165,7 +166,11 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     for what, path in outputs:
         if path is not None:
             check_writable(path, what)
+    origin = None
+    if args.hardware:
+        origin = file_origin(args.hardware)
     return {"budget": budget, "headroom": headroom, "hardware": hardware,
+            "hardware_origin": origin,
             "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
 
 
@@ -195,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
         source=source, budget_bytes=values["budget"], headroom_bytes=values["headroom"],
         world_size=args.world_size, gpus_per_node=args.gpus_per_node, strategy=args.strategy,
         param_dtype=values["param_dtype"], reduce_dtype=values["reduce_dtype"],
-        optimizer=args.optimizer, hardware=values["hardware"], exact_analysis=args.exact_analysis,
+        optimizer=args.optimizer, hardware=values["hardware"],
+        hardware_origin=values["hardware_origin"], exact_analysis=args.exact_analysis,
         allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
         auto_batch=args.batch_size == "auto")
     # Imported here, not above: model.load imports torch (about 6 s), and every flag was to be

@@ -17,8 +17,10 @@ import json
 from typing import Any
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
-from fsdp_plan.common.errors import NoFeasiblePlan
+from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
+from fsdp_plan.common.limits import MAX_GPUS_PER_NODE
 from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.model.source import check_count
 from fsdp_plan.plan.document import Plan, read_plan
 
 
@@ -28,9 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
                         help="the model file (default: the source recorded in the plan)")
     parser.add_argument("--gpu", default=None,
-                        help="GPU preset for the step time (default: the plan's gpu key)")
+                        help="GPU preset for the step time (default: the figures the plan "
+                        "stored under hardware, else its gpu key)")
     parser.add_argument("--hardware", default=None, metavar="HW.yaml",
-                        help="YAML file overriding the preset's figures")
+                        help="YAML file overriding the preset's figures (default: the figures "
+                        "the plan stored, if it was made with --hardware)")
     parser.add_argument("--gpus-per-node", type=int, default=None,
                         help="GPUs per node, for which collectives cross nodes (default: the "
                         "plan's gpus_per_node key, else 8)")
@@ -78,10 +82,31 @@ def format_report(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_gpus_per_node(flag: int | None, plan: Plan) -> int:
+    """``--gpus-per-node``, else the plan's ``predicted.gpus_per_node`` (checked with the plan),
+    else 8: bounded as planning bounds it, and filling whole nodes at the plan's world size
+    (issue 21, S3-04: 0 and -4 were taken, and a 70B step became 14 s)."""
+    if flag is not None:
+        check_count(flag, "--gpus-per-node", MAX_GPUS_PER_NODE,
+                    "GPUs sharing one node's fast links: 8 on DGX/HGX, 72 in an NVL72 rack")
+    gpus_per_node = flag if flag is not None else int(plan.predicted.get("gpus_per_node") or 8)
+    world = plan.world_size
+    if world > gpus_per_node and world % gpus_per_node:
+        raise BadInput(f"the plan's world_size {world} is not a multiple of "
+                       f"{'--gpus-per-node' if flag is not None else 'gpus_per_node'} "
+                       f"{gpus_per_node}; nodes must be full: give --gpus-per-node that divides "
+                       f"{world} (e.g. {_divisor_below(world, gpus_per_node)}).")
+    return gpus_per_node
+
+
+def _divisor_below(world: int, limit: int) -> int:
+    return max(d for d in range(1, min(world, limit) + 1) if world % d == 0)
+
+
 def run(args: argparse.Namespace) -> int:
     plan = read_plan(args.plan)
     hardware = plan_hardware(plan, gpu=args.gpu, hardware_file=args.hardware)
-    gpus_per_node = args.gpus_per_node or int(plan.predicted.get("gpus_per_node", 0) or 8)
+    gpus_per_node = check_gpus_per_node(args.gpus_per_node, plan)
     # loading imports torch (~6 s): deferred so --help and the flag checks answer at once
     from fsdp_plan.measure import runtime
     loaded = runtime.load_planned_model(plan, args.model, args.plan)

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     parser.add_argument("--hardware", default=None, metavar="HW.yaml",
                         help="hardware file (fsdp-plan calibrate) whose figures order the "
-                        "proposals (default: the plan's GPU preset)")
+                        "proposals (default: the figures the plan stored under hardware, "
+                        "else its GPU preset)")
     parser.add_argument("--format", choices=("table", "json"), default="table")
 
 

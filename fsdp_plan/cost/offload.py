@@ -10,7 +10,7 @@ plan's simulated step:
 - every all-gather first copies the unit's shard host-to-device (stored dtype), and every
   reduce-scatter's output is copied back; these copies run at the host link's bandwidth
   (``h2d_bandwidth`` of the hardware description: PCIe Gen5 x16 on H100/H200/B200 hosts,
-  Gen4 on A100; ``DEFAULT_PCIE_BANDWIDTH`` when the description has none) on their own copy
+  Gen4 on A100; 0 means not measured and offload is then refused) on their own copy
   engine, so they hide behind compute the communication stream left free, and what does not
   fit there is exposed;
 - the optimizer step runs on the CPU instead of the device: AdamW reads parameters, gradients
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, step_bytes
 from fsdp_plan.cost.step_time import StepTime
@@ -32,9 +33,6 @@ from fsdp_plan.cost.units import UnitSpec
 
 OFFLOAD_ALL = {"params": True, "optimizer": True}
 """The plan's ``offload`` key (SPEC 6): ``CPUOffloadPolicy`` moves both."""
-DEFAULT_PCIE_BANDWIDTH = 50e9
-"""Bytes/s of pinned host-device copies when the hardware description has no ``h2d_bandwidth``:
-PCIe Gen5 x16 is 64 GB/s per direction (PCI-SIG); pinned ``cudaMemcpyAsync`` reaches ~50-55."""
 HOST_OPTIMIZER_BANDWIDTH = 25e9
 """Bytes/s per GPU that PyTorch's CPU AdamW (``foreach``) moves: an estimate. A dual-socket
 DGX H100 host (2 x Xeon 8480C, 16 channels DDR5-4800, 614 GB/s peak, ~400 GB/s STREAM triad)
@@ -42,8 +40,24 @@ shared by 8 ranks gives ~50 GB/s each; the CPU kernels reach about half of that.
 
 
 def pcie_bandwidth(hardware: Hardware) -> float:
-    """The host link's copy bandwidth from the hardware description (see the Note)."""
-    return float(hardware.h2d_bandwidth) if hardware.h2d_bandwidth > 0 else DEFAULT_PCIE_BANDWIDTH
+    """The host link's copy bandwidth from the hardware description (see the Note).
+
+    ``h2d_bandwidth: 0`` means not measured (``fsdp-plan calibrate`` on a CPU, which has no
+    device to copy to): offload copies cannot be priced then, and pricing them at a GPU
+    host's PCIe figure, or at nothing, would invent the step (issue 21, S3-05), so it is a
+    ``BadInput``."""
+    if hardware.h2d_bandwidth > 0:
+        return float(hardware.h2d_bandwidth)
+    raise BadInput(f"offload copies cannot be priced on hardware {hardware.name!r}: its "
+                   "h2d_bandwidth is 0, which means not measured (fsdp-plan calibrate writes 0 "
+                   "on a CPU, which has no device to copy to). Set h2d_bandwidth in the "
+                   "hardware file to the host-to-device copy rate in bytes/s (e.g. 50e9 for PCIe "
+                   "Gen5 x16), or plan without offload (no --allow-offload).")
+
+
+def offload_priced(hardware: Hardware) -> bool:
+    """Whether ``pcie_bandwidth`` can price offload copies on ``hardware``."""
+    return hardware.h2d_bandwidth > 0
 
 
 def host_bytes(units: list[UnitSpec], optimizer: str, orig_bytes: int = 4) -> dict[str, int]:

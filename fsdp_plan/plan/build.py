@@ -13,6 +13,7 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.ddp_buckets import DDPConfig
+from fsdp_plan.cost.hardware.stored import stored_block
 from fsdp_plan.cost.offload import OFFLOAD_ALL
 from fsdp_plan.cost.step_time import step_phases
 from fsdp_plan.cost.units import unit_mixed_precision
@@ -50,6 +51,7 @@ def to_plan(choice: BatchChoice, *, digest: str = "", notes: list[str] | None = 
         mixed_precision={"param_dtype": request.param_dtype,
                          "reduce_dtype": request.reduce_dtype},
         optimizer=request.optimizer, gpu=request.hardware.name,
+        hardware=stored_block(request.hardware, request.hardware_origin),
         predicted=predicted_block(best),
         ddp=best.detail.config.to_dict() if isinstance(best.detail, DDPDetail) else None,
         grad_accum_steps=request.grad_accum_steps, gradient_sync=choice.gradient_sync,

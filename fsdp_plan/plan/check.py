@@ -30,12 +30,14 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.limits import (
     MAX_BATCH_SIZE,
     MAX_BYTES,
+    MAX_GPUS_PER_NODE,
     MAX_SEQ_LEN,
     MAX_TOKENS,
     MAX_WORLD_SIZE,
 )
+from fsdp_plan.common.safe_yaml import MAX_DEPTH, MAX_NODES, clip
+from fsdp_plan.cost.hardware.stored import check_stored_block
 from fsdp_plan.cost.precision import OPTIMIZERS
-from fsdp_plan.plan.read import MAX_DEPTH, MAX_NODES, clip
 from fsdp_plan.search.candidate import GRADIENT_SYNCS, STRATEGIES
 
 PLAN_VERSIONS = (1, 2)
@@ -46,7 +48,7 @@ CHECKPOINT_MODES = ("full", "selective")
 
 MAX_NAME_CHARS = 4096
 
-KEPT_AS_WRITTEN = ("model", "predicted")
+KEPT_AS_WRITTEN = ("model", "predicted", "hardware")
 """Sections the plan keeps beyond the fields checked one by one (the model's extra keys, the
 planner's report); they reach the policy module's ``PLAN`` literal, so they must be exact
 Python literals too. Unknown top-level keys are accepted (SPEC 3) and dropped."""
@@ -289,6 +291,8 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
                                     "set optimizer to the one the training script uses")
     gpu = raw.get("gpu", "h100")
     out["gpu"] = check.string(gpu, "gpu", "name the GPU the plan was made for, e.g. h100")
+    out["hardware"] = (check_stored_block(raw["hardware"], where)
+                       if raw.get("hardware") is not None else None)
     out["predicted"] = _check_predicted(check, raw.get("predicted"))
     out["ddp"] = _check_ddp(check, raw.get("ddp"), out["strategy"])
     out["grad_accum_steps"], out["gradient_sync"] = _check_accumulation(check, raw)
@@ -576,6 +580,10 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
     if predicted.get("peak_bytes") is not None:
         check.integer(predicted["peak_bytes"], "predicted.peak_bytes", 0, MAX_BYTES,
                       "peak_bytes is a whole number of bytes >= 0")
+    if predicted.get("gpus_per_node") is not None:  # predict reads it (issue 21, S3-04)
+        check.integer(predicted["gpus_per_node"], "predicted.gpus_per_node", 1,
+                      MAX_GPUS_PER_NODE, f"gpus_per_node is the GPUs sharing one node's fast "
+                      f"links: a whole number from 1 to {MAX_GPUS_PER_NODE}, e.g. 8")
     for key in ("step_time_s", "exposed_comm_s", "hidden_comm_s", "comm_tail_s"):
         if predicted.get(key) is not None:
             check.number(predicted[key], f"predicted.{key}", "write seconds as a number")

@@ -73,6 +73,9 @@ class Plan:
     mixed_precision: dict[str, str | None] = field(default_factory=dict)
     optimizer: str = "adamw"
     gpu: str = "h100"
+    hardware: dict[str, Any] | None = None
+    """The figures the plan was predicted with and where they came from, when they are not a
+    bundled preset's (hardware/stored.py [Note: plans keep their hardware])."""
     predicted: dict[str, Any] = field(default_factory=dict)
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step (``model.batch_size`` samples each, per rank)."""
@@ -103,6 +106,8 @@ class Plan:
                                                                           "gradient_sync"]
         if raw["offload"]:
             order.insert(order.index("predicted"), "offload")
+        if raw["hardware"] is not None:  # SPEC 7: the figures it was predicted with
+            order.insert(order.index("gpu") + 1, "hardware")
         if raw["ddp"] is not None:  # a DDP plan: its arguments right after its one unit
             order.insert(order.index("units") + 1, "ddp")
         return {key: raw[key] for key in order}
@@ -128,6 +133,7 @@ class Plan:
             mixed_precision=checked["mixed_precision"],
             optimizer=checked["optimizer"],
             gpu=checked["gpu"],
+            hardware=checked["hardware"],
             predicted=checked["predicted"],
             grad_accum_steps=checked["grad_accum_steps"],
             gradient_sync=checked["gradient_sync"],

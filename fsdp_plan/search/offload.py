@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.cost.offload import offload_priced
 from fsdp_plan.search.candidate import Candidate
 from fsdp_plan.search.evaluator import Evaluator
 from fsdp_plan.search.fsdp import fewest_checkpointed
@@ -30,6 +31,8 @@ class OffloadFallback:
         room that checkpointing bought), else the one with the smallest device peak; None
         without such candidates. DDP keeps whole replicas: it has no ``CPUOffloadPolicy``."""
         settings = evaluator.settings
+        if not offload_priced(settings.hardware):
+            return None  # nothing to offer; --allow-offload itself is refused (PlanRequest)
         pool = sorted((c for c in tried if c.strategy != "ddp" and settings.allows(c.strategy)),
                       key=lambda c: c.memory.peak_bytes)[:POOL]
         offloaded: list[Candidate] = []

@@ -10,6 +10,7 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.limits import budget_limit
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for
+from fsdp_plan.cost.offload import pcie_bandwidth
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision
 from fsdp_plan.model.source import ModelSource
 from fsdp_plan.search.candidate import SearchSettings
@@ -32,6 +33,9 @@ class PlanRequest:
     reduce_dtype: str = "float32"
     optimizer: str = "adamw"
     hardware: Hardware = field(default_factory=lambda: hardware_for("h100"))
+    hardware_origin: dict[str, str] | None = None
+    """Where ``hardware`` came from (``cost/hardware/stored.file_origin`` of a ``--hardware``
+    file): the plan stores it beside the figures (SPEC 7)."""
     exact_analysis: bool = False
     """Analyse every block instead of three per stack (facts/depth.py)."""
     allow_offload: bool = False
@@ -60,6 +64,8 @@ class PlanRequest:
         if self.optimizer not in OPTIMIZER_STATES:
             raise BadInput(f"optimizer {self.optimizer!r} is not one of "
                            f"{', '.join(OPTIMIZER_STATES)}.")
+        if self.allow_offload:  # before any work: h2d_bandwidth 0 cannot price the copies
+            pcie_bandwidth(self.hardware)
 
     @property
     def limit_bytes(self) -> int:

@@ -1,15 +1,16 @@
 """The machine the step-time model runs on: ``Hardware``, the bundled presets, hardware files.
 
 [Note: hardware files]
-A hardware file (SPEC section 6) is YAML, read with ``safe_load``: ``field: value`` lines for
-the fields of ``Hardware``. ``fsdp-plan calibrate`` writes one from micro-benchmarks on the
-machine it runs on; ``bench --refit`` corrects one from a measured run; anyone may write one by
-hand. The presets (``h100.yaml``, ``h200.yaml``, ``a100.yaml``, ``b200.yaml`` beside this
-file) are hardware files too, each figure with its source in a comment. ``--hardware`` files
-override the fields of the ``--gpu`` preset (the plan's GPU for ``predict``), so a file may
-hold a single field; a file written before the per-op fields existed still reads, and the
-step-time model derives what it lacks from ``peak_flops`` x ``efficiency`` and
-``hbm_bandwidth`` (cost/step_time.py ``Rates``).
+A hardware file (SPEC section 6) is YAML, read with the plan file's guards (safe_yaml.py):
+``field: value`` lines for the fields of ``Hardware``. ``fsdp-plan calibrate`` writes one from
+micro-benchmarks on the machine it runs on; ``bench --refit`` corrects one from a measured run;
+anyone may write one by hand. The presets (``h100.yaml``, ``h200.yaml``, ``a100.yaml``,
+``b200.yaml`` beside this file) are hardware files too, each figure with its source in a
+comment. ``--hardware`` files override the fields of the ``--gpu`` preset (the plan's GPU for
+``predict``), so a file may hold a single field; a base figure it sets reaches the preset's
+tables fitted at that figure (derived.py [Note: base figures and derived tables]: they are
+rescaled unless the file sets them too). A file written before the per-op fields existed still
+reads that way.
 
 Per-op fields (all optional):
 - ``matmul_flops``: ``{dtype: {small, medium, large}}`` achieved FLOP/s of matrix multiplies
@@ -33,7 +34,8 @@ Per-op fields (all optional):
   allocator hands large buffers out as fresh pages, so large units cost more per byte) and
   interpolated between them; absent, two passes over the bytes at ``memory_bandwidth``;
 - ``comm_overlaps_compute``: false where a collective holds the thread that computes (gloo);
-- ``h2d_bandwidth``: host-to-device copy bytes/s (offload); 0 where there is no device;
+- ``h2d_bandwidth``: host-to-device copy bytes/s (offload); 0 where there is no device (not
+  measured: offload is then refused, never priced);
 - ``source``: free text saying where the figures come from.
 """
 
@@ -41,17 +43,30 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.limits import MAX_BYTES, MAX_WORLD_SIZE
+from fsdp_plan.common.safe_yaml import DocumentKind, clip, load_yaml
+from fsdp_plan.cost.hardware.derived import follow_base_figures
 from fsdp_plan.cost.precision import OPTIMIZERS
 
 MM_CLASSES = ("small", "medium", "large")
 DTYPES = ("float32", "bfloat16", "float16")
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+MAX_HARDWARE_FILE_BYTES = 1 << 20
+HARDWARE_DOCUMENT = DocumentKind(
+    text="a hardware file is YAML text", written_by=" such as peak_flops: 989e12",
+    plain="a hardware file is plain field: value lines (numbers, text, true or false)",
+    size="a hardware file is a few dozen values", name="a hardware file",
+    depth="a hardware file nests 4 deep (collectives: kind: group: figure)",
+    max_nodes=10_000, max_depth=16)
+"""Hardware files get the plan file's guards (``fsdp_plan.common.safe_yaml``; issue 21, S3-07):
+a calibrated file holds about 60 values, 4 deep."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -62,7 +77,8 @@ class Hardware:
     peak_flops: float
     """Dense bf16 FLOP/s (datasheet)."""
     efficiency: float = 0.5
-    """Share of peak a real training step reaches: used only where per-op figures are absent."""
+    """Share of peak a real training step reaches: the rate of facts without op counters; a
+    file that changes it rescales the preset's per-op rates (derived.py)."""
     hbm_bandwidth: float = 3.3e12
     intra_node_bandwidth: float = 360e9
     """Achieved bus bandwidth of collectives inside a node, bytes/s per GPU."""
@@ -83,7 +99,9 @@ class Hardware:
     comm_overlaps_compute: bool = True
     """Whether compute runs while a collective is in flight (NCCL on its own stream); gloo on
     a CPU runs a collective on the thread that issued it, which computes nothing meanwhile."""
-    h2d_bandwidth: float = 0.0
+    h2d_bandwidth: float = 50e9
+    """Host-to-device copy bytes/s (offload); 0 means not measured (calibrate on a CPU), and
+    offload is then refused rather than priced (offload.py ``pcie_bandwidth``)."""
     collectives: Mapping[str, Mapping[str, Mapping[str, float]]] = field(default_factory=dict)
     optimizer_s_per_param: Mapping[str, float] = field(default_factory=dict)
     optimizer_s_per_tensor: Mapping[str, float] = field(default_factory=dict)
@@ -109,70 +127,96 @@ def _plain(value: Any) -> Any:
     return value
 
 
-# field -> (lowest, lowest allowed?, highest, unit, example): what a hardware file may set.
-# The bounds are generous (several times today's largest GPU) and only catch typing mistakes
-# and unit slips (GB/s written as 40 instead of 40e9 would still pass; 0, negatives, NaN and
-# infinities never do, because they turn into divisions by zero or NaN step times).
-_RANGES: dict[str, tuple[float, bool, float, str, str]] = {
-    "peak_flops": (0.0, False, 1e18, "FLOP/s (dense bf16)", "989e12"),
-    "efficiency": (0.0, False, 1.0, "share of peak, a fraction", "0.5"),
-    "hbm_bandwidth": (0.0, False, 1e15, "bytes/s", "3.35e12"),
-    "intra_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU", "360e9"),
-    "inter_node_bandwidth": (0.0, False, 1e15, "bytes/s per GPU (its NIC share)", "40e9"),
-    "collective_latency_s": (0.0, True, 10.0, "seconds", "20e-6"),
-    "launch_overhead_s": (0.0, True, 10.0, "seconds", "10e-6"),
-    "contention": (0.0, True, 10.0, "fractional compute slowdown", "0.1"),
-    "memory_bandwidth": (0.0, True, 1e15, "bytes/s (0: 0.8 x hbm_bandwidth)", "2.8e12"),
-    "op_overhead_s": (0.0, True, 1.0, "seconds per op", "5e-6"),
-    "h2d_bandwidth": (0.0, True, 1e15, "bytes/s (0: none)", "50e9"),
-    "unit_overhead_s": (0.0, True, 10.0, "seconds per FSDP unit and pass", "100e-6"),
-    "fsdp_s_per_byte": (0.0, True, 1e-6, "seconds per byte",
+# field -> (lowest, highest, what 0 means or None, unit, example): what a hardware file may
+# set. Every figure is bounded at reading (issue 21, S3-06): the highest are several times
+# today's largest GPU; the lowest are far below any machine (1 MFLOP/s, 1 MB/s, a
+# femtosecond) and keep a step time finite: a rate of 5e-324 divided by zero, peak_flops
+# 1e-300 wrote a plan with mfu .inf. 0 is accepted only where it means something (no
+# latency, no contention; memory_bandwidth 0 is derived from hbm_bandwidth).
+_RANGES: dict[str, tuple[float, float, str | None, str, str]] = {
+    "peak_flops": (1e6, 1e18, None, "FLOP/s (dense bf16)", "989e12"),
+    "efficiency": (1e-3, 1.0, None, "(share of peak, a fraction)", "0.5"),
+    "hbm_bandwidth": (1e6, 1e15, None, "bytes/s", "3.35e12"),
+    "intra_node_bandwidth": (1e6, 1e15, None, "bytes/s per GPU", "360e9"),
+    "inter_node_bandwidth": (1e6, 1e15, None, "bytes/s per GPU (its NIC share)", "40e9"),
+    "collective_latency_s": (1e-15, 10.0, "none", "seconds", "20e-6"),
+    "launch_overhead_s": (1e-15, 10.0, "none", "seconds", "10e-6"),
+    "contention": (1e-12, 10.0, "none", "(fractional compute slowdown)", "0.1"),
+    "memory_bandwidth": (1e6, 1e15, "0.8 x hbm_bandwidth", "bytes/s", "2.8e12"),
+    "op_overhead_s": (1e-15, 1.0, "none", "seconds per op", "5e-6"),
+    "h2d_bandwidth": (1e6, 1e15, "not measured", "bytes/s", "50e9"),
+    "unit_overhead_s": (1e-15, 10.0, "none", "seconds per FSDP unit and pass", "100e-6"),
+    "fsdp_s_per_byte": (1e-18, 1e-6, "free", "seconds per byte",
                         "{all_gather: {134217728: 1e-12}}"),
     # nested values, checked with these bounds
-    "matmul_flops": (0.0, False, 1e18, "FLOP/s", "{bfloat16: {large: 7e14}}"),
-    "attention_flops": (0.0, False, 1e18, "FLOP/s", "{bfloat16: 4e14}"),
-    "latency_s": (0.0, True, 10.0, "seconds", "20e-6"),
-    "bus_bandwidth": (0.0, False, 1e15, "bytes/s", "360e9"),
-    "optimizer_s_per_param": (0.0, True, 1.0, "seconds per parameter", "{adamw: 2e-12}"),
+    "matmul_flops": (1e6, 1e18, None, "FLOP/s", "{bfloat16: {large: 7e14}}"),
+    "attention_flops": (1e6, 1e18, None, "FLOP/s", "{bfloat16: 4e14}"),
+    "latency_s": (1e-15, 10.0, "none", "seconds", "20e-6"),
+    "bus_bandwidth": (1e6, 1e15, None, "bytes/s", "360e9"),
+    "optimizer_s_per_param": (1e-18, 1.0, "free", "seconds per parameter", "{adamw: 2e-12}"),
 }
 _NESTED = {"matmul_flops", "attention_flops", "collectives", "fsdp_s_per_byte",
            "optimizer_s_per_param",
            "optimizer_s_per_tensor"}
 
 
+def _show(value: object) -> str:
+    """A value read from a file, for a message (never a 4,000-digit repr)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"a {value.bit_length()}-bit number"
+    return clip(repr(value))
+
+
 def _number(key: str, value: object, where: str, label: str | None = None) -> float:
     """One numeric field, checked against ``_RANGES[key]``; ``label`` names it in messages."""
-    low, low_ok, high, unit, example = _RANGES[key]
+    low, high, zero, unit, example = _RANGES[key]
     label = label or key
-    expected = (f"a number {'>=' if low_ok else '>'} {low:g} and <= {high:g} in {unit}, "
-                f"e.g. {key}: {example}")
+    expected = (f"a number from {low:g} to {high:g} {unit}"
+                + (f", or 0 ({zero})" if zero else "") + f", e.g. {key}: {example}")
     number: float | None = None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an integer beyond any float: out of range, not a crash
+            number = math.inf
     elif isinstance(value, str):
         try:  # YAML 1.1 reads 989e12 (no dot) as a string
             number = float(value.strip())
         except ValueError:
             number = None
     if number is None:
-        raise BadInput(f"{where}: {label} is {value!r} ({type(value).__name__}); expected "
+        raise BadInput(f"{where}: {label} is {_show(value)} ({type(value).__name__}); expected "
                        f"{expected}.")
-    if math.isnan(number) or number > high or number < low or (number == low and not low_ok):
-        raise BadInput(f"{where}: {label} {value!r} is out of range; expected {expected}.")
+    if not (low <= number <= high or (number == 0 and zero)):
+        raise BadInput(f"{where}: {label} {_show(value)} is out of range; expected {expected}.")
     return number
+
+
+_DIGITS = re.compile(r"[0-9]{1,30}")
+"""A whole number as a key (``collectives`` group sizes, ``fsdp_s_per_byte`` unit sizes):
+ASCII digits only; ``str.isdigit`` also takes "²" and other Unicode digits that ``int``
+refuses (issue 21, S3-08)."""
+
+
+def _whole_key(key: object, low: int, high: int) -> int | None:
+    """``key`` as a whole number in ``low..high``, else None."""
+    if isinstance(key, bool) or not _DIGITS.fullmatch(str(key)):
+        return None
+    number = int(str(key))
+    return number if low <= number <= high else None
 
 
 def _mapping(value: object, label: str, where: str, example: str) -> Mapping[str, Any]:
     if not isinstance(value, Mapping):
-        raise BadInput(f"{where}: {label} is {value!r} ({type(value).__name__}); expected a "
-                       f"mapping, e.g. {example}.")
+        raise BadInput(f"{where}: {label} is {_show(value)} ({type(value).__name__}); expected "
+                       f"a mapping, e.g. {example}.")
     return value
 
 
 def _keys(value: Mapping[str, Any], allowed: tuple[str, ...], label: str, where: str) -> None:
-    unknown = sorted(str(k) for k in value if k not in allowed)
+    unknown = sorted(clip(str(k)) for k in value if k not in allowed)
     if unknown:
-        raise BadInput(f"{where}: {label} has unknown keys {', '.join(unknown)}; known: "
+        raise BadInput(f"{where}: {label} has unknown keys {', '.join(unknown[:5])}; known: "
                        f"{', '.join(allowed)}.")
 
 
@@ -199,9 +243,10 @@ def _nested(key: str, value: object, where: str) -> dict[str, Any]:
         for kind, sizes in kinds.items():
             sizes = _mapping(sizes, f"{key}.{kind}", where, "{134217728: 1e-12}")
             for size in sizes:
-                if isinstance(size, bool) or not str(size).isdigit() or int(size) < 1:
-                    raise BadInput(f"{where}: {key}.{kind}: the unit size {size!r} must be a "
-                                   "whole number of bytes, at least 1.")
+                if _whole_key(size, 1, MAX_BYTES) is None:
+                    raise BadInput(f"{where}: {key}.{kind}: the unit size {_show(size)} must be "
+                                   "a whole number of bytes (digits 0-9), at least 1 and at "
+                                   "most 2**60.")
             table[kind] = {str(int(size)): _number(key, v, where, f"{key}.{kind}.{size}")
                            for size, v in sizes.items()}
         return table
@@ -218,10 +263,11 @@ def _nested(key: str, value: object, where: str) -> dict[str, Any]:
         groups = _mapping(groups, f"{key}.{kind}", where, "{8: {latency_s: 2e-5, ...}}")
         fitted: dict[str, Any] = {}
         for group, fit in groups.items():
-            label = f"{key}.{kind}.{group}"
-            if isinstance(group, bool) or not str(group).isdigit() or int(group) < 2:
-                raise BadInput(f"{where}: {label}: the group size {group!r} must be a whole "
-                               "number of ranks, at least 2.")
+            label = f"{key}.{kind}.{clip(str(group))}"
+            if _whole_key(group, 2, MAX_WORLD_SIZE) is None:
+                raise BadInput(f"{where}: {label}: the group size {_show(group)} must be a "
+                               "whole number of ranks (digits 0-9), at least 2 and at most "
+                               f"{MAX_WORLD_SIZE:,}.")
             fit = _mapping(fit, label, where, "{latency_s: 2e-5, bus_bandwidth: 3.6e11}")
             _keys(fit, ("latency_s", "bus_bandwidth"), label, where)
             if "bus_bandwidth" not in fit:
@@ -232,16 +278,36 @@ def _nested(key: str, value: object, where: str) -> dict[str, Any]:
     return out
 
 
+MAX_NAME_CHARS = 200
+MAX_SOURCE_CHARS = 16384
+
+
+def _text(key: str, value: object, where: str) -> str:
+    """``name`` (one printable line: plans record it as their ``gpu``) or ``source`` (free
+    text that grows a clause with every refit)."""
+    if key == "name":
+        if (not isinstance(value, str) or not value.strip() or len(value) > MAX_NAME_CHARS
+                or not value.isprintable()):
+            raise BadInput(f"{where}: name is {_show(value)}; expected a GPU name as text (one "
+                           f"printable line of at most {MAX_NAME_CHARS} characters).")
+        return value
+    if not isinstance(value, str) or len(value) > MAX_SOURCE_CHARS or "\0" in value:
+        raise BadInput(f"{where}: source is {_show(value)}; expected text (at most "
+                       f"{MAX_SOURCE_CHARS:,} characters) saying where the figures come from.")
+    return value
+
+
 def _preset_text(name: str) -> str:
     return resources.files(__package__).joinpath(f"{name}.yaml").read_text(encoding="utf-8")
 
 
 def _load_presets() -> dict[str, Hardware]:
-    import yaml
     base = Hardware(name="base", peak_flops=989e12)
     out = {}
     for name in ("h100", "h200", "a100", "b200"):
-        out[name] = _apply(base, yaml.safe_load(_preset_text(name)), f"preset {name}.yaml")
+        where = f"preset {name}.yaml"
+        raw = load_yaml(_preset_text(name).encode("utf-8"), where, HARDWARE_DOCUMENT)
+        out[name] = _apply(base, raw, where)
     return out
 
 
@@ -250,25 +316,28 @@ def _apply(hw: Hardware, overrides: object, where: str) -> Hardware:
         raise BadInput(f"{where} must hold a mapping of field: value (e.g. peak_flops: 989e12), "
                        f"got {type(overrides).__name__}.")
     values = {f.name: getattr(hw, f.name) for f in fields(hw)}
-    unknown = sorted(str(k) for k in overrides if k not in values)
+    unknown = sorted(clip(str(k)) for k in overrides if k not in values)
     if unknown:
-        raise BadInput(f"{where} sets unknown fields {', '.join(unknown)}; known fields: "
+        raise BadInput(f"{where} sets unknown fields {', '.join(unknown[:5])}; known fields: "
                        f"{', '.join(sorted(values))}.")
     for key, value in overrides.items():
         if key in ("name", "source"):
-            if not isinstance(value, str) or (key == "name" and not value.strip()):
-                raise BadInput(f"{where}: {key} is {value!r}; expected "
-                               + ("a GPU name as text." if key == "name" else "text."))
-            values[key] = value
+            values[key] = _text(key, value, where)
         elif key in ("async_launch", "comm_overlaps_compute"):
             if not isinstance(value, bool):
-                raise BadInput(f"{where}: {key} is {value!r}; expected true (GPUs: the host "
+                raise BadInput(f"{where}: {key} is {_show(value)}; expected true (GPUs: the host "
                                "launches ahead, NCCL runs on its own stream) or false (CPU).")
             values[key] = value
         elif key in _NESTED:
             values[key] = _nested(key, value, where)
         else:
             values[key] = _number(key, value, where)
+    rescaled = follow_base_figures({f.name: getattr(hw, f.name) for f in fields(hw)}, values,
+                                   set(overrides))
+    if rescaled and "source" not in overrides:  # [Note: base figures and derived tables]
+        values["source"] = (f"{hw.source or hw.name}; {where} sets "
+                            f"{', '.join(sorted(k for k in overrides if k != 'name'))}, and the "
+                            f"tables it leaves out follow: {', '.join(rescaled)}")
     return Hardware(**values)
 
 
@@ -294,39 +363,28 @@ def hardware_for(name: str, overrides: dict[str, object] | None = None,
     return _apply(hw, overrides, where)
 
 
-MAX_HARDWARE_FILE_BYTES = 1 << 20
-
-
-def read_hardware_file(path: str) -> dict[str, object]:
-    """The mapping in a ``--hardware`` YAML file (read with ``safe_load``); checked by
-    ``hardware_for``."""
-    import yaml
+def read_hardware_file(path: str, flag: str = "--hardware") -> dict[str, object]:
+    """The mapping in a hardware YAML file, read as untrusted data (size, encoding, tags,
+    aliases, depth and duplicate keys are checked before anything is built); its fields are
+    checked by ``hardware_for``. ``flag`` names the file in messages."""
+    where = f"{flag} {path!r}"
     if os.path.exists(path) and not os.path.isfile(path):
-        raise BadInput(f"--hardware {path!r} is not a regular file (a folder, pipe or device); "
-                       "give the path of a YAML file such as one fsdp-plan calibrate writes.")
-    if os.path.isfile(path) and os.path.getsize(path) > MAX_HARDWARE_FILE_BYTES:
-        raise BadInput(f"--hardware {path!r} is {os.path.getsize(path):,} bytes; a hardware file "
-                       f"is a few lines of field: value (at most {MAX_HARDWARE_FILE_BYTES:,} "
-                       "bytes).")
+        raise BadInput(f"{where} is not a regular file (a folder, pipe or device); give the path "
+                       "of a YAML file such as one fsdp-plan calibrate writes.")
     try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except UnicodeDecodeError as e:
-        raise BadInput(f"--hardware {path!r} is not UTF-8 text (byte {e.start}); a hardware file "
-                       "is YAML text such as peak_flops: 989e12.") from e
+        with open(path, "rb") as f:
+            data = f.read(MAX_HARDWARE_FILE_BYTES + 1)
     except OSError as e:
-        raise BadInput(f"--hardware {path!r} cannot be read: {e.strerror or e}.") from e
-    except yaml.constructor.ConstructorError as e:
-        raise BadInput(f"--hardware {path!r} holds a YAML tag that fsdp-plan never constructs "
-                       f"({' '.join(str(e.problem).split())}); a hardware file is plain "
-                       "field: number lines.") from e
-    except yaml.YAMLError as e:
-        raise BadInput(f"--hardware {path!r} is not valid YAML: {' '.join(str(e).split())}.") from e
+        raise BadInput(f"{where} cannot be read: {e.strerror or e}.") from e
+    if len(data) > MAX_HARDWARE_FILE_BYTES:
+        raise BadInput(f"{where} is larger than {MAX_HARDWARE_FILE_BYTES:,} bytes; a hardware "
+                       "file is a few lines of field: value (it was not parsed).")
+    raw = load_yaml(data, where, HARDWARE_DOCUMENT)
     if raw is None:
         return {}
     if not isinstance(raw, dict):
-        raise BadInput(f"--hardware {path!r} must hold a mapping of field: value (e.g. "
-                       f"peak_flops: 989e12), got {type(raw).__name__}.")
+        raise BadInput(f"{where} must hold a mapping of field: value (e.g. peak_flops: 989e12), "
+                       f"got {type(raw).__name__}.")
     return raw
 
 
