@@ -38,7 +38,7 @@ from fsdp_plan.cost.hardware.stored import hardware_of
 from fsdp_plan.cost.precision import Precision
 from fsdp_plan.facts.analyze import Analyzed, analyze_loaded, analyze_model
 from fsdp_plan.facts.types import ModelFacts
-from fsdp_plan.plan.build import layout_of, predicted_block, to_plan
+from fsdp_plan.plan.build import layout_of, predicted_block, throughput_fields, to_plan
 from fsdp_plan.plan.document import Plan, plan_to_yaml
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 from fsdp_plan.plan.report import chrome_trace
@@ -150,7 +150,9 @@ def _search_for(request: PlanRequest):
 
 def _result(choice: BatchChoice, *, digest: str, notes: list[str] | None) -> PlanResult:
     search = choice.result
-    return PlanResult(plan=to_plan(choice, digest=digest, notes=notes), best=choice.best,
+    plan = to_plan(choice.best, choice.request, choice.facts, digest=digest, notes=notes,
+                   global_batch_size=choice.global_batch_size)
+    return PlanResult(plan=plan, best=choice.best,
                       ranked=search.ranked, recipes=search.recipes, facts=choice.facts,
                       seconds=search.seconds, search_seconds=search.seconds,
                       reasons=list(choice.reasons),
@@ -204,7 +206,9 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         grad_accum_steps=plan.grad_accum_steps, gradient_sync=plan.gradient_sync)
     candidate = Evaluator(facts.graph, facts.analysis, settings).evaluate(
         layout, "plan as written" + (" offload" if layout.offload else ""))
-    return Prediction(candidate=candidate, predicted=predicted_block(candidate),
+    predicted = {**predicted_block(candidate),
+                 **throughput_fields(candidate, facts, plan, settings.hardware)}
+    return Prediction(candidate=candidate, predicted=predicted,
                       limit_bytes=settings.limit_bytes, fits=candidate.fits)
 
 

@@ -73,7 +73,7 @@ def test_hsdp_2x2_and_replicated_4x1_counts_match_gloo():
         cand = evaluate(ev, name="t", strategy=strategy, replicate=mesh[0], shard=mesh[1],
                            groups=[[b] for b in blocks], reshard=[mesh[1] > 1] * len(blocks),
                            root_reshard=False, forward_prefetch=0, backward_prefetch=1)
-        plan = to_plan(cand, request, numel=facts.graph.total_numel, digest="")
+        plan = to_plan(cand, request, facts)
         jobs.append({"plan": plan.to_dict(), "mesh": mesh})
         expected.append({k: v for k, v in cand.collectives.items() if v})
     measured = count_collectives_many(SOURCE, jobs, nproc=4)

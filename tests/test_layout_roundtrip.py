@@ -4,7 +4,6 @@ the same figures. Torch-free: the search runs on a JSON fixture of the tiny Llam
 
 from __future__ import annotations
 
-import dataclasses
 import subprocess
 import sys
 from functools import partial
@@ -60,8 +59,7 @@ def test_every_candidate_survives_plan_and_back(facts, name):
     searched = choice.result.evaluator
     chosen = Evaluator(facts.graph, facts.analysis, choice.request.settings())
     for c in candidates:
-        one = dataclasses.replace(choice, result=dataclasses.replace(choice.result, ranked=[c]))
-        plan = to_plan(one)
+        plan = to_plan(c, choice.request, facts)
         assert layout_of(plan, facts) == c.layout, c.name
         evaluator = chosen if c is choice.best else searched
         again = evaluator.evaluate(layout_of(plan, facts), c.name)
@@ -72,7 +70,7 @@ def test_an_offloaded_plan_reads_back_offloaded(facts):
     choice = choice_for(facts, budget_bytes=2 * 10**6, headroom_bytes=0, world_size=2,
                         strategy="full", allow_offload=True)
     assert choice.best.layout.offload
-    plan = to_plan(choice)
+    plan = to_plan(choice.best, choice.request, facts)
     assert plan.offload and layout_of(plan, facts) == choice.best.layout
 
 

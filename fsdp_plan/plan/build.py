@@ -13,6 +13,7 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.ddp_buckets import DDPConfig
+from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.hardware.stored import stored_block
 from fsdp_plan.cost.offload import OFFLOAD_ALL
 from fsdp_plan.cost.step_time import step_phases
@@ -20,19 +21,21 @@ from fsdp_plan.cost.units import unit_mixed_precision
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS, modes_mapping
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.plan.document import Mesh, Plan, Unit
-from fsdp_plan.search.batching import BatchChoice
+from fsdp_plan.search.batching import throughput
 from fsdp_plan.search.candidate import Candidate, DDPDetail, Layout, OffloadDetail
+from fsdp_plan.search.request import PlanRequest
 
 
-def to_plan(choice: BatchChoice, *, digest: str = "", notes: list[str] | None = None) -> Plan:
-    """The SPEC plan document for what the search and the sweep chose."""
-    best, request = choice.best, choice.request
-    selective_ops = choice.facts.analysis.selective_ops
+def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest: str = "",
+            notes: list[str] | None = None, global_batch_size: int | None = None) -> Plan:
+    """The SPEC plan document for ``best`` evaluated under ``request`` (as the micro-batch
+    sweep chose it: micro-batch, accumulation, gradient sync, reduce dtype) on ``facts``."""
+    selective_ops = facts.analysis.selective_ops
     forward, backward = prefetch_maps([u.key for u in best.units], best.forward_prefetch,
                                       best.backward_prefetch)
     offload = isinstance(best.detail, OffloadDetail)
     plan = Plan(
-        model={**request.source.to_plan_dict(), "params": choice.facts.graph.total_numel,
+        model={**request.source.to_plan_dict(), "params": facts.graph.total_numel,
                **({"digest": digest} if digest else {})},
         budget_bytes=request.budget_bytes, headroom_bytes=int(request.headroom_bytes or 0),
         world_size=request.world_size, mesh=Mesh(replicate=best.replicate, shard=best.shard),
@@ -54,16 +57,27 @@ def to_plan(choice: BatchChoice, *, digest: str = "", notes: list[str] | None = 
         hardware=stored_block(request.hardware, request.hardware_origin),
         predicted=predicted_block(best),
         ddp=best.detail.config.to_dict() if isinstance(best.detail, DDPDetail) else None,
-        grad_accum_steps=request.grad_accum_steps, gradient_sync=choice.gradient_sync,
+        grad_accum_steps=request.grad_accum_steps,
+        gradient_sync=request.gradient_sync if request.grad_accum_steps > 1 else "every",
         offload=dict(OFFLOAD_ALL) if offload else None,
     )
     if notes:
         plan.model["notes"] = list(notes)
-    plan.predicted["tokens_per_s"] = round(choice.throughput.tokens_per_s, 3)
-    plan.predicted["mfu"] = round(choice.throughput.mfu, 4)
-    if choice.global_batch_size:
-        plan.predicted["global_batch_size"] = choice.global_batch_size
+    plan.predicted.update(throughput_fields(best, facts, plan, request.hardware))
+    if global_batch_size:
+        plan.predicted["global_batch_size"] = global_batch_size
     return plan
+
+
+def throughput_fields(candidate: Candidate, facts: ModelFacts, plan: Plan,
+                      hardware: Hardware) -> dict[str, float]:
+    """``predicted.tokens_per_s`` (per GPU) and ``predicted.mfu`` of ``candidate`` run as
+    ``plan`` says (its micro-batch, sequence and accumulation; search/batching.py
+    ``throughput``) on ``hardware``."""
+    rate = throughput(candidate, facts, micro_batch=int(plan.model["batch_size"]),
+                      seq_len=int(plan.model["seq_len"]), grad_accum_steps=plan.grad_accum_steps,
+                      peak_flops=hardware.peak_flops)
+    return {"tokens_per_s": round(rate.tokens_per_s, 3), "mfu": round(rate.mfu, 4)}
 
 
 def predicted_block(candidate: Candidate) -> dict[str, Any]:
