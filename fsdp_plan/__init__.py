@@ -9,6 +9,7 @@ the stages before it:
     cost/     3 analytic models over the facts: hardware, memory, collectives, the clock
     search/   4 one search over layouts, handed its strategies; the micro-batch sweep
     plan/     5 the plan document and what is made from it: checks, policy module, report
+    export/   5 framework files made from a plan (accelerate, Trainer, Lightning, torchtitan)
     measure/  6 ground truth: PyTorch's own trackers and counters on fake and real process groups
     api.py      composition of the stages (what this face re-exports)
     bench/    7 real runs, result files, tuning

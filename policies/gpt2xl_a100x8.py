@@ -562,7 +562,7 @@ def ddp_kwargs(ddp: dict) -> dict:
     DDP caps its first bucket at 1 MiB only when ``bucket_cap_mb`` is left at its default
     (None: 25 MiB); an explicit ``bucket_cap_mb`` caps the first bucket like the others, and
     any other pair needs ``bucket_cap_mb_list=[first, cap]`` (torch >= 2.13). See
-    [Note: DDP buckets] in fsdp-plan's ddp.py, which reads this same rule."""
+    [Note: DDP buckets] in fsdp-plan's cost/ddp_buckets.py, which reads this same rule."""
     kwargs = {key: bool(ddp[key]) for key in ("gradient_as_bucket_view", "static_graph",
                                               "find_unused_parameters")}
     first, cap = ddp["first_bucket_mb"], ddp["bucket_cap_mb"]

@@ -479,8 +479,8 @@ def test_lone_surrogates_are_refused_whatever_the_loader(base_doc):
 def test_reading_uses_the_c_loader_when_there_is_one():
     assert parse_plan_text(b"a: 1\n") == {"a": 1}
     if hasattr(yaml, "CSafeLoader"):
-        from fsdp_plan.plan import read as plan_read
-        assert plan_read._loader() is yaml.CSafeLoader
+        from fsdp_plan.common import safe_yaml
+        assert safe_yaml._loader() is yaml.CSafeLoader
 
 
 def test_a_parser_with_its_own_nesting_limit_says_the_same(monkeypatch):
