@@ -123,15 +123,6 @@ def _checkpointing_summary(candidate: Candidate) -> dict[str, Any]:
             "recompute_s": round(sum(m.recompute_s for m in modes), 6)}
 
 
-def _checkpointing_summary(candidate: Candidate) -> dict[str, Any]:
-    """Blocks per mode, activation bytes saved and recompute seconds (all blocks, per rank)."""
-    modes = candidate.block_modes
-    return {"full": sum(m.mode == "full" for m in modes),
-            "selective": sum(m.mode == "selective" for m in modes),
-            "saved_bytes": int(sum(m.saved_bytes for m in modes)),
-            "recompute_s": round(sum(m.recompute_s for m in modes), 6)}
-
-
 def layout_of(plan: Plan, facts: ModelFacts) -> Layout:
     """The layout ``plan`` applies, for ``Evaluator.evaluate``; ``BadInput`` for what the models
     cannot predict (modules the model lacks, checkpointing of non-blocks, non-uniform
