@@ -131,6 +131,34 @@ class ModuleCompute:
 
 
 @dataclass(kw_only=True)
+class CompiledBlock:
+    """What the AOTAutograd partition of one compiled block keeps (facts/compiled.py
+    [Note: compiled blocks]); one block of each class is traced and stands for its class."""
+
+    block: str
+    """The FQN of the block traced."""
+    class_name: str
+    activation_memory_budget: float | None = None
+    saved_bytes: int = 0
+    """Bytes of new storages the forward saves for backward (graph inputs excluded)."""
+    kept_bytes: int = 0
+    """Bytes of new storages alive after the compiled forward: the saved set and the output."""
+    saved_tensors: int = 0
+    saved_input_tensors: int = 0
+    """Saved tensors that alias a graph input (parameters, the block's input): no new bytes."""
+    recomputed: dict[str, int] = field(default_factory=dict)
+    """Forward ops the backward graph computes again, by op name."""
+
+
+@dataclass(kw_only=True)
+class CompiledBlocks:
+    """``--compile``: every repeated block compiled; the partition of each block class."""
+
+    activation_memory_budget: float | None = None
+    by_class: dict[str, CompiledBlock] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
 class Analysis:
     """What one micro-batch costs the unwrapped model: timeline, per-module compute, input bytes."""
 
@@ -149,6 +177,8 @@ class Analysis:
     """Per block: the FLOPs its selective mode replays in backward."""
     selective_unavailable: str = ""
     """Why selective checkpointing is not offered for this model (empty when it is)."""
+    compiled: CompiledBlocks | None = None
+    """The compiled blocks' partitions (``--compile``); None for eager blocks."""
 
 
 @dataclass(kw_only=True)
@@ -187,12 +217,20 @@ class ModelFacts:
             selective_timeline=_timeline(a["selective_timeline"]) if a.get("selective_timeline")
             else None, selective_ops=list(a.get("selective_ops", [])),
             selective_recompute_flops=dict(a.get("selective_recompute_flops", {})),
-            selective_unavailable=a.get("selective_unavailable", ""))
+            selective_unavailable=a.get("selective_unavailable", ""),
+            compiled=_compiled(a.get("compiled")))
         return cls(graph=graph, analysis=analysis)
 
     @classmethod
     def from_json(cls, text: str) -> ModelFacts:
         return cls.from_dict(json.loads(text))
+
+
+def _compiled(raw: dict[str, Any] | None) -> CompiledBlocks | None:
+    if not raw:
+        return None
+    return CompiledBlocks(activation_memory_budget=raw.get("activation_memory_budget"),
+                          by_class={k: CompiledBlock(**v) for k, v in raw["by_class"].items()})
 
 
 def _timeline(raw: dict[str, Any]) -> Timeline:

@@ -1,0 +1,264 @@
+"""What a compiled block saves for backward: the AOTAutograd partition of one block per class.
+
+[Note: compiled blocks]
+``torch.compile(block.forward, fullgraph=True)`` (torchtitan's per-block compile) traces the
+block's forward and backward as one joint graph and lets the min-cut partitioner
+(``torch/_functorch/partitioners.py``, inductor's ``partition_fn``, with
+``torch._functorch.config.activation_memory_budget`` as a knapsack on top) decide what the
+forward keeps for backward and what the backward recomputes. That choice is plain Python
+over FX graphs, so it is read here without a C++ compiler and without data: one block of
+each distinct class is called, with the inputs it gets in the model, through a custom
+``aot_autograd`` backend (inductor's decomposition table and partition function, compilers
+that only keep the graphs) on the fake model under ``FakeTensorMode``.
+
+From the partition:
+- ``saved_bytes``: the forward graph's outputs that the backward takes (the backward graph's
+  placeholders other than tangents), counted once per storage of their traced (fake) values:
+  a saved view counts its base once, and saved tensors that alias a graph input (parameters, buffers, the block's input) count
+  nothing, since they are alive anyway;
+- ``kept_bytes``: every new storage the compiled forward leaves alive (the saved set and the
+  block's output): the rise of the activation level over the block's forward, which the
+  timeline composer uses for a compiled block (cost/timeline.py [Note: compiled timeline]);
+- ``recomputed``: forward ops of the joint graph that the backward graph computes again.
+
+Modelled, not measured: the level inside a compiled block (fused-kernel transients) follows
+the eager pass's shape; on a CPU, inductor's kernels cannot run on fake tensors, so verify
+runs the same partitioned graphs op by op (``graph_backend(run=True)``).
+
+Read only from the torch side of the analysis (facts/analysis.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import operator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.facts.depth import reduced_copy
+from fsdp_plan.facts.graph import keeps_full_precision
+from fsdp_plan.facts.types import CompiledBlock, CompiledBlocks
+from fsdp_plan.model.fake import materialize_fake, new_fake_mode
+from fsdp_plan.model.load import rebuild_meta
+
+
+class _Captured(Exception):
+    """Raised from the last block's pre-forward hook: the inputs are in, stop the forward."""
+
+
+def graph_backend(sink: dict[str, Any] | None = None, *, run: bool = False) -> Any:
+    """An ``aot_autograd`` backend with inductor's decompositions and partition function.
+
+    ``sink`` receives the joint graph's forward node names (``joint_forward``) and the
+    partition (``fw``, ``bw``); the compiled callables run the partitioned FX graphs op by op
+    (``run=True``: what verify measures on fake tensors, where inductor kernels cannot run)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import partition_fn, select_decomp_table
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        if sink is not None:
+            sink["joint_forward"] = _forward_names(joint)
+        fw, bw = partition_fn(joint, joint_inputs, **kwargs)
+        if sink is not None:
+            sink["fw"], sink["bw"] = fw, bw
+        return fw, bw
+
+    def keep(gm: fx.GraphModule, _example_inputs: Any):
+        if sink is not None:
+            sink["ran"] = sink.get("ran", 0)
+        return make_boxed_func(_counting(gm, sink) if run else gm)
+
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition,
+                        decompositions=select_decomp_table())
+
+
+def _counting(gm: fx.GraphModule, sink: dict[str, Any] | None):
+    """``gm`` as a callable that counts its calls in ``sink["ran"]`` (verify's check that
+    the compiled graphs really ran)."""
+    def call(*args: Any) -> Any:
+        if sink is not None:
+            sink["ran"] = sink.get("ran", 0) + 1
+        return gm(*args)
+    return call
+
+
+def budget_patch(activation_memory_budget: float | None):
+    """``torch._functorch.config.patch`` for the budget, or a no-op for the default."""
+    if activation_memory_budget is None:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(activation_memory_budget=activation_memory_budget)
+
+
+def _forward_names(joint: fx.GraphModule) -> set[str]:
+    """Nodes of the joint graph that do not depend on a tangent: the forward's ops."""
+    backward: set[fx.Node] = set()
+    out: set[str] = set()
+    for node in joint.graph.nodes:
+        if node.op == "placeholder":
+            if "tangent" in node.name:
+                backward.add(node)
+            continue
+        if any(a in backward for a in node.all_input_nodes):
+            backward.add(node)
+        elif node.op == "call_function":
+            out.add(node.name)
+    return out
+
+
+def _storage(node: fx.Node) -> tuple[int, int] | None:
+    """(identity, bytes) of the storage behind ``node``'s traced value: views and the items
+    of ``split`` share their base's storage, as they do at run time."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor):
+        return None
+    storage = value.untyped_storage()
+    return storage._cdata, int(storage.nbytes())
+
+
+def _new_bytes(nodes: list[fx.Node], inputs: list[fx.Node]) -> int:
+    """Bytes of the distinct storages behind ``nodes`` that are not graph inputs'."""
+    known = {s[0] for s in map(_storage, inputs) if s is not None}
+    found = {s[0]: s[1] for s in map(_storage, nodes) if s is not None and s[0] not in known}
+    return sum(found.values())
+
+
+def read_partition(fw: fx.GraphModule, bw: fx.GraphModule, joint_forward: set[str],
+                   *, block: str, class_name: str,
+                   activation_memory_budget: float | None) -> CompiledBlock:
+    """The figures of one partition (see [Note: compiled blocks])."""
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")
+                   if not n.name.startswith("tangents")]
+    saved = [fw_nodes[name] for name in saved_names if name in fw_nodes]
+    outputs = [a for a in fx.node.map_arg(fw.graph.output_node().args[0], lambda n: n)
+               if isinstance(a, fx.Node)] if fw.graph.output_node().args else []
+    inputs = list(fw.graph.find_nodes(op="placeholder"))
+    saved_set = set(saved)
+    user_outputs = [n for n in outputs if n not in saved_set]
+    recomputed = collections.Counter(
+        str(getattr(n.target, "__name__", n.target)) for n in bw.graph.nodes
+        if n.op == "call_function" and n.name in joint_forward and n.target is not operator.getitem)
+    return CompiledBlock(
+        block=block, class_name=class_name, activation_memory_budget=activation_memory_budget,
+        saved_bytes=_new_bytes(saved, inputs), kept_bytes=_new_bytes(saved + user_outputs, inputs),
+        saved_input_tensors=len(saved) - len([n for n in saved if _new_bytes([n], inputs)]),
+        saved_tensors=len(saved), recomputed=dict(sorted(recomputed.items())))
+
+
+def trace_block(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,
+                activation_memory_budget: float | None) -> CompiledBlock:
+    """Compile ``block.forward`` through ``graph_backend`` on its captured (fake) inputs and
+    read the partition. Call under the fake mode the inputs belong to."""
+    sink: dict[str, Any] = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(block.forward, backend=graph_backend(sink), fullgraph=True)
+    try:
+        with budget_patch(activation_memory_budget):
+            compiled(*args, **kwargs)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise BadInput(f"block {fqn!r} ({type(block).__name__}) does not compile with "
+                       f"torch.compile(fullgraph=True) ({type(e).__name__}: {first}); plan it "
+                       "without --compile.") from e
+    finally:
+        torch._dynamo.reset()
+    if "bw" not in sink:
+        raise BadInput(f"block {fqn!r} ({type(block).__name__}) compiled without a backward "
+                       "graph (no input or parameter needs a gradient); nothing to plan with "
+                       "--compile.")
+    return read_partition(sink["fw"], sink["bw"], sink["joint_forward"], block=fqn,
+                          class_name=type(block).__name__,
+                          activation_memory_budget=activation_memory_budget)
+
+
+def capture_block_inputs(model: nn.Module, fqns: list[str], run_forward) -> dict[str, tuple]:
+    """``{fqn: (args, kwargs)}``: what each listed block gets in ``run_forward()`` (a forward
+    of ``model`` under fake mode), inputs detached and needing gradients as they did. The
+    forward stops at the last listed block."""
+    wanted = set(fqns)
+    got: dict[str, tuple] = {}
+
+    def hook(name: str, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def detach(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return value.detach().requires_grad_(value.requires_grad)
+            return value
+        got[name] = (tuple(detach(a) for a in args), {k: detach(v) for k, v in kwargs.items()})
+        if set(got) >= wanted:
+            raise _Captured
+    handles = [model.get_submodule(f).register_forward_pre_hook(
+        functools.partial(hook, f), with_kwargs=True) for f in fqns]
+    try:
+        run_forward()
+    except _Captured:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+def one_per_class(model: nn.Module, blocks: list[str]) -> list[str]:
+    """The first block of each distinct class (the one traced for all of its class)."""
+    seen: dict[str, str] = {}
+    for fqn in blocks:
+        seen.setdefault(type(model.get_submodule(fqn)).__name__, fqn)
+    return list(seen.values())
+
+
+def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: list[str],
+                     activation_memory_budget: float | None = None) -> CompiledBlocks:
+    """Trace one block of each class of ``blocks`` compiled (see [Note: compiled blocks]).
+
+    The model is rebuilt on ``meta`` (cut to three blocks per stack when it is deep,
+    facts/depth.py), given fake storage, its parameters cast to ``param_dtype`` as the
+    analysis does, and run forward until every traced block has its inputs."""
+    model = rebuild_meta(loaded)
+    reduced = reduced_copy(model, blocks)
+    if reduced is not None:
+        model = reduced[0]
+    present = [b for b in blocks if _has(model, b)]
+    traced = one_per_class(model, present)
+    fake_mode = new_fake_mode()
+    materialize_fake(model, fake_mode)
+    kept = {id(p) for m in model.modules() if keeps_full_precision(m)
+            for p in m.parameters(recurse=False)}
+    with fake_mode:
+        if param_dtype is not None:
+            for p in model.parameters():
+                if p.is_floating_point() and id(p) not in kept:
+                    p.data = p.data.to(param_dtype)
+        args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
+        if param_dtype is not None:
+            cast = functools.partial(_cast_floating, dtype=param_dtype)
+            args, kwargs = cast(args), cast(kwargs)
+        inputs = capture_block_inputs(model, traced, lambda: model(*args, **kwargs))
+        by_class: dict[str, CompiledBlock] = {}
+        for fqn in traced:
+            if fqn not in inputs:
+                raise BadInput(f"block {fqn!r} did not run in the model's forward; it cannot be "
+                               "traced compiled. Plan without --compile.")
+            block_args, block_kwargs = inputs[fqn]
+            one = trace_block(model.get_submodule(fqn), block_args, block_kwargs, fqn=fqn,
+                              activation_memory_budget=activation_memory_budget)
+            by_class[one.class_name] = one
+    return CompiledBlocks(activation_memory_budget=activation_memory_budget, by_class=by_class)
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    return torch.utils._pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
+def _has(model: nn.Module, fqn: str) -> bool:
+    try:
+        model.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
