@@ -44,6 +44,7 @@ from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 from fsdp_plan.plan.report import chrome_trace
 from fsdp_plan.search.batching import BatchChoice, choose_batch
 from fsdp_plan.search.candidate import Candidate, SearchSettings
+from fsdp_plan.search.ddp import DdpStrategy
 from fsdp_plan.search.evaluator import Evaluator
 from fsdp_plan.search.request import PlanRequest
 from fsdp_plan.search.run import plug_ins_for, run_search
@@ -117,7 +118,9 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
             progress(f"micro-batch {batch} x {steps} accumulation step(s)")
         analyzed = analyze_model(source, param_dtype=request.param_dtype,
                                  exact=request.exact_analysis,
-                                 progress=None if batching else progress)
+                                 progress=None if batching else progress,
+                                 compile_blocks=request.compile_blocks,
+                                 activation_memory_budget=request.activation_memory_budget)
         analyses[batch] = analyzed
         if progress and not batching:
             graph = analyzed.facts.graph
@@ -145,6 +148,8 @@ def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = ""
 def _search_for(request: PlanRequest):
     """The search with the strategies and fallbacks ``request`` admits."""
     generators, fallbacks = plug_ins_for(request.strategy, request.allow_offload)
+    if request.compile_blocks:  # DDP reads the eager timeline: compiled DDP is not modelled
+        generators = tuple(g for g in generators if not isinstance(g, DdpStrategy))
     return partial(run_search, generators=generators, fallbacks=fallbacks)
 
 
@@ -162,8 +167,10 @@ def _result(choice: BatchChoice, *, digest: str, notes: list[str] | None) -> Pla
 def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:
     """The facts a plan is predicted from: ``loaded`` analysed at the plan's compute dtype
     (``predict``, ``verify`` and ``tune`` all start here)."""
+    compiled = plan.compile or {}
     return analyze_loaded(loaded, param_dtype=plan.mixed_precision.get("param_dtype")
-                          or "float32").facts
+                          or "float32", compile_blocks=bool(compiled),
+                          activation_memory_budget=compiled.get("activation_memory_budget")).facts
 
 
 def plan_hardware(plan: Plan, *, gpu: str | None = None, hardware_file: str | None = None

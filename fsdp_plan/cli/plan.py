@@ -102,6 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the chosen plan with FSDPMemTracker before writing")
     parser.add_argument("--exact-analysis", action="store_true",
                         help="analyse every block instead of three per stack")
+    parser.add_argument("--compile", action="store_true",
+                        help="plan each repeated block compiled as torchtitan does "
+                        "(torch.compile(block.forward, fullgraph=True) after checkpointing, "
+                        "before fully_shard): saved activations from the compiler's partition")
+    parser.add_argument("--activation-memory-budget", type=float, default=None, metavar="B",
+                        help="with --compile: torch._functorch.config.activation_memory_budget "
+                        "(0..1) for the compiled blocks (default: the partitioner's own)")
     parser.add_argument("--allow-offload", action="store_true",
                         help="when no plan fits on the GPU, plan FSDP2 CPU offload "
                         "(CPUOffloadPolicy: parameters, gradients and optimizer states in host "
@@ -203,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, hardware=values["hardware"],
         hardware_origin=values["hardware_origin"], exact_analysis=args.exact_analysis,
         allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
-        auto_batch=args.batch_size == "auto")
+        auto_batch=args.batch_size == "auto", compile_blocks=args.compile,
+        activation_memory_budget=args.activation_memory_budget)
     # Imported here, not above: model.load imports torch (about 6 s), and every flag was to be
     # checked before that wait (see the note under the imports).
     from fsdp_plan.model.load import user_code_output_to_stderr

@@ -9,6 +9,19 @@ by segment, so the composite is what a run with exactly those modes records. The
 checkpoints the first blocks (full ones first, then selective ones; for identical blocks the
 peak depends only on how many of each there are); a plan written by hand may give any block
 any mode, which composes the same way.
+
+[Note: compiled timeline]
+With ``--compile`` every repeated block runs compiled, and what its forward leaves alive is
+the AOTAutograd partition's (facts/compiled.py [Note: compiled blocks]), not the eager
+pass's. ``compiled_timeline`` derives the plain pass of a compiled model from the eager one:
+over each block's forward segment the level rises by the partition's ``kept_bytes`` instead
+of the eager rise, the difference carried on through every later event until that block's
+backward segment ends (its saved tensors are freed there). Events inside a block keep the
+eager shape, shifted by the difference and held no lower than the level the segment starts
+from (forward) or ends at (backward): transients inside a compiled block are modelled on the
+eager ones, not on fused kernels. Fully checkpointed blocks keep their checkpointed-pass
+segments (compiled or not, only the block's input is kept); selective checkpointing of
+compiled blocks is not modelled (the composer offers no selective pass).
 """
 
 from __future__ import annotations
@@ -17,6 +30,7 @@ import bisect
 import dataclasses
 from dataclasses import dataclass
 
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.types import Analysis, Event, Timeline
 
 
@@ -68,6 +82,42 @@ def find_segments(timeline: Timeline, blocks: list[str]) -> Segments | None:
                     suffix_start=first_bw_end + 1)
 
 
+def compiled_timeline(plain: Timeline, segments: Segments, kept: list[int | None]) -> Timeline:
+    """The plain pass with block ``i``'s forward leaving ``kept[i]`` bytes alive (None: as
+    eager); see [Note: compiled timeline]."""
+    events = plain.events
+    n = len(events)
+    shift = [0] * (n + 1)
+    for i, k in enumerate(kept):
+        if k is None:
+            continue
+        (fs, fe), (_bs, be) = segments.fw[i], segments.bw[i]
+        d = k - (events[fe].level - events[fs].level if fe < n else 0)
+        shift[fs + 1] += d
+        shift[be] -= d
+    offsets, running = [], 0
+    for j in range(n):
+        running += shift[j]
+        offsets.append(running)
+    floor = [None] * n
+    for i, k in enumerate(kept):
+        if k is None:
+            continue
+        (fs, fe), (bs, be) = segments.fw[i], segments.bw[i]
+        for j in range(fs + 1, fe):
+            floor[j] = events[fs].level + offsets[fs]
+        end = events[be].level + offsets[be] if be < n else plain.final_level
+        for j in range(bs, be):
+            floor[j] = end
+    out = []
+    for j, e in enumerate(events):
+        level = e.level + offsets[j]
+        if floor[j] is not None:
+            level = max(level, floor[j])
+        out.append(dataclasses.replace(e, level=level, peak=max(level, e.peak + offsets[j])))
+    return dataclasses.replace(plain, events=out)
+
+
 class TimelineComposer:
     """Builds (and caches) the timeline for per-block checkpointing modes (blocks by index).
 
@@ -81,6 +131,16 @@ class TimelineComposer:
         self.sel = getattr(analysis, "selective_timeline", None)
         self.blocks = blocks
         self.plain_seg = find_segments(self.plain, blocks)
+        compiled = getattr(analysis, "compiled", None)
+        if compiled is not None and self.plain_seg is None:
+            raise BadInput("--compile needs the model's repeated blocks to run one after the "
+                           "other in forward and in reverse in backward (aligned block "
+                           "segments); this model's do not, so compiled blocks cannot be "
+                           "planned. Plan without --compile.")
+        if compiled is not None:  # [Note: compiled timeline]
+            self.plain = compiled_timeline(self.plain, self.plain_seg,
+                                           [compiled.kept_bytes(b) for b in blocks])
+            self.sel = None
         self.ckpt_seg = find_segments(self.ckpt, blocks) if self.ckpt else None
         self.sel_seg = find_segments(self.sel, blocks) if self.sel else None
         every = frozenset(range(len(blocks)))

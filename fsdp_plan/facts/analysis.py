@@ -38,6 +38,7 @@ from torch.utils.flop_counter import (
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
+from fsdp_plan.facts.compiled import analyze_compiled
 from fsdp_plan.facts.depth import expand_pass, reduced_copy
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.facts.graph import keeps_full_precision
@@ -362,8 +363,14 @@ def apply_checkpointing(model: nn.Module, fqns: list[str],
 
 def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: list[str],
             with_checkpointing: bool = True, exact: bool = False,
-            progress: Callable[[str], None] | None = None) -> Analysis:
+            progress: Callable[[str], None] | None = None, compile_blocks: bool = False,
+            activation_memory_budget: float | None = None) -> Analysis:
     """Run the plain pass and, when the model has repeated blocks, the all-blocks-checkpointed pass.
+
+    ``compile_blocks``: the blocks run compiled (``--compile``); one block of each class is
+    traced through the AOTAutograd partitioner (facts/compiled.py), whose saved set replaces
+    the eager one in the plan's timeline (cost/timeline.py [Note: compiled timeline]).
+    Selective checkpointing of compiled blocks is not modelled, so its pass is skipped.
 
     Deep models are analysed on a copy cut to three blocks per stack and the middle block's
     segments are repeated (see depth.py); ``exact=True`` runs every block instead.
@@ -378,8 +385,19 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
             ckpt, _, _ = _pass(loaded, param_dtype, blocks, blocks, exact)
         except BadInput:
             ckpt = None  # checkpointing cannot be traced here: plan without it
-        if ckpt is not None:
+        if ckpt is not None and not compile_blocks:
             selective = _selective_pass(loaded, param_dtype, blocks, exact, modules)
+    compiled = None
+    if compile_blocks:
+        if not blocks:
+            raise BadInput("--compile compiles the model's repeated blocks, and this model has "
+                           "none (no container of same-class children); plan without --compile.")
+        if progress:
+            progress("tracing the compiled blocks' partition")
+        compiled = analyze_compiled(loaded, param_dtype=param_dtype, blocks=blocks,
+                                    activation_memory_budget=activation_memory_budget)
+        selective = (None, {}, "selective checkpointing of compiled blocks is not modelled; "
+                               "full checkpointing only")
     root = modules.get("", ModuleCompute())
     end = timeline.events[-1].flops if timeline.events else 0.0
     return Analysis(
@@ -389,6 +407,7 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
         checkpointed_timeline=ckpt, selective_timeline=selective[0],
         selective_ops=list(DEFAULT_SELECTIVE_OPS) if selective[0] else [],
         selective_recompute_flops=selective[1], selective_unavailable=selective[2],
+        compiled=compiled,
     )
 
 

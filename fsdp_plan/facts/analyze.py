@@ -28,15 +28,19 @@ class Analyzed:
 
 
 def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: bool = False,
-                  progress: Progress | None = None) -> Analyzed:
-    """Build the model on ``meta`` and run the fake forward + backward (facts/analysis.py)."""
+                  progress: Progress | None = None, compile_blocks: bool = False,
+                  activation_memory_budget: float | None = None) -> Analyzed:
+    """Build the model on ``meta`` and run the fake forward + backward (facts/analysis.py);
+    ``compile_blocks``: with the repeated blocks compiled (``--compile``)."""
     _, _, load = _torch_stages()
     return analyze_loaded(load.load_model(source), param_dtype=param_dtype, exact=exact,
-                          progress=progress)
+                          progress=progress, compile_blocks=compile_blocks,
+                          activation_memory_budget=activation_memory_budget)
 
 
 def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact: bool = False,
-                   progress: Progress | None = None) -> Analyzed:
+                   progress: Progress | None = None, compile_blocks: bool = False,
+                   activation_memory_budget: float | None = None) -> Analyzed:
     """``analyze_model`` for a model already loaded (verify and predict load it to check it)."""
     import torch  # see _torch_stages
 
@@ -53,7 +57,9 @@ def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact:
     with load.user_code_output_to_stderr():  # the model's print()s: stdout is the report's
         analysed = analysis.analyze(loaded,
                                     param_dtype=getattr(torch, canonical_dtype(param_dtype)),
-                                    blocks=graph.blocks, exact=exact, progress=progress)
+                                    blocks=graph.blocks, exact=exact, progress=progress,
+                                    compile_blocks=compile_blocks,
+                                    activation_memory_budget=activation_memory_budget)
     return Analyzed(loaded=loaded, facts=ModelFacts(graph=graph, analysis=analysed),
                     digest=source_digest(source), notes=list(loaded.notes))
 

@@ -248,7 +248,9 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
             one = trace_block(model.get_submodule(fqn), block_args, block_kwargs, fqn=fqn,
                               activation_memory_budget=activation_memory_budget)
             by_class[one.class_name] = one
-    return CompiledBlocks(activation_memory_budget=activation_memory_budget, by_class=by_class)
+    return CompiledBlocks(activation_memory_budget=activation_memory_budget, by_class=by_class,
+                          block_class={b: type(loaded.model.get_submodule(b)).__name__
+                                       for b in blocks})
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -156,6 +156,13 @@ class CompiledBlocks:
 
     activation_memory_budget: float | None = None
     by_class: dict[str, CompiledBlock] = field(default_factory=dict)
+    block_class: dict[str, str] = field(default_factory=dict)
+    """Every repeated block's FQN -> its class (the key of ``by_class`` it takes)."""
+
+    def kept_bytes(self, block: str) -> int | None:
+        """What ``block``'s compiled forward leaves alive, or None when it was not traced."""
+        one = self.by_class.get(self.block_class.get(block, ""))
+        return None if one is None else one.kept_bytes
 
 
 @dataclass(kw_only=True)
@@ -230,7 +237,8 @@ def _compiled(raw: dict[str, Any] | None) -> CompiledBlocks | None:
     if not raw:
         return None
     return CompiledBlocks(activation_memory_budget=raw.get("activation_memory_budget"),
-                          by_class={k: CompiledBlock(**v) for k, v in raw["by_class"].items()})
+                          by_class={k: CompiledBlock(**v) for k, v in raw["by_class"].items()},
+                          block_class=dict(raw.get("block_class", {})))
 
 
 def _timeline(raw: dict[str, Any]) -> Timeline:

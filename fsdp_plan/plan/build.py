@@ -49,7 +49,7 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
             if best.selective else best.checkpointed),
         selective_ops=list(selective_ops or DEFAULT_SELECTIVE_OPS) if best.selective else [],
         fsdp_plan_version=2 if (best.selective or best.strategy == "ddp" or offload
-                                or request.grad_accum_steps > 1) else 1,
+                                or request.grad_accum_steps > 1 or request.compile_blocks) else 1,
         forward_prefetch=forward, backward_prefetch=backward,
         mixed_precision={"param_dtype": request.param_dtype,
                          "reduce_dtype": request.reduce_dtype},
@@ -60,6 +60,8 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
         grad_accum_steps=request.grad_accum_steps,
         gradient_sync=request.gradient_sync if request.grad_accum_steps > 1 else "every",
         offload=dict(OFFLOAD_ALL) if offload else None,
+        compile={"blocks": True, "activation_memory_budget": request.activation_memory_budget,
+                 "modules": list(facts.graph.blocks)} if request.compile_blocks else None,
     )
     if notes:
         plan.model["notes"] = list(notes)

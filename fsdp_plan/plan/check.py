@@ -297,8 +297,43 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     out["ddp"] = _check_ddp(check, raw.get("ddp"), out["strategy"])
     out["grad_accum_steps"], out["gradient_sync"] = _check_accumulation(check, raw)
     out["offload"] = _check_offload(check, raw.get("offload"))
+    out["compile"] = _check_compile(check, raw.get("compile"), version)
     _refuse_unapplied(check, raw)
     return out
+
+
+def _check_compile(check: _Checker, value: Any, version: int) -> dict[str, Any] | None:
+    """``compile: {blocks: true, activation_memory_budget: B | null, modules: [FQN, ...]}``
+    (SPEC 7, version 2); None when absent or ``blocks: false``."""
+    if value is None:
+        return None
+    fix = ("compile is {blocks: true, activation_memory_budget: null or a number in 0..1, "
+           "modules: [the repeated blocks' FQNs]}")
+    mapping = check.mapping(value, "compile", fix)
+    check.keys(mapping, "compile", ("blocks", "activation_memory_budget", "modules"))
+    blocks = mapping.get("blocks", False)
+    if not isinstance(blocks, bool):
+        raise check.fail("compile.blocks", f"must be true or false, got {show(blocks)}",
+                         "write true or false")
+    if not blocks:
+        return None
+    if version < 2:
+        raise check.fail("compile", "needs fsdp_plan_version: 2", "set fsdp_plan_version: 2")
+    budget = mapping.get("activation_memory_budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not 0 <= budget <= 1):
+        raise check.fail("compile.activation_memory_budget", f"must be null or a number from 0 "
+                         f"to 1, got {show(budget)}", "write null (the partitioner's default) or "
+                         "a fraction such as 0.5")
+    modules = mapping.get("modules")
+    if (not isinstance(modules, list) or not modules
+            or not all(isinstance(m, str) and m for m in modules) or len(set(modules)) < len(modules)):
+        raise check.fail("compile.modules", f"must be a non-empty list of distinct module FQNs, "
+                         f"got {show(modules)}", "list the blocks to compile, e.g. [layers.0, "
+                         "layers.1]")
+    return {"blocks": True,
+            "activation_memory_budget": None if budget is None else float(budget),
+            "modules": list(modules)}
 
 
 def _check_offload(check: _Checker, offload: Any) -> dict[str, bool] | None:

@@ -84,6 +84,10 @@ class Plan:
     gradients accumulated unsharded in between (``prepare_microbatch`` in the policy)."""
     offload: dict[str, bool] | None = None
     """``{params: true, optimizer: true}``: FSDP2 ``CPUOffloadPolicy`` (version 2); None: none."""
+    compile: dict[str, Any] | None = None
+    """``{blocks: true, activation_memory_budget: B | null, modules: [FQN, ...]}``: the listed
+    repeated blocks run ``torch.compile(block.forward, fullgraph=True)`` (SPEC 7, version 2);
+    None: eager."""
     fsdp_plan_version: int = PLAN_VERSION
 
     @property
@@ -106,6 +110,8 @@ class Plan:
                                                                           "gradient_sync"]
         if raw["offload"]:
             order.insert(order.index("predicted"), "offload")
+        if raw["compile"]:
+            order.insert(order.index("predicted"), "compile")
         if raw["hardware"] is not None:  # SPEC 7: the figures it was predicted with
             order.insert(order.index("gpu") + 1, "hardware")
         if raw["ddp"] is not None:  # a DDP plan: its arguments right after its one unit
@@ -138,6 +144,7 @@ class Plan:
             grad_accum_steps=checked["grad_accum_steps"],
             gradient_sync=checked["gradient_sync"],
             offload=checked["offload"],
+            compile=checked["compile"],
             fsdp_plan_version=checked["fsdp_plan_version"],
         )
 

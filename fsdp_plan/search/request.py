@@ -51,6 +51,13 @@ class PlanRequest:
     auto_batch: bool = False
     """``--batch-size auto``: the largest micro-batch that fits, or the fastest if larger is
     not faster."""
+    compile_blocks: bool = False
+    """``--compile``: plan the repeated blocks compiled (``torch.compile(block.forward,
+    fullgraph=True)``), their saved activations from the AOTAutograd partition
+    (facts/compiled.py); FSDP2 plans only."""
+    activation_memory_budget: float | None = None
+    """``--activation-memory-budget``: ``torch._functorch.config.activation_memory_budget``
+    (0..1) for the compiled blocks; None: the partitioner's default."""
 
     def __post_init__(self) -> None:
         self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
@@ -64,6 +71,17 @@ class PlanRequest:
         if self.optimizer not in OPTIMIZER_STATES:
             raise BadInput(f"optimizer {self.optimizer!r} is not one of "
                            f"{', '.join(OPTIMIZER_STATES)}.")
+        if self.activation_memory_budget is not None:
+            if not self.compile_blocks:
+                raise BadInput("--activation-memory-budget sets the compiled blocks' "
+                               "partitioner budget; add --compile (or drop the budget).")
+            if not 0 <= self.activation_memory_budget <= 1:
+                raise BadInput(f"--activation-memory-budget {self.activation_memory_budget} is "
+                               "outside 0..1 (the fraction of the default saved activations "
+                               "the partitioner may keep); give e.g. 0.5.")
+        if self.compile_blocks and self.strategy == "ddp":
+            raise BadInput("--compile plans compiled blocks for FSDP2 (sharded) plans; DDP with "
+                           "compiled blocks is not modelled. Drop --compile or --strategy ddp.")
         if self.allow_offload:  # before any work: h2d_bandwidth 0 cannot price the copies
             pcie_bandwidth(self.hardware)
 
