@@ -17,6 +17,15 @@ tracker: on entry it registers what is alive (sharded parameters, optimizer stat
 the tracked inputs) and starts its peak there, using public API only. Tests check this equals
 restarting the first tracker's private ``_peak_mem`` from its current snapshot.
 
+[Note: measuring compiled blocks]
+A plan with ``compile`` is measured with its blocks compiled by the policy's
+``compile_blocks`` through ``facts.compiled.graph_backend(run=True)``: Dynamo, inductor's
+decompositions and partitioner as in training, the partitioned FX graphs run op by op (inductor's
+generated kernels cannot run on fake tensors). The tracker is ``CompiledStepMemTracker``
+(Dynamo ignores it while compiling), the dtype checker is left out (a dispatch mode Dynamo would
+not ignore), and the backend counts graph calls: a step in which the compiled graphs did not
+all run raises instead of measuring an eager step.
+
 Known limitations: FSDP1 cannot be measured here (``FSDPMemTracker`` tracks ``fully_shard``
 modules only); CPU attention kernels can keep more than GPU ones (dropout > 0 takes the math
 path), see ``cpu_gpu_differences``.
@@ -24,6 +33,7 @@ path), see ``cpu_gpu_differences``.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 from collections.abc import Iterator
@@ -37,7 +47,8 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.measured import MeasuredMemory
-from fsdp_plan.measure.tracker import GroupAwareMemTracker
+from fsdp_plan.facts.compiled import graph_backend
+from fsdp_plan.measure.tracker import CompiledStepMemTracker, GroupAwareMemTracker
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import LoadedModel, rebuild_meta
 from fsdp_plan.plan.document import Plan
@@ -88,6 +99,36 @@ def _module_peaks(tracker: Any, root: nn.Module) -> dict[str, int]:
     return peaks
 
 
+@contextmanager
+def _fresh_dynamo(compiled: bool) -> Iterator[None]:
+    """Dynamo's caches cleared before and after a compiled measurement (its graphs hold the
+    fake tensors of this measurement)."""
+    if not compiled:
+        yield
+        return
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+
+
+def _check_compiled_ran(calls: int, compiled: dict[str, Any], plan: Plan) -> str:
+    """Refuse a compiled measurement in which the compiled graphs did not run: each block's
+    forward and backward graph once per micro-batch of the steady step."""
+    expected = 2 * len(compiled["modules"]) * max(1, int(getattr(plan, "grad_accum_steps", 1)))
+    if calls != expected:
+        raise RuntimeError(f"the compiled blocks' graphs ran {calls} times in the measured step, "
+                           f"not {expected} (forward and backward of {len(compiled['modules'])} "
+                           "blocks): Dynamo skipped or fell back to eager, so this would not "
+                           "measure the compiled step.")
+    return (f"compiled blocks: {len(compiled['modules'])} blocks ran their compiled forward and "
+            f"backward graphs ({calls} graph calls), executed op by op (inductor's kernels cannot "
+            "run on fake tensors), so transients inside a block are the unfused graph's.")
+
+
 def cpu_gpu_differences(model: nn.Module) -> list[str]:
     """Where the CPU measurement is known to differ from a GPU run (SPEC 5): named, not hidden."""
     notes = []
@@ -124,16 +165,23 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     started = time.perf_counter()
     replicate, shard = runtime.mesh_shape(plan.mesh)
     source = loaded.source
-    with fake_process_group(plan.world_size):
+    compiled = getattr(plan, "compile", None) or {}
+    ran: dict[str, Any] = {}  # [Note: measuring compiled blocks]
+    tracker_class = CompiledStepMemTracker if compiled else GroupAwareMemTracker
+    with fake_process_group(plan.world_size), _fresh_dynamo(bool(compiled)):
         fake_mode = new_fake_mode()
         model = materialize_fake(rebuild_meta(loaded), fake_mode)
         notes = cpu_gpu_differences(model)
         mesh = runtime.make_mesh("cpu", replicate, shard)  # outside fake mode: see make_mesh
         with fake_mode:
-            model = policy_module.apply_fully_shard(model, mesh)
+            if compiled:
+                model = policy_module.apply_fully_shard(
+                    model, mesh, compile_backend=graph_backend(ran, run=True))
+            else:
+                model = policy_module.apply_fully_shard(model, mesh)
             optimizer = runtime.make_optimizer(plan.optimizer, model.parameters())
             inputs = loaded.make_inputs(source.batch_size, source.seq_len)
-            warmup = GroupAwareMemTracker(model, optimizer)
+            warmup = tracker_class(model, optimizer)
             warmup.track_inputs(inputs)
             def training_step(tracker) -> None:
                 # every micro-batch of one optimizer step (SPEC 6), then the step itself;
@@ -143,12 +191,15 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
                 runtime.finish_step(model, optimizer)
             with warmup:  # step 1: lazy optimizer states, first-step FSDP initialisation
                 training_step(warmup)
-            tracker = GroupAwareMemTracker(model, optimizer)  # see [Note: the steady step]
+            tracker = tracker_class(model, optimizer)  # see [Note: the steady step]
             tracker.track_inputs(inputs)
             checker = DtypeChecker(running_modules(getattr(tracker, "_mod_tracker", None)))
-            with tracker, checker:
+            ran["ran"] = 0
+            with tracker, checker if not compiled else contextlib.nullcontext():
                 step_start = _total(tracker.get_tracker_snapshot("current"))
                 training_step(tracker)
+            if compiled:
+                notes.append(_check_compiled_ran(ran.get("ran", 0), compiled, plan))
             peak_snap = tracker.get_tracker_snapshot("peak")
             module_peaks = _module_peaks(tracker, model)
     peak = _total(peak_snap)

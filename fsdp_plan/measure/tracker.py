@@ -95,3 +95,13 @@ class GroupAwareMemTracker(FSDPMemTracker):
                     state._modules_to_run_forward, state._cast_output_dtype)
                 state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
         self._grouped.clear()
+
+
+class CompiledStepMemTracker(GroupAwareMemTracker):
+    """``GroupAwareMemTracker`` for plans with compiled blocks: it tells Dynamo to ignore it
+    while compiling (``ignore_compile_internals``), so the blocks' compiled graphs run under
+    it instead of Dynamo skipping or recompiling the frames under a dispatch mode (issue 22)."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
