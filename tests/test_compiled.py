@@ -80,3 +80,31 @@ def test_budget_saves_less_and_recomputes_more():
     assert tight.saved_bytes < default.saved_bytes
     assert sum(tight.recomputed.values()) > sum(default.recomputed.values())
     assert "mm.default" in tight.recomputed and "mm.default" not in default.recomputed
+
+
+def _plan(compile_blocks: bool, n_full: int | None = None):
+    from fsdp_plan.api import make_plan
+    from fsdp_plan.search.request import PlanRequest
+    source = ModelSource(source=MODELS["llama"], args={"size": "tiny"}, batch_size=2,
+                         seq_len=256)
+    return make_plan(PlanRequest(source=source, budget_bytes=2 * 10**9, world_size=2,
+                                 strategy="full", compile_blocks=compile_blocks))
+
+
+def test_compiled_plan_peak_matches_fsdp_mem_tracker_on_the_compiled_step():
+    """Acceptance (issue 22): the predicted peak of a compiled plan is within 5% of
+    FSDPMemTracker measuring the step with the compiled graphs running (fake process group),
+    and the compiled prediction differs from the eager one by more than that tolerance, so
+    the check would fail if the partition's saved set were ignored."""
+    from fsdp_plan.measure import runtime
+    from fsdp_plan.measure.memory import measure_peak
+    eager, comp = _plan(False), _plan(True)
+    assert comp.plan.compile == {"blocks": True, "activation_memory_budget": None,
+                                 "modules": ["layers.0", "layers.1", "layers.2", "layers.3"]}
+    assert comp.plan.fsdp_plan_version == 2 and eager.plan.compile is None
+    predicted = comp.plan.predicted["peak_bytes"]
+    assert predicted < 0.95 * eager.plan.predicted["peak_bytes"]
+    measured = measure_peak(comp.loaded, comp.plan,
+                            runtime.load_policy(runtime.policy_source(comp.plan)))
+    assert any("graph calls" in n for n in measured.notes)  # the compiled graphs ran
+    assert abs(predicted - measured.peak_bytes) <= 0.05 * measured.peak_bytes
