@@ -501,10 +501,46 @@ def build_device_mesh() -> DeviceMesh:
     return init_device_mesh(device_type, (shard,), mesh_dim_names=("shard",))
 
 
-def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
+def compile_blocks(model: nn.Module, backend="inductor") -> nn.Module:
+    """Compile each block of ``PLAN["compile"]["modules"]`` as torchtitan does and return
+    ``model`` (changed in place); nothing when the plan has no ``compile``.
+
+    ``block.forward = torch.compile(block.forward, fullgraph=True)``: the forward, not
+    ``module.compile()``, so FSDP2's hooks on the block stay outside the graph. Call it after
+    activation checkpointing (a checkpointed block's wrapper is compiled, checkpoint inside
+    the graph) and before ``fully_shard`` (``apply_fully_shard`` does). With
+    ``activation_memory_budget`` the partitioner runs under
+    ``torch._functorch.config.activation_memory_budget`` for these graphs only. ``backend``:
+    ``torch.compile``'s (fsdp-plan's verify passes one that runs on fake tensors).
+    """
+    compiled = PLAN.get("compile") or {}
+    if not compiled.get("blocks"):
+        return model
+    budget = compiled.get("activation_memory_budget")
+    found = _find_modules(model, list(compiled["modules"]), deepest=False)
+    for _name, block in found.values():
+        forward = torch.compile(block.forward, fullgraph=True, backend=backend)
+        if budget is not None:
+            forward = _under_budget(forward, float(budget))
+        block.forward = forward
+    return model
+
+
+def _under_budget(forward, budget: float):
+    """``forward`` called with the partitioner's activation memory budget set to ``budget``
+    (the partition is made on the first call, so the budget must be in force then)."""
+    def call(*args, **kwargs):
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return forward(*args, **kwargs)
+    return call
+
+
+def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None,
+                      compile_backend="inductor") -> nn.Module:
     """Apply the plan with FSDP2 and return ``model`` (changed in place).
 
-    Activation checkpointing first, then one ``fully_shard`` call per unit in plan order
+    Activation checkpointing first, then the compiled blocks (``compile_blocks``, when the
+    plan compiles them; ``compile_backend`` is ``torch.compile``'s backend), then one ``fully_shard`` call per unit in plan order
     (children first, root last) with the unit's ``reshard_after_forward`` and its
     ``MixedPrecisionPolicy`` (the plan's, or the unit's own override), then explicit
     forward/backward prefetch between units. The mesh and the unit names are checked before
@@ -518,6 +554,7 @@ def apply_fully_shard(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Mo
         mesh = build_device_mesh()
     _find_modules(model, FSDP1_UNITS, deepest=False)
     apply_activation_checkpointing(model)
+    compile_blocks(model, compile_backend)
     # Resolved again after checkpointing: a checkpointed unit is now its wrapper.
     found = _find_modules(model, FSDP1_UNITS, deepest=False)
     for unit in PLAN["units"]:
