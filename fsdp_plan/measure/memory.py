@@ -44,10 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.facts.compiled import graph_backend
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.measured import MeasuredMemory
-from fsdp_plan.facts.compiled import graph_backend
 from fsdp_plan.measure.tracker import CompiledStepMemTracker, GroupAwareMemTracker
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import LoadedModel, rebuild_meta
