@@ -161,7 +161,9 @@ def _choose_at(request: PlanRequest, facts: ModelFacts, search: Search) -> Batch
         result, request = _with_reduce_dtype_choice(request, facts, search, reasons)
     else:
         result = search(facts, request.settings())
-    if request.grad_accum_steps > 1 and not result.best.layout.offload:
+    # A framework's configuration reduces after every micro-batch ([Note: framework limits]).
+    if (request.grad_accum_steps > 1 and not result.best.layout.offload
+            and request.limits is None):
         result, request = _with_sync_choice(facts, request, result, reasons)
     rate = throughput(result.best, facts, micro_batch=request.source.batch_size,
                       seq_len=request.source.seq_len, grad_accum_steps=request.grad_accum_steps,

@@ -20,25 +20,33 @@ from fsdp_plan.cost.ddp_buckets import (
 from fsdp_plan.facts.types import Analysis, ModuleGraph
 from fsdp_plan.search.candidate import Candidate, DDPDetail, Layout, SearchSettings
 from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.framework import FrameworkLimits
 
 CAP_GRID_MB = (1, 2, 5, 10, 25, 50, 100, 200, 400)
 """Bucket caps the search tries (MiB)."""
 
 
 class DdpStrategy:
-    """The fastest DDP bucket configuration (and DDP's default buckets when they differ)."""
+    """The fastest DDP bucket configuration (and DDP's default buckets when they differ); with
+    ``limits``, only those a framework's configuration says (search/framework.py)."""
+
+    def __init__(self, limits: FrameworkLimits | None = None) -> None:
+        self.limits = limits
 
     def candidates(self, evaluator: Evaluator) -> list[Candidate]:
         """The bf16 compression hook is used only when the user allowed a reduced-precision
         gradient reduction."""
         s = evaluator.settings
         compress = s.precision.reduce_bytes < 4
-        evaluated = [evaluator.evaluate(ddp_layout(s, c), label(c))
-                     for c in config_options(evaluator.graph, evaluator.analysis,
-                                             compress=compress)]
+        configs = config_options(evaluator.graph, evaluator.analysis, compress=compress)
+        if self.limits is not None:
+            configs = self.limits.ddp_configs(configs, s.precision.reduce_bytes)
+            if not configs:
+                return []
+        evaluated = [evaluator.evaluate(ddp_layout(s, c), label(c)) for c in configs]
         best = best_config(evaluated)
         out = [best]
-        default = next(c for c in evaluated if _is_default(ddp_config(c)))
+        default = next((c for c in evaluated if _is_default(ddp_config(c))), best)
         if default is not best:
             out.append(dataclasses.replace(default, name=f"recipe: {default.name} (DDP default)"))
         return out

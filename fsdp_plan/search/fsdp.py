@@ -36,6 +36,7 @@ from fsdp_plan.cost.units import check_tied, with_full_precision_units
 from fsdp_plan.facts.checkpointing import mode_sets
 from fsdp_plan.search.candidate import Candidate, Layout, SearchSettings, rank
 from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.framework import PREFETCH, FrameworkLimits
 from fsdp_plan.search.layouts import block_layouts, size_based_units
 
 
@@ -65,10 +66,16 @@ def meshes_for(settings: SearchSettings) -> list[tuple[str, int, int]]:
 
 
 class ShardedStrategy:
-    """FSDP2 full sharding, grad-op, none and HSDP ([Note: search space])."""
+    """FSDP2 full sharding, grad-op, none and HSDP ([Note: search space]); with ``limits``,
+    only what a framework's configuration says (search/framework.py)."""
+
+    def __init__(self, limits: FrameworkLimits | None = None) -> None:
+        self.limits = limits
 
     def candidates(self, evaluator: Evaluator) -> list[Candidate]:
         """Every configuration's fastest fitting variant (or its smallest peak), best first."""
+        if self.limits is not None:
+            return _framework_candidates(evaluator, self.limits)
         settings = evaluator.settings
         results: list[Candidate] = []
         layouts = block_layouts(evaluator.graph, settings.precision.lowers_precision, evaluator)
@@ -105,15 +112,41 @@ class ShardedStrategy:
         return standard_recipes(evaluator)
 
 
+def _framework_candidates(evaluator: Evaluator, limits: FrameworkLimits) -> list[Candidate]:
+    """The configurations ``limits`` can say: its one unit layout on each mesh it allows, its
+    reshard choices, checkpointing of every block or none, FSDP2's implicit prefetch."""
+    settings = evaluator.settings
+    graph = evaluator.graph
+    results: list[Candidate] = []
+    for layout_name, groups in limits.unit_layouts(
+            graph, settings.precision.lowers_precision).items():
+        paths = limits.checkpoint_paths(graph, groups, evaluator.composer.max_checkpointed)
+        for strategy, replicate, shard in meshes_for(settings):
+            if strategy not in limits.strategies:
+                continue
+            for reshard in limits.reshard_options(graph, groups, strategy):
+                base = Layout(strategy=strategy, mesh=(replicate, shard),
+                              groups=tuple(tuple(g) for g in groups), reshard=reshard)
+                label = f"hybrid {replicate}x{shard}" if strategy == "hybrid" else strategy
+                kept = "" if all(reshard) or not any(reshard) else " keep-tail"
+                results += _prefetch_variants(evaluator, base, f"{label} {limits.name} "
+                                              f"{layout_name}{kept}", paths, len(groups),
+                                              variants=(PREFETCH,))
+    return rank(results)
+
+
 def _prefetch_variants(evaluator: Evaluator, base: Layout, name: str,
-                       paths: list[list[tuple[int, int]]], n: int) -> list[Candidate]:
-    """The best of each prefetch variant of ``base`` (fewest checkpointed blocks that fit)."""
+                       paths: list[list[tuple[int, int]]], n: int,
+                       variants: tuple[tuple[int, int], ...] | None = None) -> list[Candidate]:
+    """The best of each prefetch variant of ``base`` (fewest checkpointed blocks that fit);
+    ``variants``: the (forward, backward) depths to try (default: 0-1 and 1-2)."""
     # Per path, the index where the least-memory variant first fits (None: not yet searched;
     # -1: it never fits). No prefetch beyond FSDP2's default needs the least memory: every
     # other variant needs at least as much checkpointing, so its search starts there.
     starts: list[int | None] = [None] * len(paths)
     out: list[Candidate] = []
-    variants = ((0, 1), (0, 2), (1, 1), (1, 2)) if n > 1 else ((0, 1),)
+    if variants is None:
+        variants = ((0, 1), (0, 2), (1, 1), (1, 2)) if n > 1 else ((0, 1),)
     for fwp, bwp in variants:
         layout = dataclasses.replace(base, forward_prefetch=fwp, backward_prefetch=bwp)
         label = f"{name} fwp{fwp} bwp{bwp}"

@@ -12,6 +12,7 @@ from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.offload import offload_priced
 from fsdp_plan.search.candidate import Candidate
 from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.framework import FrameworkLimits
 from fsdp_plan.search.fsdp import fewest_checkpointed
 
 POOL = 12
@@ -21,9 +22,12 @@ POOL = 12
 class OffloadFallback:
     """The fastest fitting offloaded variant of the candidates the search tried."""
 
-    def __init__(self, *, allowed: bool) -> None:
+    def __init__(self, *, allowed: bool, limits: FrameworkLimits | None = None) -> None:
         self.allowed = allowed
         """``--allow-offload``: a fallback not allowed still answers for the no-fit message."""
+        self.limits = limits
+        """A framework's limits (search/framework.py): its checkpointing is all or none, so
+        no offloaded variant checkpoints fewer blocks."""
 
     def rescue(self, evaluator: Evaluator, tried: list[Candidate]) -> Candidate | None:
         """The fastest fitting offloaded variant among the ``POOL`` smallest-peak candidates of
@@ -38,7 +42,8 @@ class OffloadFallback:
         offloaded: list[Candidate] = []
         for cand in pool:
             offloaded.append(_offloaded(evaluator, cand.layout, cand.name))
-            if offloaded[-1].fits and cand.checkpointed and not cand.selective:
+            if (offloaded[-1].fits and cand.checkpointed and not cand.selective
+                    and self.limits is None):
                 fewer = _fewest_checkpointed_offloaded(evaluator, cand)
                 if fewer is not None:
                     offloaded.append(fewer)

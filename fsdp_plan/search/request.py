@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from fsdp_plan.common.dtypes import canonical_dtype
@@ -14,6 +15,7 @@ from fsdp_plan.cost.offload import pcie_bandwidth
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision
 from fsdp_plan.model.source import ModelSource
 from fsdp_plan.search.candidate import SearchSettings
+from fsdp_plan.search.framework import FrameworkLimits, limits_for
 
 
 @dataclass(kw_only=True)
@@ -30,7 +32,9 @@ class PlanRequest:
     strategy: str = "auto"
     """``auto``, ``full``, ``hybrid``, ``grad-op``, ``none`` or ``ddp`` (DistributedDataParallel)."""
     param_dtype: str = "bfloat16"
-    reduce_dtype: str = "float32"
+    reduce_dtype: str | None = "float32"
+    """``float32``, ``bfloat16``..., ``auto`` (the search tries float32 and bfloat16), or None:
+    float32, or under ``framework`` the dtype its configuration reduces in."""
     optimizer: str = "adamw"
     hardware: Hardware = field(default_factory=lambda: hardware_for("h100"))
     hardware_origin: dict[str, str] | None = None
@@ -58,11 +62,27 @@ class PlanRequest:
     activation_memory_budget: float | None = None
     """``--activation-memory-budget``: ``torch._functorch.config.activation_memory_budget``
     (0..1) for the compiled blocks; None: the partitioner's default."""
+    framework: str | None = None
+    """``--framework``: keep the search to what this framework's configuration says
+    (search/framework.py [Note: framework limits]); the plan records it."""
+    asked_reduce_dtype: str | None = field(init=False, default=None)
+    """``reduce_dtype`` as given, before a framework settled it (``unrestricted``)."""
 
     def __post_init__(self) -> None:
         self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
-        if self.reduce_dtype != "auto":  # auto: the search tries float32 and bfloat16
+        self.asked_reduce_dtype = self.reduce_dtype
+        if self.reduce_dtype not in (None, "auto"):  # auto: the search tries float32 and bf16
             self.reduce_dtype = canonical_dtype(self.reduce_dtype, "reduce_dtype")
+        limits = limits_for(self.framework)
+        if limits is not None and limits.restricts:
+            self.reduce_dtype = limits.reduce_dtype_for(self.param_dtype, self.reduce_dtype)
+            limits.check_strategy(self.strategy)
+            if self.gradient_sync == "last" and self.grad_accum_steps > 1:
+                raise BadInput(f"--framework {self.framework} reduces gradients after every "
+                               "micro-batch; gradient_sync last needs the policy's "
+                               "prepare_microbatch (plan without --framework).")
+        elif self.reduce_dtype is None:
+            self.reduce_dtype = "float32"
         if self.headroom_bytes is None:
             self.headroom_bytes = self.budget_bytes // 10
         if not 0 <= self.headroom_bytes < self.budget_bytes:
@@ -79,11 +99,27 @@ class PlanRequest:
                 raise BadInput(f"--activation-memory-budget {self.activation_memory_budget} is "
                                "outside 0..1 (the fraction of the default saved activations "
                                "the partitioner may keep); give e.g. 0.5.")
+        if self.compile_blocks and self.limits is not None:
+            raise BadInput(f"--compile with --framework {self.framework}: the exported "
+                           "configuration does not say compiled blocks yet; plan without "
+                           "--framework (export then writes a hook that compiles them).")
         if self.compile_blocks and self.strategy == "ddp":
             raise BadInput("--compile plans compiled blocks for FSDP2 (sharded) plans; DDP with "
                            "compiled blocks is not modelled. Drop --compile or --strategy ddp.")
         if self.allow_offload:  # before any work: h2d_bandwidth 0 cannot price the copies
             pcie_bandwidth(self.hardware)
+
+    @property
+    def limits(self) -> FrameworkLimits | None:
+        """The framework's limits the search keeps to (None: no framework, or one whose
+        configuration restricts nothing)."""
+        limits = limits_for(self.framework)
+        return limits if limits is not None and limits.restricts else None
+
+    def unrestricted(self) -> PlanRequest:
+        """This request without its framework, as planning without ``--framework`` sees it
+        (the reduce dtype as the user gave it): what the restriction is priced against."""
+        return dataclasses.replace(self, framework=None, reduce_dtype=self.asked_reduce_dtype)
 
     @property
     def limit_bytes(self) -> int:

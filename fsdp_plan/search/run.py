@@ -22,6 +22,7 @@ from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.search.candidate import Candidate, SearchSettings, choose
 from fsdp_plan.search.ddp import DdpStrategy
 from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.framework import FrameworkLimits
 from fsdp_plan.search.fsdp import ShardedStrategy
 from fsdp_plan.search.offload import OffloadFallback
 
@@ -59,29 +60,42 @@ class SearchResult:
         return self.ranked[0]
 
 
-def plug_ins_for(strategy: str, allow_offload: bool
+def plug_ins_for(strategy: str, allow_offload: bool, limits: FrameworkLimits | None = None
                  ) -> tuple[tuple[Generator, ...], tuple[Fallback, ...]]:
     """The generators ``--strategy`` admits (FSDP/HSDP always, for its recipes; DDP under
-    ``auto`` and ``ddp``) and the fallbacks (CPU offload, used only with ``--allow-offload``)."""
-    generators: list[Generator] = [ShardedStrategy()]
+    ``auto`` and ``ddp``) and the fallbacks (CPU offload, used only with ``--allow-offload``),
+    each kept to a framework's ``limits`` when given (``--framework``)."""
+    generators: list[Generator] = [ShardedStrategy(limits)]
     if strategy in ("auto", "ddp"):  # DDP beside FSDP, on the same models and clock
-        generators.append(DdpStrategy())
-    return tuple(generators), (OffloadFallback(allowed=allow_offload),)
+        generators.append(DdpStrategy(limits))
+    return tuple(generators), (OffloadFallback(allowed=allow_offload, limits=limits),)
 
 
 def run_search(facts: ModelFacts, settings: SearchSettings, generators: Sequence[Generator],
-               fallbacks: Sequence[Fallback] = ()) -> SearchResult:
+               fallbacks: Sequence[Fallback] = (), limits: FrameworkLimits | None = None
+               ) -> SearchResult:
     """Every generator's candidates ranked with the recipes that beat them; a fallback's
-    rescue first when nothing fits, else ``NoFeasiblePlan``."""
+    rescue first when nothing fits, else ``NoFeasiblePlan``. With a framework's ``limits``
+    only recipes and rescues its configuration says compete (all are still reported)."""
     started = time.perf_counter()
     with cycle_collector_paused():
         evaluator = Evaluator(facts.graph, facts.analysis, settings)
         recipes = [r for g in generators for r in g.recipes(evaluator)]
         found = [c for g in generators for c in g.candidates(evaluator)]
-        ranked = choose(found, recipes, settings.strategy)
+
+        def sayable(c: Candidate) -> bool:
+            return limits is None or limits.allows(c.layout, facts.graph,
+                                                   settings.precision.lowers_precision)
+        competing = [r for r in recipes if sayable(r)]
+        ranked = choose(found, competing, settings.strategy)
+        if not ranked:  # only under limits: every search has the root-only layout
+            raise NoFeasiblePlan(f"{limits.name if limits else 'a'} configuration can say no "
+                                 "plan for this model ([Note: framework limits] in "
+                                 "fsdp_plan/search/framework.py).")
         if not ranked[0].fits:
-            rescues = [(f, f.rescue(evaluator, ranked + recipes)) for f in fallbacks]
-            usable = [c for f, c in rescues if f.allowed and c is not None and c.fits]
+            rescues = [(f, f.rescue(evaluator, ranked + competing)) for f in fallbacks]
+            usable = [c for f, c in rescues
+                      if f.allowed and c is not None and c.fits and sayable(c)]
             if not usable:
                 raise no_fit_error(ranked + recipes, rescues, settings)
             ranked = [usable[0], *ranked]
