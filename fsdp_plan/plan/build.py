@@ -49,7 +49,9 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
             if best.selective else best.checkpointed),
         selective_ops=list(selective_ops or DEFAULT_SELECTIVE_OPS) if best.selective else [],
         fsdp_plan_version=2 if (best.selective or best.strategy == "ddp" or offload
-                                or request.grad_accum_steps > 1 or request.compile_blocks) else 1,
+                                or request.grad_accum_steps > 1 or request.compile_blocks
+                                or request.framework) else 1,
+        framework=request.framework,
         forward_prefetch=forward, backward_prefetch=backward,
         mixed_precision={"param_dtype": request.param_dtype,
                          "reduce_dtype": request.reduce_dtype},

@@ -39,6 +39,7 @@ from fsdp_plan.common.safe_yaml import MAX_DEPTH, MAX_NODES, clip
 from fsdp_plan.cost.hardware.stored import check_stored_block
 from fsdp_plan.cost.precision import OPTIMIZERS
 from fsdp_plan.search.candidate import GRADIENT_SYNCS, STRATEGIES
+from fsdp_plan.search.framework import FRAMEWORKS
 
 PLAN_VERSIONS = (1, 2)
 FSDP_STRATEGIES = tuple(s for s in STRATEGIES if s != "ddp")
@@ -298,6 +299,7 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     out["grad_accum_steps"], out["gradient_sync"] = _check_accumulation(check, raw)
     out["offload"] = _check_offload(check, raw.get("offload"))
     out["compile"] = _check_compile(check, raw.get("compile"), version)
+    out["framework"] = _check_framework(check, raw.get("framework"), version)
     _refuse_unapplied(check, raw)
     return out
 
@@ -334,6 +336,19 @@ def _check_compile(check: _Checker, value: Any, version: int) -> dict[str, Any] 
     return {"blocks": True,
             "activation_memory_budget": None if budget is None else float(budget),
             "modules": list(modules)}
+
+
+def _check_framework(check: _Checker, framework: Any, version: int) -> str | None:
+    """``framework: accelerate`` (SPEC 7, version 2): the framework the plan was made for
+    (``--framework``); export writes its files by default. None when absent."""
+    if framework is None:
+        return None
+    fix = (f"framework names the framework the plan was made for, one of {', '.join(FRAMEWORKS)}"
+           "; remove it for a plan made for none")
+    check.choice(framework, "framework", FRAMEWORKS, fix)
+    if version < 2:
+        raise check.fail("framework", "needs fsdp_plan_version: 2", fix)
+    return framework
 
 
 def _check_offload(check: _Checker, offload: Any) -> dict[str, bool] | None:

@@ -88,6 +88,9 @@ class Plan:
     """``{blocks: true, activation_memory_budget: B | null, modules: [FQN, ...]}``: the listed
     repeated blocks run ``torch.compile(block.forward, fullgraph=True)`` (SPEC 7, version 2);
     None: eager."""
+    framework: str | None = None
+    """The framework the plan was made for (``--framework``, version 2): ``export`` writes its
+    files by default; None: none named."""
     fsdp_plan_version: int = PLAN_VERSION
 
     @property
@@ -114,6 +117,8 @@ class Plan:
             order.insert(order.index("predicted"), "compile")
         if raw["hardware"] is not None:  # SPEC 7: the figures it was predicted with
             order.insert(order.index("gpu") + 1, "hardware")
+        if raw["framework"] is not None:  # SPEC 7: made for a framework's configuration
+            order.insert(order.index("strategy") + 1, "framework")
         if raw["ddp"] is not None:  # a DDP plan: its arguments right after its one unit
             order.insert(order.index("units") + 1, "ddp")
         return {key: raw[key] for key in order}
@@ -145,6 +150,7 @@ class Plan:
             gradient_sync=checked["gradient_sync"],
             offload=checked["offload"],
             compile=checked["compile"],
+            framework=checked["framework"],
             fsdp_plan_version=checked["fsdp_plan_version"],
         )
 
