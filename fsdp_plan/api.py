@@ -46,6 +46,7 @@ from fsdp_plan.search.batching import BatchChoice, choose_batch
 from fsdp_plan.search.candidate import Candidate, SearchSettings
 from fsdp_plan.search.ddp import DdpStrategy
 from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.framework import LIGHTNING_WHY, FrameworkCost
 from fsdp_plan.search.request import PlanRequest
 from fsdp_plan.search.run import plug_ins_for, run_search
 
@@ -73,6 +74,8 @@ class PlanResult:
     """Why the throughput choices went as they did (search/batching.py), one line each."""
     batch_options: list[dict[str, Any]] = field(default_factory=list)
     """Every micro-batch size tried for a global batch, with what it reached."""
+    framework: FrameworkCost | None = None
+    """With ``--framework``: what keeping to its configuration costs (search/framework.py)."""
 
     def policy_source(self) -> str:
         """The generated policy module (SPEC section 4)."""
@@ -111,6 +114,8 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
     analyses: dict[int, Analyzed] = {}
 
     def facts_at(batch: int) -> ModelFacts:
+        if batch in analyses:  # the unrestricted search of --framework reuses the analysis
+            return analyses[batch].facts
         source = dataclasses.replace(request.source, batch_size=batch)
         if batching and progress:
             steps = (request.global_batch_size // request.world_size // batch
@@ -128,12 +133,69 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
                      f"{len(graph.modules):,} modules ({len(graph.blocks)} repeated blocks)")
         return analyzed.facts
 
-    choice = choose_batch(request, facts_at=facts_at, search=_search_for(request))
+    if request.framework is None:
+        choice = choose_batch(request, facts_at=facts_at, search=_search_for(request))
+        cost = None
+    else:
+        choice, cost = _framework_choice(request, facts_at,
+                                         lambda: next(iter(analyses.values())).loaded.model)
     analyzed = analyses[choice.request.source.batch_size]
     result = _result(choice, digest=analyzed.digest, notes=analyzed.notes)
+    if request.framework is not None:  # the plan is made for it, restricted or not
+        result.plan.framework = request.framework
+        result.plan.fsdp_plan_version = 2
+    result.framework = cost
     result.seconds = time.perf_counter() - started
     result.loaded = analyzed.loaded
     return result
+
+
+def _framework_choice(request: PlanRequest, facts_at, loaded_model
+                      ) -> tuple[BatchChoice, FrameworkCost]:
+    """``--framework``: the search kept to the framework's configuration and, on the same
+    facts, the unrestricted one it is priced against. The restricted plan is checked against
+    the export's own reading of the configuration (no ``Gap``: export writes no hook); where
+    the configuration says no plan that fits, or none for this model, the unrestricted plan
+    is chosen and the report says why."""
+    name = request.framework or ""
+    limits = request.limits
+    if limits is None:  # Lightning: its configuration says no unit
+        choice = choose_batch(request, facts_at=facts_at, search=_search_for(request))
+        return choice, FrameworkCost(framework=name, restricted=False, why=LIGHTNING_WHY)
+    free_request = request.unrestricted()
+    try:
+        restricted = choose_batch(request, facts_at=facts_at, search=_search_for(request))
+    except NoFeasiblePlan as error:
+        free = choose_batch(free_request, facts_at=facts_at, search=_search_for(free_request))
+        return free, FrameworkCost(framework=name, restricted=False,
+                                   why=f"no plan its configuration says fits ({error})")
+    try:
+        free: BatchChoice | None = choose_batch(free_request, facts_at=facts_at,
+                                                search=_search_for(free_request))
+    except NoFeasiblePlan:
+        free = None
+    gaps = _framework_gaps(name, restricted, loaded_model())
+    if gaps:
+        return free or restricted, FrameworkCost(
+            framework=name, restricted=False,
+            why="its configuration cannot say " + "; ".join(g.line() for g in gaps))
+    best = restricted.best
+    return restricted, FrameworkCost(
+        framework=name, restricted=True, step_s=best.time.step_s,
+        peak_bytes=best.memory.peak_bytes,
+        free_step_s=free.best.time.step_s if free else None,
+        free_peak_bytes=free.best.memory.peak_bytes if free else None,
+        free_name=free.best.name if free else "")
+
+
+def _framework_gaps(framework: str, choice: BatchChoice, model: Any) -> list[Any]:
+    """What ``framework``'s configuration cannot say of the plan written for ``choice``
+    (export/common ``framework_gaps``, read on the model built on ``meta``)."""
+    # export reads the model's classes with torch: imported only when planning --framework
+    from fsdp_plan.export.common import framework_gaps
+    plan = to_plan(choice.best, choice.request, choice.facts,
+                   global_batch_size=choice.global_batch_size)
+    return framework_gaps(framework, plan, model) if model is not None else []
 
 
 def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = "",
@@ -146,11 +208,14 @@ def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = ""
 
 
 def _search_for(request: PlanRequest):
-    """The search with the strategies and fallbacks ``request`` admits."""
-    generators, fallbacks = plug_ins_for(request.strategy, request.allow_offload)
+    """The search with the strategies and fallbacks ``request`` admits, kept to its
+    framework's limits (``--framework``)."""
+    generators, fallbacks = plug_ins_for(request.strategy, request.allow_offload,
+                                         request.limits)
     if request.compile_blocks:  # DDP reads the eager timeline: compiled DDP is not modelled
         generators = tuple(g for g in generators if not isinstance(g, DdpStrategy))
-    return partial(run_search, generators=generators, fallbacks=fallbacks)
+    return partial(run_search, generators=generators, fallbacks=fallbacks,
+                   limits=request.limits)
 
 
 def _result(choice: BatchChoice, *, digest: str, notes: list[str] | None) -> PlanResult:

@@ -1,7 +1,9 @@
 """Write a training framework's files for a plan: its config, any code hook, and a README.
 
-    fsdp-plan export PLAN.yaml [MODEL] --to accelerate|trainer|lightning|torchtitan -o DIR
+    fsdp-plan export PLAN.yaml [MODEL] [--to accelerate|trainer|lightning|torchtitan] -o DIR
                      [--torchtitan-config MODULE:FUNCTION]
+
+``--to`` defaults to the framework a plan was made for (``fsdp-plan --framework NAME``).
 
 DIR gets the framework's own configuration (accelerate config YAML; Trainer ``fsdp_config``
 JSON and ``TrainingArguments`` fields; Lightning Trainer arguments; a torchtitan config
@@ -27,8 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("plan", metavar="PLAN.yaml", help="a plan file (SPEC section 3)")
     parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
                         help="the model file (default: the source recorded in the plan)")
-    parser.add_argument("--to", required=True, choices=FRAMEWORKS, dest="framework",
-                        help="the framework to write files for")
+    parser.add_argument("--to", default=None, choices=FRAMEWORKS, dest="framework",
+                        help="the framework to write files for (default: the plan's "
+                        "framework, when it was made with --framework)")
     parser.add_argument("-o", "--output", required=True, metavar="DIR",
                         help="the folder to write into (created if missing)")
     parser.add_argument("--torchtitan-config", default=None, metavar="MODULE:FUNCTION",
@@ -52,6 +55,11 @@ def run(args: argparse.Namespace) -> int:
 
     _check_folder(args.output)
     plan = read_plan(args.plan)
+    if args.framework is None:  # a plan made with --framework names its framework
+        if plan.framework is None:
+            raise BadInput(f"give --to {'|'.join(FRAMEWORKS)}: the plan {args.plan!r} was not "
+                           "made for a framework (fsdp-plan --framework NAME records one).")
+        args.framework = plan.framework
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     shape = plan_shape(plan, loaded.model)
     result = export_plan(plan, shape, args.framework, render_policy_module(plan),

@@ -37,6 +37,7 @@ from fsdp_plan.plan.report import (
     gather_module_rows,
 )
 from fsdp_plan.search.candidate import STRATEGY_CHOICES
+from fsdp_plan.search.framework import FRAMEWORKS
 
 # Nothing above imports torch: every flag is checked before the ~6 s torch import (run()).
 
@@ -78,9 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sharding strategy; auto picks the best that fits (default: %(default)s)")
     parser.add_argument("--param-dtype", default="bf16",
                         help="mixed-precision parameter dtype: bf16, fp16 or fp32 (default: %(default)s)")
-    parser.add_argument("--reduce-dtype", default="fp32",
+    parser.add_argument("--reduce-dtype", default=None,
                         help="gradient reduction dtype: bf16, fp16, fp32, or auto to let the "
-                        "planner reduce in bf16 where it pays (default: %(default)s)")
+                        "planner reduce in bf16 where it pays (default: fp32; with --framework "
+                        "the dtype its configuration reduces in)")
+    parser.add_argument("--framework", default=None, choices=FRAMEWORKS,
+                        help="keep the search to what this framework's own configuration says, "
+                        "so `fsdp-plan export` writes no code hook; the report prints what that "
+                        "costs against the unrestricted plan (default: none)")
     parser.add_argument("--optimizer", default="adamw", choices=sorted(OPTIMIZERS),
                         help="optimizer whose states are counted (default: %(default)s)")
     parser.add_argument("--gpu", default="h100", help=f"GPU preset for the time model: "
@@ -166,7 +172,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     overrides = read_hardware_file(args.hardware) if args.hardware else None
     hardware = hardware_for(args.gpu, overrides, where=f"--hardware {args.hardware!r}")
     param_dtype = canonical_dtype(args.param_dtype, "--param-dtype")
-    reduce_dtype = ("auto" if args.reduce_dtype.lower() == "auto"
+    reduce_dtype = (None if args.reduce_dtype is None  # PlanRequest: fp32 or --framework's
+                    else "auto" if args.reduce_dtype.lower() == "auto"
                     else canonical_dtype(args.reduce_dtype, "--reduce-dtype"))
     if args.output and not args.output.endswith(".py"):
         raise BadInput(f"-o {args.output!r} must name a .py file (the generated policy module).")
@@ -211,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         hardware_origin=values["hardware_origin"], exact_analysis=args.exact_analysis,
         allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
         auto_batch=args.batch_size == "auto", compile_blocks=args.compile,
-        activation_memory_budget=args.activation_memory_budget)
+        activation_memory_budget=args.activation_memory_budget, framework=args.framework)
     # Imported here, not above: model.load imports torch (about 6 s), and every flag was to be
     # checked before that wait (see the note under the imports).
     from fsdp_plan.model.load import user_code_output_to_stderr
@@ -232,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     written = result.write(policy=args.output, plan=args.plan, trace=args.trace)
     if args.format == "json":
         print(json.dumps({"plan": result.plan.to_dict(), "candidates": rows,
+                          **({"framework": result.framework.line()} if result.framework else {}),
                           "reasons": result.reasons, "batch_options": result.batch_options,
                           "meshes": gather_mesh_rows(result.ranked),
                           "modules": gather_module_rows(result.facts.graph, result.facts.analysis),

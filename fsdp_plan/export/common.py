@@ -31,8 +31,8 @@ from torch import nn
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.plan.document import Plan
+from fsdp_plan.search.framework import FRAMEWORKS
 
-FRAMEWORKS = ("accelerate", "trainer", "lightning", "torchtitan")
 POLICY_FILE = "fsdp_plan_policy.py"
 """Name of the policy module inside an export folder (hooks import it as ``fsdp_plan_policy``)."""
 
@@ -250,6 +250,15 @@ def _precision_text(shape: PlanShape) -> str:
 # ---------------------------------------------------------------------------------------------
 # The export itself
 # ---------------------------------------------------------------------------------------------
+
+
+def framework_gaps(framework: str, plan: Plan, model: nn.Module) -> list[Gap]:
+    """What ``framework``'s configuration alone cannot say of ``plan`` for ``model`` (built on
+    ``meta``): ``--framework`` planning checks its restricted plan with this, so that export
+    writes no code hook for it."""
+    module = importlib.import_module(f"fsdp_plan.export.{framework}")
+    return list(module.config_gaps(plan_shape(plan, model)))
+
 
 
 def export_plan(plan: Plan, shape: PlanShape, framework: str, policy_source: str,

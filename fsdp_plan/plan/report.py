@@ -18,6 +18,7 @@ from fsdp_plan.cost.step_time import StepTime
 from fsdp_plan.facts.types import Analysis, ModelFacts, ModuleGraph
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.search.candidate import Candidate, DDPDetail, OffloadDetail
+from fsdp_plan.search.framework import FrameworkCost
 
 
 class PlannedResult(Protocol):
@@ -30,6 +31,8 @@ class PlannedResult(Protocol):
     reasons: list[str]
     batch_options: list[dict[str, Any]]
     seconds: float
+    framework: FrameworkCost | None
+    """``--framework``: what keeping to its configuration costs (search/framework.py)."""
 
 
 def gather_module_rows(graph: ModuleGraph, analysis: Analysis, max_depth: int = 2) -> list[dict[str, Any]]:
@@ -250,6 +253,8 @@ def format_report(result: PlannedResult, rows: list[dict[str, Any]], *, model_na
     lines += ["", ascii_timeline(best.time)]
     lines += ddp_lines(best, result.ranked)
     lines += format_throughput(result)
+    if result.framework is not None:
+        lines.append(result.framework.line())
     lines.append(f"\nplanned in {result.seconds:.1f} s")
     return "\n".join(lines)
 
