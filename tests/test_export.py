@@ -22,7 +22,7 @@ from test_measure_helpers import LLAMA, plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.export import accelerate as acc_export
 from fsdp_plan.export import plan_shape
-from fsdp_plan.plan.document import Plan, read_plan
+from fsdp_plan.plan.document import Plan, Unit, read_plan
 
 STEPS = 10
 TITAN_BASE = "torchtitan.models.llama3.config_registry:llama3_debugmodel"
@@ -50,8 +50,11 @@ def hook_plan() -> Plan:
 
 def config_only_plan() -> Plan:
     """Exactly what accelerate's config says: every block a unit resharded after forward, the
-    root not, no checkpointing, no prefetch, float32."""
-    return tiny_llama_plan(world=2, batch_size=2, seq_len=16)
+    final norm a unit kept gathered (accelerate's ``_find_final_norm``), the root not resharded,
+    no checkpointing, no prefetch, float32."""
+    plan = tiny_llama_plan(world=2, batch_size=2, seq_len=16)
+    plan.units.insert(-1, Unit(modules=["norm"], reshard_after_forward=False))
+    return plan
 
 
 def shape_of(plan: Plan):
@@ -87,8 +90,8 @@ def test_a_plan_the_config_can_say_needs_no_hook(tmp_path: Path) -> None:
 
 def test_what_the_config_cannot_say_is_named_and_the_hook_keeps_it(tmp_path: Path) -> None:
     gaps = acc_export.config_gaps(shape_of(hook_plan()))
-    assert [g.feature for g in gaps] == ["reshard_after_forward", "activation_checkpointing",
-                                         "mixed_precision"]
+    assert [g.feature for g in gaps] == ["units", "reshard_after_forward",
+                                         "activation_checkpointing", "mixed_precision"]
     out = export(tmp_path, hook_plan(), "accelerate")
     assert (out / "fsdp_plan_accelerate.py").exists()
     config = yaml.safe_load((out / "accelerate_config.yaml").read_text())

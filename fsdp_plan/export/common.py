@@ -31,7 +31,7 @@ from torch import nn
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.plan.document import Plan
-from fsdp_plan.search.framework import FRAMEWORKS
+from fsdp_plan.search.framework import FRAMEWORKS, TITAN_EMBEDDINGS, TITAN_TAIL
 
 POLICY_FILE = "fsdp_plan_policy.py"
 """Name of the policy module inside an export folder (hooks import it as ``fsdp_plan_policy``)."""
@@ -70,7 +70,8 @@ class PlanShape:
     """Units with more than one module."""
     units: int
     block_reshard: tuple[bool, ...]
-    """The distinct ``reshard_after_forward`` values of the non-root units."""
+    """The distinct ``reshard_after_forward`` values of the non-root units (but the final
+    norm's, see ``final_norm``)."""
     root_reshard: bool
     checkpointed: dict[str, str]
     """``{FQN: full | selective}``."""
@@ -95,6 +96,19 @@ class PlanShape:
     """The model has ``get_input_embeddings`` (accelerate gives HF models extra units)."""
     model_source: str = ""
     model_class: str = ""
+    unit_modules: tuple[tuple[str, ...], ...] = ()
+    """The non-root units' modules, in plan order."""
+    unit_reshard: tuple[bool, ...] = ()
+    """The non-root units' ``reshard_after_forward``, in plan order."""
+    final_norm: str | None = None
+    """The module accelerate gives a unit of its own, kept gathered (``_final_norm``); the
+    class fields above leave its unit out."""
+    final_norm_reshard: bool | None = None
+    """That unit's ``reshard_after_forward``; None: the plan gives it no unit of its own."""
+    titan_units: tuple[tuple[str, ...], ...] = ()
+    """The units torchtitan's ``apply_fsdp_to_decoder`` makes of this model: ``tok_embeddings``,
+    each child of ``layers``, ``[norm, lm_head]`` (search/framework.py [Note: framework
+    limits]); empty without a ``layers`` container."""
 
 
 @dataclass
@@ -127,11 +141,14 @@ def _autocast_dtype(plan: Plan) -> str | None:
 def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
     """Read ``plan`` against ``model`` (built on ``meta``) as a framework configuration sees it."""
     modules = dict(model.named_modules())
-    inner = [unit for unit in plan.units if unit.modules != [""]]
-    missing = sorted({fqn for unit in inner for fqn in unit.modules} - set(modules))
+    units = [unit for unit in plan.units if unit.modules != [""]]
+    missing = sorted({fqn for unit in units for fqn in unit.modules} - set(modules))
     if missing:
         raise BadInput(f"the plan's units name {missing[:5]!r}, which the model does not have; "
                        "give the model the plan was made for.")
+    norm = _final_norm(model)
+    norm_unit = [unit for unit in units if norm is not None and unit.modules == [norm]]
+    inner = [unit for unit in units if unit not in norm_unit]  # what the class list wraps
     classes: list[str] = []
     for unit in inner:
         for fqn in unit.modules:
@@ -173,7 +190,39 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
         hf_model=callable(getattr(model, "get_input_embeddings", None)),
         model_source=str(plan.model.get("source", "")),
         model_class=type(model).__name__,
+        unit_modules=tuple(tuple(unit.modules) for unit in units),
+        unit_reshard=tuple(bool(unit.reshard_after_forward) for unit in units),
+        titan_units=_titan_units(modules),
+        final_norm=norm,
+        final_norm_reshard=(bool(norm_unit[0].reshard_after_forward) if norm_unit else None),
     )
+
+
+def _final_norm(model: nn.Module) -> str | None:
+    """The FQN of the module accelerate 1.15's ``_find_final_norm`` finds: the last direct
+    child of the base model (``base_model_prefix``, else the model) whose class name contains
+    "Norm"; ``fsdp2_prepare_model`` gives it a unit of its own kept gathered after forward."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else model
+    if not isinstance(base, nn.Module):
+        return None
+    found = None
+    for name, child in base.named_children():
+        if "Norm" in type(child).__name__:
+            found = f"{prefix}.{name}" if prefix else name
+    return found
+
+
+def _titan_units(modules: dict[str, nn.Module]) -> tuple[tuple[str, ...], ...]:
+    """torchtitan's units of a model with these modules (by torchtitan's attribute names)."""
+    layers = modules.get("layers")
+    if layers is None:
+        return ()
+    units = [(TITAN_EMBEDDINGS,)] if TITAN_EMBEDDINGS in modules else []
+    units += [(f"layers.{name}",) for name, _ in layers.named_children()]
+    if all(m in modules for m in TITAN_TAIL):
+        units.append(TITAN_TAIL)
+    return tuple(units)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +261,11 @@ def class_wrap_gaps(shape: PlanShape, who: str) -> list[Gap]:
     if shape.hf_model:
         gaps.append(Gap("units", "no unit of its own for the input embedding or for the final "
                         "norm with the output head", f"{who} adds both for a Hugging Face model"))
+    elif shape.final_norm is not None and shape.final_norm_reshard is not False:
+        gaps.append(Gap("units", f"{shape.final_norm} " + (
+            "resharded after forward" if shape.final_norm_reshard else "in another unit"),
+            f"{who} gives the final norm {shape.final_norm} a unit of its own, kept gathered "
+            "after forward"))
     if len(shape.block_reshard) > 1:
         gaps.append(Gap("reshard_after_forward", "units that reshard after forward and units "
                         "that do not", f"{who} sets one reshard_after_forward for every unit"))

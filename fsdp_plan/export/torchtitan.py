@@ -7,10 +7,12 @@ functions, ``--module M --config F``) derived from one of torchtitan's own confi
 ``M.config_registry``) and calls ``F()`` for a ``Trainer.Config``; command-line flags override
 fields after that. The model comes from the base config's ``model_spec``; its
 ``parallelize_fn(model, *, parallel_dims, training, parallelism, compile_config, ac_config,
-dump_folder)`` shards the model built on ``meta``. torchtitan's own parallelize wraps each
-block, the embeddings and ``[norm, output]`` with one reshard policy, checkpoints every block
-or none, computes in ``mixed_precision_param`` (bf16 or fp32) and reduces in float32, and
-runs autocast only without sharding. The plan's units are module FQNs, so the plan must be
+dump_folder)`` shards the model built on ``meta``. torchtitan's own parallelize
+(``apply_fsdp_to_decoder``) wraps ``tok_embeddings``, each block and ``[norm, lm_head]``
+under one ``fsdp_reshard_after_forward`` policy (``default`` keeps ``[norm, lm_head]``
+gathered, ``always`` does not, ``never`` keeps all), checkpoints every block or none,
+computes in ``mixed_precision_param`` (bf16 or fp32) and reduces in float32, and runs
+autocast only without sharding. The plan's units are module FQNs, so the plan must be
 made for the torchtitan model itself.
 """
 
@@ -21,28 +23,48 @@ from typing import Any
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.export.common import POLICY_FILE, Export, Gap, PlanShape, readme
 from fsdp_plan.plan.document import Plan
+from fsdp_plan.search.framework import TITAN_TAIL
 
 MODULE_FILE = "fsdp_plan_torchtitan.py"
 CONFIG_FUNCTION = "fsdp_plan"
 WHO = "torchtitan"
 
 
+def reshard_policy(shape: PlanShape) -> str | None:
+    """torchtitan's ``fsdp_reshard_after_forward`` that gives the plan's flags: ``always``
+    (every unit), ``default`` (all but [norm, lm_head]), ``never``; None: no policy does."""
+    tail = {flag for unit, flag in zip(shape.unit_modules, shape.unit_reshard, strict=True)
+            if unit == TITAN_TAIL}
+    rest = {flag for unit, flag in zip(shape.unit_modules, shape.unit_reshard, strict=True)
+            if unit != TITAN_TAIL}
+    policies = {(True, True): "always", (True, False): "default", (False, False): "never"}
+    if len(rest) > 1 or len(tail) > 1:
+        return None
+    flag = next(iter(rest), True)
+    return policies.get((flag, next(iter(tail), flag)))
+
+
 def config_gaps(shape: PlanShape) -> list[Gap]:
-    """What torchtitan's options alone cannot say (its own parallelize, see the Note)."""
+    """What torchtitan's options alone cannot say (its own parallelize, see the Note and
+    search/framework.py [Note: framework limits])."""
     if shape.strategy == "ddp":
         return []
     gaps = []
-    if shape.grouped_units or not shape.class_units or shape.units - 1 != shape.class_modules:
+    if not shape.titan_units or sorted(shape.unit_modules) != sorted(shape.titan_units):
         gaps.append(Gap("units", f"{shape.units} units of its own choosing",
-                        f"{WHO} wraps each block, the embeddings and [norm, output]"))
-    if len(shape.block_reshard) > 1:
-        gaps.append(Gap("reshard_after_forward", "units that reshard after forward and units "
-                        "that do not", f"{WHO} has one policy for all blocks"))
+                        f"{WHO} wraps tok_embeddings, each block of layers, [norm, lm_head] "
+                        "and the root"))
+    if reshard_policy(shape) is None or shape.root_reshard:
+        gaps.append(Gap("reshard_after_forward", "reshard flags no fsdp_reshard_after_forward "
+                        "policy gives", f"{WHO} reshards all units (always), all but [norm, "
+                        "lm_head] (default) or none (never), the root never"))
+    blocks = {unit[0] for unit in shape.titan_units if unit[0].startswith("layers.")}
     modes = set(shape.checkpointed.values())
-    if shape.checkpointed and (len(modes) > 1 or len(shape.checkpointed) != shape.class_modules):
+    if shape.checkpointed and (modes != {"full"} or set(shape.checkpointed) != blocks):
         gaps.append(Gap("activation_checkpointing", f"{len(shape.checkpointed)} of "
-                        f"{shape.class_modules} blocks checkpointed ({'/'.join(sorted(modes))})",
-                        f"{WHO} checkpoints every block one way, or none"))
+                        f"{len(blocks)} blocks checkpointed ({'/'.join(sorted(modes))})",
+                        f"{WHO} checkpoints every block fully or none (its selective "
+                        "policy saves every other matmul, not the plan's selective ops)"))
     if shape.forward_prefetch or shape.deep_backward_prefetch:
         gaps.append(Gap("prefetch", "explicit prefetch lists", f"{WHO} sets none for dense models"))
     if shape.param_dtype not in (None, "float32", "bfloat16") or shape.reduce_dtype not in (
@@ -95,9 +117,8 @@ def _module_text(plan: Plan, shape: PlanShape, base: str, hook: bool) -> str:
         assignments += ["config.activation_checkpoint = None  # the policy checkpoints",
                         "config.model_spec.parallelize_fn = parallelize"]
     else:
-        reshard = "always" if shape.block_reshard[-1:] == (True,) else "never"
-        ac = {"full": "FullAC", "selective": "SelectiveAC"}.get(
-            next(iter(set(shape.checkpointed.values())), ""), "")
+        reshard = reshard_policy(shape) or "default"
+        ac = "FullAC" if shape.checkpointed else ""
         assignments.append(f"config.parallelism.fsdp_reshard_after_forward = {reshard!r}")
         assignments.append("config.activation_checkpoint = "
                            + (f"activation_checkpoint.{ac}.Config()" if ac else "None"))

@@ -9,12 +9,15 @@ torchtitan 0.3:
 
 - accelerate, FSDP version 2 (``fsdp2_prepare_model``): ``fully_shard`` on every module of
   the classes in ``fsdp_transformer_layer_cls_to_wrap`` (bottom-up, each its own unit) with
-  one ``fsdp_reshard_after_forward``, then the root with FSDP2's default (not resharded after
-  forward). A model with ``get_input_embeddings`` (Hugging Face) also gets its input
-  embedding and [final norm, output embedding] as units: the module graph cannot show that,
-  so the check after the search (export/common ``framework_gaps``) finds it.
+  one ``fsdp_reshard_after_forward``; then the final norm (``_find_final_norm``: the last
+  direct child of the base model whose class name contains "Norm", for any model) as a unit
+  of its own kept gathered after forward; then the root with FSDP2's default (not resharded
+  after forward). A model with ``get_input_embeddings`` (Hugging Face) also gets its input
+  embedding as a unit and its output embedding beside the final norm: the module graph cannot
+  show that, so the check after the search (export/common ``framework_gaps``) finds it.
   ``fsdp_activation_checkpointing`` wraps every module of those classes in
-  ``checkpoint_wrapper`` (full) or none. No explicit prefetch (FSDP2's implicit one unit in
+  ``checkpoint_wrapper`` (full) or none; ``fully_shard`` then also lands on each wrapper,
+  whose parameters its block's unit already holds (an empty unit: no collective, no memory). No explicit prefetch (FSDP2's implicit one unit in
   backward). ``mixed_precision: bf16|fp16`` is ``MixedPrecisionPolicy(param_dtype=d,
   reduce_dtype=d, output_dtype=d)`` and ``no`` keeps float32: one dtype for parameters and
   reduction, no autocast (the FSDP2 path skips ``prepare_model``'s autocast wrapper). HSDP
@@ -66,8 +69,8 @@ class FrameworkLimits:
     restricts: bool = True
     """False: the configuration says no unit at all (Lightning), so nothing is restricted."""
     units: str = "class"
-    """``class``: every module of the blocks' classes, one unit each, plus the root;
-    ``torchtitan``: ``tok_embeddings``, each block, ``[norm, lm_head]``, the root."""
+    """``class``: every module of the blocks' classes, one unit each, the final norm, the
+    root; ``torchtitan``: ``tok_embeddings``, each block, ``[norm, lm_head]``, the root."""
     strategies: frozenset[str] = frozenset({"full", "grad-op", "hybrid", "ddp"})
     param_dtypes: tuple[str, ...] = ("bfloat16", "float16", "float32")
     reduce: str = "param"
@@ -127,8 +130,9 @@ class FrameworkLimits:
         if strategy == "grad-op":
             return [tuple(False for _ in groups)]
         every = tuple(True for _ in groups)
-        if self.units != "torchtitan":
-            return [every]
+        if self.units != "torchtitan":  # the final norm is kept gathered
+            norm = final_norm(graph)
+            return [tuple(g != [norm] for g in groups)]
         default = tuple(list(g) != list(TITAN_TAIL) for g in groups)
         return [every] if default == every else [every, default]
 
@@ -139,6 +143,7 @@ class FrameworkLimits:
         wrapped = {g[0] for g in groups if len(g) == 1}
         if n_blocks == 0 or not set(graph.blocks) <= wrapped:
             return [[(0, 0)]]
+        wrapped.discard(final_norm(graph) or "")
         if self.units == "class" and len(wrapped) != n_blocks:
             return [[(0, 0)]]  # accelerate would checkpoint every wrapped module, not blocks
         return [[(0, 0), (n_blocks, 0)]]
@@ -217,15 +222,30 @@ def limits_for(framework: str | None) -> FrameworkLimits | None:
     return LIMITS[framework]
 
 
+def final_norm(graph: ModuleGraph) -> str | None:
+    """The module accelerate's ``_find_final_norm`` gives a unit of its own: the last direct
+    child of the root whose class name contains "Norm" (a Hugging Face model's base model is
+    not visible here; its gap is found on the model, see the Note)."""
+    found = None
+    for child in graph.modules[""].children:
+        if "Norm" in graph.modules[child].class_name:
+            found = child
+    return found
+
+
 def _class_units(graph: ModuleGraph) -> list[list[str]]:
-    """Every module of the blocks' classes, one unit each, in module order; none when one of
-    them holds another (the search's layouts never nest units)."""
+    """Every module of the blocks' classes, one unit each, and the final norm, in module
+    order; none when one of them holds another (the search's layouts never nest units)."""
     classes = {graph.modules[b].class_name for b in graph.blocks}
     fqns = [fqn for fqn, info in graph.modules.items() if fqn and info.class_name in classes]
+    norm = final_norm(graph)
+    if norm is not None and norm not in fqns:
+        fqns.append(norm)
     prefixes = tuple(f + "." for f in fqns)
     if any(f.startswith(prefixes) for f in fqns):
         return []
-    return [[f] for f in fqns]
+    order = {fqn: i for i, fqn in enumerate(graph.modules)}
+    return [[f] for f in sorted(fqns, key=order.__getitem__)]
 
 
 def _titan_units(graph: ModuleGraph) -> list[list[str]]:
