@@ -158,6 +158,23 @@ def test_lightning_report_names_the_hook(tmp_path: Path) -> None:
     assert "writes the code hook" in out
 
 
+@pytest.mark.hf
+def test_a_hugging_face_model_falls_back_to_the_hook_and_says_why(tmp_path: Path) -> None:
+    """accelerate gives a Hugging Face model's embeddings and head units the module graph
+    cannot show: the check on the model finds the gap, and the plan is the unrestricted one."""
+    pytest.importorskip("transformers")
+    model = str(ROOT / "tests" / "fixtures" / "hf_llama_file.py")
+    flags = ["--mem", "2GB", "--world-size", "2", "--gpus-per-node", "2", "--seq-len", "64"]
+    code, out, err = run_cli([model, *flags, "--framework", "accelerate",
+                              "--plan", str(tmp_path / "p.yaml")])
+    assert code == 0, err
+    assert "accelerate adds both for a Hugging Face model" in out
+    assert "planned without restriction" in out and "writes the code hook" in out
+    assert read_plan(str(tmp_path / "p.yaml")).framework == "accelerate"
+    code, out, err = run_cli(["export", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "x")])
+    assert code == 0 and (tmp_path / "x" / acc_export.HOOK_FILE).exists(), err
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--framework", "accelerate", "--reduce-dtype", "fp32"], "--reduce-dtype fp32 cannot be said"),
     (["--framework", "torchtitan", "--param-dtype", "fp16"], "torchtitan cannot compute in"),
