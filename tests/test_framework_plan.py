@@ -179,6 +179,7 @@ def test_a_hugging_face_model_falls_back_to_the_hook_and_says_why(tmp_path: Path
     (["--framework", "accelerate", "--reduce-dtype", "fp32"], "--reduce-dtype fp32 cannot be said"),
     (["--framework", "torchtitan", "--param-dtype", "fp16"], "torchtitan cannot compute in"),
     (["--framework", "accelerate", "--strategy", "none"], "--strategy none cannot be said"),
+    (["--framework", "accelerate", "--compile"], "--compile with --framework accelerate"),
     (["--framework", "deepspeed"], "invalid choice"),
 ])
 def test_what_a_configuration_cannot_say_is_refused(tmp_path: Path, flags, words) -> None:
