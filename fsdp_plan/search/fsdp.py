@@ -129,8 +129,9 @@ def _framework_candidates(evaluator: Evaluator, limits: FrameworkLimits) -> list
                               groups=tuple(tuple(g) for g in groups), reshard=reshard)
                 label = f"hybrid {replicate}x{shard}" if strategy == "hybrid" else strategy
                 kept = "" if all(reshard) or not any(reshard) else " keep-tail"
-                results += _prefetch_variants(evaluator, base, f"{label} {limits.name} "
-                                              f"{layout_name}{kept}", paths, len(groups),
+                own = "" if layout_name == limits.name else f" {layout_name}"
+                results += _prefetch_variants(evaluator, base, f"{label} {limits.name}{own}"
+                                              f"{kept}", paths, len(groups),
                                               variants=(PREFETCH,))
     return rank(results)
 
