@@ -36,8 +36,7 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
     used, and a plan is data: it may name a model file (``.py``) or a Hugging Face config
     (``.json``) that exists as a regular file, but never a module to import (``kind: import``
     would run whatever the plan names). A relative path is looked up next to the plan file
-    first, then in the working folder, then in the plan folder's parents
-    (``plan/read.resolve_candidates``).
+    first, then in the working folder, and nowhere else (``plan/read.resolve_candidates``).
     """
     raw = plan.model
     entry = str(raw.get("entry") or "build_model")
@@ -65,14 +64,14 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
     for candidate in candidates:
         if os.path.isfile(candidate):
             return ModelSource(source=candidate, kind=kind, **common)
-    looked = ", ".join(repr(c) for c in candidates[:3]) + (" and the folders above" if
-                                                           len(candidates) > 3 else "")
+    looked = " and ".join(repr(c) for c in candidates)
     name = os.path.basename(source)
     name = name if re.fullmatch(r"[\w.-]+", name) else "model" + suffix
     raise BadInput(f"the plan's {what} {source!r} was not found as a file (looked at {looked}); "
                    "pass it as the optional MODEL argument after the plan (e.g. fsdp-plan verify "
                    f"PLAN.yaml path/to/{name}), or fix model.source (a relative path is read "
-                   "from the plan file's folder).")
+                   "from the plan file's folder, else the working folder; folders above them are "
+                   "never searched).")
 
 
 def count_params(model: nn.Module) -> int:

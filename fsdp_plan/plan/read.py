@@ -53,18 +53,17 @@ def parse_plan_text(data: bytes, where: str = "plan") -> Any:
 
 
 def resolve_candidates(source: str, plan_path: str | None) -> list[str]:
-    """Where a relative model path in a plan is looked for, in order: the plan file's folder,
-    the working folder (plans written before this rule), then the plan folder's parents (a plan
-    written into ``policies/`` from the project root records paths from the root)."""
+    """Where a relative model path in a plan is looked for, in order: the plan file's folder
+    (the planner records paths from there), then the working folder (plans written before that
+    rule, and hand-written ones, name paths from the project root the user runs in).
+
+    Never the folders above either: a plan is data, and searching every ancestor up to ``/``
+    would import and run a ``.py`` that anyone planted in a writable ancestor (a shared
+    temporary folder) under the name the plan gives (issue 21, S3-01)."""
     if os.path.isabs(source):
         return [source]
     found = []
     if plan_path is not None:
         found.append(os.path.join(os.path.dirname(os.path.abspath(plan_path)), source))
     found.append(os.path.abspath(source))
-    if plan_path is not None:
-        folder = os.path.dirname(os.path.abspath(plan_path))
-        while os.path.dirname(folder) != folder:
-            folder = os.path.dirname(folder)
-            found.append(os.path.join(folder, source))
     return list(dict.fromkeys(os.path.normpath(p) for p in found))

@@ -1,0 +1,98 @@
+"""Hostile input, round 3 (issue 21): the planning-path defects, through the real entry points.
+
+Each case asserts the SPEC 2 contract: the exit code, the message's words, no Python
+traceback, and no file written, changed or left behind (and, where model code starts
+processes or threads, none left running). A model file that leaves a marker file when it is
+imported tells whether user code ran.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from fsdp_plan.cli.main import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LLAMA = os.path.join(ROOT, "examples", "llama.py")
+BUNDLED = os.path.join(ROOT, "policies", "llama8b_h100x8.yaml")
+ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def tree(folder) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes (a refused run must change none)."""
+    found = {}
+    for base, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(base, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder)] = f.read()
+    return found
+
+
+def fails(capsys, argv: list[str], code: int, *needles: str) -> str:
+    """Run the CLI in-process: ``code``, every needle in stderr, no traceback, empty stdout."""
+    got = main(argv)
+    captured = capsys.readouterr()
+    assert got == code, captured.err
+    assert "Traceback" not in captured.err, captured.err
+    assert captured.out == "", captured.out
+    for needle in needles:
+        assert needle in captured.err, captured.err
+    return captured.err
+
+
+# --- S3-01: a plan's relative model is never searched for above its folder -----------------
+
+PLANTED = """\
+import os
+open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "planted.marker"), "w").close()
+from torch import nn
+
+def build_model(size="8b"):
+    return nn.Linear(2, 2)
+"""
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """A clone at ``tmp_path/share/clone`` holding ``t/deep/a/b/plan.yaml`` (the bundled 8B
+    plan naming ``planted_model.py``), and that file planted two folders above the clone, in
+    ``tmp_path``; the working folder is the clone."""
+    clone = tmp_path / "share" / "clone"
+    folder = clone / "t" / "deep" / "a" / "b"
+    folder.mkdir(parents=True)
+    with open(BUNDLED) as f:
+        document = yaml.safe_load(f)
+    document["model"]["source"] = "planted_model.py"
+    (folder / "plan.yaml").write_text(yaml.safe_dump(document, sort_keys=False))
+    (tmp_path / "planted_model.py").write_text(PLANTED)
+    monkeypatch.chdir(clone)
+    return tmp_path, os.path.join("t", "deep", "a", "b", "plan.yaml")
+
+
+@pytest.mark.parametrize("verb,extra", [("predict", []), ("verify", []),
+                                        ("tune", ["--out", "tuned"]), ("bench", ["--nproc", "2"])])
+def test_a_model_planted_above_the_plan_is_never_run(planted, capsys, verb, extra):
+    top, plan = planted
+    before = tree(top)
+    fails(capsys, [verb, plan, *extra], 2, "'planted_model.py' was not found",
+          os.path.join(str(top), "share", "clone", "t", "deep", "a", "b", "planted_model.py"),
+          os.path.join(str(top), "share", "clone", "planted_model.py"),
+          "folders above them are never searched", "MODEL")
+    assert not (top / "planted.marker").exists()  # the planted code did not run
+    assert tree(top) == before  # nothing written (no tune results, no bench JSON)
+
+
+def test_the_planted_model_is_not_found_from_a_subprocess_either(planted):
+    top, plan = planted
+    before = tree(top)
+    done = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", "predict", plan],
+                          capture_output=True, text=True, timeout=300, env=ENV, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "was not found" in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == "" and tree(top) == before
