@@ -9,6 +9,7 @@ imported tells whether user code ran.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -96,3 +97,52 @@ def test_the_planted_model_is_not_found_from_a_subprocess_either(planted):
     assert done.returncode == 2, done.stderr
     assert "was not found" in done.stderr and "Traceback" not in done.stderr
     assert done.stdout == "" and tree(top) == before
+
+
+# --- S3-03: an explicit --strategy is never replaced, --allow-offload or not ----------------
+
+TINY = [LLAMA, "--model-arg", "size=tiny", "--headroom", "0", "--seq-len", "8"]
+
+
+@pytest.mark.parametrize("world,instead", [
+    ("2", "--strategy full (or auto) with --allow-offload fits (device peak"),
+    ("8", "--strategy full (or auto) fits on the device (peak")])
+def test_ddp_with_allow_offload_that_does_not_fit_exits_3_and_says_what_would(tmp_path, capsys,
+                                                                              world, instead):
+    out = tmp_path / "out"
+    out.mkdir()
+    err = fails(capsys, [*TINY, "--mem", "3MB", "--world-size", world, "--strategy", "ddp",
+                         "--allow-offload", "--plan", str(out / "p.yaml"), "-o",
+                         str(out / "p.py")], 3,
+                "no --strategy ddp plan fits --mem 3.00 MB",
+                "smallest peak any --strategy ddp plan reached is", "(ddp ",
+                "DDP has no CPU offload", "The strategy was kept as asked", instead)
+    assert re.search(r"ddp plan reached is \d+\.\d\d MB", err), err
+    assert "more GPUs" not in err  # a replica's peak does not fall with more GPUs
+    assert os.listdir(out) == []
+
+
+@pytest.mark.parametrize("strategy,mem,world", [("none", "3MB", 16), ("hybrid", "1.3MB", 16),
+                                                ("grad-op", "1.3MB", 16), ("full", "1.1MB", 16)])
+def test_other_strategies_offload_within_their_own_strategy(tmp_path, capsys, strategy, mem,
+                                                            world):
+    """Where only offload fits, the offloaded plan keeps the strategy asked for (these once came
+    back as fully sharded plans for none, hybrid and grad-op)."""
+    plan = tmp_path / "p.yaml"
+    assert main([*TINY, "--mem", mem, "--world-size", str(world), "--strategy", strategy,
+                 "--allow-offload", "--plan", str(plan)]) == 0, capsys.readouterr().err
+    document = yaml.safe_load(plan.read_text())
+    assert document["strategy"] == strategy
+    assert document["offload"] == {"params": True, "optimizer": True}
+    assert document["predicted"]["peak_bytes"] <= int(float(mem[:-2]) * 10**6)
+
+
+def test_an_explicit_strategy_that_cannot_fit_even_offloaded_names_itself(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    err = fails(capsys, [*TINY, "--mem", "1.1MB", "--world-size", "16", "--strategy", "grad-op",
+                         "--allow-offload", "--plan", str(out / "p.yaml")], 3,
+                "no --strategy grad-op plan fits", "smallest peak any --strategy grad-op plan",
+                "Even CPU offload (--allow-offload) does not fit")
+    assert "(--allow-offload: FSDP2" not in err  # not suggested again: it was given
+    assert os.listdir(out) == []

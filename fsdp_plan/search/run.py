@@ -10,6 +10,7 @@ that names every strategy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import time
 from collections.abc import Iterator, Sequence
@@ -97,37 +98,71 @@ def run_search(facts: ModelFacts, settings: SearchSettings, generators: Sequence
             usable = [c for f, c in rescues
                       if f.allowed and c is not None and c.fits and sayable(c)]
             if not usable:
-                raise no_fit_error(ranked + recipes, rescues, settings)
+                raise no_fit_error(ranked + recipes, rescues, settings, evaluator)
             ranked = [usable[0], *ranked]
     return SearchResult(ranked=ranked, recipes=recipes, evaluator=evaluator,
                         seconds=time.perf_counter() - started)
 
 
 def no_fit_error(tried: list[Candidate], rescues: list[tuple[Fallback, Candidate | None]],
-                 settings: SearchSettings) -> NoFeasiblePlan:
-    """SPEC's exit 3: the smallest peak any plan reached, what would make it fit, and what each
-    fallback would reach."""
-    smallest = min(tried, key=lambda c: c.memory.peak_bytes)
+                 settings: SearchSettings, evaluator: Evaluator | None = None) -> NoFeasiblePlan:
+    """SPEC's exit 3: the smallest peak any plan of the strategy asked for reached, what would
+    make it fit, and what each fallback would reach.
+
+    An explicit ``--strategy`` is never replaced (issue 21, S3-03: ``--strategy ddp
+    --allow-offload`` once came back as a fully sharded offloaded plan), so its own smallest
+    peak is quoted, not a recipe's of another strategy, and what another strategy would reach
+    is said instead of planned (``other_strategy_advice``)."""
+    same = [c for c in tried if settings.allows(c.strategy)] or tried
+    smallest = min(same, key=lambda c: c.memory.peak_bytes)
     advice = "".join(f.advice(c) for f, c in rescues)
+    allowed = any(f.allowed for f, _ in rescues)
+    which = "plan" if settings.strategy == "auto" else f"--strategy {settings.strategy} plan"
+    other = other_strategy_advice(tried, settings, evaluator) if evaluator else ""
     return NoFeasiblePlan(
-        f"no plan fits --mem {format_bytes(settings.budget_bytes)} minus headroom "
+        f"no {which} fits --mem {format_bytes(settings.budget_bytes)} minus headroom "
         f"{format_bytes(settings.headroom_bytes)} (limit "
         f"{format_bytes(settings.limit_bytes)}) at world size {settings.world_size}: the "
-        f"smallest peak any plan reached is {format_bytes(smallest.memory.peak_bytes)} "
-        f"({smallest.name}). To fit, try: {suggestions(smallest, settings)}.{advice}",
+        f"smallest peak any {which} reached is {format_bytes(smallest.memory.peak_bytes)} "
+        f"({smallest.name}). To fit, try: {suggestions(smallest, settings, allowed)}."
+        f"{advice}{other}",
         smallest_peak_bytes=smallest.memory.peak_bytes)
 
 
-def suggestions(smallest: Candidate, settings: SearchSettings) -> str:
+def other_strategy_advice(tried: list[Candidate], settings: SearchSettings,
+                          evaluator: Evaluator) -> str:
+    """For an explicit ``--strategy``: whether the fully sharded recipes (tried beside it for
+    the report) fit on the device, or offloaded, so the message says what would work."""
+    others = [c for c in tried if not settings.allows(c.strategy) and c.strategy != "ddp"]
+    if settings.strategy == "auto" or not others:
+        return ""
+    fitting = [c for c in others if c.fits]
+    if fitting:
+        best = min(fitting, key=lambda c: c.memory.peak_bytes)
+        return (f" The strategy was kept as asked; --strategy {best.strategy} (or auto) fits "
+                f"on the device (peak {format_bytes(best.memory.peak_bytes)}, {best.name}).")
+    sharded = dataclasses.replace(settings, strategy="auto")
+    rescued = OffloadFallback(allowed=True).rescue(
+        Evaluator(evaluator.graph, evaluator.analysis, sharded), others)
+    if rescued is not None and rescued.fits:
+        return (f" The strategy was kept as asked; --strategy {rescued.strategy} (or auto) "
+                f"with --allow-offload fits (device peak "
+                f"{format_bytes(rescued.memory.peak_bytes)}, {rescued.name}).")
+    return ""
+
+
+def suggestions(smallest: Candidate, settings: SearchSettings,
+                allow_offload: bool = False) -> str:
     """What would make the smallest plan fit, most effective first."""
     limit = settings.limit_bytes
     states = smallest.memory.breakdown.get("sharded_params", 0) + smallest.memory.breakdown.get(
         "optimizer_states", 0)
     tips = []
-    if settings.strategy == "ddp":  # DDP cannot shard: every rank holds all model states
+    if settings.strategy == "ddp":  # DDP cannot shard: every rank holds all model states,
+        # so more GPUs do not lower its peak
         tips.append("sharding (--strategy auto or full): DDP keeps every parameter, gradient "
                     "and optimizer state on each GPU")
-    if states > limit:
+    elif states > limit:
         need = int(settings.world_size * states / max(limit, 1)) + 1
         tips.append(f"more GPUs (the sharded parameters and optimizer states alone take "
                     f"{format_bytes(states)} per rank; about {need} GPUs would hold them)")
@@ -136,12 +171,15 @@ def suggestions(smallest: Candidate, settings: SearchSettings) -> str:
     if settings.micro_batch > 1:
         tips.append("a smaller --batch-size (with gradient accumulation)")
     tips.append("a shorter --seq-len")
-    tips.append("CPU offload of parameters and optimizer states (--allow-offload: FSDP2 "
-                "CPUOffloadPolicy)")
+    if settings.strategy == "ddp":
+        tips.append("CPU offload with sharding (--strategy full or auto with --allow-offload: "
+                    "FSDP2 CPUOffloadPolicy; DDP has no CPU offload)")
+    elif not allow_offload:
+        tips.append("CPU offload of parameters and optimizer states (--allow-offload: FSDP2 "
+                    "CPUOffloadPolicy)")
     if not smallest.checkpointed:
         tips.append("activation checkpointing inside blocks")
     return "; ".join(tips)
-
 
 
 @contextlib.contextmanager
