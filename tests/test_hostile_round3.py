@@ -146,3 +146,28 @@ def test_an_explicit_strategy_that_cannot_fit_even_offloaded_names_itself(tmp_pa
                 "Even CPU offload (--allow-offload) does not fit")
     assert "(--allow-offload: FSDP2" not in err  # not suggested again: it was given
     assert os.listdir(out) == []
+
+
+# --- S3-09: integers past Python's 4,300-digit limit --------------------------------------
+
+def test_a_model_arg_past_the_int_digit_limit_is_bad_input_before_any_work(tmp_path, capsys):
+    marked = tmp_path / "model.py"
+    marked.write_text(PLANTED)
+    err = fails(capsys, [str(marked), "--mem", "80GB", "--model-arg", "size=" + "9" * 5000,
+                         "--plan", str(tmp_path / "p.yaml")], 2,
+                "--model-arg size=99999999999999999999...99999999", "5,000 characters",
+                "too long for Python to read as an integer", "4300 digits",
+                "quote it to pass it as text")
+    assert "set_int_max_str_digits" not in err  # Python's hint is for programmers, not users
+    assert sorted(os.listdir(tmp_path)) == ["model.py"]  # not imported, nothing written
+
+
+def test_an_hf_config_number_past_the_int_digit_limit_is_bad_input(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "gpt2", "n_layer": ' + "9" * 5000 + "}")
+    fails(capsys, ["--hf-config", str(config), "--mem", "80GB", "--plan",
+                   str(tmp_path / "p.yaml")], 2,
+          f"Hugging Face config {str(config)!r} holds a number too long to read",
+          "4300 digits", "Fix the value")
+    assert sorted(os.listdir(tmp_path)) == ["config.json"]

@@ -64,6 +64,10 @@ def read_hf_config(config_path: str) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise BadInput(f"Hugging Face config {config_path!r} is not valid JSON: {e.msg} at line "
                        f"{e.lineno} column {e.colno}.") from e
+    except ValueError as e:  # an integer past Python's int-from-text limit (4,300 digits)
+        raise BadInput(f"Hugging Face config {config_path!r} holds a number too long to read "
+                       f"({str(e).split(';')[0]}); a config's sizes are a few digits long. Fix "
+                       "the value.") from e
     if not isinstance(raw, dict) or not isinstance(raw.get("model_type"), str):
         raise BadInput(f"Hugging Face config {config_path!r} has no 'model_type' string; it must "
                        "be a transformers config.json (as saved by config.save_pretrained).")
