@@ -8,6 +8,7 @@ imported tells whether user code ran.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -171,3 +172,46 @@ def test_an_hf_config_number_past_the_int_digit_limit_is_bad_input(tmp_path, cap
           f"Hugging Face config {str(config)!r} holds a number too long to read",
           "4300 digits", "Fix the value")
     assert sorted(os.listdir(tmp_path)) == ["config.json"]
+
+
+# --- S3-10: any accepted --global-batch-size answers -----------------------------------------
+
+def test_divisors_by_trial_division_to_the_square_root():
+    from fsdp_plan.search.batching import divisors
+    for n in range(1, 3000):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    assert divisors(2**44) == [2**i for i in range(45)]  # the largest accepted global batch
+    assert divisors(17592186044399) == [1, 17592186044399]  # a prime near it
+
+
+@pytest.mark.parametrize("global_batch,world,seq_len", [
+    (2**40, 8, 64), (2**44, 1, 1), (963761198400, 1, 4096), (17592186044399, 1, 64)])
+def test_micro_batches_tried_are_bounded_whatever_the_global_batch(global_batch, world, seq_len):
+    from types import SimpleNamespace
+
+    from fsdp_plan.common.limits import MAX_TOKENS
+    from fsdp_plan.search.batching import MAX_AUTO_MICRO_BATCH, micro_batch_sizes
+    request = SimpleNamespace(global_batch_size=global_batch, world_size=world,
+                              source=SimpleNamespace(seq_len=seq_len))
+    sizes = micro_batch_sizes(request)
+    per_rank = global_batch // world
+    assert sizes[0] == 1 and len(sizes) <= 18
+    assert all(per_rank % b == 0 and b <= MAX_AUTO_MICRO_BATCH and b * seq_len <= MAX_TOKENS
+               for b in sizes)
+    assert all(later >= 2 * earlier for earlier, later in itertools.pairwise(sizes[:-1]))
+    largest = max(b for b in range(1, min(per_rank, MAX_AUTO_MICRO_BATCH, MAX_TOKENS // seq_len)
+                                   + 1) if per_rank % b == 0)
+    assert sizes[-1] == largest  # the fewest accumulation steps allowed is always tried
+
+
+def test_a_global_batch_of_2_to_the_40_plans(tmp_path, capsys):
+    """Planned end to end: 1 x 2^37 accumulation steps per rank fits 2 MB, 2 x 2^36 does not."""
+    plan = tmp_path / "p.yaml"
+    assert main([LLAMA, "--model-arg", "size=tiny", "--mem", "2MB", "--headroom", "0",
+                 "--seq-len", "64", "--strategy", "full", "--world-size", "8",
+                 "--global-batch-size", str(2**40), "--plan", str(plan)]) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    document = yaml.safe_load(plan.read_text())
+    assert document["model"]["batch_size"] == 1 and document["grad_accum_steps"] == 2**37
+    assert document["predicted"]["global_batch_size"] == 2**40

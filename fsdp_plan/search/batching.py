@@ -22,11 +22,13 @@ wins; every option's figures are kept for the report.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
+from fsdp_plan.common.limits import MAX_TOKENS
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.search.candidate import Candidate, SearchSettings
 from fsdp_plan.search.evaluator import Evaluator
@@ -228,7 +230,8 @@ def _with_sync_choice(facts: ModelFacts, request: PlanRequest, result: SearchRes
 
 def micro_batch_sizes(request: PlanRequest) -> list[int]:
     """Micro-batch sizes to try, smallest first: divisors of the per-rank batch for a global
-    batch; powers of two for ``--batch-size auto``."""
+    batch (up to ``--batch-size auto``'s largest, about doubling each time); powers of two for
+    ``--batch-size auto``."""
     if request.global_batch_size is None:
         sizes, b = [], 1
         while b <= MAX_AUTO_MICRO_BATCH:
@@ -242,4 +245,33 @@ def micro_batch_sizes(request: PlanRequest) -> list[int]:
                        f"the {ranks} data-parallel ranks (--world-size); each rank takes the same "
                        f"number of samples per step. Try {nearest}.")
     per_rank = request.global_batch_size // ranks
-    return [b for b in range(1, per_rank + 1) if per_rank % b == 0]
+    largest = min(MAX_AUTO_MICRO_BATCH, MAX_TOKENS // request.source.seq_len)
+    return doubling_ladder([b for b in divisors(per_rank) if b <= largest])
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order, by trial division up to its square root: at
+    the largest accepted global batch (2^44 samples) 4 million trials, under a second, where
+    trying every number up to ``n`` never answered (issue 21, S3-10)."""
+    small, large = [], []
+    for d in range(1, math.isqrt(n) + 1):
+        if n % d == 0:
+            small.append(d)
+            if d != n // d:
+                large.append(n // d)
+    return small + large[::-1]
+
+
+def doubling_ladder(sizes: list[int]) -> list[int]:
+    """Of the increasing ``sizes``, the first, then each one at least twice the last kept, and
+    the last: at most 18 micro-batches (each is analysed once) whatever the global batch,
+    as ``--batch-size auto`` tries powers of two. A per-rank batch with thousands of
+    divisors once meant thousands of analyses (issue 21, S3-10); neighbours closer than a
+    factor of two differ little in tokens per second."""
+    kept: list[int] = []
+    for b in sizes:
+        if not kept or b >= 2 * kept[-1]:
+            kept.append(b)
+    if sizes and kept[-1] != sizes[-1]:
+        kept.append(sizes[-1])  # the largest allowed: the fewest accumulation steps
+    return kept
