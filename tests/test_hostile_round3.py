@@ -184,34 +184,49 @@ def test_divisors_by_trial_division_to_the_square_root():
     assert divisors(17592186044399) == [1, 17592186044399]  # a prime near it
 
 
-@pytest.mark.parametrize("global_batch,world,seq_len", [
-    (2**40, 8, 64), (2**44, 1, 1), (963761198400, 1, 4096), (17592186044399, 1, 64)])
-def test_micro_batches_tried_are_bounded_whatever_the_global_batch(global_batch, world, seq_len):
+@pytest.mark.parametrize("global_batch,world,seq_len,count", [
+    (2**40, 8, 64, 8), (2**44, 1, 1, 1), (720720, 1, 1, 20), (2**40, 2**20, 4096, 21)])
+def test_micro_batches_tried_are_bounded_whatever_the_global_batch(global_batch, world, seq_len,
+                                                                   count):
+    """Divisors of the per-rank batch that a plan can hold (at most 2^24 samples and 2^32
+    tokens a micro-batch, 2^20 accumulation steps), each at least twice the last."""
     from types import SimpleNamespace
 
-    from fsdp_plan.common.limits import MAX_TOKENS
-    from fsdp_plan.search.batching import MAX_AUTO_MICRO_BATCH, micro_batch_sizes
+    from fsdp_plan.common.limits import MAX_BATCH_SIZE, MAX_GRAD_ACCUM_STEPS, MAX_TOKENS
+    from fsdp_plan.search.batching import divisors, micro_batch_sizes
     request = SimpleNamespace(global_batch_size=global_batch, world_size=world,
                               source=SimpleNamespace(seq_len=seq_len))
     sizes = micro_batch_sizes(request)
     per_rank = global_batch // world
-    assert sizes[0] == 1 and len(sizes) <= 18
-    assert all(per_rank % b == 0 and b <= MAX_AUTO_MICRO_BATCH and b * seq_len <= MAX_TOKENS
-               for b in sizes)
+    allowed = [b for b in divisors(per_rank) if b <= MAX_BATCH_SIZE
+               and b * seq_len <= MAX_TOKENS and per_rank // b <= MAX_GRAD_ACCUM_STEPS]
+    assert len(sizes) == count and set(sizes) <= set(allowed)
+    assert sizes[0] == allowed[0] and sizes[-1] == allowed[-1]  # both ends are always tried
     assert all(later >= 2 * earlier for earlier, later in itertools.pairwise(sizes[:-1]))
-    largest = max(b for b in range(1, min(per_rank, MAX_AUTO_MICRO_BATCH, MAX_TOKENS // seq_len)
-                                   + 1) if per_rank % b == 0)
-    assert sizes[-1] == largest  # the fewest accumulation steps allowed is always tried
 
 
-def test_a_global_batch_of_2_to_the_40_plans(tmp_path, capsys):
-    """Planned end to end: 1 x 2^37 accumulation steps per rank fits 2 MB, 2 x 2^36 does not."""
-    plan = tmp_path / "p.yaml"
-    assert main([LLAMA, "--model-arg", "size=tiny", "--mem", "2MB", "--headroom", "0",
-                 "--seq-len", "64", "--strategy", "full", "--world-size", "8",
-                 "--global-batch-size", str(2**40), "--plan", str(plan)]) == 0
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    document = yaml.safe_load(plan.read_text())
-    assert document["model"]["batch_size"] == 1 and document["grad_accum_steps"] == 2**37
-    assert document["predicted"]["global_batch_size"] == 2**40
+@pytest.mark.parametrize("global_batch,world,seq_len", [(17592186044399, 1, 64),
+                                                        (2**44, 1, 4096)])
+def test_a_global_batch_no_micro_batch_can_hold_is_bad_input(global_batch, world, seq_len,
+                                                             tmp_path, capsys):
+    marked = tmp_path / "model.py"
+    marked.write_text(PLANTED)
+    fails(capsys, [str(marked), "--mem", "80GB", "--world-size", str(world), "--seq-len",
+                   str(seq_len), "--global-batch-size", str(global_batch), "--plan",
+                   str(tmp_path / "p.yaml")], 2,
+          f"--global-batch-size {global_batch} over {world} ranks",
+          "at most 1,048,576 accumulation steps", "can be the micro-batch")
+    assert sorted(os.listdir(tmp_path)) == ["model.py"]  # refused before the model was imported
+
+
+def test_a_global_batch_of_2_to_the_40_answers_with_the_micro_batch_it_needs(tmp_path, capsys):
+    """2^37 samples per rank need micro-batches of at least 2^17 (2^20 accumulation steps at
+    most): exit 3 saying so, after one analysis, not a count to 2^37."""
+    out = tmp_path / "out"
+    out.mkdir()
+    fails(capsys, [LLAMA, "--model-arg", "size=tiny", "--mem", "2MB", "--headroom", "0",
+                   "--seq-len", "64", "--strategy", "full", "--world-size", "8",
+                   "--global-batch-size", str(2**40), "--plan", str(out / "p.yaml")], 3,
+          "no --strategy full plan fits", "(137,438,953,472 samples per rank)",
+          "the smallest micro-batch is 131,072 x 1,048,576 accumulation steps")
+    assert os.listdir(out) == []

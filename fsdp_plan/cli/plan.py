@@ -16,7 +16,7 @@ from fsdp_plan.api import PlanRequest, make_plan, verify_by_measurement
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import check_outputs, check_writable
-from fsdp_plan.common.limits import MAX_GPUS_PER_NODE, MAX_WORLD_SIZE
+from fsdp_plan.common.limits import MAX_GPUS_PER_NODE, MAX_GRAD_ACCUM_STEPS, MAX_WORLD_SIZE
 from fsdp_plan.common.sizes import format_bytes, parse_bytes, parse_share_of
 from fsdp_plan.cost.hardware import GPUS, hardware_for, read_hardware_file
 from fsdp_plan.cost.hardware.stored import file_origin
@@ -148,7 +148,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         check_count(args.batch_size, "--batch-size", MAX_BATCH_SIZE,
                     "samples per micro-batch on one GPU; larger is a typing mistake")
     if args.global_batch_size is not None:
-        check_count(args.global_batch_size, "--global-batch-size", MAX_BATCH_SIZE * 2**20,
+        check_count(args.global_batch_size, "--global-batch-size",
+                    MAX_BATCH_SIZE * MAX_GRAD_ACCUM_STEPS,
                     "samples per optimizer step over all ranks")
         if args.global_batch_size % args.world_size:
             raise BadInput(f"--global-batch-size {args.global_batch_size} is not a multiple of "

@@ -16,6 +16,9 @@ MAX_BATCH_SIZE = 2**24
 """Samples in one micro-batch on one GPU. 16.7 million is far past any real micro-batch
 (they are 1-1024); larger values are typing mistakes that only surface later as overflowing
 tensor sizes."""
+MAX_GRAD_ACCUM_STEPS = 2**20
+"""Micro-batches per optimizer step (a plan's ``grad_accum_steps``). With ``MAX_BATCH_SIZE``
+it bounds ``--global-batch-size`` per rank; real runs accumulate 1-1024."""
 MAX_SEQ_LEN = 2**26
 """Tokens per sample. 67 million is beyond the longest context any model trains with
 (about 10 million); larger values are typing mistakes."""

@@ -31,6 +31,7 @@ from fsdp_plan.common.limits import (
     MAX_BATCH_SIZE,
     MAX_BYTES,
     MAX_GPUS_PER_NODE,
+    MAX_GRAD_ACCUM_STEPS,
     MAX_SEQ_LEN,
     MAX_TOKENS,
     MAX_WORLD_SIZE,
@@ -663,7 +664,7 @@ def _check_accumulation(check: _Checker, raw: dict) -> tuple[int, str]:
     """``grad_accum_steps`` (micro-batches per optimizer step) and ``gradient_sync``: reduce
     gradients after ``every`` micro-batch, or only the ``last`` (``prepare_microbatch``)."""
     steps = raw.get("grad_accum_steps", 1)
-    check.integer(steps, "grad_accum_steps", 1, 2**20, "grad_accum_steps counts micro-batches "
+    check.integer(steps, "grad_accum_steps", 1, MAX_GRAD_ACCUM_STEPS, "grad_accum_steps counts micro-batches "
                   "per optimizer step: a whole number >= 1")
     sync = check.choice(raw.get("gradient_sync", "every"), "gradient_sync", GRADIENT_SYNCS,
                         "every reduces gradients after each micro-batch, last only after the "

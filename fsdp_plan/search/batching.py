@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
-from fsdp_plan.common.limits import MAX_TOKENS
+from fsdp_plan.common.limits import MAX_BATCH_SIZE, MAX_GRAD_ACCUM_STEPS, MAX_TOKENS
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.search.candidate import Candidate, SearchSettings
 from fsdp_plan.search.evaluator import Evaluator
@@ -141,6 +141,16 @@ def choose_batch(request: PlanRequest, *, facts_at: FactsAt, search: Search) -> 
             best = choice
     if best is None:
         assert failure is not None
+        first = options[0]
+        if per_rank and first.micro_batch > 1:  # the accumulation cap set the smallest
+            raise NoFeasiblePlan(
+                f"{failure} For --global-batch-size {request.global_batch_size} over "
+                f"{request.world_size} ranks ({per_rank:,} samples per rank) the smallest "
+                f"micro-batch is {first.micro_batch:,} x {first.grad_accum_steps:,} "
+                f"accumulation steps, since a plan accumulates at most "
+                f"{MAX_GRAD_ACCUM_STEPS:,} micro-batches: a smaller global batch or more ranks "
+                "make the micro-batch smaller.",
+                smallest_peak_bytes=failure.smallest_peak_bytes) from failure
         raise failure
     chosen = next(o for o in options if o.fits and o.micro_batch == best.request.source.batch_size)
     others = ", ".join(f"{o.micro_batch}x{o.grad_accum_steps}: "
@@ -230,8 +240,7 @@ def _with_sync_choice(facts: ModelFacts, request: PlanRequest, result: SearchRes
 
 def micro_batch_sizes(request: PlanRequest) -> list[int]:
     """Micro-batch sizes to try, smallest first: divisors of the per-rank batch for a global
-    batch (up to ``--batch-size auto``'s largest, about doubling each time); powers of two for
-    ``--batch-size auto``."""
+    batch (``doubling_ladder``); powers of two for ``--batch-size auto``."""
     if request.global_batch_size is None:
         sizes, b = [], 1
         while b <= MAX_AUTO_MICRO_BATCH:
@@ -245,8 +254,19 @@ def micro_batch_sizes(request: PlanRequest) -> list[int]:
                        f"the {ranks} data-parallel ranks (--world-size); each rank takes the same "
                        f"number of samples per step. Try {nearest}.")
     per_rank = request.global_batch_size // ranks
-    largest = min(MAX_AUTO_MICRO_BATCH, MAX_TOKENS // request.source.seq_len)
-    return doubling_ladder([b for b in divisors(per_rank) if b <= largest])
+    # A micro-batch is at most MAX_BATCH_SIZE samples and MAX_TOKENS tokens, and a plan
+    # accumulates at most MAX_GRAD_ACCUM_STEPS of them (plan/check.py refuses more).
+    largest = min(MAX_BATCH_SIZE, MAX_TOKENS // request.source.seq_len)
+    smallest = -(-per_rank // MAX_GRAD_ACCUM_STEPS)
+    sizes = [b for b in divisors(per_rank) if smallest <= b <= largest]
+    if not sizes:
+        raise BadInput(f"--global-batch-size {request.global_batch_size} over {ranks} ranks is "
+                       f"{per_rank:,} samples per rank, and none of its divisors from "
+                       f"{smallest:,} (at most {MAX_GRAD_ACCUM_STEPS:,} accumulation steps) to "
+                       f"{largest:,} (at most {MAX_BATCH_SIZE:,} samples and {MAX_TOKENS:,} tokens "
+                       "per micro-batch) can be the micro-batch. Give a global batch with such a "
+                       "divisor, more ranks (--world-size) or a shorter --seq-len.")
+    return doubling_ladder(sizes)
 
 
 def divisors(n: int) -> list[int]:
@@ -264,14 +284,14 @@ def divisors(n: int) -> list[int]:
 
 def doubling_ladder(sizes: list[int]) -> list[int]:
     """Of the increasing ``sizes``, the first, then each one at least twice the last kept, and
-    the last: at most 18 micro-batches (each is analysed once) whatever the global batch,
-    as ``--batch-size auto`` tries powers of two. A per-rank batch with thousands of
-    divisors once meant thousands of analyses (issue 21, S3-10); neighbours closer than a
-    factor of two differ little in tokens per second."""
+    the last: at most 26 micro-batches (each is analysed once) whatever the global batch. A
+    per-rank batch with thousands of divisors once meant thousands of analyses (issue 21,
+    S3-10); neighbours closer than a factor of two differ little in tokens per second, and
+    ``--batch-size auto`` tries powers of two the same way."""
     kept: list[int] = []
     for b in sizes:
         if not kept or b >= 2 * kept[-1]:
             kept.append(b)
-    if sizes and kept[-1] != sizes[-1]:
+    if kept[-1] != sizes[-1]:
         kept.append(sizes[-1])  # the largest allowed: the fewest accumulation steps
     return kept
