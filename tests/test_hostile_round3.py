@@ -230,3 +230,36 @@ def test_a_global_batch_of_2_to_the_40_answers_with_the_micro_batch_it_needs(tmp
           "no --strategy full plan fits", "(137,438,953,472 samples per rank)",
           "the smallest micro-batch is 131,072 x 1,048,576 accumulation steps")
     assert os.listdir(out) == []
+
+
+# --- S3-26: --batch-size N with --global-batch-size is the micro-batch ----------------------
+
+def test_batch_size_with_a_global_batch_is_the_micro_batch(tmp_path, capsys):
+    """As DeepSpeed and torchtitan read both: micro-batch N, accumulation makes up the rest."""
+    path = tmp_path / "p.yaml"
+    assert main([LLAMA, "--model-arg", "size=tiny", "--seq-len", "32", "--mem", "6MB",
+                 "--world-size", "2", "--strategy", "full", "--global-batch-size", "16",
+                 "--batch-size", "2", "--plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "why: micro-batch 2 as --batch-size gives, x 4 accumulation step(s)" in out
+    document = yaml.safe_load(path.read_text())
+    assert document["model"]["batch_size"] == 2 and document["grad_accum_steps"] == 4
+    assert document["predicted"]["global_batch_size"] == 16
+
+
+@pytest.mark.parametrize("flags,needles", [
+    (["--global-batch-size", "16", "--batch-size", "3"],
+     ["--batch-size 3 does not divide the 8 samples each rank takes per step",
+      "e.g. --batch-size 1", "leave --batch-size out"]),
+    (["--global-batch-size", "24", "--batch-size", "16"],
+     ["--batch-size 16 does not divide the 12 samples", "e.g. --batch-size 4"]),
+    (["--global-batch-size", str(2**40), "--batch-size", "4"],
+     ["needs 137,438,953,472 accumulation steps, more than 1,048,576"]),
+])
+def test_batch_size_that_cannot_make_up_the_global_batch_is_refused_before_any_work(
+        tmp_path, capsys, flags, needles):
+    marked = tmp_path / "model.py"
+    marked.write_text(PLANTED)
+    fails(capsys, [str(marked), "--mem", "80GB", "--world-size", "2", *flags, "--plan",
+                   str(tmp_path / "p.yaml")], 2, *needles)
+    assert sorted(os.listdir(tmp_path)) == ["model.py"]

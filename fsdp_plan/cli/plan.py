@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -65,10 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(int, float, bool, null/~, else text); repeatable")
     parser.add_argument("--hf-config", default=None, help="build a Hugging Face transformers "
                         "model from this config.json on the meta device (nothing downloaded)")
-    parser.add_argument("--batch-size", type=_batch_size, default=1,
+    parser.add_argument("--batch-size", type=_batch_size, default=None,
                         help=f"samples per micro-batch per GPU, 1..{MAX_BATCH_SIZE:,}, or auto "
                         "for the largest micro-batch that fits (the fastest if larger is not "
-                        "faster) (default: %(default)s)")
+                        "faster); with --global-batch-size, the micro-batch to use (the "
+                        "planner then derives the accumulation steps) (default: 1, or the "
+                        "planner's choice with --global-batch-size)")
     parser.add_argument("--global-batch-size", type=int, default=None, metavar="N",
                         help="samples per optimizer step over all data-parallel ranks: the "
                         "planner chooses the micro-batch, gradient accumulation and when "
@@ -144,7 +147,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
                 "describe real clusters, and no cluster is larger")
     check_count(args.gpus_per_node, "--gpus-per-node", MAX_GPUS_PER_NODE,
                 "GPUs sharing one node's fast links: 8 on DGX/HGX, 72 in an NVL72 rack")
-    if args.batch_size != "auto":
+    if args.batch_size not in ("auto", None):
         check_count(args.batch_size, "--batch-size", MAX_BATCH_SIZE,
                     "samples per micro-batch on one GPU; larger is a typing mistake")
     if args.global_batch_size is not None:
@@ -155,6 +158,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             raise BadInput(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                            f"--world-size {args.world_size}: every rank takes the same number of "
                            f"samples per step (e.g. {max(1, args.global_batch_size // args.world_size) * args.world_size}).")
+        fixed_accumulation(args)  # --batch-size N with it: N must divide each rank's share
     check_count(args.seq_len, "--seq-len", MAX_SEQ_LEN,
                 "tokens per sample, beyond any model's context; larger is a typing mistake")
     if isinstance(args.top, bool) or not isinstance(args.top, int) or not 0 <= args.top <= MAX_TOP:
@@ -189,10 +193,40 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
             "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
 
 
+def fixed_accumulation(args: argparse.Namespace) -> int | None:
+    """Accumulation steps for ``--batch-size N`` given with ``--global-batch-size G``, else
+    None (the planner chooses the micro-batch).
+
+    Both given is what DeepSpeed (``train_micro_batch_size_per_gpu`` with
+    ``train_batch_size``) and torchtitan (``local_batch_size`` with ``global_batch_size``)
+    mean: the micro-batch is N and accumulation makes up the rest, ``G / (world size * N)``
+    steps. It was once ignored silently (issue 21, S3-26); a micro-batch that does not divide
+    each rank's share is refused rather than rounded, since the optimizer would then see
+    another batch than asked for."""
+    if args.global_batch_size is None or args.batch_size in ("auto", None):
+        return None
+    per_rank = args.global_batch_size // args.world_size
+    if per_rank % args.batch_size:
+        raise BadInput(f"--batch-size {args.batch_size} does not divide the {per_rank:,} samples "
+                       f"each rank takes per step (--global-batch-size {args.global_batch_size} "
+                       f"over --world-size {args.world_size}); the micro-batch times the "
+                       "accumulation steps must make up that share. Give a divisor (e.g. "
+                       f"--batch-size {math.gcd(args.batch_size, per_rank)}), or leave "
+                       "--batch-size out and the planner chooses the micro-batch.")
+    steps = per_rank // args.batch_size
+    if steps > MAX_GRAD_ACCUM_STEPS:
+        raise BadInput(f"--batch-size {args.batch_size} with --global-batch-size "
+                       f"{args.global_batch_size} over --world-size {args.world_size} needs "
+                       f"{steps:,} accumulation steps, more than {MAX_GRAD_ACCUM_STEPS:,}; give "
+                       "a larger --batch-size, or leave it out and the planner chooses.")
+    return steps
+
+
 def model_source(args: argparse.Namespace) -> ModelSource:
     """The model's source as the plan file records it (validated: see ``ModelSource``); the
-    micro-batch is the planner's to choose with --batch-size auto or --global-batch-size."""
-    batch = 1 if args.batch_size == "auto" or args.global_batch_size else args.batch_size
+    micro-batch is the planner's to choose with --batch-size auto or --global-batch-size
+    alone."""
+    batch = 1 if args.batch_size in ("auto", None) else args.batch_size
     if args.hf_config:
         return ModelSource(source=args.hf_config, entry="from_config", kind="hf-config",
                            args=parse_model_args(args.model_arg), batch_size=batch,
@@ -210,6 +244,7 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"give either MODEL ({args.model!r}) or --hf-config ({args.hf_config!r}), "
                        "not both: --hf-config builds the model from the config alone.")
     source = model_source(args)
+    fixed_steps = fixed_accumulation(args)
     progress = (lambda m: sys.stderr.write(f"fsdp-plan: {m}\n")) if args.format == "table" else None
     request = PlanRequest(
         source=source, budget_bytes=values["budget"], headroom_bytes=values["headroom"],
@@ -217,8 +252,10 @@ def run(args: argparse.Namespace) -> int:
         param_dtype=values["param_dtype"], reduce_dtype=values["reduce_dtype"],
         optimizer=args.optimizer, hardware=values["hardware"],
         hardware_origin=values["hardware_origin"], exact_analysis=args.exact_analysis,
-        allow_offload=args.allow_offload, global_batch_size=args.global_batch_size,
-        auto_batch=args.batch_size == "auto", compile_blocks=args.compile,
+        allow_offload=args.allow_offload, auto_batch=args.batch_size == "auto",
+        # --batch-size N with --global-batch-size: N is the micro-batch (fixed_accumulation)
+        global_batch_size=None if fixed_steps else args.global_batch_size,
+        grad_accum_steps=fixed_steps or 1, compile_blocks=args.compile,
         activation_memory_budget=args.activation_memory_budget, framework=args.framework)
     # Imported here, not above: model.load imports torch (about 6 s), and every flag was to be
     # checked before that wait (see the note under the imports).
@@ -231,6 +268,12 @@ def run(args: argparse.Namespace) -> int:
                          "a GPU only (python -m fsdp_plan.bench.gpu_check PLAN.yaml)")
         elif args.verify and result.loaded is not None:
             verify_by_measurement(result, result.loaded, progress)
+    if fixed_steps:
+        result.plan.predicted["global_batch_size"] = args.global_batch_size
+        result.reasons = [(f"micro-batch {args.batch_size} as --batch-size gives, x "
+                           f"{fixed_steps} accumulation step(s) to make up --global-batch-size "
+                           f"{args.global_batch_size} over {args.world_size} ranks"),
+                          *result.reasons]
     if args.plan:
         result.relocate_source(os.path.dirname(os.path.abspath(args.plan)))
     rows = ([candidate_row(c) for c in result.ranked[: args.top]]
