@@ -263,3 +263,26 @@ def test_batch_size_that_cannot_make_up_the_global_batch_is_refused_before_any_w
     fails(capsys, [str(marked), "--mem", "80GB", "--world-size", "2", *flags, "--plan",
                    str(tmp_path / "p.yaml")], 2, *needles)
     assert sorted(os.listdir(tmp_path)) == ["model.py"]
+
+
+# --- S3-24: a model path that is not valid text --------------------------------------------
+
+@pytest.mark.parametrize("argv", [
+    lambda model: [model, "--mem", "1GB", "--plan", "p.yaml"],
+    lambda model: ["predict", BUNDLED, model],
+    lambda model: ["--hf-config", model[:-3] + ".json", "--mem", "1GB"],
+])
+def test_a_model_path_with_undecodable_bytes_is_bad_input(tmp_path, argv):
+    name = b"m\xff.py"
+    with open(os.path.join(os.fsencode(str(tmp_path)), name), "w") as f:
+        f.write(PLANTED)
+    before = sorted(os.listdir(os.fsencode(str(tmp_path))))
+    done = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main",
+                           *argv(os.fsdecode(name))], capture_output=True, cwd=tmp_path,
+                          timeout=300, env=ENV, check=False)
+    err = done.stderr.decode("utf-8", "replace")
+    assert done.returncode == 2, err
+    assert "Traceback" not in err and "UnicodeEncodeError" not in err and done.stdout == b""
+    assert "path 'm\\xff.py' is not valid text" in err or "path 'm\\xff.json' is" in err, err
+    assert "Rename the file" in err
+    assert sorted(os.listdir(os.fsencode(str(tmp_path)))) == before  # not imported, no plan

@@ -50,6 +50,7 @@ class ModelSource:
                            "--batch-size with gradient accumulation.")
         if self.kind not in KINDS:
             raise BadInput(f"model kind {self.kind!r} is not one of {', '.join(KINDS)}.")
+        check_text_path(self.source, "MODEL" if self.kind != "hf-config" else "--hf-config")
 
     def to_plan_dict(self) -> dict[str, Any]:
         """The plan file's ``model`` mapping (without ``params`` and ``digest``, which the
@@ -82,6 +83,19 @@ class ModelSource:
                    batch_size=_plan_int(raw.get("batch_size", 1), f"{where}: model.batch_size"),
                    seq_len=_plan_int(raw.get("seq_len", 4096), f"{where}: model.seq_len"),
                    kind=str(kind))
+
+
+def check_text_path(path: str, flag: str) -> None:
+    """A path the plan file records must be text: a name with bytes that are not UTF-8 (an
+    argument such as ``$'m\\xff.py'``) reaches Python as lone surrogates, which no YAML, JSON
+    or hash of the name can hold (issue 21, S3-24: an internal UnicodeEncodeError)."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as e:
+        shown = repr(os.fsencode(path))[1:] if isinstance(path, str) else repr(path)
+        raise BadInput(f"{flag} path {shown} is not valid text: byte(s) in its name are not "
+                       "UTF-8, and the plan file records the model's path as text. Rename the "
+                       "file (or its folder) to a UTF-8 name.") from e
 
 
 def check_count(value: Any, flag: str, maximum: int, meaning: str) -> None:
