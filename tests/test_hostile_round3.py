@@ -286,3 +286,72 @@ def test_a_model_path_with_undecodable_bytes_is_bad_input(tmp_path, argv):
     assert "path 'm\\xff.py' is not valid text" in err or "path 'm\\xff.json' is" in err, err
     assert "Rename the file" in err
     assert sorted(os.listdir(os.fsencode(str(tmp_path)))) == before  # not imported, no plan
+
+
+# --- the model's code and the process: exits, threads, forks, descriptor 1 -----------------
+
+SMALL = """\
+import torch
+from torch import nn
+
+def build_model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+def example_inputs(batch_size, seq_len):
+    return (torch.randn(batch_size, 8),)
+"""
+
+
+def cli(argv: list[str], cwd, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``fsdp-plan ARGV`` as the console script runs it (entry(), not main())."""
+    return subprocess.run([sys.executable, "-c", "from fsdp_plan.cli.main import entry; entry()",
+                           *argv], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env=ENV, check=False)
+
+
+@pytest.fixture
+def small_plan(tmp_path_factory):
+    """A plan of SMALL at world size 2 without its code digest, so a model file of the same
+    shape with other code (one that exits, forks, prints) can be given as MODEL."""
+    folder = tmp_path_factory.mktemp("small")
+    (folder / "small.py").write_text(SMALL)
+    path = folder / "plan.yaml"
+    assert main([str(folder / "small.py"), "--mem", "1GB", "--world-size", "2", "--seq-len",
+                 "8", "--strategy", "full", "--plan", str(path)]) == 0
+    document = yaml.safe_load(path.read_text())
+    del document["model"]["digest"]
+    path.write_text(yaml.safe_dump(document, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("verb,where,code", [
+    ("plan", "import", "import os\nos._exit(0)\n" + SMALL),
+    ("plan", "build_model()", SMALL.replace("def build_model():\n",
+                                            "def build_model():\n    import os; os._exit(0)\n")),
+    ("predict", "build_model()", SMALL.replace("def build_model():\n",
+                                               "def build_model():\n    import os; os._exit(0)\n")),
+    ("verify", "loss_fn(output)",
+     SMALL + "\ndef loss_fn(output):\n    import os\n    os._exit(0)\n"),
+])
+def test_os_exit_in_model_code_is_bad_input_not_a_silent_success(tmp_path, small_plan, capsys,
+                                                                   verb, where, code):
+    model = tmp_path / "model.py"
+    model.write_text(code)
+    argv = ([str(model), "--mem", "1GB", "--seq-len", "8", "--plan", str(tmp_path / "p.yaml")]
+            if verb == "plan" else [verb, str(small_plan), str(model)])
+    done = cli(argv, tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "called os._exit(0)" in done.stderr and "Traceback" not in done.stderr
+    assert "would end fsdp-plan at once with nothing planned or checked" in done.stderr
+    assert ("importing model file" if where == "import" else where) in done.stderr
+    assert "model.py line" in done.stderr  # the user's line is named
+    assert done.stdout == "" and sorted(os.listdir(tmp_path)) == ["model.py"]
+
+
+def test_os_exit_outside_model_code_is_the_real_one():
+    """Only the planner's own process is guarded while user code runs: outside that, os._exit
+    is the real one."""
+    from fsdp_plan.user_process import UserExit, process_guarded
+    with pytest.raises(UserExit) as caught, process_guarded():
+        os._exit(3)
+    assert caught.value.code == 3 and os._exit.__module__ == "posix"

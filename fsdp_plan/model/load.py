@@ -33,6 +33,7 @@ from fsdp_plan.model.source import (  # noqa: F401  (re-exported: callers import
     source_digest,
     source_kind,
 )
+from fsdp_plan.user_process import UserExit, process_guarded
 
 
 @dataclass
@@ -54,6 +55,7 @@ class LoadedModel:
 # ``user_code_output_to_stderr``: its print() output goes to stderr, so ``--format json``
 # keeps stdout a single JSON document, and a sys.exit() in it becomes a BadInput naming the
 # call and the line instead of ending the planner with the user's exit code and nothing said.
+# os._exit() and os.fork() are guarded too (user_process.py [Note: user code and the process]).
 # KeyboardInterrupt is left alone: Ctrl-C still stops the planner (exit 130). An os.chdir() in
 # user code is undone, so relative output paths still name the files that were checked.
 
@@ -70,12 +72,17 @@ def user_code_output_to_stderr(what: str = "the model's forward",
     user's file, whose innermost line the message shows."""
     cwd = _getcwd()
     try:
-        with contextlib.redirect_stdout(sys.stderr):
+        with process_guarded(), contextlib.redirect_stdout(sys.stderr):
             yield
     except SystemExit as e:
         raise BadInput(f"{what} called sys.exit({e.code!r}){_user_frame_hint(e, path)}; the "
                        "planner runs this code to read the model's shapes and cannot go on. Remove "
                        "the exit (guard script code with `if __name__ == \"__main__\":`).") from e
+    except UserExit as e:  # [Note: user code and the process]
+        raise BadInput(f"{what} called os._exit({e.code!r}){_user_frame_hint(e, path)}, which "
+                       "would end fsdp-plan at once with nothing planned or checked; the planner "
+                       "runs this code to read the model's shapes. Remove the exit (guard script "
+                       "code with `if __name__ == \"__main__\":`).") from e
     finally:
         # An os.chdir() in user code would move relative output paths after they were checked.
         if cwd is not None and _getcwd() != cwd:
