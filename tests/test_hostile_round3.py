@@ -9,6 +9,7 @@ imported tells whether user code ran.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -355,3 +356,39 @@ def test_os_exit_outside_model_code_is_the_real_one():
     with pytest.raises(UserExit) as caught, process_guarded():
         os._exit(3)
     assert caught.value.code == 3 and os._exit.__module__ == "posix"
+
+
+NOISY = """\
+import atexit, os, sys, threading, time
+print("PRINTED")
+os.write(1, b"FD-ONE\\n")
+sys.__stdout__.write("DUNDER-STDOUT\\n")
+sys.__stdout__.flush()
+atexit.register(lambda: print("ATEXIT-PRINT"))
+atexit.register(lambda: os.write(1, b"ATEXIT-FD\\n"))
+
+def tick():
+    while True:
+        print("TICK", flush=True)
+        time.sleep(0.05)
+
+threading.Thread(target=tick, daemon=True).start()
+""" + SMALL
+
+
+@pytest.mark.parametrize("verb", ["plan", "predict", "verify", "bench"])
+def test_json_is_alone_on_stdout_whatever_the_model_writes(tmp_path, small_plan, verb):
+    """S3-16 (os.write(1), sys.__stdout__, atexit, a model's thread) and S3-15 (bench)."""
+    model = tmp_path / "noisy.py"
+    model.write_text(NOISY)
+    argv = {"plan": [str(model), "--mem", "1GB", "--seq-len", "8", "--world-size", "2"],
+            "predict": ["predict", str(small_plan), str(model)],
+            "verify": ["verify", str(small_plan), str(model)],
+            "bench": ["bench", str(small_plan), str(model), "--nproc", "2", "--steps", "2",
+                      "--warmup", "1", "--out", str(tmp_path / "results")]}[verb]
+    done = cli([*argv, "--format", "json"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)  # one JSON document and nothing else
+    assert isinstance(document, dict) and "Traceback" not in done.stderr
+    for word in ("PRINTED", "FD-ONE", "DUNDER-STDOUT", "ATEXIT-PRINT", "ATEXIT-FD"):
+        assert word in done.stderr, word

@@ -173,7 +173,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    sys.exit(main())
+    """The console script: the command, with stdout kept for its report (process.py)."""
+    from fsdp_plan.cli.process import ReportChannel
+    channel = ReportChannel()
+    channel.open()
+    try:
+        code = main()
+    finally:
+        channel.close()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
