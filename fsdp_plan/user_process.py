@@ -1,4 +1,4 @@
-"""What the user's model code may do to the planner's process: exit it.
+"""What the user's model code may do to the planner's process: exit it, fork it.
 
 [Note: user code and the process]
 ``load.user_code_output_to_stderr`` runs every call into the user's code inside
@@ -9,19 +9,30 @@ cannot see (issue 21):
   having done nothing, so a CI ``verify`` "passed" (S3-20). While user code runs, ``os._exit``
   raises ``UserExit`` in the planner's own process instead; the caller turns it into a
   ``BadInput`` naming the call. Elsewhere (a worker's own exit, a forked child) it is the real one.
+- ``os.fork()`` in user code made two planners: both planned, wrote and printed (S3-32), and
+  the child could outlive the run, holding the output pipes open (S3-33). A forked child that
+  comes back out of the user's code into the planner (its pid is not the planner's) ends at
+  once with ``os._exit(0)``, flushing nothing (its buffers are copies of the parent's). The
+  children forked while user code ran are recorded, and ``end_forked_children`` ends any still
+  running when the command is done.
+Processes started by exec (``subprocess``) are the user's own programs and are left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Iterator
 
 _real_exit = os._exit
+_real_fork = os.fork
 _depth = 0
 """Nesting depth of ``process_guarded`` in this process (a forked child inherits it)."""
 _owner = 0
 """The pid that entered the outermost ``process_guarded``: the planner's own process."""
+_forked: list[int] = []
+"""Children forked by user code, ended by ``end_forked_children``."""
 
 
 class UserExit(BaseException):
@@ -39,19 +50,45 @@ def _guarded_exit(code: int) -> None:
     _real_exit(code)
 
 
+def _recording_fork() -> int:
+    pid = _real_fork()
+    if pid > 0 and os.getpid() == _owner:
+        _forked.append(pid)
+    return pid
+
+
 @contextlib.contextmanager
 def process_guarded() -> Iterator[None]:
-    """Run user code with ``os._exit`` refused ([Note: user code and the process])."""
+    """Run user code with ``os._exit`` refused and ``os.fork`` recorded ([Note: user code and
+    the process]); a forked child leaving this block ends quietly."""
     global _depth, _owner
     pid = os.getpid()
     if _depth == 0:
         _owner = pid
     _depth += 1
-    saved = os._exit
-    os._exit = _guarded_exit
+    saved = os._exit, os.fork
+    os._exit, os.fork = _guarded_exit, _recording_fork
     try:
         yield
     finally:
-        os._exit = saved
+        if os.getpid() != pid:  # a child forked by user code, back in the planner
+            _real_exit(0)
+        os._exit, os.fork = saved
         _depth -= 1
 
+
+def end_forked_children() -> list[int]:
+    """End (SIGKILL) and reap the children that user code forked and that still run; returns
+    their pids. Called when the command is done, planned or not."""
+    ended = []
+    while _forked:
+        pid = _forked.pop()
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done == 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                ended.append(pid)
+        except (ChildProcessError, ProcessLookupError):  # already reaped, or not ours
+            continue
+    return ended

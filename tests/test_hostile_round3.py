@@ -392,3 +392,57 @@ def test_json_is_alone_on_stdout_whatever_the_model_writes(tmp_path, small_plan,
     assert isinstance(document, dict) and "Traceback" not in done.stderr
     for word in ("PRINTED", "FD-ONE", "DUNDER-STDOUT", "ATEXIT-PRINT", "ATEXIT-FD"):
         assert word in done.stderr, word
+
+
+def test_a_model_that_forks_at_import_plans_once(tmp_path):
+    """S3-32: the child that os.fork() makes comes back into the planner and ends there; only
+    the original process plans, writes and prints."""
+    model = tmp_path / "forks.py"
+    model.write_text("import os\nprint('FORKED', os.fork() == 0)\n" + SMALL)
+    done = cli([str(model), "--mem", "1GB", "--seq-len", "8", "--plan", "p.yaml"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "FORKED True" in done.stderr and "FORKED False" in done.stderr  # both imported it
+    assert done.stderr.count("fsdp-plan: wrote p.yaml") == 1, done.stderr
+    assert done.stdout.count("chosen:") == 1 and "Traceback" not in done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["forks.py", "p.yaml"]
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, ended but not yet reaped by its new parent, counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("verb", ["plan", "bench"])
+def test_processes_the_model_forks_do_not_outlive_the_command(tmp_path, small_plan, verb):
+    """S3-33: a child forked by the model that never returns (it sleeps) is ended when the
+    command is done, in the planner and in every bench worker; else it held the output pipes
+    open and the command's caller waited for it."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    work = tmp_path / "work"
+    work.mkdir()
+    model = work / "sleeper.py"
+    model.write_text(f"""\
+import os, time
+if os.fork() == 0:
+    open(os.path.join({str(pids)!r}, str(os.getpid())), "w").close()
+    time.sleep(600)
+""" + SMALL)
+    argv = ([str(model), "--mem", "1GB", "--seq-len", "8", "--world-size", "2"]
+            if verb == "plan" else ["bench", str(small_plan), str(model), "--nproc", "2",
+                                    "--steps", "2", "--warmup", "1", "--out", "results"])
+    try:
+        done = cli(argv, work, timeout=400)
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+        started = [int(p) for p in os.listdir(pids)]
+        assert len(started) == (1 if verb == "plan" else 3)  # the planner (and each worker)
+        assert not [pid for pid in started if _alive(pid)]
+    finally:
+        for pid in (int(p) for p in os.listdir(pids)):
+            if _alive(pid):
+                os.kill(pid, 9)

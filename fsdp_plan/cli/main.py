@@ -173,14 +173,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The console script: the command, with stdout kept for its report (process.py)."""
+    """The console script: the command, with stdout kept for its report (process.py), and
+    no process the model's code forked left running after it."""
     from fsdp_plan.cli.process import ReportChannel
+    from fsdp_plan.user_process import end_forked_children
     channel = ReportChannel()
     channel.open()
     try:
         code = main()
     finally:
         channel.close()
+        end_forked_children()
     sys.exit(code)
 
 

@@ -204,6 +204,8 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
     """Entry point of each spawned worker: environment, stack dumps on SIGUSR1, run, report."""
     import faulthandler
 
+    from fsdp_plan.user_process import end_forked_children
+
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     # The parent's stdout is its report (--format json must stay one document): whatever the
@@ -226,8 +228,10 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
             "time": time.time(), "error": (lines[-1] if lines else repr(e)).strip(),
             "traceback": traceback.format_exc()})
         stack_file.flush()
+        end_forked_children()
         os._exit(1)  # skip atexit/process-group teardown, which can block on dead peers
     stack_file.flush()
+    end_forked_children()  # a child the model forked does not outlive its worker
     os._exit(0)
 
 
