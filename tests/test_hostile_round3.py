@@ -446,3 +446,40 @@ if os.fork() == 0:
         for pid in (int(p) for p in os.listdir(pids)):
             if _alive(pid):
                 os.kill(pid, 9)
+
+
+@pytest.mark.parametrize("verb", ["plan", "predict"])
+def test_a_thread_the_model_leaves_running_does_not_hold_up_the_exit(tmp_path, small_plan,
+                                                                     verb):
+    """S3-23: the plan is written and the process ends with its own exit code, saying so,
+    instead of waiting forever for a non-daemon thread the model started."""
+    work = tmp_path / "work"
+    work.mkdir()
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    model = work / "threads.py"
+    model.write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(600,), "
+                     "name='model-sleeper').start()\n" + SMALL)
+    argv = ([str(model), "--mem", "1GB", "--seq-len", "8", "--world-size", "2", "--plan",
+             "p.yaml"] if verb == "plan" else ["predict", str(small_plan), str(model)])
+    done = subprocess.run([sys.executable, "-c", "from fsdp_plan.cli.main import entry; entry()",
+                           *argv, "--format", "json"], capture_output=True, text=True, cwd=work,
+                          timeout=300, env={**ENV, "TMPDIR": str(temporary)}, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) and "Traceback" not in done.stderr
+    assert "left 1 thread(s) running ('model-sleeper')" in done.stderr
+    assert "does not wait for them and exits with code 0" in done.stderr
+    assert sorted(os.listdir(work)) == (["p.yaml", "threads.py"] if verb == "plan"
+                                        else ["threads.py"])
+    # torch's own compile cache folder appears on any run; nothing of fsdp-plan's is left
+    assert [n for n in os.listdir(temporary) if n != "torchinductor_root"] == []
+
+
+def test_a_lingering_thread_keeps_a_failures_exit_code(tmp_path):
+    model = tmp_path / "threads.py"
+    model.write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(600,))"
+                     ".start()\n" + SMALL)
+    done = cli([str(model), "--mem", "1kB", "--seq-len", "8", "--plan", "p.yaml"], tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert "no plan fits" in done.stderr and "exits with code 3" in done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["threads.py"]

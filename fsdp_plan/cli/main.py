@@ -173,18 +173,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The console script: the command, with stdout kept for its report (process.py), and
-    no process the model's code forked left running after it."""
-    from fsdp_plan.cli.process import ReportChannel
-    from fsdp_plan.user_process import end_forked_children
+    """The console script: the command, with stdout kept for its report and an end that the
+    model's threads and forked children cannot hold up (process.py)."""
+    from fsdp_plan.cli.process import ReportChannel, end_process
     channel = ReportChannel()
     channel.open()
     try:
         code = main()
     finally:
         channel.close()
-        end_forked_children()
-    sys.exit(code)
+    end_process(code)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The ``fsdp-plan`` process around a command: standard output kept for the report.
+"""The ``fsdp-plan`` process around a command: standard output kept for the report, and an
+end that no model code can hold up.
 
 [Note: the report owns file descriptor 1]
 ``--format json`` promises one JSON document on stdout (and the table is the only thing there
@@ -10,16 +11,28 @@ is pointed at file descriptor 2, and the report is written through a duplicate o
 original descriptor 1: ``sys.stdout`` becomes a stream that sends the main thread's writes to
 that duplicate and any other thread's to stderr. When the command returns, the duplicate is
 closed and ``sys.stdout`` is stderr, so ``atexit`` output lands there too.
+
+[Note: ending the process]
+When the command is done: children that the model's code forked and that still run are ended
+(user_process.py [Note: user code and the process]), and if threads the model started (not
+daemon threads) are still alive, the interpreter would wait for them forever after the plan
+was written (S3-23). Then fsdp-plan says so on stderr, runs the ``atexit`` handlers (temporary
+files, multiprocessing's cleanup) and ends with ``os._exit`` and the command's exit code,
+without joining them; a model thread's work is never part of a plan. Otherwise the process
+ends normally.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import os
 import sys
 import threading
-from typing import TextIO
+from typing import Any, TextIO
+
+from fsdp_plan.user_process import end_forked_children
 
 
 class _MainThreadReport(io.TextIOBase):
@@ -97,3 +110,34 @@ class ReportChannel:
             self._report.close()
         self._report = None
 
+
+def lingering_threads() -> list[threading.Thread]:
+    """Threads that would keep the interpreter from exiting: alive, not daemon, not main."""
+    return [t for t in threading.enumerate() if t.is_alive() and not t.daemon
+            and t is not threading.main_thread()]
+
+
+def end_process(code: int) -> None:
+    """End the process with ``code`` ([Note: ending the process]); never returns."""
+    end_forked_children()
+    waiting = lingering_threads()
+    if not waiting:
+        sys.exit(code)
+    names = ", ".join(repr(t.name) for t in waiting[:5]) + (
+        f" and {len(waiting) - 5} more" if len(waiting) > 5 else "")
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.write(f"fsdp-plan: note: the model's code left {len(waiting)} thread(s) "
+                         f"running ({names}); fsdp-plan does not wait for them and exits "
+                         f"with code {code}. Start such threads with daemon=True, or only "
+                         "under `if __name__ == \"__main__\":`.\n")
+    _run_exit_handlers()
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()  # type: ignore[union-attr]
+    os._exit(code)
+
+
+def _run_exit_handlers() -> None:
+    run: Any = getattr(atexit, "_run_exitfuncs", None)
+    if run is not None:
+        run()
