@@ -352,7 +352,7 @@ def test_os_exit_in_model_code_is_bad_input_not_a_silent_success(tmp_path, small
 def test_os_exit_outside_model_code_is_the_real_one():
     """Only the planner's own process is guarded while user code runs: outside that, os._exit
     is the real one."""
-    from fsdp_plan.user_process import UserExit, process_guarded
+    from fsdp_plan.model.user_process import UserExit, process_guarded
     with pytest.raises(UserExit) as caught, process_guarded():
         os._exit(3)
     assert caught.value.code == 3 and os._exit.__module__ == "posix"

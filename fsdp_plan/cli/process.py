@@ -14,8 +14,8 @@ closed and ``sys.stdout`` is stderr, so ``atexit`` output lands there too.
 
 [Note: ending the process]
 When the command is done: children that the model's code forked and that still run are ended
-(user_process.py [Note: user code and the process]), and if threads the model started (not
-daemon threads) are still alive, the interpreter would wait for them forever after the plan
+(model/user_process.py [Note: user code and the process]), and if threads the model started
+(not daemon threads) are still alive, the interpreter would wait for them forever after the plan
 was written (S3-23). Then fsdp-plan says so on stderr, runs the ``atexit`` handlers (temporary
 files, multiprocessing's cleanup) and ends with ``os._exit`` and the command's exit code,
 without joining them; a model thread's work is never part of a plan. Otherwise the process
@@ -32,7 +32,7 @@ import sys
 import threading
 from typing import Any, TextIO
 
-from fsdp_plan.user_process import end_forked_children
+from fsdp_plan.model.user_process import end_forked_children
 
 
 class _MainThreadReport(io.TextIOBase):

@@ -204,7 +204,7 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
     """Entry point of each spawned worker: environment, stack dumps on SIGUSR1, run, report."""
     import faulthandler
 
-    from fsdp_plan.user_process import end_forked_children
+    from fsdp_plan.model.user_process import end_forked_children
 
     if parent_pid is not None:
         _die_with_parent(parent_pid)

@@ -33,7 +33,7 @@ from fsdp_plan.model.source import (  # noqa: F401  (re-exported: callers import
     source_digest,
     source_kind,
 )
-from fsdp_plan.user_process import UserExit, process_guarded
+from fsdp_plan.model.user_process import UserExit, process_guarded
 
 
 @dataclass
@@ -55,7 +55,8 @@ class LoadedModel:
 # ``user_code_output_to_stderr``: its print() output goes to stderr, so ``--format json``
 # keeps stdout a single JSON document, and a sys.exit() in it becomes a BadInput naming the
 # call and the line instead of ending the planner with the user's exit code and nothing said.
-# os._exit() and os.fork() are guarded too (user_process.py [Note: user code and the process]).
+# os._exit() and os.fork() are guarded too (model/user_process.py [Note: user code and
+# the process]).
 # KeyboardInterrupt is left alone: Ctrl-C still stops the planner (exit 130). An os.chdir() in
 # user code is undone, so relative output paths still name the files that were checked.
 

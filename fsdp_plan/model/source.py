@@ -137,10 +137,11 @@ def parse_model_arg_value(key: str, value: str) -> Any:
         return value
     except ValueError as e:  # an integer past Python's int-from-text limit (4,300 digits)
         shown = value if len(value) <= 40 else f"{value[:20]}...{value[-8:]}"
+        reason = str(e).split(";")[0]  # without Python's set_int_max_str_digits() hint
         raise BadInput(f"--model-arg {key}={shown} is a number of {len(value.strip()):,} "
-                       f"characters, too long for Python to read as an integer ({str(e).split(';')[0]}); no model "
-                       "argument is that large. Give a smaller value, or quote it to pass it as "
-                       f"text (--model-arg {key}='\"...\"').") from e
+                       f"characters, too long for Python to read as an integer ({reason}); no "
+                       "model argument is that large. Give a smaller value, or quote it to pass "
+                       f"it as text (--model-arg {key}='\"...\"').") from e
     if isinstance(parsed, float) and not math.isfinite(parsed):
         raise BadInput(f"--model-arg {key}={value} reads as {parsed!r}, which is not a usable "
                        "model argument; give a finite number, or quote it as text "
