@@ -261,6 +261,9 @@ class Prediction:
     """The ``predicted`` mapping the planner would write for this plan."""
     limit_bytes: int
     fits: bool
+    evaluator: Evaluator | None = None
+    """The evaluator the plan was predicted with (its activation profiles and memory context,
+    for pictures of the step)."""
 
 
 def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
@@ -276,12 +279,13 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         hardware=hardware or plan_hardware(plan), strategy=plan.strategy,
         precision=Precision.of_plan(plan.mixed_precision), optimizer=plan.optimizer,
         grad_accum_steps=plan.grad_accum_steps, gradient_sync=plan.gradient_sync)
-    candidate = Evaluator(facts.graph, facts.analysis, settings).evaluate(
-        layout, "plan as written" + (" offload" if layout.offload else ""))
+    evaluator = Evaluator(facts.graph, facts.analysis, settings)
+    candidate = evaluator.evaluate(layout, "plan as written" + (" offload" if layout.offload
+                                                                else ""))
     predicted = {**predicted_block(candidate),
                  **throughput_fields(candidate, facts, plan, settings.hardware)}
     return Prediction(candidate=candidate, predicted=predicted,
-                      limit_bytes=settings.limit_bytes, fits=candidate.fits)
+                      limit_bytes=settings.limit_bytes, fits=candidate.fits, evaluator=evaluator)
 
 
 def verify_by_measurement(result: PlanResult, loaded: LoadedModel,
