@@ -106,7 +106,7 @@ class ActivationProfile:
         span = 1
         while 2 * span <= len(peaks):
             prev = self._table[-1]
-            self._table.append([max(prev[i], prev[i + span]) for i in range(len(prev) - span)])
+            self._table.append(list(map(max, prev[:len(prev) - span], prev[span:])))
             span *= 2
         self.backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
                                    len(events) - 1)
