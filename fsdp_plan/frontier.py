@@ -252,8 +252,8 @@ def compute_frontier(variants: list[Variant], settings: SearchSettings, *, seq_l
             if budget not in points:
                 points[budget] = searcher.point(budget)
         if top.fits and _budget_for(top.peak_bytes, headroom) <= user:
-            notes.append(f"the fastest plan of all fits the budget (peak "
-                         f"{format_bytes(top.peak_bytes)}): more memory buys nothing")
+            notes.append(f"the fastest plan of all fits the budget (its peak is "
+                         f"{format_bytes(top.peak_bytes)})")
     return Frontier(points=[points[b] for b in sorted(points)], user_budget_bytes=user,
                     searches=searcher.searches, plans_evaluated=searcher.evaluations,
                     seconds=clock.perf_counter() - started, complete=not above_only,
@@ -288,7 +288,7 @@ def more_memory_line(frontier: Frontier) -> str:
     better = frontier.more_memory()
     top = [p for p in frontier.points if p.fits][-1:] or [here]
     if better is None:
-        return ("more memory: buys nothing; "
+        return ("more memory: buys nothing here: "
                 + (frontier.notes[0] if frontier.notes else
                    f"up to {format_bytes(top[0].budget_bytes)} the best plan stays within 1% "
                    "of this step"))
