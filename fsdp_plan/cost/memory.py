@@ -215,12 +215,14 @@ def _encode(live, instants, grads_at):
     return live, instants, grads_at
 
 
-def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int]
-            ) -> tuple[list[int], list[int]]:
+def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int],
+            every_event: bool = False) -> tuple[list[int], list[int]]:
     """The coded points a sweep visits, in order, and the activation bytes at each: the gap
-    ending at an event holds the highest activation since the previous point's event."""
+    ending at an event holds the highest activation since the previous point's event.
+    ``every_event`` adds the gap before every event (for pictures): between two points of the
+    sweep no buffer starts or ends, so those gaps never exceed the sweep's highest total."""
     n = len(profile.events)
-    points = {0, 4 * (n - 1)}
+    points = set(range(0, 4 * n, 4)) if every_event else {0, 4 * (n - 1)}
     points.update(start for start, _, _, _ in live)
     points.update(start & ~3 for start, _, _, _ in live)
     points.update(end & ~3 for _, end, _, _ in live)
@@ -472,7 +474,7 @@ def memory_timeline(profile: ActivationProfile, units: list[UnitSpec], ctx: Step
                      backward_prefetch=backward_prefetch)
     live, instants, grads_at = _encode(b.live, b.instants, b.grads_at)
     extra_bytes = {key: 0 for key, _, _ in instants}
-    points, activations = _points(profile, live, extra_bytes)
+    points, activations = _points(profile, live, extra_bytes, every_event=True)
     return MemoryTimeline(events=profile.events, forward_end=profile.forward_end, points=points,
                           activations=activations, static=b.static, held=b.held, live=live,
                           instants=instants, grads_at=grads_at, optimizer_step=b.optimizer_step)

@@ -47,6 +47,11 @@ def plotly_or_exit() -> Any:
     return plotly
 
 
+def _size(num_bytes: float) -> str:
+    """``80.0 GB``, or ``20.0 MB`` for a budget below 1 GB (the axis is in GB)."""
+    return f"{num_bytes / _GB:.1f} GB" if num_bytes >= _GB else f"{num_bytes / 1e6:.1f} MB"
+
+
 def _memory_figure(page: Page) -> Any:
     import plotly.graph_objects as go
 
@@ -73,10 +78,10 @@ def _memory_figure(page: Page) -> Any:
                              text=[f"peak {format_bytes(s.peak_bytes)}"],
                              textposition="top center"))
     fig.add_hline(y=page.budget_bytes / _GB, line={"color": "#c00000", "dash": "dash"},
-                  annotation_text=f"budget {page.budget_bytes / _GB:.1f} GB",
+                  annotation_text=f"budget {_size(page.budget_bytes)}",
                   annotation_position="top left")
     fig.add_hline(y=page.limit_bytes / _GB, line={"color": "#ff7f00", "dash": "dot"},
-                  annotation_text=f"budget - headroom {page.limit_bytes / _GB:.1f} GB",
+                  annotation_text=f"budget - headroom {_size(page.limit_bytes)}",
                   annotation_position="bottom left")
     for start, end, name, colour in ((0.0, s.forward_end_s, "forward", "#dae3f3"),
                                      (s.forward_end_s, s.backward_end_s, "backward", "#fbe5d6"),
@@ -119,15 +124,17 @@ def _frontier_figure(page: Page) -> Any:
                              line={"shape": "hv", "color": "#404040"}), row=2, col=1)
     user = f.user_budget_bytes / _GB
     fig.add_vline(x=user, line={"color": "#c00000", "dash": "dash"},
-                  annotation_text=f"your budget {user:.1f} GB", annotation_position="top")
+                  annotation_text=f"your budget {_size(f.user_budget_bytes)}",
+                  annotation_position="top")
     shown = 0
     for change in f.changes():
         if change["knob"] in ("mesh", "units", "micro-batch") and shown < 8:
             shown += 1
-            fig.add_annotation(x=change["budget_bytes"] / _GB, y=1.0, yref="y domain",
+            fig.add_annotation(x=change["budget_bytes"] / _GB, y=0.15, yref="y domain",
                                text=f"{change['knob']}: {change['from']} → {change['to']}",
-                               showarrow=True, arrowhead=2, ay=-30 - 18 * (shown % 3),
-                               font={"size": 10}, row=1, col=1)
+                               showarrow=True, arrowhead=2, ay=-20 - 22 * (shown % 3),
+                               font={"size": 10}, bgcolor="rgba(255,255,255,0.8)",
+                               row=1, col=1)
     fig.update_layout(title="What more memory buys: the best plan at each budget", height=560,
                       barmode="stack", margin={"t": 60, "r": 20})
     fig.update_yaxes(title_text="step s", row=1, col=1, secondary_y=False, rangemode="tozero")

@@ -69,6 +69,8 @@ class StepSeries:
     backward_end_s: float
     step_s: float
     totals: list[int] = field(default_factory=list)
+    event_times: dict[tuple[str, str, int], float] = field(default_factory=dict)
+    """Seconds into the step of every analysed boundary, by (kind, module, occurrence)."""
 
     def __post_init__(self) -> None:
         if not self.totals:
@@ -181,7 +183,8 @@ def step_series(timeline: MemoryTimeline, time: StepTime) -> StepSeries:
     parts = {k: [int(r.get(k, 0)) for r in rows] for k in names}
     return StepSeries(times_s=times, parts=parts, labels=labels, keys=keys,
                       forward_end_s=at[timeline.forward_end] if at else 0.0,
-                      backward_end_s=backward_s, step_s=end_s)
+                      backward_end_s=backward_s, step_s=end_s,
+                      event_times=dict(zip(event_keys, at)))
 
 
 def measured_curve(record: MemoryRecord, series: StepSeries) -> tuple[list[float], list[int]]:
@@ -192,6 +195,7 @@ def measured_curve(record: MemoryRecord, series: StepSeries) -> tuple[list[float
     for key, t in zip(series.keys, series.times_s):
         if key is not None:
             where.setdefault(key, t)
+    where.update({k: t for k, t in series.event_times.items() if k not in where})
     optimizer_at = next((t for t, label in zip(series.times_s, series.labels)
                          if label == "optimizer step"), series.backward_end_s)
     seen: dict[tuple[str, str], int] = {}
