@@ -23,7 +23,9 @@ class Steps:
 
     def __init__(self, *, total: int, quiet: bool, what: str, unit: str = "step") -> None:
         self._bar: Any = None
-        if not quiet:
+        self._lines = not quiet and not sys.stderr.isatty()
+        self._what = what
+        if not quiet and not self._lines:
             from tqdm import tqdm
             self._bar = tqdm(total=total, desc=what, unit=unit, file=sys.stderr, leave=False,
                              dynamic_ncols=True, bar_format="{desc}: {n_fmt}/{total_fmt} "
@@ -32,6 +34,9 @@ class Steps:
 
     def step(self, message: str, to: int | None = None) -> None:
         """Mark the previous step done (or move to step ``to``) and show ``message``."""
+        if self._lines:
+            print(f"{self._what}: {message}", file=sys.stderr, flush=True)
+            return
         if self._bar is None:
             return
         if to is not None:
