@@ -258,9 +258,13 @@ def test_the_html_page_renders_in_chromium_with_no_error_and_loads_nothing(tmp_p
     assert done.returncode == 0, done.stderr
     text = page.read_text()
     import re
-    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", text, re.IGNORECASE)
-    assert not re.search(r"""url\(\s*["']?\s*(?:https?:)?//|@import""", text, re.IGNORECASE)
-    assert "<script src" not in text
+    # Outside the inlined scripts no tag or style names a URL (plotly.js's own code holds
+    # map-tile and logo URLs that these plots never load: the browser check below says so).
+    markup = re.sub(r"<script[^>]*>.*?</script>", "<script></script>", text, flags=re.DOTALL)
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", markup,
+                         re.IGNORECASE)
+    assert not re.search(r"""url\(\s*["']?\s*(?:https?:)?//|@import""", markup, re.IGNORECASE)
+    assert not re.search(r"<script[^>]+src=", text, re.IGNORECASE)
     checked = tmp_path / "checked.html"
     checked.write_text(text.replace("<head>", "<head>" + RECORDER, 1))
     dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
