@@ -92,6 +92,8 @@ class Frontier:
     searches: int
     plans_evaluated: int
     seconds: float
+    cpu_seconds: float = 0.0
+    """CPU time of this process over the same span (on a shared machine, wall time is not)."""
     complete: bool = True
     """Whether the grid spans the whole range (the report's line searches above the user's
     budget only)."""
@@ -125,7 +127,8 @@ class Frontier:
         return {"points": [asdict(p) for p in self.points],
                 "user_budget_bytes": self.user_budget_bytes, "changes": self.changes(),
                 "searches": self.searches, "plans_evaluated": self.plans_evaluated,
-                "seconds": round(self.seconds, 3), "complete": self.complete,
+                "seconds": round(self.seconds, 3), "cpu_seconds": round(self.cpu_seconds, 3),
+                "complete": self.complete,
                 "notes": list(self.notes)}
 
 
@@ -227,7 +230,7 @@ def compute_frontier(variants: list[Variant], settings: SearchSettings, *, seq_l
     """The frontier around ``settings.budget_bytes`` ([Note: the frontier]): about ``count``
     round budgets over the whole range, or (``above_only``) from the user's budget up, which
     is all the report's "more memory" line needs."""
-    started = clock.perf_counter()
+    started, cpu_started = clock.perf_counter(), clock.process_time()
     user = settings.budget_bytes
     headroom = headroom_rule(user, settings.headroom_bytes)
     with cycle_collector_paused():
@@ -256,7 +259,8 @@ def compute_frontier(variants: list[Variant], settings: SearchSettings, *, seq_l
                          f"{format_bytes(top.peak_bytes)})")
     return Frontier(points=[points[b] for b in sorted(points)], user_budget_bytes=user,
                     searches=searcher.searches, plans_evaluated=searcher.evaluations,
-                    seconds=clock.perf_counter() - started, complete=not above_only,
+                    seconds=clock.perf_counter() - started,
+                    cpu_seconds=clock.process_time() - cpu_started, complete=not above_only,
                     notes=notes)
 
 

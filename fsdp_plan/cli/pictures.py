@@ -86,7 +86,8 @@ def header_lines(plan: Plan, hardware: Any, hardware_file: str | None, name: str
     if frontier is not None:
         lines.append(more_memory_line(frontier))
         lines.append(f"frontier: {len(frontier.points)} budgets, {frontier.searches} searches, "
-                     f"{frontier.plans_evaluated} plans evaluated in {frontier.seconds:.1f} s")
+                     f"{frontier.plans_evaluated} plans evaluated in {frontier.seconds:.1f} s "
+                     f"({frontier.cpu_seconds:.1f} s of CPU)")
     return lines
 
 
