@@ -21,7 +21,7 @@ are left out).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fsdp_plan.cost import StepTime
 from fsdp_plan.memory import MemoryTimeline, memory_timeline
@@ -214,8 +214,3 @@ def measured_curve(record: MemoryRecord, series: StepSeries) -> tuple[list[float
         ys.append(int(b.peak))
     return xs, ys
 
-
-def series_dict(series: StepSeries) -> dict[str, Any]:
-    """Plain data for a page's script."""
-    return {"times_s": series.times_s, "parts": series.parts, "labels": series.labels,
-            "totals": series.totals}
