@@ -13,7 +13,6 @@ import sys
 from typing import Any
 
 from fsdp_plan.api import PlanRequest, make_plan, verify_by_measurement
-from fsdp_plan.cli import pictures
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import check_outputs, check_writable
@@ -31,6 +30,7 @@ from fsdp_plan.model.source import (
     parse_model_args,
     source_kind,
 )
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.report import (
     candidate_row,
     format_report,

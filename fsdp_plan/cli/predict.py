@@ -18,12 +18,12 @@ import sys
 from typing import Any
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
-from fsdp_plan.cli import pictures
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.common.limits import MAX_GPUS_PER_NODE
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.model.source import check_count
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import Plan, read_plan
 
 

@@ -26,10 +26,10 @@ from tabulate import tabulate
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, plan_hash
 from fsdp_plan.bench.tune import tune
-from fsdp_plan.cli import pictures
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.common.progress import Steps
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import plan_to_yaml, read_plan
 
 

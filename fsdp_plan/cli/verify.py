@@ -19,7 +19,6 @@ from typing import Any
 from tabulate import tabulate
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
-from fsdp_plan.cli import pictures
 from fsdp_plan.common.errors import BadInput, CheckFailed
 from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.common.progress import Steps
@@ -28,6 +27,7 @@ from fsdp_plan.measure import runtime
 from fsdp_plan.measure.measured import MeasuredMemory
 from fsdp_plan.measure.peak import measured_peak
 from fsdp_plan.model.load import LoadedModel, user_code_output_to_stderr
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import Plan, read_plan
 
 # FSDPMemTracker's categories -> the planner's breakdown keys (several may share one key).

@@ -4,5 +4,7 @@
   time axis), and a measured step's curve lined up with it;
 - ``snapshot``: the same step as an allocation timeline in the format of
   ``torch.cuda.memory._snapshot()`` (``--memory-snapshot``), predicted or measured;
-- ``html``: one self-contained page (``--html``, the optional ``html`` extra: plotly).
+- ``page``: what a page shows, gathered as plain data; ``html``: the page itself (``--html``,
+  the optional ``html`` extra: plotly);
+- ``files``: the ``--html`` / ``--memory-snapshot`` options and files of every verb.
 """

@@ -1,7 +1,8 @@
 """``--html`` and ``--memory-snapshot`` for every verb that draws (plan, predict, verify, bench,
 tune): the options, their checks before any work, and the files they write.
 
-Not a verb: the verbs call it. Nothing here imports torch or plotly at import time.
+The verbs (cli/, and bench/session.py for the torchrun worker) call it; it never calls them.
+Nothing here imports torch or plotly at import time.
 """
 
 from __future__ import annotations
