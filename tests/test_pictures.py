@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_plan.api import PlanRequest, predict
-from fsdp_plan.facts import ModelFacts
-from fsdp_plan.frontier import Variant, compute_frontier, more_memory_line, round_budgets
-from fsdp_plan.memory import estimate_peak, memory_timeline
+from fsdp_plan.api import plan_from_facts, predict
+from fsdp_plan.cost.memory import estimate_peak, memory_timeline
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.model.source import ModelSource
 from fsdp_plan.pictures.series import event_times, plan_timeline, step_series
 from fsdp_plan.pictures.snapshot import active_peak, measured_snapshot, predicted_snapshot
-from fsdp_plan.source import ModelSource
-from fsdp_plan.throughput import plan_with_choices
+from fsdp_plan.search.frontier import Variant, compute_frontier, more_memory_line, round_budgets
+from fsdp_plan.search.request import PlanRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_llama_facts.json"
@@ -56,16 +56,16 @@ PLANS = {
 
 
 def _planned(facts: ModelFacts, **kw):
-    result = plan_with_choices(facts, PlanRequest(source=SOURCE, **kw))
+    result = plan_from_facts(facts, PlanRequest(source=SOURCE, **kw))
     return result, predict(result.plan, facts, gpus_per_node=kw.get("gpus_per_node", 8))
 
 
 def test_memory_timeline_peaks_where_the_sweep_does_for_every_candidate(facts):
     """memory_timeline walks estimate_peak's own points: its highest total is the peak of
     every candidate the search evaluated (all layouts, prefetch, checkpointing, meshes)."""
-    from fsdp_plan.search import Evaluator
+    from fsdp_plan.search.evaluator import Evaluator
     request = PlanRequest(source=SOURCE, budget_bytes=3 * 10**6, world_size=8, gpus_per_node=4)
-    result = plan_with_choices(facts, request)
+    result = plan_from_facts(facts, request)
     evaluator = Evaluator(facts.graph, facts.analysis, request.settings())
     checked = 0
     for c in result.ranked + result.recipes:
@@ -117,7 +117,7 @@ def _check_snapshot_shape(snapshot: dict) -> None:
 
 
 def test_an_offloaded_plans_snapshot_peaks_at_its_device_peak(facts):
-    result = plan_with_choices(facts, PlanRequest(source=SOURCE, budget_bytes=2 * 10**6,
+    result = plan_from_facts(facts, PlanRequest(source=SOURCE, budget_bytes=2 * 10**6,
                                                   world_size=4, strategy="full",
                                                   allow_offload=True))
     assert result.plan.offload
@@ -130,8 +130,8 @@ def test_the_measured_snapshot_peaks_at_fsdpmemtrackers_peak():
     """The recorded step replays to PyTorch's own measurement of the steady step, and the
     measured curve follows the predicted one boundary by boundary."""
     from fsdp_plan.api import make_plan
-    from fsdp_plan.emit import load_policy_module
     from fsdp_plan.measure.memory import measure_peak
+    from fsdp_plan.plan.emit import load_policy_module
     result = make_plan(PlanRequest(source=SOURCE, budget_bytes=10**8, world_size=4,
                                    strategy="full"))
     measured = measure_peak(result.loaded, result.plan,
@@ -151,14 +151,14 @@ def test_the_measured_snapshot_peaks_at_fsdpmemtrackers_peak():
 
 def test_the_more_memory_line_agrees_with_replanning_at_that_budget(facts):
     request = PlanRequest(source=SOURCE, budget_bytes=3_000_000, world_size=4, strategy="full")
-    here = plan_with_choices(facts, request)
+    here = plan_from_facts(facts, request)
     frontier = compute_frontier([Variant(micro_batch=2, grad_accum_steps=1, facts=facts)],
                                 request.settings(), seq_len=64)
     assert frontier.at_user_budget.name == here.best.name
     assert frontier.at_user_budget.step_s == here.best.time.step_s
     better = frontier.more_memory()
     assert better is not None and better.step_s < here.best.time.step_s
-    again = plan_with_choices(facts, PlanRequest(source=SOURCE, budget_bytes=better.budget_bytes,
+    again = plan_from_facts(facts, PlanRequest(source=SOURCE, budget_bytes=better.budget_bytes,
                                                  world_size=4, strategy="full"))
     assert (again.best.name, again.best.time.step_s) == (better.name, better.step_s)
     line = more_memory_line(frontier)
@@ -357,8 +357,8 @@ def test_compare_of_one_plan_on_a_busy_machine_is_within_noise():
 # --- the text report's small fixes ----------------------------------------------------------
 
 def test_small_sizes_and_flops_print_with_a_unit():
-    from fsdp_plan.report import format_flops, plan_name_legend
-    from fsdp_plan.sizes import format_gb
+    from fsdp_plan.common.sizes import format_gb
+    from fsdp_plan.plan.report import format_flops, plan_name_legend
     assert format_gb(62_550_637_716) == "62.55" and format_gb(4_293_092) == "4.29 MB"
     assert format_gb(1024) == "1.02 kB" and format_gb(0) == "0.00"
     assert format_flops(70.27e12) == "70.27 T" and format_flops(67_108_864) == "67.11 M"

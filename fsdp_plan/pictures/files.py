@@ -11,14 +11,14 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from fsdp_plan.errors import BadInput
-from fsdp_plan.outputs import check_writable
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.files import check_writable
 
 if TYPE_CHECKING:
     from fsdp_plan.api import Prediction
-    from fsdp_plan.facts import ModelFacts
-    from fsdp_plan.frontier import Frontier
-    from fsdp_plan.plan import Plan
+    from fsdp_plan.facts.types import ModelFacts
+    from fsdp_plan.plan.document import Plan
+    from fsdp_plan.search.frontier import Frontier
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, measured: bool) -> None:
@@ -58,10 +58,9 @@ def wanted(args: argparse.Namespace) -> bool:
 def frontier_of(plan: Plan, facts: ModelFacts, prediction: Prediction) -> tuple[Any, list[str]]:
     """The frontier around a plan file's budget, searched with ``--strategy auto`` on the
     plan's precision, optimizer and accumulation (``None`` and why for a DDP plan)."""
-    from fsdp_plan.frontier import Variant, compute_frontier
+    from fsdp_plan.search.frontier import Variant, compute_frontier
     if prediction.evaluator is None:
-        return None, [("no frontier for a DDP plan file: plan the model with fsdp-plan "
-                       "--html to see what each budget buys.")]
+        return None, ["no frontier: the plan's prediction kept no evaluator."]
     settings = dataclasses.replace(prediction.evaluator.settings, strategy="auto")
     variant = Variant(micro_batch=int(plan.model.get("batch_size", 1)),
                       grad_accum_steps=plan.grad_accum_steps, facts=facts)
@@ -72,9 +71,9 @@ def frontier_of(plan: Plan, facts: ModelFacts, prediction: Prediction) -> tuple[
 def header_lines(plan: Plan, hardware: Any, hardware_file: str | None, name: str,
                  frontier: Frontier | None) -> list[str]:
     """The first lines of a page: the GPU assumed, the plan, what more memory buys."""
-    from fsdp_plan.frontier import more_memory_line
-    from fsdp_plan.report import hardware_line
-    from fsdp_plan.sizes import format_bytes
+    from fsdp_plan.common.sizes import format_bytes
+    from fsdp_plan.plan.report import hardware_line
+    from fsdp_plan.search.frontier import more_memory_line
     model = plan.model
     args = " ".join(f"{k}={v}" for k, v in (model.get("args") or {}).items())
     lines = [hardware_line(hardware, hardware_file),
@@ -102,7 +101,7 @@ def files(args: argparse.Namespace, *, title: str, plan: Plan, facts: ModelFacts
     (``measured_snapshot`` when the verb measured one, else the prediction's)."""
     from fsdp_plan.pictures.page import gather, predicted_snapshot_of
     from fsdp_plan.pictures.snapshot import snapshot_bytes
-    from fsdp_plan.report import plan_name_legend
+    from fsdp_plan.plan.report import plan_name_legend
     name = name or prediction.candidate.name
     page, timeline = gather(title=title, plan=plan, facts=facts, prediction=prediction,
                             header=header_lines(plan, hardware, hardware_file, name, frontier),

@@ -14,10 +14,10 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from fsdp_plan.errors import BadInput
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.pictures.page import Page
 from fsdp_plan.pictures.series import CATEGORIES
-from fsdp_plan.sizes import format_bytes
 
 COLORS = {
     "sharded_params": "#1f4e79", "params": "#1f4e79", "unsharded_params": "#5b9bd5",

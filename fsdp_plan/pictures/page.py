@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fsdp_plan.cost import StepTime
+from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.cost.step_time import StepTime
 from fsdp_plan.pictures.series import (
     StepSeries,
     event_times,
@@ -19,15 +20,14 @@ from fsdp_plan.pictures.series import (
     plan_timeline,
     step_series,
 )
-from fsdp_plan.sizes import format_bytes
 
 if TYPE_CHECKING:
     from fsdp_plan.api import Prediction
-    from fsdp_plan.facts import ModelFacts, ModuleGraph
-    from fsdp_plan.frontier import Frontier
+    from fsdp_plan.facts.types import ModelFacts, ModuleGraph
     from fsdp_plan.measure.recording import MemoryRecord
-    from fsdp_plan.plan import Plan
-    from fsdp_plan.search import Candidate
+    from fsdp_plan.plan.document import Plan
+    from fsdp_plan.search.candidate import Candidate
+    from fsdp_plan.search.frontier import Frontier
 
 
 @dataclass(kw_only=True)

@@ -23,14 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fsdp_plan.cost import StepTime
-from fsdp_plan.memory import MemoryTimeline, memory_timeline
+from fsdp_plan.cost.memory import MemoryTimeline, memory_timeline
+from fsdp_plan.cost.step_time import StepTime
 
 if TYPE_CHECKING:
     from fsdp_plan.api import Prediction
-    from fsdp_plan.facts import ModelFacts
+    from fsdp_plan.facts.types import ModelFacts
     from fsdp_plan.measure.recording import MemoryRecord
-    from fsdp_plan.plan import Plan
+    from fsdp_plan.plan.document import Plan
 
 CATEGORIES: dict[str, str] = {
     "sharded_params": "parameters (sharded)",
@@ -91,21 +91,17 @@ def plan_timeline(plan: Plan, facts: ModelFacts, prediction: Prediction) -> Memo
     with CPU offload when the plan offloads, or DDP's model for a DDP plan."""
     candidate = prediction.candidate
     if plan.strategy == "ddp":
-        from fsdp_plan.api import precision_of
-        from fsdp_plan.ddp import DDPConfig, ddp_memory_timeline
-        mp = plan.mixed_precision or {}
-        precision = precision_of(mp.get("param_dtype") or "float32",
-                                 mp.get("reduce_dtype") or mp.get("param_dtype") or "float32")
-        return ddp_memory_timeline(facts.graph, facts.analysis, precision, plan.optimizer,
-                                   DDPConfig.from_dict(plan.ddp))
+        from fsdp_plan.cost.ddp_buckets import ddp_memory_timeline
+        from fsdp_plan.cost.precision import Precision
+        config = candidate.layout.ddp
+        assert config is not None, "a DDP plan's layout carries its bucket configuration"
+        return ddp_memory_timeline(facts.graph, facts.analysis,
+                                   Precision.of_plan(plan.mixed_precision), plan.optimizer,
+                                   config)
     evaluator = prediction.evaluator
     if evaluator is None:
         raise ValueError("a prediction without its evaluator has no memory timeline")
-    if getattr(candidate, "offload", None):
-        from fsdp_plan.offload import offload_context
-        ctx = offload_context(evaluator, candidate)
-    else:
-        ctx = evaluator.step_context(candidate.shard)
+    ctx = evaluator.step_context(candidate.shard, offload=candidate.layout.offload)
     return memory_timeline(evaluator.profile_of(candidate), candidate.units, ctx,
                            forward_prefetch=candidate.forward_prefetch,
                            backward_prefetch=candidate.backward_prefetch)

@@ -32,7 +32,7 @@ import pickle
 from collections.abc import Iterable
 from typing import Any
 
-from fsdp_plan.memory import MemoryTimeline
+from fsdp_plan.cost.memory import MemoryTimeline
 from fsdp_plan.pictures.series import CATEGORIES
 
 BLOCK = 512

@@ -30,17 +30,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fsdp_plan.facts import ModelFacts
-from fsdp_plan.search import (
-    Candidate,
-    Evaluator,
-    SearchSettings,
-    choose,
-    cycle_collector_paused,
-    search,
-    standard_recipes,
-)
-from fsdp_plan.sizes import format_bytes
+from fsdp_plan.common.errors import NoFeasiblePlan
+from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.search.candidate import Candidate, SearchSettings
+from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.run import cycle_collector_paused, plug_ins_for, run_search
 
 UNLIMITED = 10**18
 """A budget no plan reaches: the search's fastest plan of all."""
@@ -173,6 +168,9 @@ class _Searcher:
         self.searches = 0
         self.evaluations = 0
         self.strategy = settings.strategy
+        self.generators, _ = plug_ins_for(settings.strategy, allow_offload=False)
+        self.smallest = UNLIMITED
+        """The smallest peak of a search where nothing fitted (its ``NoFeasiblePlan``)."""
         self.evaluators = [Evaluator(v.facts.graph, v.facts.analysis, settings) for v in variants]
         self._known: list[dict[tuple, tuple[Candidate, bool]]] = [{} for _ in variants]
         """Per variant: every plan evaluated so far, and whether it can run at all."""
@@ -185,21 +183,27 @@ class _Searcher:
             evaluator = base.with_budget(budget, self.headroom(budget))
             evaluate = evaluator.evaluate
 
-            def remembered(*, _evaluate=evaluate, _known=known, **kwargs: Any) -> Candidate:
+            def remembered(layout: Any, name: str, *, _evaluate=evaluate, _known=known
+                           ) -> Candidate:
                 # A plan's peak and time do not depend on the budget, only whether it fits:
-                # the same plan met again at another budget is not evaluated again.
-                key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+                # the same layout met again at another budget is not evaluated again.
+                key = (layout, name)
                 if key in _known:
                     seen, runnable = _known[key]
                     return dataclasses.replace(
                         seen, fits=runnable and seen.memory.peak_bytes <= limit)
                 self.evaluations += 1
-                c = _evaluate(**kwargs)
+                c = _evaluate(layout, name)
                 _known[key] = (c, c.fits or c.memory.peak_bytes > limit)
                 return c
             evaluator.evaluate = remembered  # type: ignore[method-assign]
-            ranked = choose(search(evaluator), standard_recipes(evaluator), self.strategy)
             self.searches += 1
+            try:  # the planner's own search, on the shared evaluator
+                ranked = run_search(variant.facts, evaluator.settings, self.generators,
+                                    evaluator=evaluator).ranked
+            except NoFeasiblePlan as e:  # nothing fits this budget
+                self.smallest = min(self.smallest, int(e.smallest_peak_bytes or 0) or UNLIMITED)
+                continue
             out += [(variant, c) for c in ranked]
         return out
 
@@ -246,7 +250,8 @@ def compute_frontier(variants: list[Variant], settings: SearchSettings, *, seq_l
         if above_only:
             low = user
         else:
-            smallest = min((c.memory.peak_bytes for _, c in searcher.ranked_at(0)), default=0)
+            at_zero = searcher.ranked_at(0)  # nothing fits: each plan at its smallest peak
+            smallest = min([c.memory.peak_bytes for _, c in at_zero] + [searcher.smallest])
             low = _budget_for(smallest, headroom)
             points[low] = searcher.point(low)
         if high > user:
