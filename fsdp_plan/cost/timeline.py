@@ -27,6 +27,7 @@ compiled blocks is not modelled (the composer offers no selective pass).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 
 from fsdp_plan.common.errors import BadInput
