@@ -12,6 +12,8 @@ the stages before it:
     export/   5 framework files made from a plan (accelerate, Trainer, Lightning, torchtitan)
     measure/  6 ground truth: PyTorch's own trackers and counters on fake and real process groups
     api.py      composition of the stages (what this face re-exports)
+    pictures/ 7 pictures made from a plan and its measurements: memory over the step, the
+                memory viewer's snapshot, the frontier of budgets, one HTML page (--html)
     bench/    7 real runs, result files, tuning
     cli/      8 the command line: parse, call the library, print
 

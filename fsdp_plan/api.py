@@ -76,6 +76,11 @@ class PlanResult:
     """Every micro-batch size tried for a global batch, with what it reached."""
     framework: FrameworkCost | None = None
     """With ``--framework``: what keeping to its configuration costs (search/framework.py)."""
+    facts_by_micro_batch: dict[int, tuple[int, ModelFacts]] = field(default_factory=dict)
+    """Per micro-batch tried: its accumulation steps and facts (the frontier searches them)."""
+    request: PlanRequest | None = None
+    """The request as the plan chose it (micro-batch, accumulation, gradient sync, reduce
+    dtype): the frontier searches other budgets with it."""
 
     def policy_source(self) -> str:
         """The generated policy module (SPEC section 4)."""
@@ -97,11 +102,15 @@ class PlanResult:
             model["source"] = os.path.relpath(os.path.abspath(source), os.path.abspath(folder))
 
     def write(self, *, policy: str | None = None, plan: str | None = None,
-              trace: str | None = None) -> list[str]:
-        """Write the chosen outputs all-or-nothing; returns the paths written."""
-        outputs = [(path, render()) for path, render in ((policy, self.policy_source),
-                                                         (plan, self.plan_yaml),
-                                                         (trace, self.trace_json)) if path]
+              trace: str | None = None,
+              extra: list[tuple[str, str | bytes]] | None = None) -> list[str]:
+        """Write the chosen outputs all-or-nothing (``extra``: more ``(path, content)``, such
+        as the pictures); returns the paths written."""
+        outputs: list[tuple[str, str | bytes]] = [
+            (path, render()) for path, render in ((policy, self.policy_source),
+                                                  (plan, self.plan_yaml),
+                                                  (trace, self.trace_json)) if path]
+        outputs += extra or []
         atomic_write_all(outputs)
         return [path for path, _ in outputs]
 
@@ -145,6 +154,11 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
         result.plan.framework = request.framework
         result.plan.fsdp_plan_version = 2
     result.framework = cost
+    if batching:
+        per_rank = (request.global_batch_size // request.world_size
+                    if request.global_batch_size else None)
+        result.facts_by_micro_batch = {b: (per_rank // b if per_rank else 1, a.facts)
+                                       for b, a in analyses.items()}
     result.seconds = time.perf_counter() - started
     result.loaded = analyzed.loaded
     return result
@@ -226,7 +240,7 @@ def _result(choice: BatchChoice, *, digest: str, notes: list[str] | None) -> Pla
                       ranked=search.ranked, recipes=search.recipes, facts=choice.facts,
                       seconds=search.seconds, search_seconds=search.seconds,
                       reasons=list(choice.reasons),
-                      batch_options=[o.row() for o in choice.options])
+                      batch_options=[o.row() for o in choice.options], request=choice.request)
 
 
 def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:
@@ -261,6 +275,9 @@ class Prediction:
     """The ``predicted`` mapping the planner would write for this plan."""
     limit_bytes: int
     fits: bool
+    evaluator: Evaluator | None = None
+    """The evaluator the plan was predicted with (its activation profiles and memory context,
+    for pictures of the step)."""
 
 
 def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
@@ -276,12 +293,13 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         hardware=hardware or plan_hardware(plan), strategy=plan.strategy,
         precision=Precision.of_plan(plan.mixed_precision), optimizer=plan.optimizer,
         grad_accum_steps=plan.grad_accum_steps, gradient_sync=plan.gradient_sync)
-    candidate = Evaluator(facts.graph, facts.analysis, settings).evaluate(
-        layout, "plan as written" + (" offload" if layout.offload else ""))
+    evaluator = Evaluator(facts.graph, facts.analysis, settings)
+    candidate = evaluator.evaluate(layout, "plan as written" + (" offload" if layout.offload
+                                                                else ""))
     predicted = {**predicted_block(candidate),
                  **throughput_fields(candidate, facts, plan, settings.hardware)}
     return Prediction(candidate=candidate, predicted=predicted,
-                      limit_bytes=settings.limit_bytes, fits=candidate.fits)
+                      limit_bytes=settings.limit_bytes, fits=candidate.fits, evaluator=evaluator)
 
 
 def verify_by_measurement(result: PlanResult, loaded: LoadedModel,

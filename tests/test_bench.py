@@ -112,7 +112,8 @@ def _slower(result: dict, factor: float) -> dict:
 def test_compare_flags_a_slower_step_and_changed_counts(bench_run):
     old = results.read_result(_only_result(bench_run[3]))
     table, problems = results.compare(old, _slower(old, 1.5), threshold=0.10)
-    assert problems == ["step time median regressed +50.0% (threshold 10%)"]
+    # the real run's few steps give no quartiles: each run's spread counts as 10%
+    assert problems == ["step time median regressed +50.0% (threshold 10%, noise ±20%)"]
     assert "REGRESSED" in table and "step time median" in table
     changed = copy.deepcopy(old)
     changed["collectives"]["measured"]["all_gather"] += 1

@@ -37,7 +37,9 @@ OPTIONAL = {"transformers": "fsdp_plan/model/hf.py",
             # the frameworks extra: `fsdp-plan export` writes their files as text and never
             # imports them; only the tests marked `frameworks` read the files with them
             "accelerate": None, "lightning": None, "pytorch_lightning": None,
-            "torchtitan": None, "triton": None}
+            "torchtitan": None, "triton": None,
+            # the html extra: --html draws with plotly, imported in this one module only
+            "plotly": "fsdp_plan/pictures/html.py"}
 """Import name of each optional extra -> the one module allowed to import it (lazily), or
 None when no module of the package may import it."""
 

@@ -53,6 +53,10 @@ class BenchRequest:
     """The planner's ``--trace`` output, for a side-by-side trace."""
     refit: str | None = None
     """A hardware file to rewrite from what the run measured (``bench/refit.py``)."""
+    html: str | None = None
+    """``--html``: the page of the run over the prediction (pictures/)."""
+    memory_snapshot: str | None = None
+    """``--memory-snapshot``: the measured step as a ``torch.cuda.memory._snapshot()`` pickle."""
 
     def __post_init__(self) -> None:
         """``--steps``, ``--warmup`` and ``--threshold`` within bounds (NaN and inf refused)."""

@@ -117,7 +117,7 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "plan": {"path": plan_path, "abspath": os.path.abspath(plan_path),
                  "hash": plan_hash(plan.to_dict()),
-                 "world_size": plan.world_size, "gpu": plan.gpu,
+                 "world_size": plan.world_size, "gpu": plan.gpu, "strategy": plan.strategy,
                  "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard}},
         "model": dict(plan.model),
         "run": {"nproc": prepared.nproc, "mesh": {"replicate": prepared.mesh[0],
@@ -148,8 +148,15 @@ def result_filename(result: dict[str, Any]) -> str:
     stem = os.path.splitext(os.path.basename(str(result["model"].get("source", "model"))))[0]
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run = result["run"]
-    return (f"{stamp}-{stem}-fsdp{run['fsdp_version']}-n{run['nproc']}-"
+    return (f"{stamp}-{stem}-{_engine(result).lower()}-n{run['nproc']}-"
             f"{result['plan']['hash'][:8]}")
+
+
+def _engine(result: dict[str, Any]) -> str:
+    """``DDP`` for a DistributedDataParallel plan, else ``FSDP1`` / ``FSDP2``."""
+    if result["plan"].get("strategy") == "ddp":
+        return "DDP"
+    return f"FSDP{result['run']['fsdp_version']}"
 
 
 def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None = None,
@@ -332,7 +339,7 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
     run, coll, st, mem, comm = (result["run"], result["collectives"], result["step_time"],
                                 result["memory"], result["comm"])
     head = (f"bench {result['model'].get('source')} on {run['nproc']} rank(s), mesh "
-            f"{run['mesh']['replicate']}x{run['mesh']['shard']}, FSDP{run['fsdp_version']}, "
+            f"{run['mesh']['replicate']}x{run['mesh']['shard']}, {_engine(result)}, "
             f"{run['device_name']}, torch {run['torch']}")
     predicted = coll["predicted"] or {}
     kinds = sorted(set(coll["measured"]) | set(predicted))
@@ -369,7 +376,7 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
                         f"predicted {b.get('predicted')}"))
     if st.get("predicted_s"):
         parts.append(f"step time: predicted {_secs(st['predicted_s'])}, measured "
-                     f"{_secs(st['median_s'])} ({st['predicted_s'] / st['median_s'] - 1:+.1%})")
+                     f"{_secs(st['median_s'])}: {_versus(st['median_s'], st['predicted_s'])}")
     if not str(run.get("device", "")).startswith("cuda") and not str(
             result["plan"].get("gpu", "")).startswith("calibrated-cpu"):
         parts.append(f"note: predicted step time and exposed communication are for the plan's "
@@ -378,11 +385,23 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
                      "its times are not comparable. Counts and memory are.")
     for note in notes or []:
         parts.append(f"note: {note}")
+    folder = os.path.dirname(str(result.get("path") or ""))
     if result.get("trace"):
-        parts.append(f"profiler trace (Chrome/Perfetto): {result['trace']}")
+        parts.append(f"profiler trace (Chrome/Perfetto): {os.path.join(folder, result['trace'])}")
     if result.get("side_by_side_trace"):
-        parts.append(f"predicted vs measured (open in Perfetto): {result['side_by_side_trace']}")
+        parts.append("predicted vs measured (open in Perfetto): "
+                     f"{os.path.join(folder, result['side_by_side_trace'])}")
     return "\n".join(parts)
+
+
+def _versus(measured: float, predicted: float) -> str:
+    """``measured 12.3% slower than predicted`` (or faster; ``12.3x the predicted time``
+    when it is more than twice it), the way round a reader expects."""
+    if measured >= 2 * predicted:
+        return f"measured {measured / predicted:.1f}x the predicted time"
+    change = measured / predicted - 1
+    return (f"measured {abs(change):.1%} {'slower' if change > 0 else 'faster'} than predicted"
+            if abs(change) >= 0.0005 else "measured as predicted")
 
 
 def _change(old: float | None, new: float | None) -> float | None:
@@ -391,9 +410,31 @@ def _change(old: float | None, new: float | None) -> float | None:
     return (new - old) / old
 
 
+def step_noise(result: dict[str, Any]) -> float | None:
+    """The relative spread of a run's step times (its slowest rank's, ``tune.relative_spread``),
+    or None for a result without per-step times."""
+    from fsdp_plan.bench.tune import relative_spread
+    per_rank = [r.get("steps_s") for r in (result["step_time"].get("per_rank") or [])
+                if isinstance(r, dict) and r.get("steps_s")]
+    if not per_rank or not all(isinstance(t, (int, float)) for r in per_rank for t in r):
+        return None
+    slowest = max(per_rank, key=statistics.median)
+    return relative_spread([float(t) for t in slowest])
+
+
 def compare(old: dict[str, Any], new: dict[str, Any], threshold: float) -> tuple[str, list[str]]:
-    """Side-by-side table of two results and the regressions past ``threshold``."""
+    """Side-by-side table of two results and the regressions past ``threshold``.
+
+    [Note: judging a change against the noise]
+    A machine shared with other jobs runs the same plan 60% slower from one launch to the
+    next. As ``tune`` does, each run's own spread (the inter-quartile range of its slowest
+    rank's steps over their median) says how far its median can move by chance; a step-time
+    change is a regression only when it is past ``threshold`` and past the two runs' spreads
+    added together, and a change within them is reported as "within noise". Collective
+    counts and peak memory do not vary between runs: any change past ``threshold`` counts."""
     rows, problems = [], []
+    spreads = [step_noise(old), step_noise(new)]
+    noise = sum(spreads) if None not in spreads else None  # type: ignore[arg-type]
     o_counts, n_counts = old["collectives"]["measured"], new["collectives"]["measured"]
     for kind in sorted(set(o_counts) | set(n_counts)):
         o, n = int(o_counts.get(kind, 0)), int(n_counts.get(kind, 0))
@@ -410,16 +451,25 @@ def compare(old: dict[str, Any], new: dict[str, Any], threshold: float) -> tuple
     ):
         change = _change(o, n)
         gated = label in ("step time median", "peak memory")
-        regressed = gated and change is not None and change > threshold
+        timed = label != "peak memory"
+        noisy = timed and noise is not None and change is not None and abs(change) <= noise
+        regressed = gated and change is not None and change > threshold and not noisy
+        status = ("REGRESSED" if regressed else f"within noise (±{noise:.0%})" if noisy
+                  else "ok" if gated else "info")
         rows.append([label, fmt(o), fmt(n), "-" if change is None else f"{change:+.1%}",
-                     "REGRESSED" if regressed else ("ok" if gated else "info")])
+                     status])
         if regressed:
-            problems.append(f"{label} regressed {change:+.1%} (threshold {threshold:.0%})")
+            problems.append(f"{label} regressed {change:+.1%} (threshold {threshold:.0%}"
+                            + (f", noise ±{noise:.0%})" if timed and noise is not None
+                               else ")"))
     for label, key in (("plan hash", "hash"),):
         if old["plan"][key] != new["plan"][key]:
             rows.append([label, old["plan"][key], new["plan"][key], "", "differs"])
     for label in ("torch", "device_name"):
         if old["run"].get(label) != new["run"].get(label):
             rows.append([label, old["run"].get(label), new["run"].get(label), "", "differs"])
+    if noise is not None:
+        rows.append(["step-time noise (old + new spread)", f"{spreads[0]:.1%}",
+                     f"{spreads[1]:.1%}", f"±{noise:.1%}", "info"])
     table = tabulate(rows, headers=["compare", "old", "new", "change", "status"])
     return table, problems

@@ -16,11 +16,13 @@ from fsdp_plan.bench import inputs, results
 from fsdp_plan.bench.inputs import BenchRequest
 from fsdp_plan.bench.refit import check_refit_path, refit
 from fsdp_plan.common.errors import BadInput, CheckFailed
+from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.cost.hardware.stored import hardware_of
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import measure_peak
 from fsdp_plan.measure.worker_setup import source_payload
 from fsdp_plan.model.load import LoadedModel
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import Plan, read_plan
 
 
@@ -77,6 +79,10 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
     predicted_trace = (inputs.read_predicted_trace(request.predicted_trace)
                        if request.predicted_trace else None)
     inputs.check_out_folder(request.out)
+    check_outputs([("PLAN.yaml", request.plan_path), ("MODEL", request.model_path),
+                   ("--compare", request.compare), ("--predicted-trace", request.predicted_trace)],
+                  pictures.outputs(request))
+    pictures.check(request)
     if request.refit:  # checked before the run: a bad file fails fast
         check_refit_path(request.refit)
     plan = read_plan(request.plan_path)
@@ -87,6 +93,8 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
         "policy_source": runtime.policy_source(plan), "mesh": list(mesh),
         "fsdp_version": request.fsdp_version, "optimizer": plan.optimizer,
         "warmup": request.warmup, "steps": request.steps,
+        # a GPU records its allocator over one more steady step for --memory-snapshot
+        "memory_snapshot": bool(request.memory_snapshot),
     }
     payload["trace_dir"] = tempfile.mkdtemp(prefix="fsdp-plan-traces-")
     try:
@@ -98,14 +106,17 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
         raise
 
 
-def _cpu_memory(prepared: Prepared) -> dict[str, Any]:
+def _cpu_memory(prepared: Prepared, record: bool = False) -> dict[str, Any]:
     """On CPU there is no allocator peak: measure the plan with FSDPMemTracker on the fake
-    process group at the plan's world size (SPEC 5's CPU definition of peak)."""
+    process group at the plan's world size (SPEC 5's CPU definition of peak); ``record``
+    keeps the step's allocations for the pictures (under ``record``, not in the result)."""
     if prepared.request.fsdp_version != 2:
         return {"peak_bytes": None, "source": "not measured: FSDPMemTracker tracks FSDP2 only"}
     measured = measure_peak(prepared.loaded, prepared.plan,
-                            runtime.load_policy(prepared.payload["policy_source"]))
+                            runtime.load_policy(prepared.payload["policy_source"]),
+                            record=record)
     return {"peak_bytes": measured.peak_bytes, "breakdown": measured.breakdown,
+            "record": measured.record,
             "source": f"FSDPMemTracker on the fake process group at world size "
                       f"{prepared.plan.world_size} (CPU run: no allocator peak)"}
 
@@ -118,7 +129,9 @@ def finish(prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
                   "source": ranks[0].get("peak_source")
                   or "torch.cuda.max_memory_allocated over the timed steps"}
     else:
-        memory = _cpu_memory(prepared)
+        memory = _cpu_memory(prepared, record=pictures.wanted(request)
+                             and prepared.plan.strategy != "ddp")
+    record = memory.pop("record", None)
     result = results.build_result(prepared, ranks, memory)
     problems = results.check_prediction(result)
     compare_table, compare_problems = "", []
@@ -132,7 +145,10 @@ def finish(prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
         _print_report(result, prepared, compare_table)
         raise BadInput(f"{e} The figures above were measured but not saved.") from e
     result["path"] = path
+    written = _write_pictures(prepared, ranks[0], record) if pictures.wanted(request) else []
     _print_report(result, prepared, compare_table)
+    for picture in written:
+        print(f"picture written to {picture}", file=sys.stderr)
     if request.refit:
         start = None
         if prepared.plan.hardware is not None:  # the figures the plan was predicted with
@@ -154,3 +170,40 @@ def _print_report(result: dict[str, Any], prepared: Prepared, compare_table: str
         return
     text = results.format_report(result, prepared.notes)
     print(text + ("\n\n" + compare_table if compare_table else ""))
+
+
+def _write_pictures(prepared: Prepared, rank0: dict[str, Any], record: Any) -> list[str]:
+    """``--html`` (the prediction with the measured memory curve and the measured streams)
+    and ``--memory-snapshot`` (the measured step: the CUDA allocator's own snapshot on a GPU,
+    FSDPMemTracker's recorded step on a CPU, the prediction for a DDP plan on a CPU)."""
+    import pickle
+
+    # the prediction drawn under the measurement (api is above bench: imported when drawing)
+    from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
+    from fsdp_plan.measure.profile import stream_intervals
+    from fsdp_plan.pictures.snapshot import measured_snapshot
+    request, plan = prepared.request, prepared.plan
+    facts = analyze_for_plan(plan, prepared.loaded)
+    prediction = predict(plan, facts)
+    frontier, notes = (pictures.frontier_of(plan, facts, prediction) if request.html
+                       else (None, []))
+    snapshot = None
+    if rank0.get("snapshot"):
+        with open(rank0["snapshot"], "rb") as f:
+            snapshot = pickle.load(f)
+        label = "measured (CUDA allocator over a steady step)"
+    elif record is not None:
+        snapshot = measured_snapshot(record)
+        label = "measured (FSDPMemTracker on the fake process group)"
+    else:
+        label = ""
+        notes.append("no measured allocation trace for this run (a DDP plan on a CPU): the "
+                     "snapshot is the prediction's.")
+    streams = stream_intervals(rank0["trace"]) if rank0.get("trace") else None
+    files = pictures.files(
+        request, title=f"fsdp-plan bench: {plan.model.get('source')} on {prepared.nproc} "
+        "rank(s)", plan=plan, facts=facts, prediction=prediction, hardware=plan_hardware(plan),
+        frontier=frontier, record=record, measured_label=label, measured_snapshot=snapshot,
+        measured_streams=streams, notes=notes + prepared.notes)
+    atomic_write_all(files)
+    return [path for path, _ in files]

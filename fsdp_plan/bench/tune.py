@@ -84,7 +84,13 @@ class Trial:
 def noise_of(trial: Trial) -> float:
     """Relative spread of the baseline's steps (inter-quartile range over the median of the
     slowest rank), at least ``NOISE_FLOOR``."""
-    times = trial.step_times_s[trial.slowest_rank] if trial.step_times_s else []
+    return relative_spread(trial.step_times_s[trial.slowest_rank] if trial.step_times_s else [])
+
+
+def relative_spread(times: list[float]) -> float:
+    """The inter-quartile range of one rank's step times over their median, at least
+    ``NOISE_FLOOR`` (10% when fewer than 4 steps give no quartiles): how much a median of
+    such steps can move between runs of the same plan (``tune`` and ``bench --compare``)."""
     if len(times) < 4:
         return max(NOISE_FLOOR, 0.1)
     q = statistics.quantiles(times, n=4)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import sys
 import time
 from collections.abc import Iterator
@@ -137,6 +138,26 @@ def _profiled_step(worker: PlannedWorker, folder: str, rank: int) -> str:
     return trace_path
 
 
+def _snapshot_step(steps: _Steps, folder: str, rank: int) -> str | None:
+    """One more steady step, run by every rank, while rank 0 records the CUDA allocator
+    (``--memory-snapshot`` on GPUs); the path of rank 0's ``torch.cuda.memory._snapshot()``
+    pickle."""
+    steps.begin("memory snapshot")
+    if rank == 0:
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+    steps.micro_batches()
+    steps.finish()
+    _sync(steps.worker.device)
+    if rank != 0:
+        return None
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    path = os.path.join(folder, "rank0.snapshot.pickle")
+    with open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+    return path
+
+
 def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Measure this rank; rank 0 returns every rank's figures under ``ranks``."""
     ctx.report(phase="imported")
@@ -148,7 +169,8 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
                                   optimizer=payload["optimizer"], rank=ctx.rank)
     ctx.report(phase="model built")
     warmup, count = int(payload["warmup"]), int(payload["steps"])
-    steps = _Steps(ctx=ctx, worker=worker, total=warmup + count + 2)
+    snapshot_step = bool(payload.get("memory_snapshot")) and device.type == "cuda"
+    steps = _Steps(ctx=ctx, worker=worker, total=warmup + count + 2 + snapshot_step)
     ddp = worker.model if hasattr(worker.model, "_get_ddp_logging_data") else None
 
     # a DDP plan's steady step is its third: [Note: DDP's bucket rebuild] (measure/ddp.py)
@@ -173,12 +195,14 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
             peak_source = ("MemTracker over a steady step of this real gloo run (a DDP rank "
                            "holds the whole model at any world size)")
 
+    snapshot = (_snapshot_step(steps, payload["trace_dir"], ctx.rank) if snapshot_step
+                else None)
     steps.begin("profile")
     trace_path = _profiled_step(worker, payload["trace_dir"], ctx.rank)
     mine = {"rank": ctx.rank, "counts": counts, "step_times_s": times,
             "peak_bytes": peak, "comm": analyze_trace(trace_path).to_dict(),
             "phases_s": phase_seconds(trace_path), "trace": trace_path, "device": str(device),
-            "peak_source": peak_source, "ddp_buckets": ddp_buckets}
+            "peak_source": peak_source, "ddp_buckets": ddp_buckets, "snapshot": snapshot}
     ctx.report(phase="done", step=steps.total, steps=steps.total)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

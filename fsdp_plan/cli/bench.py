@@ -27,6 +27,7 @@ from fsdp_plan.bench.inputs import BenchRequest, check_nproc, check_timeout
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR
 from fsdp_plan.bench.worker import bench_rank
 from fsdp_plan.common.errors import BadInput, FsdpPlanError
+from fsdp_plan.common.progress import Steps
 from fsdp_plan.measure.launch import (
     Terminated,
     WorkersFailed,
@@ -34,6 +35,7 @@ from fsdp_plan.measure.launch import (
     launch,
     stop_on_signals,
 )
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import read_plan
 
 
@@ -64,6 +66,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "plan's GPU preset) so predictions match what was measured "
                              "(fsdp_plan/bench/refit.py); plan with --hardware HW.yaml next")
     parser.add_argument("--format", choices=("table", "json"), default="table")
+    pictures.add_arguments(parser, measured=True)
 
 
 def bench_request(args: argparse.Namespace) -> BenchRequest:
@@ -71,7 +74,8 @@ def bench_request(args: argparse.Namespace) -> BenchRequest:
     return BenchRequest(plan_path=args.plan, model_path=args.model, steps=args.steps,
                         warmup=args.warmup, fsdp_version=1 if args.fsdp1 else 2, out=args.out,
                         threshold=args.threshold, format=args.format, compare=args.compare,
-                        predicted_trace=args.predicted_trace, refit=args.refit)
+                        predicted_trace=args.predicted_trace, refit=args.refit,
+                        html=args.html, memory_snapshot=args.memory_snapshot)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,19 +105,32 @@ def default_nproc(world_size: int) -> int:
     return world_size
 
 
-def _progress_printer(total_ranks: int):
-    started: set[int] = set()
+class _Progress:
+    """The workers' progress as one bar on stderr (common/progress.py ``Steps``; nothing under
+    ``--format json``): workers started, then rank 0's steps (warm-up, count, timed, profile)."""
 
-    def show(rank: int, progress: dict[str, Any]) -> None:
+    def __init__(self, total_ranks: int, quiet: bool) -> None:
+        self.total_ranks = total_ranks
+        self.quiet = quiet
+        self.started: set[int] = set()
+        self.bar: Steps | None = None
+
+    def __call__(self, rank: int, progress: dict[str, Any]) -> None:
         if progress.get("phase") == "started":
-            started.add(rank)
-            if len(started) == total_ranks:
-                print(f"bench: {total_ranks} worker(s) started", file=sys.stderr, flush=True)
+            self.started.add(rank)
+            if len(self.started) == self.total_ranks and not self.quiet:
+                print(f"bench: {self.total_ranks} worker(s) started", file=sys.stderr,
+                      flush=True)
             return
         if rank == 0 and "step" in progress:
-            print(f"bench: step {progress['step']}/{progress['steps']} ({progress['phase']})",
-                  file=sys.stderr, flush=True)
-    return show
+            if self.bar is None:
+                self.bar = Steps(total=int(progress["steps"]), quiet=self.quiet, what="bench")
+            self.bar.step(f"step {progress['step']}/{progress['steps']} ({progress['phase']})",
+                          to=int(progress["step"]) - 1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,14 +147,16 @@ def run(args: argparse.Namespace) -> int:
             else:
                 nproc = default_nproc(read_plan(args.plan).world_size)
             prepared = session.prepare(request, nproc=nproc)
+            shown = _Progress(nproc, quiet=args.format == "json")
             try:
                 results = launch("fsdp_plan.bench.worker:bench_rank", prepared.payload,
-                                 nproc=nproc, timeout_s=args.timeout,
-                                 on_progress=_progress_printer(nproc))
+                                 nproc=nproc, timeout_s=args.timeout, on_progress=shown)
             except WorkersFailed as e:
                 if getattr(args, "debug", False) and e.failures:
                     sys.stderr.write(e.failures[0].detail + "\n")
                 raise
+            finally:
+                shown.close()
             return session.finish(prepared, results[0]["ranks"])
     except Terminated as e:
         sys.stderr.write(f"fsdp-plan bench: {e}; the workers were ended and the temporary "

@@ -23,6 +23,9 @@ from fsdp_plan.common.files import atomic_write_all, check_writable
 from fsdp_plan.cost.hardware import Hardware, hardware_yaml
 from fsdp_plan.measure.launch import Terminated, stop_on_signals
 
+PHASES = ("compute", "collectives", "overlap", "fsdp units")
+"""What a calibration worker reports, in order (fsdp_plan/calibrate.py)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, metavar="HW.yaml",
@@ -88,11 +91,19 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.output, "-o")
     try:
         with stop_on_signals():
+            from fsdp_plan.common.progress import Steps
+            steps = Steps(total=len(PHASES), quiet=args.format == "json", what="calibrate",
+                          unit="phase")
+
             def show(rank: int, progress: dict[str, Any]) -> None:
-                if rank == 0 and progress.get("phase") not in (None, "started"):
-                    print(f"calibrate: {progress['phase']}", file=sys.stderr, flush=True)
-            hw, raw = calibrate(nproc=nproc, backend=backend, repeat=args.repeat,
-                                timeout_s=args.timeout, on_progress=show)
+                phase = progress.get("phase")
+                if rank == 0 and phase not in (None, "started"):
+                    steps.step(str(phase), to=PHASES.index(phase) if phase in PHASES else None)
+            try:
+                hw, raw = calibrate(nproc=nproc, backend=backend, repeat=args.repeat,
+                                    timeout_s=args.timeout, on_progress=show)
+            finally:
+                steps.close()
             notes = sorted({n for r in raw["ranks"] for n in r.get("notes", [])})
             header = "\n".join([
                 "Hardware file written by fsdp-plan calibrate (SPEC section 6); read it with",

@@ -31,6 +31,7 @@ from fsdp_plan.model.source import (
     parse_model_args,
     source_kind,
 )
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.report import (
     candidate_row,
     format_report,
@@ -103,6 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the plan YAML here (default: not written)")
     parser.add_argument("--trace", default=None, metavar="TRACE.json",
                         help="write the predicted timeline as a Chrome trace (default: not written)")
+    pictures.add_arguments(parser, measured=False)
     parser.add_argument("--format", default="table", choices=["table", "json"],
                         help="report on stdout as a table or one JSON document (default: %(default)s)")
     parser.add_argument("--top", type=int, default=5,
@@ -171,7 +173,8 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         raise BadInput(f"--entry {args.entry!r} is not the name of a factory function (a Python "
                        "identifier, not a __dunder__), e.g. --entry build_model.")
     parse_model_args(args.model_arg)  # refuses .nan/.inf and malformed pairs before any work
-    outputs = [("-o", args.output), ("--plan", args.plan), ("--trace", args.trace)]
+    outputs = [("-o", args.output), ("--plan", args.plan), ("--trace", args.trace),
+               *pictures.outputs(args)]
     check_outputs([*model_input_files(args.model, args.hf_config), ("--hardware", args.hardware)],
                   outputs)
     overrides = read_hardware_file(args.hardware) if args.hardware else None
@@ -185,6 +188,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
     for what, path in outputs:
         if path is not None:
             check_writable(path, what)
+    pictures.check(args)
     origin = None
     if args.hardware:
         origin = file_origin(args.hardware)
@@ -274,22 +278,61 @@ def run(args: argparse.Namespace) -> int:
                            f"{fixed_steps} accumulation step(s) to make up --global-batch-size "
                            f"{args.global_batch_size} over {args.world_size} ranks"),
                           *result.reasons]
+    frontier = None
+    if args.html or args.format == "table":  # the page's frontier, or the report's line
+        if progress:
+            progress("searching other budgets: what more memory would buy")
+        frontier = plan_frontier(result, request, above_only=not args.html)
+    extra = picture_files(args, result, values, frontier) if pictures.wanted(args) else []
     if args.plan:
         result.relocate_source(os.path.dirname(os.path.abspath(args.plan)))
     rows = ([candidate_row(c) for c in result.ranked[: args.top]]
             + [candidate_row(c) for c in result.recipes])
     # Write before printing: a write that fails (disk full) then leaves no report behind
     # that reads as success.
-    written = result.write(policy=args.output, plan=args.plan, trace=args.trace)
+    written = result.write(policy=args.output, plan=args.plan, trace=args.trace, extra=extra)
     if args.format == "json":
         print(json.dumps({"plan": result.plan.to_dict(), "candidates": rows,
                           **({"framework": result.framework.line()} if result.framework else {}),
                           "reasons": result.reasons, "batch_options": result.batch_options,
                           "meshes": gather_mesh_rows(result.ranked),
                           "modules": gather_module_rows(result.facts.graph, result.facts.analysis),
+                          **({"frontier": frontier.to_dict()} if frontier else {}),
                           "planning_seconds": round(result.seconds, 3)}, default=str))
     else:
-        print(format_report(result, rows, model_name=args.model or args.hf_config))
+        from fsdp_plan.search.frontier import more_memory_line
+        print(format_report(result, rows, model_name=args.model or args.hf_config,
+                            hardware=values["hardware"], hardware_file=args.hardware,
+                            more_memory=more_memory_line(frontier) if frontier else ""))
     for path in written if progress else ():
         progress(f"wrote {path}")
     return 0
+
+
+def plan_frontier(result, request: PlanRequest, *, above_only: bool):
+    """The frontier around the chosen plan (search/frontier.py): the request as the plan
+    chose it (reduce dtype, gradient sync, accumulation), every micro-batch analysed."""
+    import dataclasses
+
+    from fsdp_plan.search.frontier import Variant, compute_frontier
+    plan = result.plan
+    chosen = result.request or request
+    chosen = dataclasses.replace(chosen, global_batch_size=None, auto_batch=False)
+    variants = [Variant(micro_batch=b, grad_accum_steps=k, facts=facts)
+                for b, (k, facts) in sorted(result.facts_by_micro_batch.items())] or [
+        Variant(micro_batch=int(plan.model["batch_size"]), grad_accum_steps=plan.grad_accum_steps,
+                facts=result.facts)]
+    return compute_frontier(variants, chosen.settings(), seq_len=int(plan.model["seq_len"]),
+                            count=10 if not above_only else 3, above_only=above_only)
+
+
+def picture_files(args: argparse.Namespace, result, values: dict[str, Any], frontier):
+    """``--html`` and ``--memory-snapshot`` of the chosen plan, as predicted."""
+    from fsdp_plan.api import predict
+    prediction = predict(result.plan, result.facts, hardware=values["hardware"],
+                         gpus_per_node=args.gpus_per_node)
+    model = " ".join([args.model or args.hf_config, *args.model_arg])
+    return pictures.files(args, title=f"fsdp-plan: {model} on {args.world_size} GPUs",
+                          plan=result.plan, facts=result.facts, prediction=prediction,
+                          hardware=values["hardware"], hardware_file=args.hardware,
+                          name=result.best.name, frontier=frontier)

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
+from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.common.limits import MAX_GPUS_PER_NODE
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.model.source import check_count
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import Plan, read_plan
 
 
@@ -39,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs per node, for which collectives cross nodes (default: the "
                         "plan's gpus_per_node key, else 8)")
     parser.add_argument("--format", choices=("table", "json"), default="table")
+    pictures.add_arguments(parser, measured=False)
 
 
 def gather_data(plan: Plan, predicted: dict[str, Any], limit_bytes: int, fits: bool
@@ -104,21 +108,34 @@ def _divisor_below(world: int, limit: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_outputs([("PLAN.yaml", args.plan), ("MODEL", args.model),
+                   ("--hardware", args.hardware)], pictures.outputs(args))
+    pictures.check(args)
     plan = read_plan(args.plan)
     hardware = plan_hardware(plan, gpu=args.gpu, hardware_file=args.hardware)
     gpus_per_node = check_gpus_per_node(args.gpus_per_node, plan)
     # loading imports torch (~6 s): deferred so --help and the flag checks answer at once
     from fsdp_plan.measure import runtime
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
-    prediction = predict(plan, analyze_for_plan(plan, loaded), hardware=hardware,
-                         gpus_per_node=gpus_per_node)
+    facts = analyze_for_plan(plan, loaded)
+    prediction = predict(plan, facts, hardware=hardware, gpus_per_node=gpus_per_node)
     data = gather_data(plan, prediction.predicted, prediction.limit_bytes, prediction.fits)
+    files = []
+    if prediction.fits and pictures.wanted(args):  # nothing is written unless exit 0
+        frontier, notes = (pictures.frontier_of(plan, facts, prediction) if args.html
+                           else (None, []))
+        files = pictures.files(args, title=f"fsdp-plan predict: {args.plan}", plan=plan,
+                               facts=facts, prediction=prediction, hardware=hardware,
+                               hardware_file=args.hardware, frontier=frontier, notes=notes)
+        atomic_write_all(files)
     print(json.dumps(data, indent=2) if args.format == "json" else format_report(data))
+    for path, _ in files if args.format == "table" else ():
+        print(f"fsdp-plan predict: wrote {path}", file=sys.stderr)
     if not prediction.fits:
         raise NoFeasiblePlan(f"the plan as written peaks at "
                              f"{format_bytes(prediction.predicted['peak_bytes'])} per rank, above "
                              f"its limit {format_bytes(prediction.limit_bytes)}; run fsdp-plan on "
-                             "the model to find one that fits.",
+                             "the model to find one that fits"
+                             + (" (no picture was written)." if pictures.wanted(args) else "."),
                              smallest_peak_bytes=prediction.predicted["peak_bytes"])
     return 0
-

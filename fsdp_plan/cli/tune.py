@@ -18,17 +18,18 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from typing import Any
 
 from tabulate import tabulate
 
-from fsdp_plan.api import analyze_for_plan, plan_hardware
+from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, plan_hash
 from fsdp_plan.bench.tune import tune
 from fsdp_plan.common.errors import BadInput
-from fsdp_plan.common.files import atomic_write_all
+from fsdp_plan.common.files import atomic_write_all, check_outputs
+from fsdp_plan.common.progress import Steps
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import plan_to_yaml, read_plan
 
 
@@ -53,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "proposals (default: the figures the plan stored under hardware, "
                         "else its GPU preset)")
     parser.add_argument("--format", choices=("table", "json"), default="table")
+    pictures.add_arguments(parser, measured=False)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -66,6 +68,9 @@ def _check(args: argparse.Namespace) -> None:
         raise BadInput(f"--warmup {args.warmup} is outside 1..100.")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise BadInput(f"--out {args.out!r} is a file, not a folder.")
+    check_outputs([("PLAN.yaml", args.plan), ("MODEL", args.model),
+                   ("--hardware", args.hardware)], pictures.outputs(args))
+    pictures.check(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,16 +90,21 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput(f"--nproc {args.nproc} cannot hold the plan's HSDP shard groups of "
                        f"{shard}; use a multiple of {shard}.")
 
+    steps = Steps(total=5, quiet=args.format == "json", what="tune", unit="launch")
+
     def progress(message: str) -> None:
-        if args.format == "table":
-            print(f"tune: {message}", file=sys.stderr, flush=True)
+        steps.step(message)
 
     def bench(plans):
         return time_plans(loaded.source, plans, nproc=args.nproc, mesh=mesh, steps=args.steps,
                           warmup=args.warmup)
     hardware = plan_hardware(plan, hardware_file=args.hardware) if args.hardware else None
-    result = tune(plan, facts, bench, budget_s=args.budget_minutes * 60, hardware=hardware,
-                  progress=progress)
+    steps.step("benching the baseline")
+    try:
+        result = tune(plan, facts, bench, budget_s=args.budget_minutes * 60, hardware=hardware,
+                      progress=progress)
+    finally:
+        steps.close()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     best_path = os.path.join(args.out, f"tune-{stamp}-best.yaml")
     rollback_path = os.path.join(args.out, f"tune-{stamp}-rollback.yaml")
@@ -109,9 +119,22 @@ def run(args: argparse.Namespace) -> int:
         "trials": [{**t.row(), "plan_hash": plan_hash(t.plan.to_dict()),
                     "step_times_s": t.step_times_s} for t in result.trials]}
     os.makedirs(args.out, exist_ok=True)
-    atomic_write_all([(best_path, plan_to_yaml(result.best.plan)),
-                      (rollback_path, plan_to_yaml(plan)),
-                      (os.path.join(args.out, f"tune-{stamp}.json"), json.dumps(record, indent=2))])
+    files = [(best_path, plan_to_yaml(result.best.plan)), (rollback_path, plan_to_yaml(plan)),
+             (os.path.join(args.out, f"tune-{stamp}.json"), json.dumps(record, indent=2))]
+    if pictures.wanted(args):  # the best plan, as predicted, with what tuning measured
+        best = result.best.plan
+        drawn_on = hardware or plan_hardware(best)
+        prediction = predict(best, facts, hardware=drawn_on)
+        frontier, notes = (pictures.frontier_of(best, facts, prediction) if args.html
+                           else (None, []))
+        notes.append(f"tuned: baseline {result.baseline.p50_s:.4g} s -> best "
+                     f"{result.best.p50_s:.4g} s per step measured on {args.nproc} local "
+                     f"rank(s) ({result.gain:.1%} faster; noise {result.noise:.1%}); "
+                     f"stopped: {result.stopped}")
+        files += pictures.files(args, title=f"fsdp-plan tune: best plan for {args.plan}",
+                                plan=best, facts=facts, prediction=prediction, hardware=drawn_on,
+                                hardware_file=args.hardware, frontier=frontier, notes=notes)
+    atomic_write_all(files)
     if args.format == "json":
         print(json.dumps(record, indent=2))
     else:

@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from tabulate import tabulate
 
-from fsdp_plan.api import analyze_for_plan, predict
+from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.common.errors import BadInput, CheckFailed
+from fsdp_plan.common.files import atomic_write_all, check_outputs
+from fsdp_plan.common.progress import Steps
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.measured import MeasuredMemory
 from fsdp_plan.measure.peak import measured_peak
 from fsdp_plan.model.load import LoadedModel, user_code_output_to_stderr
+from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import Plan, read_plan
 
 # FSDPMemTracker's categories -> the planner's breakdown keys (several may share one key).
@@ -49,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="largest accepted |measured - predicted| / measured (default 0.05)")
     parser.add_argument("--format", choices=("table", "json"), default="table")
+    pictures.add_arguments(parser, measured=True)
 
 
 def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float,
@@ -169,15 +174,31 @@ def format_report(data: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.tolerance < 1:
         raise BadInput(f"--tolerance is a fraction (0.05 = 5%), got {args.tolerance}.")
+    check_outputs([("PLAN.yaml", args.plan), ("MODEL", args.model)], pictures.outputs(args))
+    pictures.check(args)
     plan = read_plan(args.plan)
+    if plan.strategy == "ddp" and args.memory_snapshot:
+        pictures.refuse_with(args, "a DDP plan is measured in a separate one-rank process that "
+                             "records no allocation trace; fsdp-plan predict --memory-snapshot "
+                             "writes the predicted one")
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
-    fresh, fresh_note = fresh_prediction(plan, loaded)
+    progress = Steps(total=3, quiet=args.format == "json", what="verify")
+    progress.step("analysing the model at the plan's precision")
+    fresh, fresh_note, facts, prediction = fresh_prediction(plan, loaded)
+    if prediction is None:  # before the measurement: nothing to draw the measurement over
+        pictures.refuse_with(args, "the plan cannot be predicted as written, so there is no "
+                             "predicted step to draw")
     policy = runtime.load_policy(runtime.policy_source(plan))
+    progress.step(f"measuring a steady step at world size {plan.world_size}")
     with user_code_output_to_stderr():  # the model's print()s stay off the report
-        measured = measured_peak(loaded, plan, policy)
+        measured = measured_peak(loaded, plan, policy, record=pictures.wanted(args))
+    progress.step("comparing")
+    progress.close()
     data = gather_data(plan, measured, args.tolerance, fresh, fresh_note)
     if measured.where:
         data["where"] = measured.where
+    if pictures.wanted(args):
+        _write_pictures(args, plan, facts, prediction, measured)
     if args.format == "json":
         print(json.dumps(data, indent=2))
     else:
@@ -188,10 +209,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def fresh_prediction(plan: Plan, loaded: LoadedModel
-                     ) -> tuple[dict[str, Any] | None, str | None]:
-    """The plan's prediction as it is now, or None and the reason it cannot be predicted."""
+                     ) -> tuple[dict[str, Any] | None, str | None, Any, Any]:
+    """The plan's prediction as it is now (its ``predicted`` block, or None and the reason it
+    cannot be predicted), and the facts and ``Prediction`` behind it (for the pictures)."""
+    facts = None
     try:
-        return predict(plan, analyze_for_plan(plan, loaded)).predicted, None
+        facts = analyze_for_plan(plan, loaded)
+        prediction = predict(plan, facts)
     except BadInput as e:
         return None, (f"the plan cannot be predicted as written ({e}); the measurement is held "
-                      "against the plan file's stored prediction.")
+                      "against the plan file's stored prediction."), facts, None
+    return prediction.predicted, None, facts, prediction
+
+
+def _write_pictures(args: argparse.Namespace, plan: Plan, facts, prediction, measured) -> None:
+    """``--html`` (prediction with the measured curve over it) and ``--memory-snapshot``
+    (the measured step), written whatever the check decides: they show why it failed."""
+    from fsdp_plan.pictures.snapshot import measured_snapshot
+    frontier, notes = pictures.frontier_of(plan, facts, prediction) if args.html else (None, [])
+    record = measured.record
+    snapshot = measured_snapshot(record) if record is not None else None
+    files = pictures.files(
+        args, title=f"fsdp-plan verify: {plan.model.get('source')} at world size "
+        f"{plan.world_size}", plan=plan, facts=facts, prediction=prediction,
+        hardware=plan_hardware(plan), frontier=frontier, record=record,
+        measured_label="measured (FSDPMemTracker, highest between module boundaries)",
+        measured_snapshot=snapshot, notes=notes + list(measured.notes))
+    atomic_write_all(files)
+    if args.format == "table":
+        for path, _ in files:
+            print(f"fsdp-plan verify: wrote {path}", file=sys.stderr)

@@ -81,15 +81,17 @@ def _target(path: str) -> str:
     return os.path.realpath(path)
 
 
-def _write_temporary(path: str, text: str) -> str:
-    """``text`` in a synced temporary file beside ``path``; returns the temporary's path.
+def _write_temporary(path: str, text: str | bytes) -> str:
+    """``text`` (or bytes: a pickle) in a synced temporary file beside ``path``; returns the
+    temporary's path.
 
     The temporary takes the mode ``path`` has now (if it exists) or ``0666 & ~umask``."""
     target = _target(path)
     folder = os.path.dirname(target)
     fd, tmp = _create_temporary(folder)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with (os.fdopen(fd, "wb") if isinstance(text, bytes)
+              else os.fdopen(fd, "w", encoding="utf-8")) as f:
             _keep_mode_and_owner(f.fileno(), target)
             f.write(text)
             f.flush()
@@ -114,7 +116,7 @@ def _keep_mode_and_owner(fd: int, target: str) -> None:
         pass
 
 
-def atomic_write_all(files: list[tuple[str, str]]) -> None:
+def atomic_write_all(files: list[tuple[str, str | bytes]]) -> None:
     """Write every (path, text) through temporaries, renaming only once all are written.
 
     A failure while writing (disk full, permissions) renames nothing, removes the temporaries,

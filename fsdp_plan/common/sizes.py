@@ -74,5 +74,11 @@ def format_bytes(num_bytes: float) -> str:
 
 
 def format_gb(num_bytes: float) -> str:
-    """Compact decimal GB for table cells."""
-    return f"{num_bytes / 1e9:.2f}"
+    """Compact decimal GB for table cells; below 0.01 GB in MB, kB or B with the unit written
+    (a small model's figures would all read 0.00)."""
+    n = float(num_bytes)
+    if n == 0 or abs(n) >= 1e7:
+        return f"{n / 1e9:.2f}"
+    if abs(n) >= 1e4:
+        return f"{n / 1e6:.2f} MB"
+    return f"{n / 1e3:.2f} kB" if abs(n) >= 1e3 else f"{int(n)} B"

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_plan.cost.hardware import Hardware
-from fsdp_plan.cost.memory import MemoryEstimate
+from fsdp_plan.cost.memory import MemoryEstimate, MemoryTimeline
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
 from fsdp_plan.cost.step_time import (
     Rates,
@@ -376,6 +376,30 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     temporary (one gradient-sized ``foreach`` buffer, as in cost/memory.py). A plan computing below
     float32 runs under ``torch.autocast``, which keeps a low-precision copy of each weight
     from its forward use to its backward."""
+    static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
+                                               unused)
+    events = analysis.timeline.events
+    activations = max((e.peak for e in events), default=0)
+    base = sum(static.values())
+    step = {**static, "activations": activations}
+    if autocast:
+        step["autocast_weights"] = autocast
+    if base + opt_temp > base + activations + autocast:
+        return MemoryEstimate(peak_bytes=base + opt_temp, phase="optimizer step",
+                              breakdown={**static, "optimizer_temporaries": opt_temp})
+    peak_at = max(range(len(events)), key=lambda i: events[i].peak) if events else 0
+    ev = events[peak_at] if events else None
+    where = f"{ev.kind} {ev.module or '<root>'}" if ev else "step"
+    phase = "backward" if ev and ev.kind.endswith("bw") else "forward"
+    return MemoryEstimate(peak_bytes=base + activations + autocast, phase=f"{phase} ({where})",
+                          breakdown=step)
+
+
+def _ddp_resident(graph: ModuleGraph, analysis: Analysis, precision: Precision, optimizer: str,
+                  config: DDPConfig, unused: list[GradParam] | None
+                  ) -> tuple[dict[str, int], int, int]:
+    """``ddp_memory``'s always-alive bytes by kind, the autocast weight copies (forward to
+    backward) and the optimizer step's temporary."""
     params = graph.total_param_bytes
     # a parameter that never gets a gradient gets no optimizer state and no step temporary
     if unused is None:
@@ -393,24 +417,27 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     }
     if not config.gradient_as_bucket_view:
         static["grads"] = params
-    events = analysis.timeline.events
-    activations = max((e.peak for e in events), default=0)
     autocast = (graph.total_numel * precision.param_bytes
                 if precision.param_bytes < precision.orig_bytes else 0)
-    base = sum(static.values())
-    step = {**static, "activations": activations}
-    if autocast:
-        step["autocast_weights"] = autocast
-    opt_temp = trained if states else 0
-    if base + opt_temp > base + activations + autocast:
-        return MemoryEstimate(peak_bytes=base + opt_temp, phase="optimizer step",
-                              breakdown={**static, "optimizer_temporaries": opt_temp})
-    peak_at = max(range(len(events)), key=lambda i: events[i].peak) if events else 0
-    ev = events[peak_at] if events else None
-    where = f"{ev.kind} {ev.module or '<root>'}" if ev else "step"
-    phase = "backward" if ev and ev.kind.endswith("bw") else "forward"
-    return MemoryEstimate(peak_bytes=base + activations + autocast, phase=f"{phase} ({where})",
-                          breakdown=step)
+    return static, autocast, trained if states else 0
+
+
+def ddp_memory_timeline(graph: ModuleGraph, analysis: Analysis, precision: Precision,
+                        optimizer: str, config: DDPConfig,
+                        unused: list[GradParam] | None = None) -> MemoryTimeline:
+    """``ddp_memory`` at every analysed boundary (for pictures): the resident bytes and the
+    autocast copies under the activation timeline, then the optimizer step; its highest
+    total is ``ddp_memory``'s peak."""
+    static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
+                                               unused)
+    events = analysis.timeline.events
+    forward_end = max(0, next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
+                              len(events)) - 1)
+    return MemoryTimeline(
+        events=events, forward_end=forward_end, points=[4 * i for i in range(len(events))],
+        activations=[e.peak for e in events], static=static,
+        held={"autocast_weights": autocast} if autocast else {}, live=[], instants=[],
+        grads_at=[], optimizer_step={**static, "optimizer_temporaries": opt_temp})
 
 
 # --- evaluation ----------------------------------------------------------------------------

@@ -106,7 +106,7 @@ class ActivationProfile:
         span = 1
         while 2 * span <= len(peaks):
             prev = self._table[-1]
-            self._table.append([max(prev[i], prev[i + span]) for i in range(len(prev) - span)])
+            self._table.append(list(map(max, prev[:len(prev) - span], prev[span:])))
             span *= 2
         self.backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
                                    len(events) - 1)
@@ -206,6 +206,38 @@ class ActivationProfile:
                            bw_end=max(bw_end, bw_start))
 
 
+def _encode(live, instants, grads_at):
+    """Buffers with their (event, sub-step) points coded as one integer ``4 * event + sub + 1``
+    (ordered as the tuples are): see ``_sweep``."""
+    live = [(4 * s[0] + s[1] + 1, 4 * e[0] + e[1] + 1, nbytes, cat) for s, e, nbytes, cat in live]
+    instants = [(4 * at[0] + at[1] + 1, nbytes, cat) for at, nbytes, cat in instants]
+    grads_at = [(4 * at + 2, nbytes) for at, nbytes in grads_at]
+    return live, instants, grads_at
+
+
+def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int],
+            every_event: bool = False) -> tuple[list[int], list[int]]:
+    """The coded points a sweep visits, in order, and the activation bytes at each: the gap
+    ending at an event holds the highest activation since the previous point's event.
+    ``every_event`` adds the gap before every event (for pictures): between two points of the
+    sweep no buffer starts or ends, so those gaps never exceed the sweep's highest total."""
+    n = len(profile.events)
+    points = set(range(0, 4 * n, 4)) if every_event else {0, 4 * (n - 1)}
+    points.update(start for start, _, _, _ in live)
+    points.update(start & ~3 for start, _, _, _ in live)
+    points.update(end & ~3 for _, end, _, _ in live)
+    points.update(extra_bytes)
+    # The gap before an instant holds the activation peak since the previous boundary: without
+    # it, a backward-prefetch copy-out hides the peak of the gap just before it.
+    points.update(key & ~3 for key in extra_bytes)
+    ordered = sorted(pt for pt in points if pt < 4 * n)
+    levels, max_peak = profile.levels, profile.max_peak
+    previous = [-1] + [pt >> 2 for pt in ordered[:-1]]
+    activations = [max_peak(prev + 1, pt >> 2) if pt & 3 == 0 else levels[pt >> 2]
+                   for pt, prev in zip(ordered, previous)]
+    return ordered, activations
+
+
 def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[str, int]
            ) -> MemoryEstimate:
     """Highest total over the gaps between boundary events and the sub-step instants.
@@ -216,10 +248,7 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
     thousands of units, so points are coded as one integer ``4 * event + sub + 1`` (ordered as
     the tuples are) and the running total at each point is read from prefix sums.
     """
-    n = len(profile.events)
-    live = [(4 * s[0] + s[1] + 1, 4 * e[0] + e[1] + 1, nbytes, cat) for s, e, nbytes, cat in live]
-    instants = [(4 * at[0] + at[1] + 1, nbytes, cat) for at, nbytes, cat in instants]
-    grads_at = [(4 * at + 2, nbytes) for at, nbytes in grads_at]
+    live, instants, grads_at = _encode(live, instants, grads_at)
     deltas = [(start, nbytes) for start, _, nbytes, _ in live]
     deltas += [(end, -nbytes) for _, end, nbytes, _ in live]
     deltas += grads_at
@@ -229,29 +258,21 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
     extra_bytes: dict[int, int] = {}
     for key, nbytes, _ in instants:
         extra_bytes[key] = extra_bytes.get(key, 0) + nbytes
-    points = {0, 4 * (n - 1)}
-    points.update(start for start, _, _, _ in live)
-    points.update(start & ~3 for start, _, _, _ in live)
-    points.update(end & ~3 for _, end, _, _ in live)
-    points.update(extra_bytes)
-    # The gap before an instant holds the activation peak since the previous boundary: without
-    # it, a backward-prefetch copy-out hides the peak of the gap just before it.
-    points.update(key & ~3 for key in extra_bytes)
-    ordered = sorted(pt for pt in points if pt < 4 * n)
-
-    # The gap ending at an event holds the highest activation since the previous point's event.
-    levels, max_peak = profile.levels, profile.max_peak
-    previous = [-1] + [pt >> 2 for pt in ordered[:-1]]
-    activations = [max_peak(prev + 1, pt >> 2) if pt & 3 == 0 else levels[pt >> 2]
-                   for pt, prev in zip(ordered, previous)]
+    ordered, activations = _points(profile, live, extra_bytes)
     base = sum(static.values())
     totals = [base + act + running[bisect.bisect_right(delta_keys, pt)]
               + (extra_bytes.get(pt, 0) if pt & 3 else 0)
               for pt, act in zip(ordered, activations)]
     best_at = max(range(len(totals)), key=totals.__getitem__)  # the first highest point
     best_total, point = totals[best_at], ordered[best_at]
+    parts = _parts_at(point, live, instants, grads_at, static)
+    parts["activations"] = activations[best_at]
+    return MemoryEstimate(peak_bytes=best_total, breakdown=parts,
+                          phase=_phase_name(profile, point >> 2))
 
-    # The breakdown at the winning point only.
+
+def _parts_at(point: int, live, instants, grads_at, static: dict[str, int]) -> dict[str, int]:
+    """What holds memory at one coded ``point`` (activations left out), from coded buffers."""
     parts = dict(static)
     for start, end, nbytes, cat in live:
         held = (start <= point) - (end <= point)
@@ -265,12 +286,13 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
         for at, nbytes, cat in instants:
             if at == point:
                 parts[cat] = parts.get(cat, 0) + nbytes
-    parts["activations"] = activations[best_at]
-    event = point >> 2
+    return parts
+
+
+def _phase_name(profile: ActivationProfile, event: int) -> str:
     ev = profile.events[event]
     phase = "forward" if event <= profile.forward_end else "backward"
-    return MemoryEstimate(peak_bytes=best_total, breakdown=parts,
-                          phase=f"{phase} ({ev.kind} {ev.module or '<root>'})")
+    return f"{phase} ({ev.kind} {ev.module or '<root>'})"
 
 
 def _offload_copy_bytes(unit: UnitSpec, p: Precision) -> int:
@@ -280,9 +302,40 @@ def _offload_copy_bytes(unit: UnitSpec, p: Precision) -> int:
     return unit.shard_numel * (p.orig_bytes + cast)
 
 
+@dataclass(kw_only=True)
+class StepBuffers:
+    """What one steady step holds, as ``estimate_peak`` sweeps it: always-resident bytes,
+    buffers live over a range of (event, sub-step) points, instants, and the sharded gradients
+    that appear once a unit's reduce-scatter is done (see [Note: sub-steps])."""
+
+    static: dict[str, int]
+    """Resident for the whole step (sharded parameters, optimizer states, buffers, inputs)."""
+    held: dict[str, int]
+    """Resident during the micro-batch but not at the optimizer step ([Note: gradient
+    accumulation])."""
+    live: list[tuple[tuple[int, int], tuple[int, int], int, str]]
+    instants: list[tuple[tuple[int, int], int, str]]
+    grads_at: list[tuple[int, int]]
+    optimizer_step: dict[str, int] | None
+    """What the optimizer step holds (None with offload: it runs on the host)."""
+
+
 def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
                   forward_prefetch: int = 0, backward_prefetch: int = 1) -> MemoryEstimate:
     """Peak bytes per rank of one steady step for ``units`` (children first, root last)."""
+    b = step_buffers(profile, units, ctx, forward_prefetch=forward_prefetch,
+                     backward_prefetch=backward_prefetch)
+    best = _sweep(profile, b.live, b.instants, b.grads_at, {**b.static, **b.held})
+    if b.optimizer_step is not None and sum(b.optimizer_step.values()) > best.peak_bytes:
+        best = MemoryEstimate(peak_bytes=sum(b.optimizer_step.values()), phase="optimizer step",
+                              breakdown=dict(b.optimizer_step))
+    return best
+
+
+def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
+                 forward_prefetch: int = 0, backward_prefetch: int = 1) -> StepBuffers:
+    """Every buffer of one steady step for ``units`` ([Note: FSDP2 memory timeline]), before
+    the sweep: ``estimate_peak`` takes their highest total, ``memory_timeline`` all of them."""
     p = ctx.precision
     shard = ctx.shard_size
     total_shard = sum(u.shard_numel for u in units)
@@ -302,7 +355,6 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     if ctx.grad_accum_steps > 1 and ctx.gradient_sync == "last":
         accum_bytes = p.reduce_bytes if p.reduce_bytes != p.param_bytes else p.param_bytes
         held["accumulated_grads"] = sum(u.numel for u in units) * accum_bytes
-    static_total = sum(static.values())
     windows = [profile.windows(u) for u in units]
     ran = [i for i, w in enumerate(windows) if w.ran and units[i].numel > 0]
     fw_order = sorted(ran, key=lambda i: windows[i].fw_start)
@@ -367,13 +419,62 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
             instants.append(((w.bw_end, 0), u.shard_numel * p.orig_bytes, "offload_copies"))
         elif "sharded_grads" not in held:  # held from the start when accumulating
             grads_at.append((w.bw_end, u.shard_numel * p.orig_bytes))
-    best = _sweep(profile, live, instants, grads_at, {**static, **held})
-    if ctx.offload:
-        return best  # the optimizer step runs on the host
-    optimizer_step = static_total + total_shard * p.orig_bytes + (
-        total_shard * p.orig_bytes if OPTIMIZER_STATES.get(ctx.optimizer, 0) else 0)
-    if optimizer_step > best.peak_bytes:
-        best = MemoryEstimate(peak_bytes=optimizer_step, phase="optimizer step", breakdown={
-            **static, "sharded_grads": total_shard * p.orig_bytes,
-            "optimizer_temporaries": optimizer_step - static_total - total_shard * p.orig_bytes})
-    return best
+    optimizer_step = None
+    if not ctx.offload:  # with offload the optimizer step runs on the host
+        grads = total_shard * p.orig_bytes
+        temporaries = grads if OPTIMIZER_STATES.get(ctx.optimizer, 0) else 0
+        optimizer_step = {**static, "sharded_grads": grads, "optimizer_temporaries": temporaries}
+    return StepBuffers(static=static, held=held, live=live, instants=instants,
+                       grads_at=grads_at, optimizer_step=optimizer_step)
+
+
+@dataclass(kw_only=True)
+class MemoryTimeline:
+    """Memory over one steady step as the model sees it: every point the sweep visits (coded
+    ``4 * event + sub + 1``, see ``_sweep``) with its activation bytes, and the step's
+    buffers (coded the same way), then the optimizer step. ``peak_bytes`` is
+    ``estimate_peak``'s figure: the same points and buffers, not a second model."""
+
+    events: list[Event]
+    forward_end: int
+    """Index of the last forward event."""
+    points: list[int]
+    activations: list[int]
+    static: dict[str, int]
+    held: dict[str, int]
+    live: list[tuple[int, int, int, str]]
+    instants: list[tuple[int, int, str]]
+    grads_at: list[tuple[int, int]]
+    optimizer_step: dict[str, int] | None
+
+    def parts(self, i: int) -> dict[str, int]:
+        """What holds memory at ``points[i]``, activations included."""
+        parts = _parts_at(self.points[i], self.live, self.instants, self.grads_at,
+                          {**self.static, **self.held})
+        parts["activations"] = self.activations[i]
+        return parts
+
+    def totals(self) -> list[int]:
+        """Bytes at every point, then at the optimizer step (when it runs on the device)."""
+        out = [sum(self.parts(i).values()) for i in range(len(self.points))]
+        if self.optimizer_step is not None:
+            out.append(sum(self.optimizer_step.values()))
+        return out
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.totals(), default=0)
+
+
+def memory_timeline(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
+                    forward_prefetch: int = 0, backward_prefetch: int = 1) -> MemoryTimeline:
+    """Every point of ``estimate_peak``'s sweep with what holds memory there (for pictures:
+    memory over the step, and an allocation trace; not called by the search)."""
+    b = step_buffers(profile, units, ctx, forward_prefetch=forward_prefetch,
+                     backward_prefetch=backward_prefetch)
+    live, instants, grads_at = _encode(b.live, b.instants, b.grads_at)
+    extra_bytes = {key: 0 for key, _, _ in instants}
+    points, activations = _points(profile, live, extra_bytes, every_event=True)
+    return MemoryTimeline(events=profile.events, forward_end=profile.forward_end, points=points,
+                          activations=activations, static=b.static, held=b.held, live=live,
+                          instants=instants, grads_at=grads_at, optimizer_step=b.optimizer_step)

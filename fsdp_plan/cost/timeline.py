@@ -220,10 +220,11 @@ class TimelineComposer:
                 # Re-base on the composite's running level; a piece's first peak covered the
                 # gap before it in its own pass, so it is at least the level it starts from.
                 peak = level + e.peak - base_level
-                out.append(dataclasses.replace(
-                    e, level=level + e.level - base_level,
-                    peak=max(level, peak) if e is src[start] else peak,
-                    flops=flops + e.flops - base_flops))
+                # built directly: dataclasses.replace took half the time of a search's
+                # new checkpointing mixes (70B: 190,000 events per search)
+                out.append(Event(kind=e.kind, module=e.module, level=level + e.level - base_level,
+                                 peak=max(level, peak) if e is src[start] else peak,
+                                 flops=flops + e.flops - base_flops, ops=e.ops))
             nxt = src[end] if end < len(src) else src[end - 1]
             level += nxt.level - base_level
             flops += nxt.flops - base_flops

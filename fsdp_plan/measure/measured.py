@@ -29,6 +29,9 @@ class MeasuredMemory:
     notes: list[str] = field(default_factory=list)
     dtype_mismatches: list[str] = field(default_factory=list)
     """Ops a real device would refuse (see ``dtypes.DtypeChecker``): the plan cannot run."""
+    record: Any = None
+    """The steady step's allocations and boundaries (``recording.MemoryRecord``) when asked
+    for (``measure_peak(record=True)``); not part of ``to_dict``."""
     where: str | None = None
     """Where the peak was measured when not on the fake process group (a DDP plan's real
     run), for the report's headline. Not part of ``to_dict``, whose keys are fixed."""

@@ -48,6 +48,7 @@ from fsdp_plan.facts.compiled import graph_backend
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.measured import MeasuredMemory
+from fsdp_plan.measure.recording import RecordingMemTracker
 from fsdp_plan.measure.tracker import CompiledStepMemTracker, GroupAwareMemTracker
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import LoadedModel, rebuild_meta
@@ -144,11 +145,13 @@ def cpu_gpu_differences(model: nn.Module) -> list[str]:
 
 
 def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleType, *,
-                 fsdp_version: int = 2) -> MeasuredMemory:
+                 fsdp_version: int = 2, record: bool = False) -> MeasuredMemory:
     """The steady-step peak of one rank of ``plan``, measured on the fake process group.
 
     ``policy_module`` is the generated module (``apply_fully_shard(model, mesh)``); the mesh is
     the plan's (1-D shard mesh, or 2-D ``("replicate", "shard")``) at its real world size.
+    ``record``: also keep the steady step's allocations and module boundaries
+    (recording.py [Note: recording the measured step]; not for compiled blocks).
     """
     if plan.strategy == "ddp":
         raise BadInput("measure_peak measures FSDP2 plans; a DDP plan has no shards and is "
@@ -191,7 +194,8 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
                 runtime.finish_step(model, optimizer)
             with warmup:  # step 1: lazy optimizer states, first-step FSDP initialisation
                 training_step(warmup)
-            tracker = tracker_class(model, optimizer)  # see [Note: the steady step]
+            steady = RecordingMemTracker if record and not compiled else tracker_class
+            tracker = steady(model, optimizer)  # see [Note: the steady step]
             tracker.track_inputs(inputs)
             checker = DtypeChecker(running_modules(getattr(tracker, "_mod_tracker", None)))
             ran["ran"] = 0
@@ -210,4 +214,5 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     return MeasuredMemory(peak_bytes=int(peak), breakdown=breakdown, step_start_bytes=step_start,
                           module_peaks=module_peaks, world_size=plan.world_size,
                           mesh=(replicate, shard), seconds=time.perf_counter() - started,
-                          notes=notes, dtype_mismatches=checker.mismatches)
+                          notes=notes, dtype_mismatches=checker.mismatches,
+                          record=getattr(tracker, "record", None))

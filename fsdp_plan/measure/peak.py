@@ -17,12 +17,14 @@ from fsdp_plan.model.load import LoadedModel
 from fsdp_plan.plan.document import Plan
 
 
-def measured_peak(loaded: LoadedModel, plan: Plan, policy: types.ModuleType) -> MeasuredMemory:
+def measured_peak(loaded: LoadedModel, plan: Plan, policy: types.ModuleType, *,
+                  record: bool = False) -> MeasuredMemory:
     """One rank's steady-step peak of ``plan`` on ``loaded`` (the planned model on ``meta``).
 
     ``policy`` is the plan's generated policy module, which the FSDP2 measurement applies in
     this process; a DDP run renders its own for its worker (a module cannot be sent there).
+    ``record``: keep the FSDP2 step's allocations for the pictures (a DDP run records none).
     """
     if plan.strategy == "ddp":
         return measure_ddp_peak(loaded, plan)
-    return measure_peak(loaded, plan, policy)
+    return measure_peak(loaded, plan, policy, record=record)

@@ -202,3 +202,24 @@ def _overlap_slowdown(compute: list[_Span], comm_u: list[tuple[float, float]]) -
             if s.phase == "backward":
                 backward += excess
     return total, backward
+
+
+def stream_intervals(trace: dict[str, Any] | str) -> dict[str, list[tuple[float, float]]]:
+    """The profiled step's compute, communication and exposed communication (communication
+    with no compute beside it) as merged intervals in seconds from the step's start, by the
+    same rules as ``analyze_trace`` ([Note: what counts as communication and compute]): the
+    measured rows of a page's timeline."""
+    if isinstance(trace, str):
+        with open(trace) as f:
+            trace = json.load(f)
+    spans = _spans(trace)
+    comm, compute, _ = _classify(spans)
+    step = [s for s in spans if s.name == "fsdp_plan.step"]
+    origin = step[0].start if step else min((s.start for s in spans), default=0.0)
+    comm_u = _union([(s.start, s.end) for s in comm])
+    compute_u = _union([(s.start, s.end) for s in compute])
+
+    def rel(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        return [((a - origin) * _US, (b - origin) * _US) for a, b in intervals]
+    return {"compute": rel(compute_u), "comm": rel(comm_u),
+            "exposed": rel(_minus(comm_u, compute_u))}

@@ -13,6 +13,7 @@ from tabulate import tabulate
 
 from fsdp_plan.common.sizes import format_bytes, format_gb
 from fsdp_plan.cost.ddp_buckets import MIB
+from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.precision import OPTIMIZER_STATES
 from fsdp_plan.cost.step_time import StepTime
 from fsdp_plan.facts.types import Analysis, ModelFacts, ModuleGraph
@@ -139,7 +140,7 @@ _GROUPS = {
 
 def breakdown_summary(breakdown: dict[str, int]) -> str:
     """``states 12.3 + unsharded 4.5 + comm 1.2 + act 40.1`` (GB): why a peak is what it is."""
-    parts = [f"{name} {sum(breakdown.get(k, 0) for k in keys) / 1e9:.2f}"
+    parts = [f"{name} {format_gb(sum(breakdown.get(k, 0) for k in keys))}"
              for name, keys in _GROUPS.items()]
     return " + ".join(parts)
 
@@ -222,13 +223,18 @@ def chrome_trace(time: StepTime) -> str:
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 
 
-def format_report(result: PlannedResult, rows: list[dict[str, Any]], *, model_name: str) -> str:
-    """The table report of ``fsdp-plan MODEL``: the model, its modules, the candidates, the
-    meshes, the chosen plan's peak, checkpointing, units, timeline, DDP lines and throughput."""
+def format_report(result: PlannedResult, rows: list[dict[str, Any]], *, model_name: str,
+                  hardware: Hardware | None = None, hardware_file: str | None = None,
+                  more_memory: str = "") -> str:
+    """The table report of ``fsdp-plan MODEL``: the GPU assumed, the model, its modules, the
+    candidates, the meshes, the chosen plan's peak and what its name means, what more memory
+    would buy (``more_memory``, from the frontier), checkpointing, units, timeline, DDP lines
+    and throughput."""
     graph, analysis, best = result.facts.graph, result.facts.analysis, result.best
     total = graph.total_numel
     plan = result.plan
-    lines = [f"model: {model_name}  parameters: {total:,} "
+    lines = [hardware_line(hardware, hardware_file)] if hardware is not None else []
+    lines += [f"model: {model_name}  parameters: {total:,} "
              f"({format_bytes(fp32_bytes(total))} fp32)  micro-batch {plan.model['batch_size']} x "
              f"seq {plan.model['seq_len']}" + (f" x {plan.grad_accum_steps} accumulation steps"
                                                 if plan.grad_accum_steps > 1 else "")]
@@ -241,13 +247,17 @@ def format_report(result: PlannedResult, rows: list[dict[str, Any]], *, model_na
     mods = gather_module_rows(graph, analysis, max_depth=1 if len(graph.modules) > 60 else 2)
     lines.append(tabulate([[r["module"], r["class"], f"{r['params']:,}",
                             format_bytes(r["saved_activation_bytes"]),
-                            f"{r['fw_flops'] / 1e12:.2f}", f"{r['bw_flops'] / 1e12:.2f}"]
+                            format_flops(r["fw_flops"]), format_flops(r["bw_flops"])]
                            for r in mods[:40]],
-                          headers=["module", "class", "params", "saved activations", "fw TFLOP",
-                                   "bw TFLOP"]))
+                          headers=["module", "class", "params", "saved activations", "fw FLOP",
+                                   "bw FLOP"], disable_numparse=True))
     lines += ["", format_candidates(rows), "", format_mesh_rows(gather_mesh_rows(result.ranked)),
-              "", f"chosen: {best.name}; peak {format_bytes(best.memory.peak_bytes)} at "
-              f"{best.memory.phase}", format_breakdown(best.memory.breakdown), "",
+              "", (f"chosen: {best.name}; peak {format_bytes(best.memory.peak_bytes)} at "
+                   f"{best.memory.phase}")]
+    legend = plan_name_legend(best.name)
+    lines += [f"plan names: {legend}"] if legend else []
+    lines += [more_memory] if more_memory else []
+    lines += [format_breakdown(best.memory.breakdown), "",
               format_checkpointing(best, analysis.selective_unavailable)]
     lines += format_units_and_offload(best)
     lines += ["", ascii_timeline(best.time)]
@@ -371,3 +381,73 @@ def ddp_lines(best: Candidate, ranked: list[Candidate]) -> list[str]:
                      + (", find_unused_parameters" if c.find_unused_parameters else "") + "):")
         lines.extend(describe_buckets(best))
     return lines
+
+
+_STRATEGY_WORDS = {
+    "full": "full = full sharding (FSDP2 fully_shard, units reshard after forward)",
+    "grad-op": "grad-op = units keep their parameters gathered from forward to backward "
+               "(FSDP1 SHARD_GRAD_OP)",
+    "none": "none = every rank holds all parameters (FSDP1 NO_SHARD)",
+    "hybrid": "hybrid RxS = HSDP: R replicas of S-way sharding",
+    "ddp": "ddp = DistributedDataParallel (every rank holds the whole model)",
+}
+
+
+def plan_name_legend(name: str) -> str:
+    """What each word of a plan's name (``full per-block+top keep-last fwp1 bwp1 ac23 sac57``)
+    means, for the words it has: plan files record units and modes, names only appear here."""
+    words = name.removeprefix("recipe: ").split()
+    parts: list[str] = []
+    for w in words:
+        if w in _STRATEGY_WORDS:
+            parts.append(_STRATEGY_WORDS[w])
+        elif w.startswith(("per-block", "grouped/", "root-only", "size/")):
+            layout = {"per-block": "one unit per repeated block",
+                      "root-only": "the whole model in one unit (the root)"}
+            if w.startswith("grouped/"):
+                text = ("consecutive blocks grouped into units, each gathering at most "
+                        f"{w.split('/')[1].split('+')[0].rstrip('x')} blocks' parameters "
+                        "(cut where the collectives cost least)")
+            elif w.startswith("size/"):
+                text = f"units of about 1/{w.split('/')[1]} of the parameters each"
+            else:
+                text = layout[w.split("+")[0]]
+            if w.endswith("+top"):
+                text += ", the top-level modules outside the blocks (embedding, head) as units"
+            parts.append(f"{w} = {text}")
+        elif w == "keep-last":
+            parts.append("keep-last = the last block stays gathered after forward (backward "
+                         "starts with it)")
+        elif w.startswith("fwp") and w[3:].isdigit():
+            parts.append(f"{w} = " + ("no explicit forward prefetch" if w == "fwp0" else
+                                      f"each unit prefetches the next {w[3:]} in forward"))
+        elif w.startswith("bwp") and w[3:].isdigit():
+            parts.append(f"{w} = backward prefetch depth {w[3:]} (1 is FSDP2's default)")
+        elif w.startswith("ac") and w[2:].isdigit():
+            parts.append(f"{w} = the first {w[2:]} blocks fully checkpointed")
+        elif w.startswith("sac") and w[3:].isdigit():
+            parts.append(f"{w} = the next {w[3:]} blocks selectively checkpointed (matmuls and "
+                         "attention saved, the rest recomputed)")
+        elif w == "sync-last":
+            parts.append("sync-last = gradients reduced after the last micro-batch only")
+        elif w == "offload":
+            parts.append("offload = CPUOffloadPolicy (states on the host)")
+    if "hybrid" in words:
+        parts = [p for p in parts if not p.startswith("hybrid ")] + [_STRATEGY_WORDS["hybrid"]]
+    return "; ".join(parts)
+
+
+def hardware_line(hardware: Hardware, hardware_file: str | None = None) -> str:
+    """Which GPU and which figures the times assume (the first line of every report)."""
+    where = (f"figures from --hardware {hardware_file}" if hardware_file
+             else f"fsdp-plan's {hardware.name} preset; --gpu or --hardware to change")
+    return f"assumed GPU: {hardware.name} ({where}); every step time below is for it"
+
+
+def format_flops(flops: float) -> str:
+    """``70.27 T``, ``4.19 G``, ``12.3 M``: FLOPs with a unit, so a small model's modules do
+    not print as 0 TFLOP."""
+    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(flops) >= scale:
+            return f"{flops / scale:.2f} {unit}"
+    return f"{flops:.0f}"

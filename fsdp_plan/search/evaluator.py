@@ -18,6 +18,7 @@ overhead). The cost of a set of modes is the sum over its blocks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 from fsdp_plan.cost.collectives import count_fsdp1, count_fsdp2, cross_node_bytes, per_step
@@ -88,10 +89,7 @@ class Evaluator:
         replicate, shard = layout.mesh
         which, selective = layout.full, layout.selective - layout.full
         units = self.units_of(layout)
-        ctx = StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
-                          buffer_bytes=self.graph.total_buffer_bytes,
-                          input_bytes=self.analysis.input_bytes,
-                          grad_accum_steps=s.grad_accum_steps, gradient_sync=s.gradient_sync)
+        ctx = self.step_context(shard)
         profile = self.profile(which, selective)
         memory = estimate_peak(profile, units, ctx, forward_prefetch=layout.forward_prefetch,
                                backward_prefetch=layout.backward_prefetch)
@@ -118,6 +116,32 @@ class Evaluator:
                                               precision=s.precision),
         )
 
+    def step_context(self, shard: int, *, offload: bool = False) -> StepContext:
+        """What the memory model holds fixed for a layout sharded over ``shard`` ranks (with
+        ``CPUOffloadPolicy``: no accumulation held on the device, cost/memory.py)."""
+        s = self.settings
+        if offload:
+            return StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
+                               buffer_bytes=self.graph.total_buffer_bytes,
+                               input_bytes=self.analysis.input_bytes, offload=True)
+        return StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
+                           buffer_bytes=self.graph.total_buffer_bytes,
+                           input_bytes=self.analysis.input_bytes,
+                           grad_accum_steps=s.grad_accum_steps, gradient_sync=s.gradient_sync)
+
+    def profile_of(self, candidate: Candidate) -> ActivationProfile:
+        """The activation profile ``candidate`` was evaluated with (its checkpointed blocks)."""
+        layout = candidate.layout
+        return self.profile(layout.full, layout.selective - layout.full)
+
+    def with_budget(self, budget_bytes: int, headroom_bytes: int) -> Evaluator:
+        """This evaluator at another budget, sharing every cache (profiles, unit costs): none
+        depends on the budget, which only decides what fits (the frontier searches many)."""
+        other = copy.copy(self)
+        other.settings = dataclasses.replace(self.settings, budget_bytes=budget_bytes,
+                                             headroom_bytes=headroom_bytes)
+        return other
+
     def units_of(self, layout: Layout) -> list[UnitSpec]:
         """The ``fully_shard`` units of a sharded layout, children first, the root last."""
         return build_units(self.graph, [list(g) for g in layout.groups] + [[""]],
@@ -128,9 +152,7 @@ class Evaluator:
         (cost/offload.py [Note: offload as the last resort])."""
         s = self.settings
         layout = candidate.layout
-        ctx = StepContext(precision=s.precision, shard_size=layout.shard, optimizer=s.optimizer,
-                          buffer_bytes=self.graph.total_buffer_bytes,
-                          input_bytes=self.analysis.input_bytes, offload=True)
+        ctx = self.step_context(layout.shard, offload=True)
         profile = self.profile(layout.full, layout.selective - layout.full)
         memory = estimate_peak(profile, candidate.units, ctx,
                                forward_prefetch=layout.forward_prefetch,

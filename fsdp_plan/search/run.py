@@ -73,14 +73,16 @@ def plug_ins_for(strategy: str, allow_offload: bool, limits: FrameworkLimits | N
 
 
 def run_search(facts: ModelFacts, settings: SearchSettings, generators: Sequence[Generator],
-               fallbacks: Sequence[Fallback] = (), limits: FrameworkLimits | None = None
-               ) -> SearchResult:
+               fallbacks: Sequence[Fallback] = (), limits: FrameworkLimits | None = None, *,
+               evaluator: Evaluator | None = None) -> SearchResult:
     """Every generator's candidates ranked with the recipes that beat them; a fallback's
     rescue first when nothing fits, else ``NoFeasiblePlan``. With a framework's ``limits``
-    only recipes and rescues its configuration says compete (all are still reported)."""
+    only recipes and rescues its configuration says compete (all are still reported).
+    ``evaluator``: one built for ``facts`` and ``settings`` already, whose caches to use (the
+    frontier's, across budgets)."""
     started = time.perf_counter()
     with cycle_collector_paused():
-        evaluator = Evaluator(facts.graph, facts.analysis, settings)
+        evaluator = evaluator or Evaluator(facts.graph, facts.analysis, settings)
         recipes = [r for g in generators for r in g.recipes(evaluator)]
         found = [c for g in generators for c in g.candidates(evaluator)]
 
