@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from fsdp_plan.bench.tune import relative_spread
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all
 from fsdp_plan.common.sizes import format_bytes
@@ -413,7 +414,6 @@ def _change(old: float | None, new: float | None) -> float | None:
 def step_noise(result: dict[str, Any]) -> float | None:
     """The relative spread of a run's step times (its slowest rank's, ``tune.relative_spread``),
     or None for a result without per-step times."""
-    from fsdp_plan.bench.tune import relative_spread
     per_rank = [r.get("steps_s") for r in (result["step_time"].get("per_rank") or [])
                 if isinstance(r, dict) and r.get("steps_s")]
     if not per_rank or not all(isinstance(t, (int, float)) for r in per_rank for t in r):

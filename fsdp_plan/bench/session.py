@@ -12,6 +12,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.bench import inputs, results
 from fsdp_plan.bench.inputs import BenchRequest
 from fsdp_plan.bench.refit import check_refit_path, refit
@@ -20,9 +21,11 @@ from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.cost.hardware.stored import hardware_of
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import measure_peak
+from fsdp_plan.measure.profile import stream_intervals
 from fsdp_plan.measure.worker_setup import source_payload
 from fsdp_plan.model.load import LoadedModel
 from fsdp_plan.pictures import files as pictures
+from fsdp_plan.pictures.snapshot import measured_snapshot
 from fsdp_plan.plan.document import Plan, read_plan
 
 
@@ -179,9 +182,6 @@ def _write_pictures(prepared: Prepared, rank0: dict[str, Any], record: Any) -> l
     import pickle
 
     # the prediction drawn under the measurement (api is above bench: imported when drawing)
-    from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
-    from fsdp_plan.measure.profile import stream_intervals
-    from fsdp_plan.pictures.snapshot import measured_snapshot
     request, plan = prepared.request, prepared.plan
     facts = analyze_for_plan(plan, prepared.loaded)
     prediction = predict(plan, facts)

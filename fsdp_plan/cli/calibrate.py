@@ -20,6 +20,7 @@ from typing import Any
 from fsdp_plan.bench.inputs import check_nproc, check_timeout
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all, check_writable
+from fsdp_plan.common.progress import Steps
 from fsdp_plan.cost.hardware import Hardware, hardware_yaml
 from fsdp_plan.measure.launch import Terminated, stop_on_signals
 
@@ -91,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.output, "-o")
     try:
         with stop_on_signals():
-            from fsdp_plan.common.progress import Steps
             steps = Steps(total=len(PHASES), quiet=args.format == "json", what="calibrate",
                           unit="phase")
 

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from fsdp_plan.api import PlanRequest, make_plan, verify_by_measurement
+from fsdp_plan.api import PlanRequest, make_plan, predict, verify_by_measurement
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import check_outputs, check_writable
@@ -40,6 +40,7 @@ from fsdp_plan.plan.report import (
 )
 from fsdp_plan.search.candidate import STRATEGY_CHOICES
 from fsdp_plan.search.framework import FRAMEWORKS
+from fsdp_plan.search.frontier import Variant, compute_frontier, more_memory_line
 
 # Nothing above imports torch: every flag is checked before the ~6 s torch import (run()).
 
@@ -300,7 +301,6 @@ def run(args: argparse.Namespace) -> int:
                           **({"frontier": frontier.to_dict()} if frontier else {}),
                           "planning_seconds": round(result.seconds, 3)}, default=str))
     else:
-        from fsdp_plan.search.frontier import more_memory_line
         print(format_report(result, rows, model_name=args.model or args.hf_config,
                             hardware=values["hardware"], hardware_file=args.hardware,
                             more_memory=more_memory_line(frontier) if frontier else ""))
@@ -314,7 +314,6 @@ def plan_frontier(result, request: PlanRequest, *, above_only: bool):
     chose it (reduce dtype, gradient sync, accumulation), every micro-batch analysed."""
     import dataclasses
 
-    from fsdp_plan.search.frontier import Variant, compute_frontier
     plan = result.plan
     chosen = result.request or request
     chosen = dataclasses.replace(chosen, global_batch_size=None, auto_batch=False)
@@ -328,7 +327,6 @@ def plan_frontier(result, request: PlanRequest, *, above_only: bool):
 
 def picture_files(args: argparse.Namespace, result, values: dict[str, Any], frontier):
     """``--html`` and ``--memory-snapshot`` of the chosen plan, as predicted."""
-    from fsdp_plan.api import predict
     prediction = predict(result.plan, result.facts, hardware=values["hardware"],
                          gpus_per_node=args.gpus_per_node)
     model = " ".join([args.model or args.hf_config, *args.model_arg])

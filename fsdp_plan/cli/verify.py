@@ -28,6 +28,7 @@ from fsdp_plan.measure.measured import MeasuredMemory
 from fsdp_plan.measure.peak import measured_peak
 from fsdp_plan.model.load import LoadedModel, user_code_output_to_stderr
 from fsdp_plan.pictures import files as pictures
+from fsdp_plan.pictures.snapshot import measured_snapshot
 from fsdp_plan.plan.document import Plan, read_plan
 
 # FSDPMemTracker's categories -> the planner's breakdown keys (several may share one key).
@@ -225,7 +226,6 @@ def fresh_prediction(plan: Plan, loaded: LoadedModel
 def _write_pictures(args: argparse.Namespace, plan: Plan, facts, prediction, measured) -> None:
     """``--html`` (prediction with the measured curve over it) and ``--memory-snapshot``
     (the measured step), written whatever the check decides: they show why it failed."""
-    from fsdp_plan.pictures.snapshot import measured_snapshot
     frontier, notes = pictures.frontier_of(plan, facts, prediction) if args.html else (None, [])
     record = measured.record
     snapshot = measured_snapshot(record) if record is not None else None

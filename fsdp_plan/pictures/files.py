@@ -13,6 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import check_writable
+from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.pictures.html import plotly_or_exit, render_page
+from fsdp_plan.pictures.page import gather, predicted_snapshot_of
+from fsdp_plan.pictures.snapshot import snapshot_bytes
+from fsdp_plan.plan.report import hardware_line, plan_name_legend
+from fsdp_plan.search.frontier import Variant, compute_frontier, more_memory_line
 
 if TYPE_CHECKING:
     from fsdp_plan.api import Prediction
@@ -47,7 +53,6 @@ def check(args: argparse.Namespace) -> None:
         if path is not None:
             check_writable(path, flag)
     if getattr(args, "html", None):
-        from fsdp_plan.pictures.html import plotly_or_exit
         plotly_or_exit()
 
 
@@ -58,7 +63,6 @@ def wanted(args: argparse.Namespace) -> bool:
 def frontier_of(plan: Plan, facts: ModelFacts, prediction: Prediction) -> tuple[Any, list[str]]:
     """The frontier around a plan file's budget, searched with ``--strategy auto`` on the
     plan's precision, optimizer and accumulation (``None`` and why for a DDP plan)."""
-    from fsdp_plan.search.frontier import Variant, compute_frontier
     if prediction.evaluator is None:
         return None, ["no frontier: the plan's prediction kept no evaluator."]
     settings = dataclasses.replace(prediction.evaluator.settings, strategy="auto")
@@ -71,9 +75,6 @@ def frontier_of(plan: Plan, facts: ModelFacts, prediction: Prediction) -> tuple[
 def header_lines(plan: Plan, hardware: Any, hardware_file: str | None, name: str,
                  frontier: Frontier | None) -> list[str]:
     """The first lines of a page: the GPU assumed, the plan, what more memory buys."""
-    from fsdp_plan.common.sizes import format_bytes
-    from fsdp_plan.plan.report import hardware_line
-    from fsdp_plan.search.frontier import more_memory_line
     model = plan.model
     args = " ".join(f"{k}={v}" for k, v in (model.get("args") or {}).items())
     lines = [hardware_line(hardware, hardware_file),
@@ -99,9 +100,6 @@ def files(args: argparse.Namespace, *, title: str, plan: Plan, facts: ModelFacts
           notes: list[str] | None = None) -> list[tuple[str, str | bytes]]:
     """The ``(path, content)`` of every picture asked for: the page, and the snapshot
     (``measured_snapshot`` when the verb measured one, else the prediction's)."""
-    from fsdp_plan.pictures.page import gather, predicted_snapshot_of
-    from fsdp_plan.pictures.snapshot import snapshot_bytes
-    from fsdp_plan.plan.report import plan_name_legend
     name = name or prediction.candidate.name
     page, timeline = gather(title=title, plan=plan, facts=facts, prediction=prediction,
                             header=header_lines(plan, hardware, hardware_file, name, frontier),
@@ -110,7 +108,6 @@ def files(args: argparse.Namespace, *, title: str, plan: Plan, facts: ModelFacts
                             notes=notes)
     out: list[tuple[str, str | bytes]] = []
     if args.html:
-        from fsdp_plan.pictures.html import render_page
         out.append((args.html, render_page(page)))
     if args.memory_snapshot:
         snapshot = (measured_snapshot if measured_snapshot is not None

@@ -20,6 +20,7 @@ from fsdp_plan.pictures.series import (
     plan_timeline,
     step_series,
 )
+from fsdp_plan.pictures.snapshot import predicted_snapshot
 
 if TYPE_CHECKING:
     from fsdp_plan.api import Prediction
@@ -100,5 +101,4 @@ def gather(*, title: str, plan: Plan, facts: ModelFacts, prediction: Prediction,
 
 def predicted_snapshot_of(timeline: Any, time: StepTime) -> dict[str, Any]:
     """The predicted snapshot of a timeline, stamped with the predicted clock."""
-    from fsdp_plan.pictures.snapshot import predicted_snapshot
     return predicted_snapshot(timeline, event_times(timeline, time))

@@ -23,7 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fsdp_plan.cost.ddp_buckets import ddp_memory_timeline
 from fsdp_plan.cost.memory import MemoryTimeline, memory_timeline
+from fsdp_plan.cost.precision import Precision
 from fsdp_plan.cost.step_time import StepTime
 
 if TYPE_CHECKING:
@@ -91,8 +93,6 @@ def plan_timeline(plan: Plan, facts: ModelFacts, prediction: Prediction) -> Memo
     with CPU offload when the plan offloads, or DDP's model for a DDP plan."""
     candidate = prediction.candidate
     if plan.strategy == "ddp":
-        from fsdp_plan.cost.ddp_buckets import ddp_memory_timeline
-        from fsdp_plan.cost.precision import Precision
         config = candidate.layout.ddp
         assert config is not None, "a DDP plan's layout carries its bucket configuration"
         return ddp_memory_timeline(facts.graph, facts.analysis,
