@@ -77,7 +77,7 @@ def test_an_offloaded_plan_reads_back_offloaded(facts):
 def test_an_explicit_strategy_is_never_replaced_by_an_offloaded_other(facts):
     """S3-03: DDP that does not fit is not rescued by an offloaded FSDP plan."""
     from fsdp_plan.common.errors import NoFeasiblePlan
-    with pytest.raises(NoFeasiblePlan, match="no plan fits"):
+    with pytest.raises(NoFeasiblePlan, match="no --strategy ddp plan fits"):
         choice_for(facts, budget_bytes=2 * 10**6, headroom_bytes=0, world_size=2,
                    strategy="ddp", allow_offload=True)
 
