@@ -111,6 +111,7 @@ class ActivationProfile:
         self.backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
                                    len(events) - 1)
         self.forward_end = max(0, self.backward_start - 1)
+        self.loss_span = loss_span(events, self.backward_start)
         self._first: dict[tuple[str, str, bool], int] = {}
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._last: dict[tuple[str, str, bool], int] = {}
@@ -119,6 +120,15 @@ class ActivationProfile:
             key = (e.kind, e.module, i >= self.backward_start)
             self._first.setdefault(key, i)
             self._last[key] = i
+
+    def split_loss(self, lo: int, hi: int, activations: int) -> dict[str, int]:
+        """``activations`` at events ``lo..hi`` as ``{activations, loss}``: see
+        [Note: the loss in the breakdown]."""
+        span = self.loss_span
+        if span is None or not span[0] < lo <= hi <= span[1]:
+            return {"activations": activations}
+        model = self.levels[span[0]]
+        return {"activations": min(model, activations), "loss": max(0, activations - model)}
 
     def max_peak(self, lo: int, hi: int) -> int:
         """Highest event peak over indices ``lo..hi`` inclusive (0 for an empty range)."""
@@ -206,6 +216,25 @@ class ActivationProfile:
                            bw_end=max(bw_end, bw_start))
 
 
+def loss_span(events: list[Event], backward_start: int) -> tuple[int, int] | None:
+    """Event indices around the loss: the last forward end of a submodule (not the root)
+    before backward, and the first backward start of one after it.
+
+    [Note: the loss in the breakdown]
+    Between the end of the last submodule's forward and the start of the first submodule's
+    backward the step computes the loss and its gradient: in ``loss_fn`` outside the model, or
+    inside the root's forward (Hugging Face heads given ``labels`` upcast the logits to float32
+    there). What the activations hold above the level the last submodule left is what the loss
+    holds; when the peak falls there the breakdown shows it as ``loss``."""
+    last_fw = max((i for i in range(min(backward_start, len(events)))
+                   if events[i].kind == "post_fw" and events[i].module), default=None)
+    first_bw = next((i for i in range(backward_start, len(events))
+                     if events[i].kind == "pre_bw" and events[i].module), None)
+    if last_fw is None or first_bw is None:
+        return None
+    return last_fw, first_bw
+
+
 def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[str, int]
            ) -> MemoryEstimate:
     """Highest total over the gaps between boundary events and the sub-step instants.
@@ -234,6 +263,8 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
     points.update(start & ~3 for start, _, _, _ in live)
     points.update(end & ~3 for _, end, _, _ in live)
     points.update(extra_bytes)
+    if profile.loss_span is not None:  # gaps that begin and end with the loss's region
+        points.update(4 * k for k in profile.loss_span)
     # The gap before an instant holds the activation peak since the previous boundary: without
     # it, a backward-prefetch copy-out hides the peak of the gap just before it.
     points.update(key & ~3 for key in extra_bytes)
@@ -265,8 +296,9 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
         for at, nbytes, cat in instants:
             if at == point:
                 parts[cat] = parts.get(cat, 0) + nbytes
-    parts["activations"] = activations[best_at]
     event = point >> 2
+    lo = previous[best_at] + 1 if point & 3 == 0 else event
+    parts.update(profile.split_loss(lo, event, activations[best_at]))
     ev = profile.events[event]
     phase = "forward" if event <= profile.forward_end else "backward"
     return MemoryEstimate(peak_bytes=best_total, breakdown=parts,
