@@ -254,7 +254,7 @@ def trees() -> st.SearchStrategy:
 @given(trees(), st.sampled_from([8, 16, 32]), st.sampled_from(["60kB", "120kB", "200kB", "300kB", "600kB", "2MB"]),
        st.sampled_from([2, 4, 8]))
 def test_random_module_trees_plan_and_fit_under_fully_shard(tree, dim, mem, world):
-    from fsdp_plan.measure.memory import measure_peak
+    from fsdp_plan.measure.peak import measured_peak as measure_peak
     from fsdp_plan.measure.runtime import source_from_plan
     from fsdp_plan.model.load import load_model
     from fsdp_plan.plan.document import read_plan
