@@ -24,6 +24,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
+from fsdp_plan.bench.inputs import check_out_folder
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, plan_hash
 from fsdp_plan.bench.tune import tune
 from fsdp_plan.common.errors import BadInput
@@ -58,19 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if not 1 <= args.nproc <= 64:
-        raise BadInput(f"--nproc {args.nproc} is outside 1..64 local workers.")
     if not (math.isfinite(args.budget_minutes) and args.budget_minutes > 0):
         raise BadInput(f"--budget-minutes must be a positive number, got {args.budget_minutes}.")
     if not 4 <= args.steps <= 1000:
         raise BadInput(f"--steps {args.steps} is outside 4..1000 (the noise needs quartiles).")
     if not 1 <= args.warmup <= 100:
         raise BadInput(f"--warmup {args.warmup} is outside 1..100.")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise BadInput(f"--out {args.out!r} is a file, not a folder.")
+    check_out_folder(args.out)  # before any measuring, as bench does (issue 21, S3-11)
     check_outputs([("PLAN.yaml", args.plan), ("MODEL", args.model),
                    ("--hardware", args.hardware)], pictures.outputs(args))
     pictures.check(args)
+    if not 1 <= args.nproc <= 64:
+        raise BadInput(f"--nproc {args.nproc} is outside 1..64 local workers.")
 
 
 def run(args: argparse.Namespace) -> int:
