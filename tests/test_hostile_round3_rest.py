@@ -95,3 +95,22 @@ def test_s3_11_tune_out_under_a_file_is_refused_before_any_measuring(plan, tmp_p
             "--out", "README.md", "is a file, not a folder")
     assert bench.calls == []
     assert snapshot(tmp_path) == before
+
+
+# --- tune: --nproc capped as bench and calibrate cap it (S3-31) -------------------------------
+
+@pytest.mark.parametrize("over", [1, 64])
+def test_s3_31_tune_nproc_is_capped_like_bench(plan, tmp_path, capsys, monkeypatch, over):
+    from fsdp_plan.bench.inputs import max_local_workers
+    limit = max_local_workers()
+    bench = FakeTimePlans()
+    monkeypatch.setattr(timing, "time_plans", bench)
+    monkeypatch.setattr(runtime, "load_planned_model", _no_model_loading)
+    out = tmp_path / "results"
+    before = snapshot(tmp_path)
+    refused(capsys, ["tune", plan, "--nproc", str(limit + over), "--out", str(out)], 2,
+            f"--nproc is the number of local worker processes, from 1 to {limit}",
+            f"got {limit + over}")
+    refused(capsys, ["tune", plan, "--nproc", "0", "--out", str(out)], 2, "from 1 to")
+    assert bench.calls == [] and not out.exists()
+    assert snapshot(tmp_path) == before

@@ -24,7 +24,7 @@ from typing import Any
 from tabulate import tabulate
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
-from fsdp_plan.bench.inputs import check_out_folder
+from fsdp_plan.bench.inputs import check_nproc, check_out_folder
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, plan_hash
 from fsdp_plan.bench.tune import tune
 from fsdp_plan.common.errors import BadInput
@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
                         help="the model file (default: the source recorded in the plan)")
     parser.add_argument("--nproc", type=int, default=2,
-                        help="local worker processes, 1..64 (default: %(default)s)")
+                        help="local worker processes, 1 to the local limit (one per GPU, or 4 per "
+                        "CPU core and at least 8; default: %(default)s)")
     parser.add_argument("--budget-minutes", type=float, default=10.0,
                         help="stop starting new rounds after this many minutes (default: "
                         "%(default)s)")
@@ -69,8 +70,7 @@ def _check(args: argparse.Namespace) -> None:
     check_outputs([("PLAN.yaml", args.plan), ("MODEL", args.model),
                    ("--hardware", args.hardware)], pictures.outputs(args))
     pictures.check(args)
-    if not 1 <= args.nproc <= 64:
-        raise BadInput(f"--nproc {args.nproc} is outside 1..64 local workers.")
+    check_nproc(args.nproc)  # capped as bench and calibrate cap it (S3-31)
 
 
 def run(args: argparse.Namespace) -> int:
