@@ -11,11 +11,18 @@ tune) is replaced by a recorder, and the model loader by one that fails the test
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
 import tempfile
+import threading
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+from test_bench_hostile import _marked_pids, _wait_gone
 from test_measure_helpers import plan_file, tiny_llama_plan
 
 import fsdp_plan.bench.timing as timing
@@ -114,3 +121,61 @@ def test_s3_31_tune_nproc_is_capped_like_bench(plan, tmp_path, capsys, monkeypat
     refused(capsys, ["tune", plan, "--nproc", "0", "--out", str(out)], 2, "from 1 to")
     assert bench.calls == [] and not out.exists()
     assert snapshot(tmp_path) == before
+
+
+# --- tune: signals end the workers and remove the temporaries (S3-12) -------------------------
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_s3_12_a_signal_during_tune_exits_with_its_code_and_leaves_nothing(
+        plan, tmp_path, private_tmp, capsys, monkeypatch, signum):
+    def signalled() -> None:
+        os.kill(os.getpid(), signum)
+        time.sleep(5)
+        raise AssertionError("the signal did not stop tune")
+
+    monkeypatch.setattr(timing, "time_plans", FakeTimePlans(action=signalled))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP,
+                                                        signal.SIGINT)}
+    out = tmp_path / "results"
+    err = refused(capsys, ["tune", plan, "--out", str(out)], 128 + signum,
+                  f"stopped by {signal.Signals(signum).name}", "workers were ended")
+    assert len([line for line in err.splitlines() if not line.startswith("tune: ")]) == 1
+    assert not out.exists()
+    assert list(private_tmp.iterdir()) == []
+    assert {sig: signal.getsignal(sig) for sig in handlers} == handlers  # restored
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_s3_12_sigterm_to_a_real_tune_ends_its_workers_and_their_folder(plan, tmp_path):
+    """A real ``fsdp-plan tune`` benching its baseline on two gloo workers gets SIGTERM: it
+    exits 143 saying so, no worker outlives it, and no ``fsdp-plan-workers-*`` folder stays
+    in TMPDIR."""
+    marker = uuid.uuid4().hex
+    private = tmp_path / "tmp"
+    private.mkdir()
+    out = tmp_path / "results"
+    env = {**os.environ, "FSDP_PLAN_TEST_MARKER": marker, "TMPDIR": str(private),
+           "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_plan.cli.main", "tune", plan, "--nproc", "2",
+         "--steps", "1000", "--warmup", "100", "--out", str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True).start()
+    deadline = time.monotonic() + 300
+    # the workers are up once both have reported progress into their private folder
+    while not list(private.glob("fsdp-plan-workers-*/rank1.progress.json")):
+        assert proc.poll() is None, "".join(lines)
+        assert time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.2)
+    assert len(_marked_pids(marker)) >= 3  # tune and its two workers
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143, "".join(lines)
+    time.sleep(0.5)  # the stderr reader catches up
+    text = "".join(lines)
+    assert "fsdp-plan tune: stopped by SIGTERM" in text and "Traceback" not in text, text
+    assert proc.stdout.read() == ""
+    assert _wait_gone(marker) == [], "workers still running after tune exited"
+    assert list(private.iterdir()) == []
+    assert not out.exists()

@@ -9,7 +9,9 @@ fit the budget, predicted fastest first, on one set of workers with the same see
 A change is kept only when it beats the best by more than the noise measured on the
 baseline. Writes the best plan, the rollback plan (the baseline) and a result JSON with every
 measurement, which plan and which PyTorch produced it, under ``--out``; prints a table of
-what each knob did. Exit 0 when tuning ran, 2 for bad input, 1 when a worker failed.
+what each knob did. Exit 0 when tuning ran, 2 for bad input, 1 when a worker failed;
+SIGTERM, SIGHUP and Ctrl-C end the workers and remove their temporary folders (exit 143,
+129, 130).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -30,6 +33,7 @@ from fsdp_plan.bench.tune import tune
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.common.progress import Steps
+from fsdp_plan.measure.launch import Terminated, stop_on_signals
 from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import plan_to_yaml, read_plan
 
@@ -74,6 +78,18 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Tune; SIGTERM and SIGHUP (like Ctrl-C) end the workers and remove their temporary
+    folders, then exit with 128 + the signal, as bench and calibrate do (issue 21, S3-12)."""
+    try:
+        with stop_on_signals():
+            return _run(args)
+    except Terminated as e:
+        sys.stderr.write(f"fsdp-plan tune: {e}; the workers were ended and their temporary "
+                         "files removed.\n")
+        return e.exit_code
+
+
+def _run(args: argparse.Namespace) -> int:
     _check(args)
     plan = read_plan(args.plan)
     # timing and loading import torch (~6 s): deferred so --help and the flag checks answer at
