@@ -28,6 +28,7 @@ from test_measure_helpers import plan_file, tiny_llama_plan
 import fsdp_plan.bench.timing as timing
 import fsdp_plan.measure.runtime as runtime
 from fsdp_plan.cli.main import main
+from fsdp_plan.plan.document import read_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -179,3 +180,52 @@ def test_s3_12_sigterm_to_a_real_tune_ends_its_workers_and_their_folder(plan, tm
     assert _wait_gone(marker) == [], "workers still running after tune exited"
     assert list(private.iterdir()) == []
     assert not out.exists()
+
+
+# --- tune: outputs get names of their own, never an existing file (S3-13) ---------------------
+
+STAMP = "20990101-000000"
+
+
+def test_s3_13_two_tunes_in_one_second_keep_every_output_and_the_input(plan, tmp_path, capsys,
+                                                                      monkeypatch):
+    """The input plan is named as the first run's best plan would be (the run of an earlier
+    second, tuned again); two runs end in the same second. Nothing is replaced: each run
+    writes three new files and its record names them."""
+    import json
+
+    real_strftime = time.strftime
+    monkeypatch.setattr(time, "strftime", lambda fmt, *rest: STAMP if fmt == "%Y%m%d-%H%M%S"
+                        else real_strftime(fmt, *rest))
+    monkeypatch.setattr(timing, "time_plans", FakeTimePlans())
+    out = tmp_path / "results"
+    out.mkdir()
+    given = out / f"tune-{STAMP}-best.yaml"
+    given.write_bytes(Path(plan).read_bytes() + b"# my notes: a rewrite would drop this line\n")
+    before = snapshot(out)
+    records = []
+    for _ in range(2):
+        assert main(["tune", str(given), "--out", str(out), "--format", "json"]) == 0
+        captured = capsys.readouterr()
+        assert "Traceback" not in captured.err
+        records.append(json.loads(captured.out))
+    after = snapshot(out)
+    assert after[given.name] == before[given.name]  # the input is untouched
+    written = {records[i][key] for i in range(2) for key in ("best_plan", "rollback_plan")}
+    assert len(written) == 4 and str(given) not in written
+    assert set(after) == {given.name, *(os.path.basename(p) for p in written),
+                          f"tune-{STAMP}-2.json", f"tune-{STAMP}-3.json"}
+    assert all(data for data, _ in after.values())  # no empty reservation left
+    for record in records:
+        assert read_plan(record["rollback_plan"]).to_dict() == read_plan(str(given)).to_dict()
+
+
+def test_s3_13_names_are_reserved_so_concurrent_runs_never_share_them(tmp_path):
+    from fsdp_plan.cli.tune import reserve_output_names
+    (tmp_path / f"tune-{STAMP}-rollback.yaml").symlink_to(tmp_path / "nowhere")  # dangling
+    first = reserve_output_names(str(tmp_path), STAMP)
+    second = reserve_output_names(str(tmp_path), STAMP)
+    assert first[0].endswith(f"tune-{STAMP}-2-best.yaml")
+    assert second[0].endswith(f"tune-{STAMP}-3-best.yaml")
+    assert not set(first) & set(second)
+    assert not (tmp_path / "nowhere").exists()

@@ -31,7 +31,7 @@ from fsdp_plan.bench.inputs import check_nproc, check_out_folder
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, plan_hash
 from fsdp_plan.bench.tune import tune
 from fsdp_plan.common.errors import BadInput
-from fsdp_plan.common.files import atomic_write_all, check_outputs
+from fsdp_plan.common.files import atomic_write_all, check_outputs, write_failed
 from fsdp_plan.common.progress import Steps
 from fsdp_plan.measure.launch import Terminated, stop_on_signals
 from fsdp_plan.pictures import files as pictures
@@ -121,41 +121,69 @@ def _run(args: argparse.Namespace) -> int:
                       progress=progress)
     finally:
         steps.close()
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    best_path = os.path.join(args.out, f"tune-{stamp}-best.yaml")
-    rollback_path = os.path.join(args.out, f"tune-{stamp}-rollback.yaml")
-    record: dict[str, Any] = {
-        "fsdp_plan_tune_version": 1, "plan": os.path.abspath(args.plan),
-        "plan_hash": plan_hash(plan.to_dict()), "torch": torch.__version__,
-        "nproc": args.nproc, "mesh": list(mesh), "noise": result.noise,
-        "rounds": result.rounds, "stopped": result.stopped,
-        "baseline_p50_s": result.baseline.p50_s, "best_p50_s": result.best.p50_s,
-        "gain": result.gain,
-        "best_plan": best_path, "rollback_plan": rollback_path,
-        "trials": [{**t.row(), "plan_hash": plan_hash(t.plan.to_dict()),
-                    "step_times_s": t.step_times_s} for t in result.trials]}
     os.makedirs(args.out, exist_ok=True)
-    files = [(best_path, plan_to_yaml(result.best.plan)), (rollback_path, plan_to_yaml(plan)),
-             (os.path.join(args.out, f"tune-{stamp}.json"), json.dumps(record, indent=2))]
-    if pictures.wanted(args):  # the best plan, as predicted, with what tuning measured
-        best = result.best.plan
-        drawn_on = hardware or plan_hardware(best)
-        prediction = predict(best, facts, hardware=drawn_on)
-        frontier, notes = (pictures.frontier_of(best, facts, prediction) if args.html
-                           else (None, []))
-        notes.append(f"tuned: baseline {result.baseline.p50_s:.4g} s -> best "
-                     f"{result.best.p50_s:.4g} s per step measured on {args.nproc} local "
-                     f"rank(s) ({result.gain:.1%} faster; noise {result.noise:.1%}); "
-                     f"stopped: {result.stopped}")
-        files += pictures.files(args, title=f"fsdp-plan tune: best plan for {args.plan}",
-                                plan=best, facts=facts, prediction=prediction, hardware=drawn_on,
-                                hardware_file=args.hardware, frontier=frontier, notes=notes)
-    atomic_write_all(files)
+    best_path, rollback_path, record_path = reserve_output_names(args.out)
+    try:
+        record: dict[str, Any] = {
+            "fsdp_plan_tune_version": 1, "plan": os.path.abspath(args.plan),
+            "plan_hash": plan_hash(plan.to_dict()), "torch": torch.__version__,
+            "nproc": args.nproc, "mesh": list(mesh), "noise": result.noise,
+            "rounds": result.rounds, "stopped": result.stopped,
+            "baseline_p50_s": result.baseline.p50_s, "best_p50_s": result.best.p50_s,
+            "gain": result.gain,
+            "best_plan": best_path, "rollback_plan": rollback_path,
+            "trials": [{**t.row(), "plan_hash": plan_hash(t.plan.to_dict()),
+                        "step_times_s": t.step_times_s} for t in result.trials]}
+        files = [(best_path, plan_to_yaml(result.best.plan)),
+                 (rollback_path, plan_to_yaml(plan)), (record_path, json.dumps(record, indent=2))]
+        if pictures.wanted(args):  # the best plan, as predicted, with what tuning measured
+            best = result.best.plan
+            drawn_on = hardware or plan_hardware(best)
+            prediction = predict(best, facts, hardware=drawn_on)
+            frontier, notes = (pictures.frontier_of(best, facts, prediction) if args.html
+                               else (None, []))
+            notes.append(f"tuned: baseline {result.baseline.p50_s:.4g} s -> best "
+                         f"{result.best.p50_s:.4g} s per step measured on {args.nproc} local "
+                         f"rank(s) ({result.gain:.1%} faster; noise {result.noise:.1%}); "
+                         f"stopped: {result.stopped}")
+            files += pictures.files(args, title=f"fsdp-plan tune: best plan for {args.plan}",
+                                    plan=best, facts=facts, prediction=prediction,
+                                    hardware=drawn_on, hardware_file=args.hardware,
+                                    frontier=frontier, notes=notes)
+        atomic_write_all(files)
+    finally:  # the reservation, if the record did not replace it
+        if os.path.isfile(record_path) and os.path.getsize(record_path) == 0:
+            os.unlink(record_path)
     if args.format == "json":
         print(json.dumps(record, indent=2))
     else:
         print(format_table(record))
     return 0
+
+
+def reserve_output_names(out: str, stamp: str | None = None) -> tuple[str, str, str]:
+    """The best plan's, the rollback plan's and the result JSON's paths in ``out``, named
+    ``tune-STAMP[-N]`` (the second the run ended, then the first free ``N``), none of which
+    exists (issue 21, S3-13: two runs in one second wrote the same names, and a run could
+    replace its own input plan). The JSON is created empty here with ``O_EXCL``, so a run
+    ending in the same second takes the next ``N``; the caller replaces it with the record
+    (or removes it). Existing files, links included, are never chosen, so no output can be
+    an input."""
+    stamp = stamp or time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 10_000):
+        stem = os.path.join(out, f"tune-{stamp}" + (f"-{n}" if n > 1 else ""))
+        best, rollback, record = f"{stem}-best.yaml", f"{stem}-rollback.yaml", f"{stem}.json"
+        if os.path.lexists(best) or os.path.lexists(rollback):
+            continue
+        try:
+            os.close(os.open(record, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise write_failed(record, e, "tune's result") from e
+        return best, rollback, record
+    raise BadInput(f"--out {out!r} already holds 9,999 tune results from this second; choose "
+                   "another folder.")
 
 
 def format_table(record: dict[str, Any]) -> str:
