@@ -25,10 +25,10 @@ import pytest
 from test_bench_hostile import _marked_pids, _wait_gone
 from test_measure_helpers import plan_file, tiny_llama_plan
 
-import fsdp_plan.bench.timing as timing
-import fsdp_plan.measure.runtime as runtime
+from fsdp_plan.bench import timing
 from fsdp_plan.cli.main import main
-from fsdp_plan.plan.document import read_plan
+from fsdp_plan.measure import runtime
+from fsdp_plan.plan.document import Plan, read_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -229,3 +229,80 @@ def test_s3_13_names_are_reserved_so_concurrent_runs_never_share_them(tmp_path):
     assert second[0].endswith(f"tune-{STAMP}-3-best.yaml")
     assert not set(first) & set(second)
     assert not (tmp_path / "nowhere").exists()
+
+
+# --- tune: only neighbours the plan format accepts, labelled truly (S3-14) --------------------
+
+def _ddp_plan(tmp_path: Path) -> str:
+    doc = tiny_llama_plan(world=2).to_dict()
+    doc.update(fsdp_plan_version=2, strategy="ddp", mesh={"replicate": 2, "shard": 1},
+               units=[{"modules": [""], "reshard_after_forward": False}], forward_prefetch={},
+               backward_prefetch={}, ddp={"bucket_cap_mb": 25})
+    return plan_file(tmp_path, Plan.from_dict(doc), "ddp.yaml")
+
+
+def _selective_plan(tmp_path: Path) -> str:
+    """Root only (so every neighbour is benched in the first round), two blocks selective."""
+    from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
+    doc = tiny_llama_plan(world=2).to_dict()
+    doc.update(fsdp_plan_version=2, units=[{"modules": [""], "reshard_after_forward": False}],
+               forward_prefetch={}, backward_prefetch={},
+               activation_checkpointing={"layers.0": "selective", "layers.1": "selective"},
+               selective_ops=list(DEFAULT_SELECTIVE_OPS))
+    return plan_file(tmp_path, Plan.from_dict(doc), "selective.yaml")
+
+
+@pytest.mark.parametrize("make", [_ddp_plan, _selective_plan], ids=["ddp", "selective"])
+def test_s3_14_tune_benches_only_valid_neighbours_with_true_labels(tmp_path, capsys,
+                                                                   monkeypatch, make):
+    import json
+    import re
+
+    from fsdp_plan.bench.results import plan_hash
+    given = Path(make(tmp_path))
+    bench = FakeTimePlans()
+    monkeypatch.setattr(timing, "time_plans", bench)
+    out = tmp_path / "results"
+    assert main(["tune", str(given), "--out", str(out), "--format", "json"]) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    record = json.loads(captured.out)
+    baseline = read_plan(str(given))
+    benched = {plan_hash(p.to_dict()): p for call in bench.calls for p in call}
+    for p in benched.values():
+        Plan.from_dict(p.to_dict())  # the plan format accepts it (BadInput otherwise)
+        if baseline.strategy == "ddp":
+            assert p.strategy == "ddp" and [u.modules for u in p.units] == [[""]]
+        else:  # every checkpointed block stays selective
+            ac = p.activation_checkpointing
+            assert ac == [] or isinstance(ac, dict) and set(ac.values()) == {"selective"}, ac
+    checkpointing = [t for t in record["trials"] if t["knob"] == "checkpointing"]
+    if baseline.strategy != "ddp":
+        assert len(checkpointing) == 3  # 2 -> 1, 2 -> 0, 2 -> 3 (layers.2 selective)
+    for trial in checkpointing:
+        after = int(re.fullmatch(r"\d+ -> (\d+) blocks( \(.*\))?", trial["change"]).group(1))
+        assert len(benched[trial["plan_hash"]].activation_checkpointing) == after
+    assert record["trials"][0]["knob"] == "baseline"
+    assert len(benched) == len(record["trials"])
+
+
+def test_s3_14_grad_op_and_unit_precision_neighbours_stay_valid():
+    """grad-op keeps every unit gathered, and a unit with its own mixed precision keeps it:
+    no neighbour may reshard under grad-op or drop a unit's precision."""
+    from fsdp_plan.bench.tune import neighbours
+    from fsdp_plan.facts.types import ModelFacts
+    facts = ModelFacts.from_json((ROOT / "tests" / "fixtures" / "tiny_llama_facts.json")
+                                 .read_text())
+    grad_op = tiny_llama_plan(world=2, block_reshard=False)
+    grad_op.strategy = "grad-op"
+    precise = tiny_llama_plan(world=2)
+    precise.units[0].mixed_precision = {"param_dtype": "float32"}
+    for plan in (grad_op, precise):
+        found = neighbours(plan, facts)
+        assert found
+        for _, _, other in found:
+            Plan.from_dict(other.to_dict())
+            if plan is grad_op:
+                assert not any(u.reshard_after_forward for u in other.units)
+            else:
+                assert other.units[0].mixed_precision == {"param_dtype": "float32"}

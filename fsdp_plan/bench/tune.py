@@ -112,12 +112,67 @@ def _with_units(plan: Plan, groups: list[list[str]], reshard: list[bool]) -> Pla
                                backward_prefetch=backward, predicted={})
 
 
+def _resharding(plan: Plan, count: int, last: bool = True) -> list[bool]:
+    """``reshard_after_forward`` for ``count`` new units: grad-op keeps every unit gathered
+    (the plan format refuses a resharding unit under it); otherwise every unit reshards,
+    the last one only when ``last``."""
+    if plan.strategy == "grad-op":
+        return [False] * count
+    return [True] * (count - 1) + [last] if count else []
+
+
+def _is_valid(plan: Plan) -> bool:
+    """Whether the plan file format accepts ``plan`` (``plan.check``): a neighbour the
+    format forbids is never proposed (issue 21, S3-14)."""
+    try:
+        Plan.from_dict(plan.to_dict())
+    except BadInput:
+        return False
+    return True
+
+
+def _checkpointing_neighbours(plan: Plan, blocks: list[str]) -> list[tuple[str, str, Plan]]:
+    """One block fewer, none, one block more. Each block keeps its mode (``full`` or
+    ``selective``) and the label counts what the plan then checkpoints (issue 21, S3-14:
+    "80 -> 79 blocks" used to turn every selective block into full)."""
+    written = plan.activation_checkpointing
+    modes = dict(written) if isinstance(written, dict) else {name: "full" for name in written}
+    names = list(modes)
+
+    def checkpointing(chosen: dict[str, str]) -> Plan:
+        if isinstance(written, dict) and chosen:
+            value: list[str] | dict[str, str] = chosen
+        else:  # no selective block: the list form, which every plan version reads
+            value = list(chosen)
+        return dataclasses.replace(plan, activation_checkpointing=value, predicted={})
+    out = []
+    if names:
+        out.append(("checkpointing", f"{len(names)} -> {len(names) - 1} blocks",
+                    checkpointing(dict(list(modes.items())[:-1]))))
+        if len(names) > 1:
+            out.append(("checkpointing", f"{len(names)} -> 0 blocks", checkpointing({})))
+    free = [b for b in blocks if b not in modes and not any(
+        n.startswith(b + ".") or b.startswith(n + ".") for n in names)]
+    if free:
+        mode = modes[names[-1]] if names and isinstance(written, dict) else "full"
+        label = f"{len(names)} -> {len(names) + 1} blocks"
+        if isinstance(written, dict):
+            label += f" ({free[0]} {mode})"
+        out.append(("checkpointing", label, checkpointing({**modes, free[0]: mode})))
+    return out
+
+
 def neighbours(plan: Plan, facts: ModelFacts) -> list[tuple[str, str, Plan]]:
-    """Plans one knob away from ``plan``: ``(knob, change, plan)``."""
+    """Plans one knob away from ``plan``: ``(knob, change, plan)``; only plans the plan format
+    accepts, each labelled with what it changes."""
     out: list[tuple[str, str, Plan]] = []
     blocks = facts.graph.blocks
     groups, reshard = _layout(plan)
     keys = [g[0] for g in groups]
+    # A DDP plan has one unit, the root, and no prefetch: only its checkpointing has
+    # neighbours. Units with their own mixed precision cannot be regrouped without changing
+    # what they compute in.
+    regroup = plan.strategy != "ddp" and not any(u.mixed_precision for u in plan.units)
     fwd, bwd = prefetch_depths(plan)
 
     def prefetch(f: int, b: int) -> Plan:
@@ -129,35 +184,25 @@ def neighbours(plan: Plan, facts: ModelFacts) -> list[tuple[str, str, Plan]]:
                     prefetch(1 - min(fwd, 1), bwd)))
         out.append(("backward prefetch", f"depth {bwd} -> {2 if bwd == 1 else 1}",
                     prefetch(fwd, 2 if bwd == 1 else 1)))
-    if blocks and not groups:
+    if regroup and blocks and not groups:
         per_block = [[b] for b in blocks]
         out.append(("unit layout", "root only -> one unit per block",
-                    _with_units(plan, per_block, [True] * (len(blocks) - 1) + [False])))
-    elif groups:
+                    _with_units(plan, per_block, _resharding(plan, len(blocks), last=False))))
+    elif regroup and groups:
         out.append(("unit layout", f"{len(groups)} units -> root only",
                     _with_units(plan, [], [])))
         if all(len(g) == 1 for g in groups) and len(groups) >= 4 and groups[0][0] in blocks:
             pairs = [[m for g in groups[i:i + 2] for m in g] for i in range(0, len(groups), 2)]
             out.append(("unit layout", "one unit per block -> two blocks per unit",
-                        _with_units(plan, pairs, [True] * len(pairs))))
-        if reshard and reshard[-1]:
-            out.append(("reshard", f"keep {keys[-1]} unsharded after forward",
-                        _with_units(plan, groups, [*reshard[:-1], False])))
-    checkpointed = plan.activation_checkpointing
-    names = list(checkpointed)
-    if names:
-        fewer = names[:-1]
-        out.append(("checkpointing", f"{len(names)} -> {len(fewer)} blocks",
-                    dataclasses.replace(plan, activation_checkpointing=fewer, predicted={})))
-        if len(names) > 1:
-            out.append(("checkpointing", f"{len(names)} -> 0 blocks",
-                        dataclasses.replace(plan, activation_checkpointing=[], predicted={})))
-    if blocks and len(names) < len(blocks):
-        chosen = set(names)
-        more = [b for b in blocks if b in chosen or b == blocks[len(names)]]
-        out.append(("checkpointing", f"{len(names)} -> {len(more)} blocks",
-                    dataclasses.replace(plan, activation_checkpointing=more, predicted={})))
-    return out
+                        _with_units(plan, pairs, _resharding(plan, len(pairs)))))
+    if groups and reshard[-1] and plan.strategy != "grad-op":
+        last = len(groups) - 1  # the last unit before the root; its other settings kept
+        units = [dataclasses.replace(u, reshard_after_forward=False) if i == last else u
+                 for i, u in enumerate(plan.units)]
+        out.append(("reshard", f"keep {keys[-1]} unsharded after forward",
+                    dataclasses.replace(plan, units=units, predicted={})))
+    out += _checkpointing_neighbours(plan, blocks)
+    return [(knob, change, p) for knob, change, p in out if _is_valid(p)]
 
 
 @dataclass(kw_only=True)
