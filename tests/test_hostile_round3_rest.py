@@ -306,3 +306,21 @@ def test_s3_14_grad_op_and_unit_precision_neighbours_stay_valid():
                 assert not any(u.reshard_after_forward for u in other.units)
             else:
                 assert other.units[0].mixed_precision == {"param_dtype": "float32"}
+
+
+# --- tune: a baseline over its budget is refused, never reported as best (S3-30) --------------
+
+def test_s3_30_a_baseline_that_does_not_fit_is_refused_before_measuring(tmp_path, capsys,
+                                                                         monkeypatch):
+    doc = tiny_llama_plan(world=2).to_dict()
+    doc["budget_bytes"] = 100_000  # the tiny Llama's states alone are more
+    given = plan_file(tmp_path, Plan.from_dict(doc), "over.yaml")
+    bench = FakeTimePlans()
+    monkeypatch.setattr(timing, "time_plans", bench)
+    out = tmp_path / "results"
+    before = snapshot(tmp_path)
+    refused(capsys, ["tune", given, "--out", str(out)], 3,
+            "the plan to tune peaks at", "above its limit 100.00 kB",
+            "keeps only plans that fit", "nothing was measured")
+    assert bench.calls == [] and not out.exists()
+    assert snapshot(tmp_path) == before

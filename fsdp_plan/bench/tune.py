@@ -2,10 +2,11 @@
 
 [Note: the tuning loop]
 Users tune by rerunning. ``fsdp-plan tune PLAN.yaml`` starts from the plan as the baseline
-and benches it (warm-up excluded, several steady steps; the median over steps of the slowest
+(refused, exit 3, when it does not fit its own budget) and benches it (warm-up excluded, several steady steps; the median over steps of the slowest
 rank is the step time, and the baseline's own spread is the noise). Each round proposes the
 plan's neighbours, each one knob away (forward and backward prefetch depth, the unit
-layout, how many blocks are checkpointed, whether the last block reshards), predicts them
+layout, how many blocks are checkpointed, whether the last block reshards) and accepted by
+the plan format, predicts them
 with the planner's models (``api.predict``), drops those that do not fit the budget, and
 benches the ``max_per_round`` predicted fastest with the same seed and data on one set of
 workers. The best so far is benched again in the same launch, first and last, so the
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_plan.api import predict as predict_plan
-from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
+from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.plan.build import prefetch_depths, prefetch_maps
 from fsdp_plan.plan.document import Plan, Unit
@@ -234,7 +236,16 @@ def tune(plan: Plan, facts: ModelFacts, bench, *, budget_s: float, max_rounds: i
         return predict_plan(candidate, facts, hardware=hardware)
     started = time.perf_counter()
     baseline = Trial(knob="baseline", change="the plan as given", plan=plan)
-    baseline.predicted_step_s = predict(plan).predicted["step_time_s"]
+    prediction = predict(plan)
+    if not prediction.fits:  # never measured, never reported as best (issue 21, S3-30)
+        peak = prediction.predicted["peak_bytes"]
+        raise NoFeasiblePlan(
+            f"the plan to tune peaks at {format_bytes(peak)} per rank, above its limit "
+            f"{format_bytes(prediction.limit_bytes)} (budget_bytes - headroom_bytes); tune "
+            "starts from a plan that fits and keeps only plans that fit. Run fsdp-plan on the "
+            "model for one that fits, or raise budget_bytes if the GPUs hold more; nothing was "
+            "measured.", smallest_peak_bytes=peak)
+    baseline.predicted_step_s = prediction.predicted["step_time_s"]
     baseline.step_times_s = bench([plan])[0]
     baseline.kept = True
     noise = noise_of(baseline)
