@@ -324,3 +324,49 @@ def test_s3_30_a_baseline_that_does_not_fit_is_refused_before_measuring(tmp_path
             "keeps only plans that fit", "nothing was measured")
     assert bench.calls == [] and not out.exists()
     assert snapshot(tmp_path) == before
+
+
+# --- the torchrun worker entry: its environment checked first (S3-17, S3-34) ------------------
+
+def _torchrun_env(**changes: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT")}
+    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29517")
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key)
+        else:
+            env[key] = value
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("changes, needles", [
+    ({"WORLD_SIZE": "abc"}, ["WORLD_SIZE='abc'", "not a whole number from 1 to 1048576"]),
+    ({"WORLD_SIZE": "\u0662"}, ["WORLD_SIZE=", "not a whole number"]),  # an Arabic-Indic 2
+    ({"RANK": None}, ["lacks RANK"]),
+    ({"MASTER_ADDR": None}, ["lacks MASTER_ADDR"]),
+    ({"RANK": "5", "WORLD_SIZE": "2"}, ["RANK=5", "outside 0..1"]),  # hung before
+    ({"WORLD_SIZE": "0"}, ["WORLD_SIZE=0", "outside 1..1048576"]),  # S3-34: no --nproc
+    ({"MASTER_PORT": "70000"}, ["MASTER_PORT=70000", "outside 1..65535"]),
+], ids=["world-abc", "world-unicode-digit", "no-rank", "no-master-addr", "rank-5-of-2",
+        "world-0", "port"])
+def test_s3_17_the_worker_refuses_a_broken_torchrun_environment(plan, tmp_path, changes,
+                                                                needles):
+    private = tmp_path / "tmp"
+    private.mkdir()
+    out = tmp_path / "results"
+    env = {**_torchrun_env(**changes), "TMPDIR": str(private)}
+    done = subprocess.run([sys.executable, "-m", "fsdp_plan.bench.worker", plan, "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert done.stderr.startswith("python -m fsdp_plan.bench.worker: ")
+    assert len(done.stderr.strip().splitlines()) == 1
+    for needle in [*needles, "torchrun --nproc-per-node"]:
+        assert needle in done.stderr, done.stderr
+    assert "--nproc " not in done.stderr  # the worker has no such option (S3-34)
+    assert not out.exists() and list(private.iterdir()) == []

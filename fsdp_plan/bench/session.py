@@ -59,8 +59,9 @@ def run_mesh(plan: Plan, nproc: int) -> tuple[tuple[int, int], list[str]]:
     elif nproc % shard == 0:
         mesh = (nproc // shard, shard)
     else:
-        raise BadInput(f"--nproc {nproc} cannot hold the plan's HSDP shard groups of {shard}; "
-                       f"use a multiple of {shard} (the plan is for {plan.world_size} ranks).")
+        raise BadInput(f"{nproc} ranks cannot hold the plan's HSDP shard groups of {shard}; "
+                       f"run a multiple of {shard} (--nproc, or WORLD_SIZE under torchrun; the "
+                       f"plan is for {plan.world_size} ranks).")
     if nproc != plan.world_size:
         notes.append(f"running {nproc} ranks (mesh {mesh[0]}x{mesh[1]}) for a plan made for "
                      f"{plan.world_size}: collective counts per rank do not depend on the world "

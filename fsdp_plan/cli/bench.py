@@ -174,7 +174,11 @@ def torchrun_main(argv: list[str] | None = None) -> int:
                                      description="One fsdp-plan benchmark rank (under torchrun).")
     add_run_arguments(parser)
     args = parser.parse_args(argv)
-    ctx = context_from_env()
+    try:  # before anything else: a broken environment would fail or hang later
+        ctx = context_from_env()
+    except BadInput as e:
+        sys.stderr.write(f"python -m fsdp_plan.bench.worker: {e}\n")
+        return e.exit_code
     prepared = None
     try:
         with stop_on_signals():  # torchrun ends its workers with SIGTERM

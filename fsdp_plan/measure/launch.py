@@ -34,6 +34,7 @@ import contextlib
 import importlib
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -41,11 +42,13 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_plan.common.errors import CheckFailed
+from fsdp_plan.common.errors import BadInput, CheckFailed
+from fsdp_plan.common.limits import MAX_WORLD_SIZE
+from fsdp_plan.common.safe_yaml import clip
 
 FAULT_ENV = "FSDP_PLAN_BENCH_FAULT"
 """Test-only fault injection: ``crash:rank=1:step=2``, ``hang:rank=1:step=2`` or ``exit:...``."""
@@ -139,11 +142,41 @@ def stop_on_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
 
 
-def context_from_env() -> WorkerContext:
-    """The context of a worker started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``)."""
-    return WorkerContext(rank=int(os.environ.get("RANK", "0")),
-                         world_size=int(os.environ.get("WORLD_SIZE", "1")),
-                         local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets for each worker, and what ``init_process_group`` reads."""
+_TORCHRUN_HINT = ("start the worker under torchrun (torchrun --nproc-per-node 2 -m "
+                  "fsdp_plan.bench.worker PLAN.yaml), which sets "
+                  + ", ".join(TORCHRUN_VARIABLES) + "; on one machine, fsdp-plan bench PLAN.yaml "
+                  "starts the workers itself")
+
+
+def context_from_env(environ: Mapping[str, str] | None = None) -> WorkerContext:
+    """The context of a worker started by ``torchrun``, its environment checked first: every
+    variable of ``TORCHRUN_VARIABLES`` set, numbers in ASCII digits, ``0 <= RANK <
+    WORLD_SIZE``. Otherwise ``BadInput`` naming the variable (issue 21, S3-17: ``WORLD_SIZE=abc``
+    was a traceback and ``RANK=5 WORLD_SIZE=2`` waited forever for peers that never come)."""
+    env = os.environ if environ is None else environ
+    missing = [name for name in TORCHRUN_VARIABLES if not env.get(name, "").strip()]
+    if missing:
+        raise BadInput(f"this worker's environment lacks {', '.join(missing)}: it runs one rank "
+                       f"of a benchmark and finds its peers through them. To fix, "
+                       f"{_TORCHRUN_HINT}.")
+
+    def whole(name: str, low: int, high: int) -> int:
+        text = env[name].strip()
+        if not re.fullmatch(r"[0-9]{1,10}", text):
+            raise BadInput(f"{name}={clip(text)!r} in this worker's environment is not a whole "
+                           f"number from {low} to {high}; {_TORCHRUN_HINT}.")
+        value = int(text)
+        if not low <= value <= high:
+            raise BadInput(f"{name}={value} in this worker's environment is outside {low}.."
+                           f"{high}; {_TORCHRUN_HINT}.")
+        return value
+    world_size = whole("WORLD_SIZE", 1, MAX_WORLD_SIZE)
+    rank = whole("RANK", 0, world_size - 1)
+    local_rank = whole("LOCAL_RANK", 0, world_size - 1)
+    whole("MASTER_PORT", 1, 65535)
+    return WorkerContext(rank=rank, world_size=world_size, local_rank=local_rank)
 
 
 def maybe_inject_fault(rank: int, step: int) -> None:
