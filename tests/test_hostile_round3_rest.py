@@ -370,3 +370,20 @@ def test_s3_17_the_worker_refuses_a_broken_torchrun_environment(plan, tmp_path, 
         assert needle in done.stderr, done.stderr
     assert "--nproc " not in done.stderr  # the worker has no such option (S3-34)
     assert not out.exists() and list(private.iterdir()) == []
+
+
+@pytest.mark.parametrize("path", ["/proc/cal.yaml", "/sys/cal.yaml"])
+def test_s3_34_calibrate_to_an_unwritable_place_does_not_speak_of_planning(capsys, monkeypatch,
+                                                                           path):
+    import fsdp_plan.measure.calibrate as calibration
+    if not os.path.isdir(os.path.dirname(path)):
+        pytest.skip(f"{os.path.dirname(path)} does not exist here")
+
+    def no_calibration(**kwargs):
+        raise AssertionError("calibrate measured before checking its output")
+
+    monkeypatch.setattr(calibration, "calibrate", no_calibration)
+    err = refused(capsys, ["calibrate", "-o", path], 2, f"-o {path!r} cannot be written",
+                  "nothing was written")
+    assert "planned" not in err
+    assert not os.path.exists(path)

@@ -146,7 +146,8 @@ def atomic_write_text(path: str, text: str) -> None:
 
 
 def check_writable(path: str, what: str) -> None:
-    """Fail early, before any work, when ``path`` cannot be written.
+    """Fail early, before any work, when ``path`` cannot be written (the refusal says
+    "nothing was written": every verb checks its outputs this way, issue 21 S3-34).
 
     Creates and removes a temporary file in the target folder: permission bits do not tell
     everything (``/proc``, read-only mounts, root on NFS), a real create does."""
@@ -183,9 +184,9 @@ def check_writable(path: str, what: str) -> None:
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.EOPNOTSUPP, errno.EINVAL):  # the folder exists
             raise BadInput(f"{what} {path!r} cannot be written (the folder {folder!r} does not "
-                           f"accept new files: {e.strerror or e}); nothing was planned. To fix, "
+                           f"accept new files: {e.strerror or e}); nothing was written. To fix, "
                            "choose a path in an ordinary folder.") from e
-        raise write_failed(path, e, what, written="nothing was planned") from e
+        raise write_failed(path, e, what) from e
     os.close(fd)
     os.unlink(tmp)
 
