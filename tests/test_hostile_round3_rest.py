@@ -387,3 +387,44 @@ def test_s3_34_calibrate_to_an_unwritable_place_does_not_speak_of_planning(capsy
                   "nothing was written")
     assert "planned" not in err
     assert not os.path.exists(path)
+
+
+# --- plans: selective_ops must name real ops (S3-18) ------------------------------------------
+
+def _plan_doc(**changes) -> dict:
+    doc = tiny_llama_plan(world=2).to_dict()
+    doc.update(changes)
+    return doc
+
+
+def _write_doc(folder: Path, doc: dict, name: str = "plan.yaml") -> str:
+    import yaml
+    path = folder / name
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
+
+
+@pytest.mark.parametrize("ops, index", [(["os.system"], 0),
+                                        (["aten.nonexistent_op.default"], 0),
+                                        (["aten.mm.default", "aten.nonexistent_op.default"], 1),
+                                        (["aten.mm"], 0)],  # a packet, not an op overload
+                         ids=["os.system", "nonexistent", "one-of-two", "no-overload"])
+@pytest.mark.parametrize("verb", ["verify", "predict", "emit"])
+def test_s3_18_selective_ops_naming_no_op_are_refused_at_validation(tmp_path, capsys,
+                                                                    monkeypatch, ops, index,
+                                                                    verb):
+    given = _write_doc(tmp_path, _plan_doc(fsdp_plan_version=2, selective_ops=ops,
+                                           activation_checkpointing={"layers.0": "selective"}))
+    monkeypatch.setattr(runtime, "load_planned_model", _no_model_loading)
+    before = snapshot(tmp_path)
+    argv = [verb, given] + (["-o", str(tmp_path / "policy.py")] if verb == "emit" else [])
+    refused(capsys, argv, 2, f"selective_ops[{index}] is {ops[index]!r}",
+            "names no op of this PyTorch", "e.g. aten.mm.default")
+    assert snapshot(tmp_path) == before
+
+
+def test_s3_18_the_ops_fsdp_plan_writes_are_accepted_whatever_the_build():
+    from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
+    plan = Plan.from_dict(_plan_doc(fsdp_plan_version=2, selective_ops=DEFAULT_SELECTIVE_OPS,
+                                    activation_checkpointing={"layers.0": "selective"}))
+    assert plan.selective_ops == DEFAULT_SELECTIVE_OPS

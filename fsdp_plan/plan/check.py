@@ -39,6 +39,7 @@ from fsdp_plan.common.limits import (
 from fsdp_plan.common.safe_yaml import MAX_DEPTH, MAX_NODES, clip
 from fsdp_plan.cost.hardware.stored import check_stored_block
 from fsdp_plan.cost.precision import OPTIMIZERS
+from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.search.candidate import GRADIENT_SYNCS, STRATEGIES
 from fsdp_plan.search.framework import FRAMEWORKS
 
@@ -573,6 +574,11 @@ def _check_checkpointing(check: _Checker, raw: dict, version: int
         if not all(part.isidentifier() for part in name.split(".")):
             raise check.fail(f"selective_ops[{i}]", f"is {show(name)}, not an op name",
                              "write it as torch.ops spells it, e.g. aten.mm.default")
+        if not _is_op(name):
+            raise check.fail(f"selective_ops[{i}]", f"is {show(name)}, which names no op of "
+                             "this PyTorch (torch.ops has no such op overload)", "list ops as "
+                             "torch.ops spells them with their overload, e.g. aten.mm.default, "
+                             "or write the list fsdp-plan writes")
         op_names.append(name)
     if selective and not op_names:
         raise check.fail(f"activation_checkpointing[{clip(selective[0])!r}]", "is selective "
@@ -581,6 +587,19 @@ def _check_checkpointing(check: _Checker, raw: dict, version: int
     if isinstance(names, dict) and selective:
         return names, op_names
     return list(names), op_names  # every module full: the version-1 list, applied the same
+
+
+def _is_op(name: str) -> bool:
+    """Whether ``selective_ops`` may hold ``name`` (issue 21, S3-18: ``os.system`` and
+    ``aten.nonexistent_op.default`` passed, then the policy failed inside verify). The ops
+    fsdp-plan writes are accepted as they are: they include GPU attention kernels an older or
+    CPU-only PyTorch may lack, which the policy skips (``policy_runtime.resolve_ops``). Any
+    other name must be an op overload of the installed PyTorch, found as the policy finds it."""
+    if name in DEFAULT_SELECTIVE_OPS:
+        return True
+    # resolving needs torch (~6 s to import): only for names fsdp-plan itself never writes
+    from fsdp_plan.policy_runtime import resolve_ops
+    return bool(resolve_ops([name]))
 
 
 def _check_prefetch(check: _Checker, value: Any, kind: str, keys: set[str]) -> dict[str, list[str]]:
