@@ -428,3 +428,24 @@ def test_s3_18_the_ops_fsdp_plan_writes_are_accepted_whatever_the_build():
     plan = Plan.from_dict(_plan_doc(fsdp_plan_version=2, selective_ops=DEFAULT_SELECTIVE_OPS,
                                     activation_checkpointing={"layers.0": "selective"}))
     assert plan.selective_ops == DEFAULT_SELECTIVE_OPS
+
+
+# --- plans: a unit on an nn.ModuleList container (S3-19) --------------------------------------
+
+@pytest.mark.parametrize("where", ["unit", "checkpointing"])
+@pytest.mark.parametrize("verb", ["predict", "verify"])
+def test_s3_19_a_container_as_a_unit_or_checkpointed_is_refused_naming_it(tmp_path, capsys,
+                                                                          verb, where):
+    if where == "unit":
+        doc = _plan_doc(units=[{"modules": ["layers"], "reshard_after_forward": True},
+                               {"modules": [""], "reshard_after_forward": False}],
+                        forward_prefetch={}, backward_prefetch={})
+        path = "units[0].modules[0]"
+    else:
+        doc = _plan_doc(activation_checkpointing=["layers"])
+        path = "activation_checkpointing[0]"
+    given = _write_doc(tmp_path, doc)
+    before = snapshot(tmp_path)
+    refused(capsys, [verb, given], 2, f"{path} 'layers' is a ModuleList container",
+            "never calls", "'layers.0', 'layers.1', 'layers.2', ...")
+    assert snapshot(tmp_path) == before

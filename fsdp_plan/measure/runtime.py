@@ -105,6 +105,7 @@ def check_module_names(plan: Plan, model: nn.Module) -> None:
               for i, fqn in enumerate(plan.activation_checkpointing)]
     missing = [(path, fqn) for path, fqn in named if fqn not in names]
     if not missing:
+        check_no_containers(named, dict(model.named_modules()))
         return
     shown = ", ".join(f"{path} {fqn!r}" for path, fqn in missing[:5])
     if len(missing) > 5:
@@ -115,6 +116,25 @@ def check_module_names(plan: Plan, model: nn.Module) -> None:
     raise BadInput(f"the plan names modules the model does not have: {shown}{hint}. Unit and "
                    "checkpointed modules are FQNs as model.named_modules() spells them; fix "
                    "them in the plan, re-plan, or pass the model the plan was made for as MODEL.")
+
+
+def check_no_containers(named: list[tuple[str, str]], modules: dict[str, nn.Module]) -> None:
+    """No unit and no checkpointed module is an ``nn.ModuleList`` or ``nn.ModuleDict`` without
+    a ``forward`` of its own: the model calls its children, never the container, so
+    ``fully_shard`` refuses it and a checkpoint wrapper around it would never run (issue 21,
+    S3-19: predict priced it as if nothing were gathered, verify failed inside FSDP)."""
+    for path, fqn in named:
+        module = modules[fqn]
+        if (isinstance(module, (nn.ModuleList, nn.ModuleDict))
+                and type(module).forward is nn.Module.forward):
+            children = [f"{fqn}.{name}" for name, _ in module.named_children()]
+            shown = ", ".join(repr(c) for c in children[:3]) + (", ..." if len(children) > 3
+                                                                 else "")
+            raise BadInput(f"{path} {fqn!r} is a {type(module).__name__} container, which "
+                           "the model never calls (it has no forward of its own): fully_shard "
+                           "refuses it and checkpointing it would recompute nothing. Name its "
+                           f"children instead ({shown or 'it has none'}), one unit each or "
+                           "several in one unit's modules.")
 
 
 def load_planned_model(plan: Plan, model_path: str | None = None,
