@@ -449,3 +449,30 @@ def test_s3_19_a_container_as_a_unit_or_checkpointed_is_refused_naming_it(tmp_pa
     refused(capsys, [verb, given], 2, f"{path} 'layers' is a ModuleList container",
             "never calls", "'layers.0', 'layers.1', 'layers.2', ...")
     assert snapshot(tmp_path) == before
+
+
+# --- bench --refit: every predicted figure it computes with is checked first (S3-21) ----------
+
+@pytest.mark.parametrize("predicted, needle", [
+    ({"phases_s": "forward 1 s"}, "predicted.phases_s must be a mapping"),
+    ({"phases_s": {"forward": "fast", "backward": 0.2}},
+     "predicted.phases_s.forward must be a finite number >= 0, got 'fast'"),
+    ({"phases_s": {"forward": -1.0}}, "predicted.phases_s.forward must be a finite number"),
+    ({"compute_s": "a while"}, "predicted.compute_s must be a finite number"),
+    ({"total_comm_s": [1]}, "predicted.total_comm_s must be a finite number"),
+], ids=["text", "text-phase", "negative-phase", "compute", "comm"])
+def test_s3_21_bench_refit_refuses_text_in_predicted_before_the_run(tmp_path, private_tmp,
+                                                                   capsys, monkeypatch,
+                                                                   predicted, needle):
+    from test_bench_hostile import PREDICTED, FakeLaunch
+
+    import fsdp_plan.cli.bench as bench_cli
+    given = _write_doc(tmp_path, _plan_doc(predicted={**PREDICTED, **predicted}))
+    fake = FakeLaunch()
+    monkeypatch.setattr(bench_cli, "launch", fake)
+    out, refit = tmp_path / "results", tmp_path / "hw.yaml"
+    before = snapshot(tmp_path)
+    refused(capsys, ["bench", given, "--nproc", "2", "--out", str(out), "--refit", str(refit)],
+            2, needle)
+    assert fake.calls == 0
+    assert snapshot(tmp_path) == before and not out.exists() and not refit.exists()

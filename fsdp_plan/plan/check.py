@@ -644,7 +644,8 @@ def _check_precision(check: _Checker, value: Any, path: str = "mixed_precision",
 
 
 def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
-    """Only the numbers verify and bench read are checked; the rest is the planner's report."""
+    """The numbers predict, verify, bench and ``bench --refit`` read or compute with are checked
+    (issue 21, S3-21); the rest is the planner's report."""
     fix = "predicted is what the planner wrote; re-plan to get it back, or remove the key"
     predicted = check.mapping(value, "predicted", fix, optional=True)
     if predicted.get("peak_bytes") is not None:
@@ -654,9 +655,14 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
         check.integer(predicted["gpus_per_node"], "predicted.gpus_per_node", 1,
                       MAX_GPUS_PER_NODE, f"gpus_per_node is the GPUs sharing one node's fast "
                       f"links: a whole number from 1 to {MAX_GPUS_PER_NODE}, e.g. 8")
-    for key in ("step_time_s", "exposed_comm_s", "hidden_comm_s", "comm_tail_s"):
+    for key in ("step_time_s", "exposed_comm_s", "hidden_comm_s", "comm_tail_s", "compute_s",
+                "total_comm_s"):
         if predicted.get(key) is not None:
             check.number(predicted[key], f"predicted.{key}", "write seconds as a number")
+    # bench reports each phase beside its measurement and --refit divides by it (S3-21)
+    phases = check.mapping(predicted.get("phases_s"), "predicted.phases_s", fix, optional=True)
+    for name, seconds in phases.items():
+        check.number(seconds, field("predicted.phases_s", name), "write seconds as a number")
     for key in ("collectives_per_step", "collectives_per_step_fsdp1"):
         counts = check.mapping(predicted.get(key), f"predicted.{key}", fix, optional=True)
         for name, count in counts.items():
