@@ -476,3 +476,30 @@ def test_s3_21_bench_refit_refuses_text_in_predicted_before_the_run(tmp_path, pr
             2, needle)
     assert fake.calls == 0
     assert snapshot(tmp_path) == before and not out.exists() and not refit.exists()
+
+
+# --- plans: offload is a version-2 field (S3-28) ----------------------------------------------
+
+@pytest.mark.parametrize("offload", [{"params": True, "optimizer": True},
+                                     {"params": False, "optimizer": False}],
+                         ids=["on", "off"])
+@pytest.mark.parametrize("verb", ["predict", "verify", "emit"])
+def test_s3_28_offload_in_a_version_1_plan_is_refused_like_other_version_2_fields(
+        tmp_path, capsys, monkeypatch, verb, offload):
+    given = _write_doc(tmp_path, _plan_doc(fsdp_plan_version=1, offload=offload))
+    monkeypatch.setattr(runtime, "load_planned_model", _no_model_loading)
+    before = snapshot(tmp_path)
+    argv = [verb, given] + (["-o", str(tmp_path / "policy.py")] if verb == "emit" else [])
+    refused(capsys, argv, 2, "offload is set in a version-1 plan",
+            "offload needs fsdp_plan_version: 2; write that, or remove offload")
+    assert snapshot(tmp_path) == before
+    # in the words a version-1 plan's checkpointing mapping is refused with
+    refused(capsys, ["predict", _write_doc(tmp_path, _plan_doc(
+        fsdp_plan_version=1, activation_checkpointing={"layers.0": "full"}), "map.yaml")], 2,
+        "needs fsdp_plan_version: 2")
+
+
+def test_s3_28_offload_in_a_version_2_plan_is_read():
+    plan = Plan.from_dict(_plan_doc(fsdp_plan_version=2,
+                                    offload={"params": True, "optimizer": True}))
+    assert plan.offload == {"params": True, "optimizer": True}

@@ -299,7 +299,7 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     out["predicted"] = _check_predicted(check, raw.get("predicted"))
     out["ddp"] = _check_ddp(check, raw.get("ddp"), out["strategy"])
     out["grad_accum_steps"], out["gradient_sync"] = _check_accumulation(check, raw)
-    out["offload"] = _check_offload(check, raw.get("offload"))
+    out["offload"] = _check_offload(check, raw.get("offload"), version)
     out["compile"] = _check_compile(check, raw.get("compile"), version)
     out["framework"] = _check_framework(check, raw.get("framework"), version)
     _refuse_unapplied(check, raw)
@@ -353,11 +353,16 @@ def _check_framework(check: _Checker, framework: Any, version: int) -> str | Non
     return framework
 
 
-def _check_offload(check: _Checker, offload: Any) -> dict[str, bool] | None:
+def _check_offload(check: _Checker, offload: Any, version: int) -> dict[str, bool] | None:
     """``offload: {params: bool, optimizer: bool}`` (SPEC 6); None when absent or all false.
-    FSDP2's ``CPUOffloadPolicy`` moves parameters, gradients and optimizer states together."""
+    FSDP2's ``CPUOffloadPolicy`` moves parameters, gradients and optimizer states together.
+    A version-2 field, refused in a version-1 plan as the checkpointing mapping is (issue 21,
+    S3-28)."""
     if offload is None:
         return None
+    if version < 2:
+        raise check.fail("offload", "is set in a version-1 plan", "offload needs "
+                         "fsdp_plan_version: 2; write that, or remove offload")
     mapping = check.mapping(offload, "offload", "offload is {params: bool, optimizer: bool}")
     check.keys(mapping, "offload", ("params", "optimizer"))
     for key, flag in mapping.items():
