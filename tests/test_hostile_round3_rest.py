@@ -503,3 +503,33 @@ def test_s3_28_offload_in_a_version_2_plan_is_read():
     plan = Plan.from_dict(_plan_doc(fsdp_plan_version=2,
                                     offload={"params": True, "optimizer": True}))
     assert plan.offload == {"params": True, "optimizer": True}
+
+
+# --- plans: a document of plain lists is not blamed on aliases (S3-25) ------------------------
+
+def test_s3_25_a_huge_plan_of_plain_lists_is_refused_for_its_size_not_for_aliases(tmp_path,
+                                                                                 capsys):
+    """15.5 MB of plain lists under an unknown key (under the 16 MiB file limit): refused for
+    holding more than a million values, the plan node bound, without a word of aliases."""
+    import yaml
+    row = "[" + ",".join(["1"] * 50) + "]"
+    lines = [yaml.safe_dump(tiny_llama_plan(world=2).to_dict(), sort_keys=False), "junk:\n"]
+    lines += [f"- {row}\n"] * int(15.5e6 // (len(row) + 3))
+    given = tmp_path / "big.yaml"
+    given.write_text("".join(lines))
+    assert 15e6 < given.stat().st_size < 16 * 2**20
+    before = snapshot(tmp_path)
+    err = refused(capsys, ["predict", str(given)], 2, "holds more than 1,000,000 values",
+                  "a plan is a few thousand values", "it is not a plan")
+    assert "alias" not in err
+    assert snapshot(tmp_path) == before
+
+
+def test_s3_25_aliases_that_expand_a_plan_past_the_bound_are_still_named(tmp_path, capsys):
+    import yaml
+    bomb = "".join(f"b{i}: &b{i} [{', '.join([f'*b{i - 1}'] * 9)}]\n" if i else
+                   "b0: &b0 [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" for i in range(9))
+    given = tmp_path / "bomb.yaml"
+    given.write_text(yaml.safe_dump(tiny_llama_plan(world=2).to_dict(), sort_keys=False) + bomb)
+    refused(capsys, ["predict", str(given)], 2, "expands to more than 1,000,000 values",
+            "anchors and aliases repeating each other")

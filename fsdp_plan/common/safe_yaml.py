@@ -95,26 +95,34 @@ def _scan(text: str, loader: type, where: str, kind: DocumentKind) -> None:
     open_anchors: list[str] = []
     # Frames of open collections: [anchor, expanded size, is_mapping, keys seen, items seen].
     stack: list[list[Any]] = []
-    total = 0
+    # Values written out in the text, and values its aliases repeat: the words of a refusal
+    # say which made the document too large (issue 21, S3-25: a plan of plain lists was
+    # blamed on "anchors and aliases repeating each other").
+    written = repeated = 0
 
     def line(event: Any) -> str:
         mark = getattr(event, "start_mark", None)
         return f"line {mark.line + 1}" if mark is not None else "somewhere"
 
-    def add(size: int, event: Any) -> None:
-        nonlocal total
+    def count(event: Any, *, alias_size: int = 0) -> None:
+        nonlocal written, repeated
+        if alias_size:
+            repeated += alias_size
+        else:
+            written += 1
+        if written > kind.max_nodes:
+            raise BadInput(f"{where} holds more than {kind.max_nodes:,} values (counted up to "
+                           f"{line(event)}); {kind.size}, so it is not {kind.name} and was not "
+                           "read further.")
+        if written + repeated > kind.max_nodes:
+            raise BadInput(f"{where} expands to more than {kind.max_nodes:,} values at "
+                           f"{line(event)} (anchors and aliases repeating each other); "
+                           f"{kind.size}, so it was not read further.")
+
+    def add(size: int) -> None:
         if stack:
             stack[-1][1] += size
             stack[-1][4] += 1
-            if stack[-1][1] > kind.max_nodes:
-                raise BadInput(f"{where} expands to more than {kind.max_nodes:,} values at "
-                               f"{line(event)} (anchors and aliases repeating each other); "
-                               f"{kind.size}, so it was not read further.")
-        else:
-            total += size
-            if total > kind.max_nodes:
-                raise BadInput(f"{where} holds more than {kind.max_nodes:,} values; it is not "
-                               f"{kind.name}.")
 
     for event in _events(text, loader, where, kind):
         if isinstance(event, yaml.NodeEvent):
@@ -142,24 +150,27 @@ def _scan(text: str, loader: type, where: str, kind: DocumentKind) -> None:
             if event.anchor not in sizes:
                 raise BadInput(f"{where} uses the alias *{clip(event.anchor)} at {line(event)} "
                                "before any anchor of that name.")
-            add(sizes[event.anchor], event)
+            count(event, alias_size=sizes[event.anchor])
+            add(sizes[event.anchor])
         elif isinstance(event, yaml.ScalarEvent):
             if event.anchor is not None:
                 sizes[event.anchor] = 1
-            add(1, event)
+            count(event)
+            add(1)
         elif isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
             if len(stack) >= kind.max_depth:
                 raise BadInput(f"{where} nests lists or mappings more than {kind.max_depth} "
                                f"deep (at {line(event)}); {kind.depth}.")
             if event.anchor is not None:
                 open_anchors.append(event.anchor)
+            count(event)
             stack.append([event.anchor, 1, isinstance(event, yaml.MappingStartEvent), set(), 0])
         elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
             anchor, size, _, _, _ = stack.pop()
             if anchor is not None:
                 open_anchors.remove(anchor)
                 sizes[anchor] = size
-            add(size, event)
+            add(size)
 
 
 def _events(text: str, loader: type, where: str, kind: DocumentKind) -> Iterator[Any]:
