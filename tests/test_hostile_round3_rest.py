@@ -533,3 +533,59 @@ def test_s3_25_aliases_that_expand_a_plan_past_the_bound_are_still_named(tmp_pat
     given.write_text(yaml.safe_dump(tiny_llama_plan(world=2).to_dict(), sort_keys=False) + bomb)
     refused(capsys, ["predict", str(given)], 2, "expands to more than 1,000,000 values",
             "anchors and aliases repeating each other")
+
+
+# --- verify at a million ranks: FSDP2's padding in one step (S3-29) ---------------------------
+
+def _measure(plan_obj: Plan, path: str):
+    from fsdp_plan.measure.memory import measure_peak
+    loaded = runtime.load_planned_model(plan_obj, None, path)
+    return measure_peak(loaded, plan_obj, runtime.load_policy(runtime.policy_source(plan_obj)))
+
+
+def test_s3_29_one_shared_empty_shard_measures_what_fsdp2_measures(tmp_path, monkeypatch):
+    """[Note: one empty shard for every absent rank]: at 512 ranks (tiny Llama, two blocks, so
+    most ranks get empty shards of every parameter) the measurement with the shared padding
+    equals FSDP2's own, every figure of it."""
+    import contextlib
+
+    from fsdp_plan.measure import memory
+    small = tiny_llama_plan(world=512, n_layers=2)
+    path = plan_file(tmp_path, small)
+    fast = _measure(small, path)
+    monkeypatch.setattr(memory, "one_empty_shard", contextlib.nullcontext)
+    slow = _measure(small, path)
+    assert fast.peak_bytes == slow.peak_bytes > 0
+    assert fast.breakdown == slow.breakdown
+    assert fast.module_peaks == slow.module_peaks
+    assert fast.step_start_bytes == slow.step_start_bytes
+    from torch.distributed.fsdp._fully_shard import _fsdp_common, _fsdp_param
+    assert _fsdp_param._chunk_with_empty is _fsdp_common._chunk_with_empty  # restored
+
+
+@pytest.mark.slow
+def test_s3_29_verify_at_a_million_ranks_pads_each_parameter_once(tmp_path, capsys,
+                                                                  monkeypatch):
+    """verify at world 1,048,576 (the plan format's largest) answers: each of FSDP2's
+    parameter splits pads the absent ranks with one empty tensor, not a million (before: about
+    2 ms per rank, 35 minutes)."""
+    from fsdp_plan.measure import fake_shards
+    real = fake_shards.chunk_with_one_empty
+    splits: list[tuple[int, int, int]] = []  # ranks, distinct tensors handed out, dim-0 length
+
+    def counted(tensor, num_chunks, dim):
+        chunks = real(tensor, num_chunks, dim)
+        splits.append((num_chunks, len({id(c) for c in chunks}), tensor.shape[dim]))
+        return chunks
+    monkeypatch.setattr(fake_shards, "chunk_with_one_empty", counted)
+    doc = tiny_llama_plan(world=2**20).to_dict()
+    doc["budget_bytes"] = 10**12
+    given = _write_doc(tmp_path, doc)
+    before = snapshot(tmp_path)
+    assert main(["verify", given]) == 0
+    captured = capsys.readouterr()
+    assert "at world size 1048576 (mesh 1x1048576)" in captured.out
+    assert "verify: OK" in captured.out and "Traceback" not in captured.err
+    assert splits and all(ranks == 2**20 for ranks, _, _ in splits)
+    assert all(distinct <= rows + 1 for _, distinct, rows in splits)  # its rows and one pad
+    assert snapshot(tmp_path) == before

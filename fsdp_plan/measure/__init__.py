@@ -9,6 +9,7 @@ Its modules, from the ground up:
   model on it, its optimizer and inputs);
 - ``measured``: ``MeasuredMemory``, what a memory measurement returns;
 - ``tracker``: ``FSDPMemTracker`` that keeps FSDP2's hooks of grouped units;
+- ``fake_shards``: FSDP2's padding of absent shards in one step, so any world size is fast;
 - ``memory``: an FSDP2 plan's steady-step peak on the fake process group at its world size;
 - ``ddp``: a DDP plan's buckets, collectives, step time and peak on real gloo workers;
 - ``peak``: ``measured_peak``, the one choice between ``memory`` and ``ddp`` (verify, the API);

@@ -47,6 +47,7 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.compiled import graph_backend
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.measure import runtime
+from fsdp_plan.measure.fake_shards import one_empty_shard
 from fsdp_plan.measure.measured import MeasuredMemory
 from fsdp_plan.measure.recording import RecordingMemTracker
 from fsdp_plan.measure.tracker import CompiledStepMemTracker, GroupAwareMemTracker
@@ -171,7 +172,8 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     compiled = getattr(plan, "compile", None) or {}
     ran: dict[str, Any] = {}  # [Note: measuring compiled blocks]
     tracker_class = CompiledStepMemTracker if compiled else GroupAwareMemTracker
-    with fake_process_group(plan.world_size), _fresh_dynamo(bool(compiled)):
+    # one_empty_shard: FSDP2's padding in one step, so any world size is fast
+    with fake_process_group(plan.world_size), _fresh_dynamo(bool(compiled)), one_empty_shard():
         fake_mode = new_fake_mode()
         model = materialize_fake(rebuild_meta(loaded), fake_mode)
         notes = cpu_gpu_differences(model)
