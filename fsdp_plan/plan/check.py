@@ -426,7 +426,10 @@ def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
         raise check.fail("model.grad_accum_steps", f"is {show(model['grad_accum_steps'])}",
                          "this fsdp-plan cannot apply gradient accumulation yet; remove it or "
                          "set it to 1")
-    return copy.deepcopy(model)
+    checked = copy.deepcopy(model)
+    # absent means the defaults above; every reader of a checked plan may rely on both
+    checked["batch_size"], checked["seq_len"] = batch, seq
+    return checked
 
 
 def _check_budget(check: _Checker, raw: dict) -> dict[str, Any]:
