@@ -13,6 +13,7 @@ import os
 
 import pytest
 import yaml
+from cli_checks import refused
 
 from fsdp_plan.cli.main import main
 from fsdp_plan.cost.hardware import GPUS
@@ -49,15 +50,6 @@ def predicted(capsys, plan: str, *flags: str) -> dict:
     return json.loads(capsys.readouterr().out)["predicted"]
 
 
-def refused(capsys, argv: list[str], *needles: str, code: int = 2) -> str:
-    got = main(argv)
-    captured = capsys.readouterr()
-    assert got == code, captured.err
-    assert "Traceback" not in captured.err, captured.err
-    assert captured.out == "", captured.out
-    for needle in needles:
-        assert needle in captured.err, captured.err
-    return captured.err
 
 
 # --- S3-02: a base figure reaches the tables fitted at it -----------------------------------

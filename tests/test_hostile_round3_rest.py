@@ -21,6 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
+import cli_checks
 import pytest
 from test_bench_hostile import _marked_pids, _wait_gone
 from test_measure_helpers import plan_file, tiny_llama_plan
@@ -41,16 +42,8 @@ def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
 
 
 def refused(capsys, argv: list[str], code: int, *needles: str) -> str:
-    """``fsdp-plan ARGV`` in-process: exit ``code``, every needle in stderr, no traceback, no
-    report on stdout."""
-    got = main(argv)
-    captured = capsys.readouterr()
-    assert got == code, captured.err
-    assert "Traceback" not in captured.err, captured.err
-    assert captured.out == "", captured.out
-    for needle in needles:
-        assert needle in captured.err, captured.err
-    return captured.err
+    """``cli_checks.refused`` with the exit code first, as this file's cases read."""
+    return cli_checks.refused(capsys, argv, *needles, code=code)
 
 
 class FakeTimePlans:
