@@ -9,8 +9,9 @@ intermediate. This module counts a graph the way the eager analysis counts ops
 (facts/types.py [Note: op classes]), with the fusion applied as PyTorch's own estimator does
 (``torch/_inductor/fx_passes/fusion_regions.py``): contiguous spans of fusible nodes (nodes
 with an inductor lowering that are not fallbacks, collectives or FLOP-counted ops), split
-into connected components; each component is one kernel whose bytes are the tensors
-crossing its boundary (read from outside it, or used outside it). A fusible node alone in
+into connected components (the items of a tuple-valued op such as ``var_mean`` stay in its
+span, where inductor's estimator would cut it); each component is one kernel whose bytes
+are the tensors crossing its boundary (read from outside it, or used outside it). A fusible node alone in
 its component is one kernel with its own inputs and outputs; views move nothing; FLOP-counted
 ops (``mm``, ``addmm``, ``bmm``, SDPA) are counted by FLOPs and shape class as in eager.
 
@@ -25,6 +26,7 @@ Read only from the torch side of the analysis (facts/compiled.py).
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -51,8 +53,10 @@ def _bytes(values: list[Any]) -> int:
 
 
 def _is_view(node: fx.Node) -> bool:
+    """Views and tuple items: no kernel, no bytes of their own."""
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target.is_view
+    return target is operator.getitem or (isinstance(target, torch._ops.OpOverload)
+                                          and target.is_view)
 
 
 def _fusible(node: fx.Node) -> bool:
@@ -127,6 +131,9 @@ def fused_counters(gm: fx.GraphModule) -> dict[str, float]:
         span.clear()
 
     for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem and span:
+            span.append(node)  # an item of a fused op's tuple (var_mean's): no kernel, no break
+            continue
         target, node_args, value = _unwrap_rng(node)
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             if node.op == "call_function" and span:
