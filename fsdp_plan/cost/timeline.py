@@ -21,7 +21,8 @@ eager shape, shifted by the difference and held no lower than the level the segm
 from (forward) or ends at (backward): transients inside a compiled block are modelled on the
 eager ones, not on fused kernels. Checkpointed blocks are derived the same way from the
 pass of their mode (fully or selectively checkpointed), with what the partition of the block
-compiled inside that mode's checkpoint wrapper keeps (``kept_bytes(block, mode)``).
+compiled inside that mode's checkpoint wrapper keeps (``kept_bytes(block, mode)``); a mode
+whose wrapper did not compile is not offered.
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ class TimelineComposer:
                                            [compiled.kept_bytes(b) for b in blocks])
             self.ckpt, self.sel = (
                 compiled_timeline(src, seg, [compiled.kept_bytes(b, mode) for b in blocks])
-                if src is not None and seg is not None else None
+                if src is not None and seg is not None and mode in compiled.by_mode else None
                 for src, seg, mode in ((self.ckpt, self.ckpt_seg, "full"),
                                        (self.sel, self.sel_seg, "selective")))
             self.ckpt_seg, self.sel_seg = (self.ckpt_seg if self.ckpt else None,

@@ -352,11 +352,6 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
             progress("tracing the compiled blocks' partition")
         compiled = analyze_compiled(loaded, param_dtype=param_dtype, blocks=blocks,
                                     activation_memory_budget=activation_memory_budget)
-        if "full" not in compiled.by_mode:
-            ckpt = None  # checkpointed blocks did not compile: not offered
-        if "selective" not in compiled.by_mode and selective[0] is not None:
-            selective = (None, {}, "selectively checkpointed blocks did not compile with "
-                                   "torch.compile(fullgraph=True); full checkpointing only")
     root = modules.get("", ModuleCompute())
     end = timeline.events[-1].flops if timeline.events else 0.0
     return Analysis(
