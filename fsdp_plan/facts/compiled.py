@@ -19,7 +19,13 @@ From the partition:
 - ``kept_bytes``: every new storage the compiled forward leaves alive (the saved set and the
   block's output): the rise of the activation level over the block's forward, which the
   timeline composer uses for a compiled block (cost/timeline.py [Note: compiled timeline]);
-- ``recomputed``: forward ops of the joint graph that the backward graph computes again.
+- ``recomputed``: forward ops of the joint graph that the backward graph computes again;
+- ``fw_ops`` / ``bw_ops``: the graphs' op-class counters per fused kernel (facts/fused.py
+  [Note: fused regions]), which the step-time model times (cost/compiled_time.py).
+
+Each class is traced as it is and inside the policy's full and selective checkpoint wrappers
+(``trace_modes``): the policy compiles the wrapper, so the checkpoint is inside the graph and
+the partitioner recomputes the region (all of it, or what the selective policy does not save).
 
 Modelled, not measured: the level inside a compiled block (fused-kernel transients) follows
 the eager pass's shape; on a CPU, inductor's kernels cannot run on fake tensors, so verify
