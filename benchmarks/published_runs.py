@@ -19,8 +19,13 @@ What differs from the published setups, and which way it pulls the prediction:
 - Published memory is ``max_memory_reserved`` (the allocator's cache included); the predicted
   peak is allocated bytes, which should come out at or below it.
 
+Compiled runs (issue 22): the same tables give "FSDP + torch.compile" beside "FSDP" on the
+same setup; those rows are planned with ``--compile`` and the report ends with how compile
+moves the step and the peak, published against predicted.
+
 Sources (all in github.com/pytorch/torchtitan):
-- ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables 1 and 3 (torch 1963fc8, 2024-12-23).
+- ``benchmarks/llama3_h100_202412_torchtitan.md`` Tables 1 and 3 (torch 1963fc8, 2024-12-23),
+  eager and "FSDP + torch.compile" rows.
 - ``docs/performance.md`` at 1ea476e9f (2024-04-24): Llama 3 and Llama 2 on 64 A100 80 GB;
   the train configs of that commit give the sequence lengths (8192 for Llama 3, 4096 for
   Llama 2).
@@ -62,6 +67,8 @@ class PublishedRun:
     """none, op (selective per op) or full."""
     tokens_per_s_per_gpu: float
     memory_gib: float | None = None
+    compiled: bool = False
+    """torchtitan's ``compile`` on: every block ``torch.compile``d (planned with --compile)."""
 
     @property
     def step_s(self) -> float:
@@ -70,7 +77,7 @@ class PublishedRun:
     @property
     def label(self) -> str:
         return (f"{self.size} {self.world_size}x{self.gpu} b{self.batch} s{self.seq_len} "
-                f"AC {self.ac}")
+                f"AC {self.ac}" + (" compiled" if self.compiled else ""))
 
 
 H100_2412 = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
@@ -82,6 +89,12 @@ RUNS = [
     PublishedRun(source=H100_2412 + " T3", size="8b", gpu="h100", gpu_memory_gib=96,
                  world_size=128, batch=2, seq_len=8192, ac="op", tokens_per_s_per_gpu=5605,
                  memory_gib=67.0),
+    PublishedRun(source=H100_2412 + " T1", size="8b", gpu="h100", gpu_memory_gib=96,
+                 world_size=8, batch=2, seq_len=8192, ac="op", tokens_per_s_per_gpu=6667,
+                 memory_gib=77.0, compiled=True),
+    PublishedRun(source=H100_2412 + " T3", size="8b", gpu="h100", gpu_memory_gib=96,
+                 world_size=128, batch=2, seq_len=8192, ac="op", tokens_per_s_per_gpu=6514,
+                 memory_gib=62.0, compiled=True),
     PublishedRun(source=A100_2404, size="8b", gpu="a100", gpu_memory_gib=80, world_size=64,
                  batch=1, seq_len=8192, ac="op", tokens_per_s_per_gpu=2973),
     PublishedRun(source=A100_2404, size="70b", gpu="a100", gpu_memory_gib=80, world_size=64,
@@ -110,7 +123,8 @@ def predict_run(run: PublishedRun) -> Outcome:
     source = ModelSource(source=os.path.join(ROOT, "examples", "llama.py"),
                          args={"size": run.size}, batch_size=run.batch, seq_len=run.seq_len)
     request = PlanRequest(source=source, budget_bytes=run.gpu_memory_gib * GIB,
-                          world_size=run.world_size, hardware=hardware_for(run.gpu))
+                          world_size=run.world_size, hardware=hardware_for(run.gpu),
+                          compile_blocks=run.compiled)
     try:
         result = make_plan(request)
         planned: float | None = result.best.time.step_s
@@ -139,14 +153,46 @@ def report(outcomes: list[Outcome]) -> str:
     lines.append("")
     lines.append(f"{len(errors)} runs: median |error| {statistics.median(abs(e) for e in errors):.1%}, "
                  f"worst {max(errors, key=abs):+.1%}, mean {statistics.mean(errors):+.1%}")
+    lines += compile_pairs(outcomes)
     return "\n".join(lines)
+
+
+def compile_pairs(outcomes: list[Outcome]) -> list[str]:
+    """Compiled against eager on the same published setup: how the step and the peak move,
+    published and predicted (issue 22)."""
+    eager = {dataclasses.replace(o.run, compiled=False, tokens_per_s_per_gpu=0, memory_gib=None):
+             o for o in outcomes if not o.run.compiled}
+    lines = []
+    for o in outcomes:
+        if not o.run.compiled:
+            continue
+        key = dataclasses.replace(o.run, compiled=False, tokens_per_s_per_gpu=0, memory_gib=None)
+        e = eager.get(key)
+        if e is None:
+            continue
+        pub_step = o.run.step_s / e.run.step_s - 1
+        pub_mem = (o.run.memory_gib / e.run.memory_gib - 1
+                   if o.run.memory_gib and e.run.memory_gib else None)
+        lines.append(f"compile on {o.run.label.removesuffix(' compiled')}: step "
+                     f"published {pub_step:+.1%}, predicted {o.predicted_s / e.predicted_s - 1:+.1%}; "
+                     f"peak published {pub_mem:+.1%}, predicted "
+                     f"{o.predicted_peak_gib / e.predicted_peak_gib - 1:+.1%}  ({o.run.source})")
+    return [""] + lines if lines else []
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also write the table here")
+    parser.add_argument("--compiled", action="store_true",
+                        help="only the runs published compiled and their eager partners")
     args = parser.parse_args()
-    text = report([predict_run(run) for run in RUNS])
+    runs = RUNS
+    if args.compiled:
+        pairs = {(r.size, r.gpu, r.world_size, r.batch, r.seq_len, r.ac) for r in RUNS
+                 if r.compiled}
+        runs = [r for r in RUNS if (r.size, r.gpu, r.world_size, r.batch, r.seq_len, r.ac)
+                in pairs]
+    text = report([predict_run(run) for run in runs])
     print(text)
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

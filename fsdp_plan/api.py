@@ -44,6 +44,7 @@ from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 from fsdp_plan.plan.report import chrome_trace
 from fsdp_plan.search.batching import BatchChoice, choose_batch
 from fsdp_plan.search.candidate import Candidate, SearchSettings
+from fsdp_plan.search.compile_choice import compare_compile
 from fsdp_plan.search.ddp import DdpStrategy
 from fsdp_plan.search.evaluator import Evaluator
 from fsdp_plan.search.framework import LIGHTNING_WHY, FrameworkCost
@@ -142,7 +143,10 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
                      f"{len(graph.modules):,} modules ({len(graph.blocks)} repeated blocks)")
         return analyzed.facts
 
-    if request.framework is None:
+    if request.framework is None and request.compile_auto:
+        choice = compare_compile(request, facts_at, _search_for)
+        cost = None
+    elif request.framework is None:
         choice = choose_batch(request, facts_at=facts_at, search=_search_for(request))
         cost = None
     else:

@@ -160,3 +160,26 @@ def test_side_by_side_trace_starts_both_timelines_at_zero():
     assert spans == {("predicted", "FW layers.0"): 0.0, ("measured 42", "aten::mm"): 10.0,
                      ("measured 42", "fsdp_plan.step"): 0.0}
     assert any(e["ph"] == "M" and e["pid"] == "predicted" for e in merged)
+
+
+@pytest.mark.slow
+def test_bench_runs_a_compiled_plan_with_exact_counts(tmp_path):
+    """A plan with compiled blocks (issue 22) is benched with its blocks compiled by inductor
+    on two gloo ranks: the collective counts equal the plan's prediction and the result says
+    how many compiled graphs the steps ran."""
+    from fsdp_plan.cli.main import main
+    plan = str(tmp_path / "plan.yaml")
+    assert main([os.path.join(ROOT, "examples", "llama.py"), "--model-arg", "size=tiny",
+                 "--seq-len", "64", "--batch-size", "2", "--mem", "1GB", "--world-size", "2",
+                 "--strategy", "full", "--compile", "--plan", plan]) == 0
+    out = str(tmp_path / "results")
+    done = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", "bench", plan, *FAST,
+                           "--out", out, "--timeout", "400"], check=False, capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    with open(_only_result(out)) as f:
+        result = json.load(f)
+    assert result["collectives"]["measured"] == result["collectives"]["predicted"]
+    assert result["collectives"]["measured"]["all_gather"] > 0
+    assert result["compiled_graphs"] >= 1  # one AOTAutograd compilation per block class
+    assert "compiled blocks:" in done.stdout

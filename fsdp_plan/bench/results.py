@@ -135,6 +135,8 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
                                         predicted.get("phases_s"))},
         "memory": {**memory, "predicted_bytes": predicted.get("peak_bytes")},
         "predicted_extra": {k: predicted.get(k) for k in ("compute_s", "total_comm_s")},
+        **({"compiled_graphs": ranks[0]["compiled_graphs"]}
+           if ranks[0].get("compiled_graphs") is not None else {}),
         **({"ddp_buckets": {"measured": ranks[0]["ddp_buckets"],
                             "predicted": predicted.get("buckets")}}
            if ranks[0].get("ddp_buckets") is not None else {}),
@@ -368,6 +370,10 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
                                                      ""]),
              "", tabulate(rows, headers=["figure", "measured", "predicted"])]
     parts.append(f"memory: {mem.get('source')}")
+    if result.get("compiled_graphs") is not None:
+        parts.append(f"compiled blocks: {result['compiled_graphs']} forward/backward graph "
+                     "pair(s) compiled by inductor (torch.compile(block.forward, fullgraph=True), "
+                     "no eager fallback): the steps ran them")
     if result.get("ddp_buckets"):
         b = result["ddp_buckets"]
         same = b["measured"] == b.get("predicted")

@@ -158,6 +158,18 @@ def _snapshot_step(steps: _Steps, folder: str, rank: int) -> str | None:
     return path
 
 
+def _compiled_graphs(worker: PlannedWorker) -> int | None:
+    """For a plan with compiled blocks (issue 22): how many graphs AOTAutograd compiled in this
+    process (each a forward and backward pair, by inductor as in training; one per block class
+    unless guards recompile); None for an eager plan.
+    The blocks are compiled with ``fullgraph=True``, so a block either runs its compiled graph
+    or the step fails: a count above zero says the measured steps ran compiled blocks."""
+    if not (worker.policy.PLAN or {}).get("compile"):
+        return None
+    from torch._dynamo.utils import counters
+    return int(counters["aot_autograd"]["total"])
+
+
 def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Measure this rank; rank 0 returns every rank's figures under ``ranks``."""
     ctx.report(phase="imported")
@@ -202,7 +214,8 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     mine = {"rank": ctx.rank, "counts": counts, "step_times_s": times,
             "peak_bytes": peak, "comm": analyze_trace(trace_path).to_dict(),
             "phases_s": phase_seconds(trace_path), "trace": trace_path, "device": str(device),
-            "peak_source": peak_source, "ddp_buckets": ddp_buckets, "snapshot": snapshot}
+            "peak_source": peak_source, "ddp_buckets": ddp_buckets, "snapshot": snapshot,
+            "compiled_graphs": _compiled_graphs(worker)}
     ctx.report(phase="done", step=steps.total, steps=steps.total)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

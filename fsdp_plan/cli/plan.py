@@ -114,10 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the chosen plan with FSDPMemTracker before writing")
     parser.add_argument("--exact-analysis", action="store_true",
                         help="analyse every block instead of three per stack")
-    parser.add_argument("--compile", action="store_true",
+    parser.add_argument("--compile", nargs="?", const="on", default=None, metavar="auto",
                         help="plan each repeated block compiled as torchtitan does "
                         "(torch.compile(block.forward, fullgraph=True) after checkpointing, "
-                        "before fully_shard): saved activations from the compiler's partition")
+                        "before fully_shard): saved activations from the compiler's partition, "
+                        "time from fused kernels; --compile auto plans eager and compiled and "
+                        "keeps the faster plan that fits, saying what compile buys")
     parser.add_argument("--activation-memory-budget", type=float, default=None, metavar="B",
                         help="with --compile: torch._functorch.config.activation_memory_budget "
                         "(0..1) for the compiled blocks (default: the partitioner's own)")
@@ -241,7 +243,20 @@ def model_source(args: argparse.Namespace) -> ModelSource:
                        seq_len=args.seq_len)
 
 
+def _compile_mode(args: argparse.Namespace) -> None:
+    """``--compile`` takes an optional ``auto``; a word after a bare ``--compile`` that is not
+    ``auto``/``on`` is the MODEL (``--compile model.py``), given back to it."""
+    if args.compile in (None, "on", "auto"):
+        return
+    if args.model is None:
+        args.model, args.compile = args.compile, "on"
+        return
+    raise BadInput(f"--compile {args.compile!r}: give --compile alone (compiled blocks) or "
+                   "--compile auto (eager and compiled planned, the better kept).")
+
+
 def run(args: argparse.Namespace) -> int:
+    _compile_mode(args)
     values = validate(args)
     if not args.model and not args.hf_config:
         raise BadInput("give a MODEL file (or --hf-config config.json).")
@@ -260,7 +275,8 @@ def run(args: argparse.Namespace) -> int:
         allow_offload=args.allow_offload, auto_batch=args.batch_size == "auto",
         # --batch-size N with --global-batch-size: N is the micro-batch (fixed_accumulation)
         global_batch_size=None if fixed_steps else args.global_batch_size,
-        grad_accum_steps=fixed_steps or 1, compile_blocks=args.compile,
+        grad_accum_steps=fixed_steps or 1, compile_blocks=args.compile is not None,
+        compile_auto=args.compile == "auto",
         activation_memory_budget=args.activation_memory_budget, framework=args.framework)
     # Imported here, not above: model.load imports torch (about 6 s), and every flag was to be
     # checked before that wait (see the note under the imports).

@@ -19,9 +19,10 @@ of the eager rise, the difference carried on through every later event until tha
 backward segment ends (its saved tensors are freed there). Events inside a block keep the
 eager shape, shifted by the difference and held no lower than the level the segment starts
 from (forward) or ends at (backward): transients inside a compiled block are modelled on the
-eager ones, not on fused kernels. Fully checkpointed blocks keep their checkpointed-pass
-segments (compiled or not, only the block's input is kept); selective checkpointing of
-compiled blocks is not modelled (the composer offers no selective pass).
+eager ones, not on fused kernels. Checkpointed blocks are derived the same way from the
+pass of their mode (fully or selectively checkpointed), with what the partition of the block
+compiled inside that mode's checkpoint wrapper keeps (``kept_bytes(block, mode)``); a mode
+whose wrapper did not compile is not offered.
 """
 
 from __future__ import annotations
@@ -137,12 +138,18 @@ class TimelineComposer:
                            "other in forward and in reverse in backward (aligned block "
                            "segments); this model's do not, so compiled blocks cannot be "
                            "planned. Plan without --compile.")
-        if compiled is not None:  # [Note: compiled timeline]
-            self.plain = compiled_timeline(self.plain, self.plain_seg,
-                                           [compiled.kept_bytes(b) for b in blocks])
-            self.sel = None
         self.ckpt_seg = find_segments(self.ckpt, blocks) if self.ckpt else None
         self.sel_seg = find_segments(self.sel, blocks) if self.sel else None
+        if compiled is not None:  # [Note: compiled timeline], each mode from its own pass
+            self.plain = compiled_timeline(self.plain, self.plain_seg,
+                                           [compiled.kept_bytes(b) for b in blocks])
+            self.ckpt, self.sel = (
+                compiled_timeline(src, seg, [compiled.kept_bytes(b, mode) for b in blocks])
+                if src is not None and seg is not None and mode in compiled.by_mode else None
+                for src, seg, mode in ((self.ckpt, self.ckpt_seg, "full"),
+                                       (self.sel, self.sel_seg, "selective")))
+            self.ckpt_seg, self.sel_seg = (self.ckpt_seg if self.ckpt else None,
+                                           self.sel_seg if self.sel else None)
         every = frozenset(range(len(blocks)))
         self._cache: dict[tuple[frozenset[int], frozenset[int]], list[Event]] = {
             (frozenset(), frozenset()): self.plain.events}

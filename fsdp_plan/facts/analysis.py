@@ -29,12 +29,6 @@ from torch import nn
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
-from torch.utils.flop_counter import (
-    flop_registry,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-    shape_wrapper,
-)
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
@@ -42,6 +36,10 @@ from fsdp_plan.facts.compiled import analyze_compiled
 from fsdp_plan.facts.depth import expand_pass, reduced_copy
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.facts.graph import keeps_full_precision
+from fsdp_plan.facts.op_classes import ATTENTION_PACKETS as _ATTENTION_PACKETS
+from fsdp_plan.facts.op_classes import CPU_ATTENTION_FLOP_RULES  # noqa: F401 (tests import it here)
+from fsdp_plan.facts.op_classes import FLOP_RULES as _FLOP_RULES
+from fsdp_plan.facts.op_classes import mm_class as _mm_class
 from fsdp_plan.facts.types import Analysis, Event, ModuleCompute, Timeline, fill_flops
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import LoadedModel, rebuild_meta, user_code_location
@@ -51,39 +49,8 @@ from fsdp_plan.policy_runtime import checkpoint_module, plain_fqn, resolve_ops
 normalize_fqn = plain_fqn
 
 
-def _cpu_attention_flops(query_shape, key_shape, value_shape, *_args, out_shape=None,
-                         **_kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-def _cpu_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *_args,
-                                  out_shape=None, **_kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
-
-
-CPU_ATTENTION_FLOP_RULES = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention_flops,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-        _cpu_attention_backward_flops,
-}
-"""FLOP rules for the CPU flash-attention kernels, which ``flop_registry`` lacks: on CPU (and
-so under fake CPU tensors) SDPA takes them, and without a rule attention counted 0 FLOPs.
-Pass as ``FlopCounterMode(custom_mapping=...)`` to count the same on real tensors."""
-_FLOP_RULES = {**flop_registry,
-               **{op: shape_wrapper(rule) for op, rule in CPU_ATTENTION_FLOP_RULES.items()}}
-
-
-_ATTENTION_PACKETS = {getattr(torch.ops.aten, name) for name in (
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_flash_attention_for_cpu_backward", "_flash_attention_forward",
-    "_flash_attention_backward", "_efficient_attention_forward", "_efficient_attention_backward",
-) if hasattr(torch.ops.aten, name)}
 _GATHERS = {torch.ops.aten.embedding, torch.ops.aten.index_select, torch.ops.aten.gather,
             torch.ops.aten.index}
-_BIAS_FIRST = {torch.ops.aten.addmm, torch.ops.aten.baddbmm}
 _METADATA_ONLY = {torch.ops.aten._unsafe_view, torch.ops.aten.detach, torch.ops.aten.alias,
                   torch.ops.aten.lift_fresh, torch.ops.aten.empty, torch.ops.aten.empty_like,
                   torch.ops.aten.empty_strided, torch.ops.aten.new_empty,
@@ -93,17 +60,6 @@ _METADATA_ONLY = {torch.ops.aten._unsafe_view, torch.ops.aten.detach, torch.ops.
 def _tensor_bytes(value: Any) -> int:
     leaves, _ = tree_flatten(value)
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
-
-
-def _mm_class(func, args: tuple) -> str:
-    """``mm_small`` / ``mm_medium`` / ``mm_large`` by the smallest GEMM dimension
-    ([Note: op classes] in facts/types.py); convolutions count as medium."""
-    mats = [a for a in (args[1:] if func._overloadpacket in _BIAS_FIRST else args)
-            if isinstance(a, torch.Tensor) and a.dim() >= 2][:2]
-    if len(mats) < 2 or mats[0].dim() > 3:
-        return "mm_medium"
-    smallest = min(mats[0].shape[-2], mats[0].shape[-1], mats[1].shape[-1])
-    return "mm_small" if smallest < 128 else "mm_medium" if smallest < 1024 else "mm_large"
 
 
 class _ActivationMeter(TorchDispatchMode):
@@ -369,8 +325,8 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
 
     ``compile_blocks``: the blocks run compiled (``--compile``); one block of each class is
     traced through the AOTAutograd partitioner (facts/compiled.py), whose saved set replaces
-    the eager one in the plan's timeline (cost/timeline.py [Note: compiled timeline]).
-    Selective checkpointing of compiled blocks is not modelled, so its pass is skipped.
+    the eager one in the plan's timeline (cost/timeline.py [Note: compiled timeline]), in each
+    checkpointing mode that compiles.
 
     Deep models are analysed on a copy cut to three blocks per stack and the middle block's
     segments are repeated (see depth.py); ``exact=True`` runs every block instead.
@@ -385,7 +341,7 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
             ckpt, _, _ = _pass(loaded, param_dtype, blocks, blocks, exact)
         except BadInput:
             ckpt = None  # checkpointing cannot be traced here: plan without it
-        if ckpt is not None and not compile_blocks:
+        if ckpt is not None:
             selective = _selective_pass(loaded, param_dtype, blocks, exact, modules)
     compiled = None
     if compile_blocks:
@@ -396,8 +352,6 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
             progress("tracing the compiled blocks' partition")
         compiled = analyze_compiled(loaded, param_dtype=param_dtype, blocks=blocks,
                                     activation_memory_budget=activation_memory_budget)
-        selective = (None, {}, "selective checkpointing of compiled blocks is not modelled; "
-                               "full checkpointing only")
     root = modules.get("", ModuleCompute())
     end = timeline.events[-1].flops if timeline.events else 0.0
     return Analysis(

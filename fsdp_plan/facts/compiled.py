@@ -19,7 +19,13 @@ From the partition:
 - ``kept_bytes``: every new storage the compiled forward leaves alive (the saved set and the
   block's output): the rise of the activation level over the block's forward, which the
   timeline composer uses for a compiled block (cost/timeline.py [Note: compiled timeline]);
-- ``recomputed``: forward ops of the joint graph that the backward graph computes again.
+- ``recomputed``: forward ops of the joint graph that the backward graph computes again;
+- ``fw_ops`` / ``bw_ops``: the graphs' op-class counters per fused kernel (facts/fused.py
+  [Note: fused regions]), which the step-time model times (cost/compiled_time.py).
+
+Each class is traced as it is and inside the policy's full and selective checkpoint wrappers
+(``trace_modes``): the policy compiles the wrapper, so the checkpoint is inside the graph and
+the partitioner recomputes the region (all of it, or what the selective policy does not save).
 
 Modelled, not measured: the level inside a compiled block (fused-kernel transients) follows
 the eager pass's shape; on a CPU, inductor's kernels cannot run on fake tensors, so verify
@@ -40,11 +46,14 @@ import torch
 from torch import fx, nn
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.depth import reduced_copy
+from fsdp_plan.facts.fused import fused_counters
 from fsdp_plan.facts.graph import keeps_full_precision
 from fsdp_plan.facts.types import CompiledBlock, CompiledBlocks
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import rebuild_meta
+from fsdp_plan.policy_runtime import checkpoint_module, resolve_ops
 
 
 class _Captured(Exception):
@@ -130,7 +139,7 @@ def _new_bytes(nodes: list[fx.Node], inputs: list[fx.Node]) -> int:
 
 def read_partition(fw: fx.GraphModule, bw: fx.GraphModule, joint_forward: set[str],
                    *, block: str, class_name: str,
-                   activation_memory_budget: float | None) -> CompiledBlock:
+                   activation_memory_budget: float | None, mode: str = "none") -> CompiledBlock:
     """The figures of one partition (see [Note: compiled blocks])."""
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     saved_names = [n.name for n in bw.graph.find_nodes(op="placeholder")
@@ -148,13 +157,15 @@ def read_partition(fw: fx.GraphModule, bw: fx.GraphModule, joint_forward: set[st
         block=block, class_name=class_name, activation_memory_budget=activation_memory_budget,
         saved_bytes=_new_bytes(saved, inputs), kept_bytes=_new_bytes(saved + user_outputs, inputs),
         saved_input_tensors=len(saved) - len([n for n in saved if _new_bytes([n], inputs)]),
-        saved_tensors=len(saved), recomputed=dict(sorted(recomputed.items())))
+        saved_tensors=len(saved), recomputed=dict(sorted(recomputed.items())), mode=mode,
+        fw_ops=fused_counters(fw), bw_ops=fused_counters(bw))
 
 
 def trace_block(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,
-                activation_memory_budget: float | None) -> CompiledBlock:
+                activation_memory_budget: float | None, mode: str = "none") -> CompiledBlock:
     """Compile ``block.forward`` through ``graph_backend`` on its captured (fake) inputs and
-    read the partition. Call under the fake mode the inputs belong to."""
+    read the partition. Call under the fake mode the inputs belong to. ``mode``: ``block``
+    is the block in that checkpointing mode's wrapper (recorded in the result)."""
     sink: dict[str, Any] = {}
     torch._dynamo.reset()
     compiled = torch.compile(block.forward, backend=graph_backend(sink), fullgraph=True)
@@ -172,9 +183,26 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,
         raise BadInput(f"block {fqn!r} ({type(block).__name__}) compiled without a backward "
                        "graph (no input or parameter needs a gradient); nothing to plan with "
                        "--compile.")
+    inner = getattr(block, "_checkpoint_wrapped_module", block)
     return read_partition(sink["fw"], sink["bw"], sink["joint_forward"], block=fqn,
-                          class_name=type(block).__name__,
-                          activation_memory_budget=activation_memory_budget)
+                          class_name=type(inner).__name__,
+                          activation_memory_budget=activation_memory_budget, mode=mode)
+
+
+def trace_modes(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,
+                activation_memory_budget: float | None) -> dict[str, CompiledBlock]:
+    """``trace_block`` for ``block`` as it is and in each checkpointing mode's wrapper (the
+    policy's ``checkpoint_module``: the wrapper is what the policy compiles, checkpoint inside
+    the graph). A checkpointed mode that does not compile is left out (not offered)."""
+    out = {"none": trace_block(block, args, kwargs, fqn=fqn,
+                               activation_memory_budget=activation_memory_budget)}
+    for mode, ops in (("full", None), ("selective", resolve_ops(list(DEFAULT_SELECTIVE_OPS)))):
+        try:
+            out[mode] = trace_block(checkpoint_module(block, ops), args, kwargs, fqn=fqn,
+                                    activation_memory_budget=activation_memory_budget, mode=mode)
+        except BadInput:
+            continue
+    return out
 
 
 def capture_block_inputs(model: nn.Module, fqns: list[str], run_forward) -> dict[str, tuple]:
@@ -239,18 +267,22 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
             cast = functools.partial(_cast_floating, dtype=param_dtype)
             args, kwargs = cast(args), cast(kwargs)
         inputs = capture_block_inputs(model, traced, lambda: model(*args, **kwargs))
-        by_class: dict[str, CompiledBlock] = {}
+        by_mode: dict[str, dict[str, CompiledBlock]] = {}
         for fqn in traced:
             if fqn not in inputs:
                 raise BadInput(f"block {fqn!r} did not run in the model's forward; it cannot be "
                                "traced compiled. Plan without --compile.")
             block_args, block_kwargs = inputs[fqn]
-            one = trace_block(model.get_submodule(fqn), block_args, block_kwargs, fqn=fqn,
-                              activation_memory_budget=activation_memory_budget)
-            by_class[one.class_name] = one
+            modes = trace_modes(model.get_submodule(fqn), block_args, block_kwargs, fqn=fqn,
+                                activation_memory_budget=activation_memory_budget)
+            for mode, one in modes.items():
+                by_mode.setdefault(mode, {})[one.class_name] = one
+    by_class = by_mode.pop("none", {})
+    # a mode is offered only when every traced class compiled in it
+    by_mode = {m: per for m, per in by_mode.items() if set(per) == set(by_class)}
     return CompiledBlocks(activation_memory_budget=activation_memory_budget, by_class=by_class,
                           block_class={b: type(loaded.model.get_submodule(b)).__name__
-                                       for b in blocks})
+                                       for b in blocks}, by_mode=by_mode)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

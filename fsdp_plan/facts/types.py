@@ -148,6 +148,14 @@ class CompiledBlock:
     """Saved tensors that alias a graph input (parameters, the block's input): no new bytes."""
     recomputed: dict[str, int] = field(default_factory=dict)
     """Forward ops the backward graph computes again, by op name."""
+    mode: str = "none"
+    """The block's checkpointing mode when traced: ``none``, ``full`` or ``selective`` (the
+    checkpoint wrapper compiled with the block, as the policy does)."""
+    fw_ops: dict[str, float] = field(default_factory=dict)
+    """Op-class counters ([Note: op classes]) of the partition's forward graph with
+    memory-bound ops counted per fused region (facts/fused.py [Note: fused regions])."""
+    bw_ops: dict[str, float] = field(default_factory=dict)
+    """The same for the backward graph (recomputed ops included)."""
 
 
 @dataclass(kw_only=True)
@@ -159,9 +167,18 @@ class CompiledBlocks:
     block_class: dict[str, str] = field(default_factory=dict)
     """Every repeated block's FQN -> its class (the key of ``by_class`` it takes)."""
 
-    def kept_bytes(self, block: str) -> int | None:
+    by_mode: dict[str, dict[str, CompiledBlock]] = field(default_factory=dict)
+    """``full`` / ``selective`` -> the partitions of each class traced checkpointed in that
+    mode (a mode left out did not compile: it is not offered)."""
+
+    def of(self, block: str, mode: str = "none") -> CompiledBlock | None:
+        """The partition ``block`` takes in checkpointing ``mode``, or None when not traced."""
+        table = self.by_class if mode == "none" else self.by_mode.get(mode, {})
+        return table.get(self.block_class.get(block, ""))
+
+    def kept_bytes(self, block: str, mode: str = "none") -> int | None:
         """What ``block``'s compiled forward leaves alive, or None when it was not traced."""
-        one = self.by_class.get(self.block_class.get(block, ""))
+        one = self.of(block, mode)
         return None if one is None else one.kept_bytes
 
 
@@ -238,7 +255,9 @@ def _compiled(raw: dict[str, Any] | None) -> CompiledBlocks | None:
         return None
     return CompiledBlocks(activation_memory_budget=raw.get("activation_memory_budget"),
                           by_class={k: CompiledBlock(**v) for k, v in raw["by_class"].items()},
-                          block_class=dict(raw.get("block_class", {})))
+                          block_class=dict(raw.get("block_class", {})),
+                          by_mode={m: {k: CompiledBlock(**v) for k, v in per.items()}
+                                   for m, per in raw.get("by_mode", {}).items()})
 
 
 def _timeline(raw: dict[str, Any]) -> Timeline:

@@ -99,6 +99,13 @@ class CollectiveCounter(CommDebugMode):
     ``CommDebugMode.__torch_dispatch__`` is restated here over the same op registry.
     """
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Dynamo ignores this mode, so a plan's compiled blocks (issue 22) run compiled under
+        it instead of Dynamo refusing the frames ("non-infra torch dispatch mode present");
+        FSDP's collectives run outside the compiled graphs, in its hooks, and are counted."""
+        return True
+
     def __enter__(self) -> CollectiveCounter:  # noqa: PYI034 - typing_extensions.Self is not needed
         self.comm_counts.clear()
         TorchDispatchMode.__enter__(self)

@@ -100,7 +100,14 @@ class GroupAwareMemTracker(FSDPMemTracker):
 class CompiledStepMemTracker(GroupAwareMemTracker):
     """``GroupAwareMemTracker`` for plans with compiled blocks: it tells Dynamo to ignore it
     while compiling (``ignore_compile_internals``), so the blocks' compiled graphs run under
-    it instead of Dynamo skipping or recompiling the frames under a dispatch mode (issue 22)."""
+    it instead of Dynamo skipping or recompiling the frames under a dispatch mode (issue 22).
+
+    It also takes higher-order operators (``supports_higher_order_operators``): a checkpointed
+    block's partitioned graphs call ``run_and_save_rng_state`` / ``run_with_rng_state``, which
+    a mode without that flag refuses; the base ``__torch_dispatch__`` runs them below the
+    tracker and tracks what they return, as it does for any op."""
+
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:

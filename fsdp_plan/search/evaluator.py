@@ -22,6 +22,7 @@ import copy
 import dataclasses
 
 from fsdp_plan.cost.collectives import count_fsdp1, count_fsdp2, cross_node_bytes, per_step
+from fsdp_plan.cost.compiled_time import compiled_times, without_inside
 from fsdp_plan.cost.ddp_buckets import GradParam, evaluate_ddp, event_times, grad_parameters
 from fsdp_plan.cost.memory import ActivationProfile, StepContext, estimate_peak
 from fsdp_plan.cost.offload import host_bytes, offload_seconds, offloaded_time
@@ -62,6 +63,13 @@ class Evaluator:
         self.composer = TimelineComposer(analysis, graph.blocks)
         self._profiles: dict[tuple[frozenset[int], frozenset[int]], ActivationProfile] = {}
         self.exclusive_fw, self.exclusive_bw = _exclusive_flops(graph, analysis)
+        hw = settings.hardware
+        self.compiled_s = (compiled_times(Rates.of(hw, analysis.param_dtype), analysis.compiled,
+                                          set(graph.modules))
+                           if hw is not None and analysis.compiled is not None else None)
+        """Compiled blocks' graph times ([Note: compiled block time]); None for eager blocks."""
+        self.exclusive_fw = without_inside(self.exclusive_fw, self.compiled_s)
+        self.exclusive_bw = without_inside(self.exclusive_bw, self.compiled_s)
         self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks if b in analysis.modules}
         self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
         self._ops_cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
@@ -206,8 +214,12 @@ class Evaluator:
                 level, _ = c.segment_delta(i, mode)
                 saved = max(0, kept - level)
                 flops, ops = _replayed(c, i, mode)
+                compiled = (self.compiled_s.recompute_s.get(b, {}).get(mode)
+                            if self.compiled_s is not None else None)
                 if rates is None:
                     seconds = 0.0
+                elif compiled is not None:  # [Note: compiled block time]
+                    seconds = compiled
                 elif ops is not None:
                     seconds = compute_time(rates, ops, flops)
                 else:  # facts without op counters: the FLOPs, and for the memory-bound ops
@@ -296,7 +308,8 @@ class Evaluator:
         hw = s.hardware
         rates = Rates.of(hw, self.analysis.param_dtype)
         if self._own_ops is None:
-            self._own_ops = exclusive_ops(set(self.graph.modules), self.analysis.modules)
+            self._own_ops = tuple(without_inside(o, self.compiled_s) for o in exclusive_ops(
+                set(self.graph.modules), self.analysis.modules))
         own_fw, own_bw = self._own_ops
         p = s.precision
         shard_local = ranks_per_node_in(shard, 1, s.gpus_per_node)
@@ -317,8 +330,10 @@ class Evaluator:
                 rs_bytes = unsharded * p.reduce_bytes
                 base = self._cost_cache[key] = UnitCost(
                     key=u.key or "<root>",
-                    fw_compute_s=compute_time(rates, fw_ops, fw) + hw.unit_overhead_s,
-                    bw_compute_s=compute_time(rates, bw_ops, bw) + hw.unit_overhead_s,
+                    fw_compute_s=compute_time(rates, fw_ops, fw) + hw.unit_overhead_s
+                    + (self.compiled_s.forward_s(owned) if self.compiled_s else 0.0),
+                    bw_compute_s=compute_time(rates, bw_ops, bw) + hw.unit_overhead_s
+                    + (self.compiled_s.backward_s(owned) if self.compiled_s else 0.0),
                     all_gather_s=collective_time(hw, ag_bytes, shard, ranks_per_node=shard_local)
                     + fsdp_copy_time(hw, rates, ag_bytes, "all_gather") if u.numel else 0.0,
                     reduce_scatter_s=collective_time(hw, rs_bytes, shard, "reduce_scatter",

@@ -59,6 +59,9 @@ class PlanRequest:
     """``--compile``: plan the repeated blocks compiled (``torch.compile(block.forward,
     fullgraph=True)``), their saved activations from the AOTAutograd partition
     (facts/compiled.py); FSDP2 plans only."""
+    compile_auto: bool = False
+    """``--compile auto``: plan eager and compiled (``compile_blocks`` is then true for the
+    analysis) and keep the better plan (api.py ``make_plan``)."""
     activation_memory_budget: float | None = None
     """``--activation-memory-budget``: ``torch._functorch.config.activation_memory_budget``
     (0..1) for the compiled blocks; None: the partitioner's default."""
@@ -103,6 +106,9 @@ class PlanRequest:
             raise BadInput(f"--compile with --framework {self.framework}: the exported "
                            "configuration does not say compiled blocks yet; plan without "
                            "--framework (export then writes a hook that compiles them).")
+        if self.compile_auto and not self.compile_blocks:
+            raise BadInput("compile_auto compares eager with compiled blocks; set "
+                           "compile_blocks too.")
         if self.compile_blocks and self.strategy == "ddp":
             raise BadInput("--compile plans compiled blocks for FSDP2 (sharded) plans; DDP with "
                            "compiled blocks is not modelled. Drop --compile or --strategy ddp.")
