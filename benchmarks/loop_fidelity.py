@@ -105,7 +105,7 @@ def planned_and_measured(section: str, case: str, source: ModelSource, **request
             f"{plan.grad_accum_steps} micro-batch(es), peak at {plan.predicted['peak_phase']}")
     loss = plan.predicted["breakdown"].get("loss")
     if loss:
-        note += f", loss holds {loss / GB:.2f} GB there"
+        note += f", loss holds {_size(loss)} there"
     return Row(section, case, plan.predicted["peak_bytes"], measured.peak_bytes, note,
                time.perf_counter() - started)
 
@@ -139,7 +139,7 @@ def autocast(quick: bool) -> list[Row]:
     else:
         fsdp = [("ResNet-50, batch 64, world 8", resnet, 6 * GB, 8),
                 ("HF Llama-3-8B, world 8, 1 x 4096", hf("llama3_8b", 1, 4096), 80 * GB, 8),
-                ("T5-base, world 8, 8 x 512", hf("t5_base", 8, 512), 3 * GB, 8)]
+                ("T5-base, world 8, 8 x 512", hf("t5_base", 8, 512), 6 * GB, 8)]
     rows = [planned_and_measured("autocast", f"FSDP --autocast bf16: {name}, 2 micro-batches",
                                  source, budget_bytes=mem, world_size=world, strategy="full",
                                  grad_accum_steps=2, **AUTOCAST)
