@@ -16,10 +16,11 @@ import pytest
 import torch
 from test_measure_helpers import run_cli
 
-from fsdp_plan.api import PlanRequest, analyze_model, make_plan
+from fsdp_plan.api import PlanRequest, analyze_model, make_plan, predict
 from fsdp_plan.measure.memory import measure_peak
 from fsdp_plan.model.load import load_model
 from fsdp_plan.model.source import ModelSource
+from fsdp_plan.pictures.series import plan_timeline, step_series
 from fsdp_plan.plan.emit import load_policy_module
 
 pytestmark = [pytest.mark.hf, pytest.mark.skipif(
@@ -110,6 +111,26 @@ def test_the_breakdown_shows_what_the_loss_holds_when_the_peak_falls_there(tmp_p
                 if line.strip())
     assert "loss" in rows, out
     assert "backward (pre_bw lm_head)" in out
+
+
+@pytest.mark.parametrize("strategy", ["full", "ddp"])
+def test_the_pictures_show_what_the_loss_holds_as_the_breakdown_does(strategy):
+    """The memory over the step (``--html``, ``--memory-snapshot``) splits the activations as
+    the plan's breakdown does: its highest total is the predicted peak and holds the same
+    ``loss`` bytes there. A DDP plan in bf16 computes under autocast, so its picture is drawn
+    from the pass traced under autocast, as the search priced it."""
+    source = _source(os.path.join(HF, "llama.json"), 2, 256)
+    result = make_plan(PlanRequest(source=source, budget_bytes=10**9, world_size=8,
+                                   strategy=strategy))
+    prediction = predict(result.plan, result.facts)
+    series = step_series(plan_timeline(result.plan, result.facts, prediction),
+                         prediction.candidate.time)
+    breakdown = result.plan.predicted["breakdown"]
+    assert breakdown.get("loss"), breakdown
+    assert series.peak_bytes == result.plan.predicted["peak_bytes"]
+    at = series.totals.index(series.peak_bytes)
+    assert series.parts["loss"][at] == breakdown["loss"]
+    assert series.parts["activations"][at] == breakdown["activations"]
 
 
 def test_model_made_position_ids_are_one_sequence_on_fake_tensors():
