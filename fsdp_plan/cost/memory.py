@@ -258,7 +258,7 @@ def _encode(live, instants, grads_at):
     return live, instants, grads_at
 
 
-def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int],
+def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int], grads_at,
             every_event: bool = False) -> tuple[list[int], list[int]]:
     """The coded points a sweep visits, in order, and the activation bytes at each: the gap
     ending at an event holds the highest activation since the previous point's event.
@@ -270,6 +270,10 @@ def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int],
     points.update(start & ~3 for start, _, _, _ in live)
     points.update(end & ~3 for _, end, _, _ in live)
     points.update(extra_bytes)
+    # A sharded gradient appears while the reduce-scatter input still lives: for the last unit
+    # to reduce nothing ends after that, so its point must be visited (a root-only plan at
+    # shard size 1 holds a whole fp32 gradient twice there).
+    points.update(at for at, _ in grads_at)
     if profile.loss_span is not None:  # gaps that begin and end with the loss's region
         points.update(4 * k for k in profile.loss_span)
     # The gap before an instant holds the activation peak since the previous boundary: without
@@ -303,7 +307,7 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
     extra_bytes: dict[int, int] = {}
     for key, nbytes, _ in instants:
         extra_bytes[key] = extra_bytes.get(key, 0) + nbytes
-    ordered, activations = _points(profile, live, extra_bytes)
+    ordered, activations = _points(profile, live, extra_bytes, grads_at)
     base = sum(static.values())
     totals = [base + act + running[bisect.bisect_right(delta_keys, pt)]
               + (extra_bytes.get(pt, 0) if pt & 3 else 0)
@@ -523,7 +527,7 @@ def memory_timeline(profile: ActivationProfile, units: list[UnitSpec], ctx: Step
                      backward_prefetch=backward_prefetch)
     live, instants, grads_at = _encode(b.live, b.instants, b.grads_at)
     extra_bytes = {key: 0 for key, _, _ in instants}
-    points, activations = _points(profile, live, extra_bytes, every_event=True)
+    points, activations = _points(profile, live, extra_bytes, grads_at, every_event=True)
     return MemoryTimeline(events=profile.events, forward_end=profile.forward_end, points=points,
                           activations=activations, static=b.static, held=b.held, live=live,
                           instants=instants, grads_at=grads_at, optimizer_step=b.optimizer_step,
