@@ -7,13 +7,11 @@ training run whose tokens per second per GPU its authors published, with the sha
 batch, sequence length and activation checkpointing they used. The published step time is
 ``local batch x sequence / (tokens/s per GPU)``. The prediction is the matching standard recipe
 (one ``fully_shard`` per block plus the root, as torchtitan wraps; no AC, torchtitan's
-per-op selective AC, or full AC on every block) on the GPU preset, through the library API,
+per-op selective AC saving every second matmul (``selective_mm_stride: 2``), or full AC on
+every block) on the GPU preset, through the library API,
 exactly as ``fsdp-plan`` ranks it. Nothing here is fitted to these numbers.
 
 What differs from the published setups, and which way it pulls the prediction:
-- torchtitan's selective "op" policy recomputes every second matmul; the plans here save
-  every matmul (a stateless policy): less recompute (prediction faster) and more saved
-  activations (predicted peak higher).
 - The 2024-12 H100s are Grand Teton's 96 GB HBM2e parts (2.4 TB/s) at a 500 W power limit;
   the h100 preset is the 700 W SXM5 with 3.35 TB/s HBM3 (prediction faster).
 - Published memory is ``max_memory_reserved`` (the allocator's cache included); the predicted

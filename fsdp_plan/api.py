@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from fsdp_plan.common.autocast import plan_autocast_dtype
 from fsdp_plan.common.errors import NoFeasiblePlan
 from fsdp_plan.common.files import atomic_write_all
 from fsdp_plan.common.progress import Progress
@@ -131,11 +132,8 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
             steps = (request.global_batch_size // request.world_size // batch
                      if request.global_batch_size else 1)
             progress(f"micro-batch {batch} x {steps} accumulation step(s)")
-        analyzed = analyze_model(source, param_dtype=request.param_dtype,
-                                 exact=request.exact_analysis,
-                                 progress=None if batching else progress,
-                                 compile_blocks=request.compile_blocks,
-                                 activation_memory_budget=request.activation_memory_budget)
+        analyzed = analyze_model(source, progress=None if batching else progress,
+                                 **request.analysis_options())
         analyses[batch] = analyzed
         if progress and not batching:
             graph = analyzed.facts.graph
@@ -248,11 +246,16 @@ def _result(choice: BatchChoice, *, digest: str, notes: list[str] | None) -> Pla
 
 
 def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:
-    """The facts a plan is predicted from: ``loaded`` analysed at the plan's compute dtype
-    (``predict``, ``verify`` and ``tune`` all start here)."""
+    """The facts a plan is predicted from: ``loaded`` analysed as the plan computes (FSDP
+    mixed precision at its ``param_dtype``, or float32 parameters under ``torch.autocast``:
+    [Note: autocast precision]) with its selective stride (``predict``, ``verify`` and
+    ``tune`` all start here)."""
     compiled = plan.compile or {}
-    return analyze_loaded(loaded, param_dtype=plan.mixed_precision.get("param_dtype")
-                          or "float32", compile_blocks=bool(compiled),
+    autocast = plan_autocast_dtype(plan)
+    param = "float32" if autocast else plan.mixed_precision.get("param_dtype") or "float32"
+    return analyze_loaded(loaded, param_dtype=param, autocast_dtype=autocast,
+                          selective_mm_stride=plan.selective_mm_stride,
+                          compile_blocks=bool(compiled),
                           activation_memory_budget=compiled.get("activation_memory_budget")).facts
 
 

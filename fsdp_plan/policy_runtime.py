@@ -119,8 +119,14 @@ def _unit_precision(unit: dict) -> dict:
     modules around it keep computing in the plan's dtype (what FSDP1 does for batch norm).
     """
     override = unit.get("mixed_precision") or {}
+    param = override.get("param_dtype", PLAN["mixed_precision"].get("param_dtype"))
+    if PLAN["mixed_precision"].get("autocast_dtype") and "param_dtype" not in override:
+        # Under autocast FSDP keeps the float32 parameters and leaves each unit's inputs as
+        # they come (an explicit float32 param_dtype would copy autocast's bf16 activations
+        # to float32 at every unit boundary); autocast casts per op.
+        param = None
     return {
-        "param_dtype": _dtype(override.get("param_dtype", PLAN["mixed_precision"].get("param_dtype"))),
+        "param_dtype": _dtype(param),
         "reduce_dtype": _dtype(override.get("reduce_dtype",
                                             PLAN["mixed_precision"].get("reduce_dtype"))),
         "output_dtype": _dtype(override.get("output_dtype")),
@@ -173,11 +179,20 @@ def resolve_ops(names: list) -> list:
     return ops
 
 
-def selective_policy(ops: list):
-    """The per-op policy: save the outputs of ``ops`` (``OpOverload`` objects), recompute the rest."""
+def selective_policy(ops: list, mm_stride: int = 1):
+    """The per-op policy of one checkpointed call: save the outputs of ``ops`` (``OpOverload``
+    objects), recompute the rest; of the ``aten.mm`` calls only the 1st, (k+1)th, (2k+1)th, ...
+    (``mm_stride`` k) are saved, counted apart in the forward and in the recompute as
+    torchtitan's op policy counts them. It counts, so ``context_fn`` makes one per call."""
     saved = frozenset(ops)
+    mm = torch.ops.aten.mm.default
+    mm_calls = {False: 0, True: 0}  # keyed by ctx.is_recompute
 
-    def policy(_ctx, op, *_args, **_kwargs):
+    def policy(ctx, op, *_args, **_kwargs):
+        if op == mm:
+            mm_calls[ctx.is_recompute] += 1
+            if (mm_calls[ctx.is_recompute] - 1) % mm_stride:
+                return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
     return policy
 
@@ -209,14 +224,16 @@ def _no_cache_in_training(module: nn.Module, args: tuple, kwargs: dict):
     return args, kwargs
 
 
-def checkpoint_module(module: nn.Module, selective_ops: list | None = None) -> nn.Module:
+def checkpoint_module(module: nn.Module, selective_ops: list | None = None,
+                      mm_stride: int = 1) -> nn.Module:
     """``module`` in a non-reentrant checkpoint wrapper: full recomputation, or per-op selective
-    (``selective_ops``: ``OpOverload`` objects whose outputs are saved) when given."""
+    (``selective_ops``: ``OpOverload`` objects whose outputs are saved, every ``mm_stride``-th
+    ``aten.mm``) when given."""
     if selective_ops is None:
         return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    policy = selective_policy(selective_ops)
     wrapper = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                 context_fn=lambda: create_selective_checkpoint_contexts(policy))
+                                 context_fn=lambda: create_selective_checkpoint_contexts(
+                                     selective_policy(selective_ops, mm_stride)))
     wrapper.register_forward_pre_hook(_no_cache_in_training, with_kwargs=True)
     return wrapper
 
@@ -253,7 +270,8 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
         replacements.append((model.get_submodule(parent_name), attr, module,
                              modes[plain_fqn(name)] == "selective"))
     for parent, attr, module, selective in replacements:
-        setattr(parent, attr, checkpoint_module(module, saved_ops if selective else None))
+        setattr(parent, attr, checkpoint_module(module, saved_ops if selective else None,
+                                                int(PLAN.get("selective_mm_stride", 1))))
     return model
 
 

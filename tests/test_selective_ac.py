@@ -43,7 +43,8 @@ def _predicted(tmp_path, plan: Plan) -> Plan:
 @pytest.fixture(scope="module")
 def tiny_facts():
     source = ModelSource(source=LLAMA, args={"size": "tiny"}, batch_size=2, seq_len=32)
-    return analyze_model(source, param_dtype="bfloat16").facts
+    # as planning analyses: with torchtitan's stride-2 selective pass for its recipe row
+    return analyze_model(source, param_dtype="bfloat16", selective_strides=(2,)).facts
 
 
 def test_the_selective_pass_saves_part_of_what_full_saves(tiny_facts):
@@ -156,6 +157,7 @@ def test_recipes_include_torchtitan_selective_and_full_ac(tiny_facts):
     full = recipes["recipe: full AC every block"]
     blocks = tiny_facts.graph.blocks
     assert sel.selective == blocks and sel.checkpointed == blocks
+    assert sel.selective_mm_stride == 2  # torchtitan's op policy: every second matmul
     assert full.checkpointed == blocks and not full.selective
     assert full.memory.peak_bytes < sel.memory.peak_bytes
     assert sel.recompute_s < full.recompute_s
@@ -245,7 +247,7 @@ def test_llama_8b_between_selective_and_no_checkpointing_beats_both_recipes():
     """Issue 10's acceptance: Llama 3 8B, world 8, batch 2 x 8192, a budget between the
     selective-everywhere peak and the no-checkpointing peak (planned in about 10 s)."""
     source = ModelSource(source=LLAMA, args={"size": "8b"}, batch_size=2, seq_len=8192)
-    facts = analyze_model(source).facts
+    facts = analyze_model(source, selective_strides=(2,)).facts  # as planning analyses
     result = plan_from_facts(facts, PlanRequest(source=source, budget_bytes=120 * 10**9,
                                                 world_size=8))
     recipes = {c.name: c for c in result.recipes}

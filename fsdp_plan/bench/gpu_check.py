@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fsdp_plan.api import analyze_model, predict
+from fsdp_plan.api import analyze_for_plan, predict
 from fsdp_plan.bench.inputs import check_out_folder
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, device_name, git_commit, plan_hash
 from fsdp_plan.bench.timing import time_plans
@@ -85,10 +85,9 @@ def predict_at_world(path: str, hardware: Hardware, world: int = 1) -> float:
     a world-1 bench measures: no communication to wait for)."""
     plan = read_plan(path)
     loaded = runtime.load_planned_model(plan, None, path)
-    dtype = (plan.mixed_precision or {}).get("param_dtype") or "float32"
-    facts = analyze_model(loaded.source, param_dtype=dtype).facts
     one = dataclasses.replace(plan, world_size=world, mesh=Mesh(replicate=1, shard=world),
                               strategy="full")
+    facts = analyze_for_plan(one, loaded)
     return predict(one, facts, hardware=hardware, gpus_per_node=max(1, world)
                    ).predicted["step_time_s"]
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fsdp_plan.bench.results import phase_seconds
+from fsdp_plan.common.autocast import autocast_context
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.collectives import CollectiveCounter
 from fsdp_plan.measure.ddp import buckets_in_use, peak_of_step
@@ -125,7 +126,8 @@ def _profiled_step(worker: PlannedWorker, folder: str, rank: int) -> str:
     with (_without_profiler_chatter(folder, rank),
           profile(activities=activities) as prof, record_function("fsdp_plan.step")):
         args, kwargs = worker.inputs
-        with record_function("fsdp_plan.forward"):
+        with record_function("fsdp_plan.forward"), autocast_context(
+                runtime.policy_autocast_dtype(worker.policy), device.type):
             loss = worker.loaded.compute_loss(worker.model(*args, **kwargs))
         with record_function("fsdp_plan.backward"):
             loss.backward()

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from fsdp_plan.api import PlanRequest, make_plan, predict, verify_by_measurement
+from fsdp_plan.common.autocast import AUTOCAST_DTYPES
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import check_outputs, check_writable
@@ -82,8 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"tokens per sample, 1..{MAX_SEQ_LEN:,} (default: %(default)s)")
     parser.add_argument("--strategy", default="auto", choices=STRATEGY_CHOICES,
                         help="sharding strategy; auto picks the best that fits (default: %(default)s)")
-    parser.add_argument("--param-dtype", default="bf16",
-                        help="mixed-precision parameter dtype: bf16, fp16 or fp32 (default: %(default)s)")
+    parser.add_argument("--param-dtype", default=None,
+                        help="mixed-precision parameter dtype: bf16, fp16 or fp32 (default: bf16; "
+                        "fp32 with --autocast)")
+    parser.add_argument("--autocast", default=None, metavar="DTYPE",
+                        help="compute under torch.autocast in DTYPE (bf16 or fp16) with float32 "
+                        "parameters and communication, as HF Trainer/accelerate bf16 and "
+                        "Lightning bf16-mixed train (plan records mixed_precision.autocast_dtype)")
     parser.add_argument("--reduce-dtype", default=None,
                         help="gradient reduction dtype: bf16, fp16, fp32, or auto to let the "
                         "planner reduce in bf16 where it pays (default: fp32; with --framework "
@@ -182,7 +188,16 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
                   outputs)
     overrides = read_hardware_file(args.hardware) if args.hardware else None
     hardware = hardware_for(args.gpu, overrides, where=f"--hardware {args.hardware!r}")
-    param_dtype = canonical_dtype(args.param_dtype, "--param-dtype")
+    autocast = canonical_dtype(args.autocast, "--autocast") if args.autocast else None
+    if autocast is not None and autocast not in AUTOCAST_DTYPES:
+        raise BadInput(f"--autocast {args.autocast} is not a dtype torch.autocast computes in; "
+                       "use bf16 or fp16.")
+    param_dtype = canonical_dtype(args.param_dtype or ("fp32" if autocast else "bf16"),
+                                  "--param-dtype")
+    if autocast is not None and param_dtype != "float32":
+        raise BadInput(f"--autocast keeps float32 parameters (FSDP gathers them in float32 and "
+                       f"autocast casts per op), so --param-dtype {args.param_dtype} cannot go "
+                       "with it; leave --param-dtype out (or give fp32).")
     reduce_dtype = (None if args.reduce_dtype is None  # PlanRequest: fp32 or --framework's
                     else "auto" if args.reduce_dtype.lower() == "auto"
                     else canonical_dtype(args.reduce_dtype, "--reduce-dtype"))
@@ -197,7 +212,7 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
         origin = file_origin(args.hardware)
     return {"budget": budget, "headroom": headroom, "hardware": hardware,
             "hardware_origin": origin,
-            "param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+            "param_dtype": param_dtype, "reduce_dtype": reduce_dtype, "autocast": autocast}
 
 
 def fixed_accumulation(args: argparse.Namespace) -> int | None:
@@ -270,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         source=source, budget_bytes=values["budget"], headroom_bytes=values["headroom"],
         world_size=args.world_size, gpus_per_node=args.gpus_per_node, strategy=args.strategy,
         param_dtype=values["param_dtype"], reduce_dtype=values["reduce_dtype"],
-        optimizer=args.optimizer, hardware=values["hardware"],
+        autocast_dtype=values["autocast"], optimizer=args.optimizer, hardware=values["hardware"],
         hardware_origin=values["hardware_origin"], exact_analysis=args.exact_analysis,
         allow_offload=args.allow_offload, auto_batch=args.batch_size == "auto",
         # --batch-size N with --global-batch-size: N is the micro-batch (fixed_accumulation)

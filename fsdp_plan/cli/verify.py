@@ -79,6 +79,9 @@ def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float,
         measured_by_key[key] = measured_by_key.get(key, 0) + value
     predicted_by_key = {k: int(v) for k, v in (predicted.get("breakdown") or {}).items()
                         if isinstance(v, (int, float))}
+    if "loss" in predicted_by_key:  # the trackers count what the loss holds as activations
+        predicted_by_key["activations"] = (predicted_by_key.get("activations", 0)
+                                           + predicted_by_key.pop("loss"))
     keys = [k for k in dict.fromkeys([*TRACKER_TO_PLAN.values(), *predicted_by_key])
             if measured_by_key.get(k) or predicted_by_key.get(k)]
     components = [{"component": k, "predicted_bytes": predicted_by_key.get(k),

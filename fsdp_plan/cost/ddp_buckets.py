@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_plan.cost.hardware import Hardware
-from fsdp_plan.cost.memory import MemoryEstimate, MemoryTimeline
+from fsdp_plan.cost.memory import MemoryEstimate, MemoryTimeline, loss_span
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
 from fsdp_plan.cost.step_time import (
     Rates,
@@ -375,7 +375,8 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     gradient from the op that makes it until it is accumulated), or the optimizer step's
     temporary (one gradient-sized ``foreach`` buffer, as in cost/memory.py). A plan computing below
     float32 runs under ``torch.autocast``, which keeps a low-precision copy of each weight
-    from its forward use to its backward."""
+    from its forward use to its backward: in the activations of an analysis traced under
+    autocast ([Note: autocast precision]), added as ``autocast_weights`` to one that was not."""
     static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
                                                unused)
     events = analysis.timeline.events
@@ -391,6 +392,11 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     ev = events[peak_at] if events else None
     where = f"{ev.kind} {ev.module or '<root>'}" if ev else "step"
     phase = "backward" if ev and ev.kind.endswith("bw") else "forward"
+    span = loss_span(events, next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
+                                  len(events)))
+    if span is not None and span[0] < peak_at <= span[1]:  # [Note: the loss in the breakdown]
+        step["activations"] = min(activations, events[span[0]].level)
+        step["loss"] = activations - step["activations"]
     return MemoryEstimate(peak_bytes=base + activations + autocast, phase=f"{phase} ({where})",
                           breakdown=step)
 
@@ -417,8 +423,11 @@ def _ddp_resident(graph: ModuleGraph, analysis: Analysis, precision: Precision, 
     }
     if not config.gradient_as_bucket_view:
         static["grads"] = params
+    # traced under autocast, the activations hold the weights' casts already; facts traced with
+    # the parameters cast (FSDP mixed precision) get one cast of every weight added
     autocast = (graph.total_numel * precision.param_bytes
-                if precision.param_bytes < precision.orig_bytes else 0)
+                if precision.param_bytes < precision.orig_bytes and not analysis.autocast_dtype
+                else 0)
     return static, autocast, trained if states else 0
 
 
@@ -431,13 +440,14 @@ def ddp_memory_timeline(graph: ModuleGraph, analysis: Analysis, precision: Preci
     static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
                                                unused)
     events = analysis.timeline.events
-    forward_end = max(0, next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
-                              len(events)) - 1)
+    backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), len(events))
+    forward_end = max(0, backward_start - 1)
     return MemoryTimeline(
         events=events, forward_end=forward_end, points=[4 * i for i in range(len(events))],
         activations=[e.peak for e in events], static=static,
         held={"autocast_weights": autocast} if autocast else {}, live=[], instants=[],
-        grads_at=[], optimizer_step={**static, "optimizer_temporaries": opt_temp})
+        grads_at=[], optimizer_step={**static, "optimizer_temporaries": opt_temp},
+        loss_span=loss_span(events, backward_start))
 
 
 # --- evaluation ----------------------------------------------------------------------------

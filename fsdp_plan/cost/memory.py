@@ -111,6 +111,7 @@ class ActivationProfile:
         self.backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
                                    len(events) - 1)
         self.forward_end = max(0, self.backward_start - 1)
+        self.loss_span = loss_span(events, self.backward_start)
         self._first: dict[tuple[str, str, bool], int] = {}
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._last: dict[tuple[str, str, bool], int] = {}
@@ -119,6 +120,11 @@ class ActivationProfile:
             key = (e.kind, e.module, i >= self.backward_start)
             self._first.setdefault(key, i)
             self._last[key] = i
+
+    def split_loss(self, lo: int, hi: int, activations: int) -> dict[str, int]:
+        """``activations`` at events ``lo..hi`` as ``{activations, loss}``: see
+        [Note: the loss in the breakdown]."""
+        return split_loss(self.events, self.loss_span, lo, hi, activations)
 
     def max_peak(self, lo: int, hi: int) -> int:
         """Highest event peak over indices ``lo..hi`` inclusive (0 for an empty range)."""
@@ -206,6 +212,43 @@ class ActivationProfile:
                            bw_end=max(bw_end, bw_start))
 
 
+def loss_span(events: list[Event], backward_start: int) -> tuple[int, int] | None:
+    """Event indices around the loss: the last forward end of a submodule (not the root)
+    before backward, and the first backward start of one after it.
+
+    [Note: the loss in the breakdown]
+    Between the end of the last submodule's forward and the start of the first submodule's
+    backward the step computes the loss and its gradient: in ``loss_fn`` outside the model, or
+    inside the root's forward (Hugging Face heads given ``labels`` upcast the logits to float32
+    there). What the activations hold above the level the last submodule left is what the loss
+    holds; when the peak falls there the breakdown shows it as ``loss``."""
+    last_fw = max((i for i in range(min(backward_start, len(events)))
+                   if events[i].kind == "post_fw" and events[i].module), default=None)
+    first_bw = next((i for i in range(backward_start, len(events))
+                     if events[i].kind == "pre_bw" and events[i].module), None)
+    if last_fw is None or first_bw is None:
+        return None
+    return last_fw, first_bw
+
+
+def split_loss(events: list[Event], span: tuple[int, int] | None, lo: int, hi: int,
+               activations: int) -> dict[str, int]:
+    """``activations`` of the gap over events ``lo..hi`` as ``{activations, loss}`` when the gap
+    lies inside the loss's ``span`` (``loss_span``), else as ``{activations}``: see
+    [Note: the loss in the breakdown]. The two parts always sum to ``activations``."""
+    if span is None or not span[0] < lo <= hi <= span[1]:
+        return {"activations": activations}
+    model = events[span[0]].level
+    return {"activations": min(model, activations), "loss": max(0, activations - model)}
+
+
+def _gap_start(points: list[int], i: int) -> int:
+    """The first event whose peak the coded point ``points[i]`` covers (see ``_points``)."""
+    if points[i] & 3:
+        return points[i] >> 2
+    return (points[i - 1] >> 2) + 1 if i else 0
+
+
 def _encode(live, instants, grads_at):
     """Buffers with their (event, sub-step) points coded as one integer ``4 * event + sub + 1``
     (ordered as the tuples are): see ``_sweep``."""
@@ -215,7 +258,7 @@ def _encode(live, instants, grads_at):
     return live, instants, grads_at
 
 
-def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int],
+def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int], grads_at,
             every_event: bool = False) -> tuple[list[int], list[int]]:
     """The coded points a sweep visits, in order, and the activation bytes at each: the gap
     ending at an event holds the highest activation since the previous point's event.
@@ -227,6 +270,12 @@ def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int],
     points.update(start & ~3 for start, _, _, _ in live)
     points.update(end & ~3 for _, end, _, _ in live)
     points.update(extra_bytes)
+    # A sharded gradient appears while the reduce-scatter input still lives: for the last unit
+    # to reduce nothing ends after that, so its point must be visited (a root-only plan at
+    # shard size 1 holds a whole fp32 gradient twice there).
+    points.update(at for at, _ in grads_at)
+    if profile.loss_span is not None:  # gaps that begin and end with the loss's region
+        points.update(4 * k for k in profile.loss_span)
     # The gap before an instant holds the activation peak since the previous boundary: without
     # it, a backward-prefetch copy-out hides the peak of the gap just before it.
     points.update(key & ~3 for key in extra_bytes)
@@ -258,7 +307,7 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
     extra_bytes: dict[int, int] = {}
     for key, nbytes, _ in instants:
         extra_bytes[key] = extra_bytes.get(key, 0) + nbytes
-    ordered, activations = _points(profile, live, extra_bytes)
+    ordered, activations = _points(profile, live, extra_bytes, grads_at)
     base = sum(static.values())
     totals = [base + act + running[bisect.bisect_right(delta_keys, pt)]
               + (extra_bytes.get(pt, 0) if pt & 3 else 0)
@@ -266,7 +315,8 @@ def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[st
     best_at = max(range(len(totals)), key=totals.__getitem__)  # the first highest point
     best_total, point = totals[best_at], ordered[best_at]
     parts = _parts_at(point, live, instants, grads_at, static)
-    parts["activations"] = activations[best_at]
+    parts.update(profile.split_loss(_gap_start(ordered, best_at), point >> 2,
+                                    activations[best_at]))
     return MemoryEstimate(peak_bytes=best_total, breakdown=parts,
                           phase=_phase_name(profile, point >> 2))
 
@@ -446,12 +496,15 @@ class MemoryTimeline:
     instants: list[tuple[int, int, str]]
     grads_at: list[tuple[int, int]]
     optimizer_step: dict[str, int] | None
+    loss_span: tuple[int, int] | None = None
+    """Where the loss is computed ([Note: the loss in the breakdown]); None shows no ``loss``."""
 
     def parts(self, i: int) -> dict[str, int]:
-        """What holds memory at ``points[i]``, activations included."""
+        """What holds memory at ``points[i]``, activations (and what the loss holds) included."""
         parts = _parts_at(self.points[i], self.live, self.instants, self.grads_at,
                           {**self.static, **self.held})
-        parts["activations"] = self.activations[i]
+        parts.update(split_loss(self.events, self.loss_span, _gap_start(self.points, i),
+                                self.points[i] >> 2, self.activations[i]))
         return parts
 
     def totals(self) -> list[int]:
@@ -474,7 +527,8 @@ def memory_timeline(profile: ActivationProfile, units: list[UnitSpec], ctx: Step
                      backward_prefetch=backward_prefetch)
     live, instants, grads_at = _encode(b.live, b.instants, b.grads_at)
     extra_bytes = {key: 0 for key, _, _ in instants}
-    points, activations = _points(profile, live, extra_bytes, every_event=True)
+    points, activations = _points(profile, live, extra_bytes, grads_at, every_event=True)
     return MemoryTimeline(events=profile.events, forward_end=profile.forward_end, points=points,
                           activations=activations, static=b.static, held=b.held, live=live,
-                          instants=instants, grads_at=grads_at, optimizer_step=b.optimizer_step)
+                          instants=instants, grads_at=grads_at, optimizer_step=b.optimizer_step,
+                          loss_span=profile.loss_span)

@@ -23,6 +23,17 @@ eager ones, not on fused kernels. Checkpointed blocks are derived the same way f
 pass of their mode (fully or selectively checkpointed), with what the partition of the block
 compiled inside that mode's checkpoint wrapper keeps (``kept_bytes(block, mode)``); a mode
 whose wrapper did not compile is not offered.
+
+[Note: autocast and checkpointed blocks]
+Under ``torch.autocast`` a checkpointed block's forward still casts its weights, and the
+autocast weight cache holds those casts (nothing saves them for backward) until the autocast
+region ends after the loss; the recompute casts again. That release is not local to the
+block's segments: it happens in the glue between forward and backward, which the composite
+takes from the plain pass, where it frees nothing of the block (its casts are saved for
+backward). So each pass records the bytes freed at the region's end by the module that made
+them (``Timeline.autocast_released``) and where the region ends (an ``autocast_exit`` event),
+and the composite releases there what the checkpointed blocks' passes released beyond the
+plain pass.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from fsdp_plan.common.errors import BadInput
-from fsdp_plan.facts.types import Analysis, Event, Timeline
+from fsdp_plan.facts.types import AUTOCAST_EXIT, Analysis, Event, Timeline
 
 
 @dataclass(kw_only=True)
@@ -150,6 +161,8 @@ class TimelineComposer:
                                        (self.sel, self.sel_seg, "selective")))
             self.ckpt_seg, self.sel_seg = (self.ckpt_seg if self.ckpt else None,
                                            self.sel_seg if self.sel else None)
+        self._released = {mode: self._released_per_block(timeline) for mode, timeline in
+                          (("none", self.plain), ("full", self.ckpt), ("selective", self.sel))}
         every = frozenset(range(len(blocks)))
         self._cache: dict[tuple[frozenset[int], frozenset[int]], list[Event]] = {
             (frozenset(), frozenset()): self.plain.events}
@@ -157,6 +170,27 @@ class TimelineComposer:
             self._cache[(every, frozenset())] = self.ckpt.events
         if self.sel is not None:
             self._cache[(frozenset(), every)] = self.sel.events
+
+    def _released_per_block(self, timeline: Timeline | None) -> list[int]:
+        """Per block: the bytes its modules' forward left to the autocast cache in ``timeline``
+        ([Note: autocast and checkpointed blocks]); zeros without autocast."""
+        out = [0] * len(self.blocks)
+        released = timeline.autocast_released if timeline is not None else {}
+        if not released:
+            return out
+        index = {b: i for i, b in enumerate(self.blocks)}
+        for fqn, nbytes in released.items():
+            name = fqn
+            while name and name not in index:
+                name = name.rpartition(".")[0]
+            if name in index:
+                out[index[name]] += nbytes
+        return out
+
+    def released_delta(self, i: int, mode: str) -> int:
+        """What block ``i`` in ``mode`` frees at the end of the autocast region beyond what it
+        frees without checkpointing (0 for ``none`` and without autocast)."""
+        return self._released[mode][i] - self._released["none"][i] if mode != "none" else 0
 
     @property
     def max_checkpointed(self) -> int:
@@ -207,6 +241,11 @@ class TimelineComposer:
         if not self.supports_partial() or (selective and self.sel_seg is None):
             raise ValueError("partial checkpointing needs aligned block segments")
         p = self.plain_seg
+        # [Note: autocast and checkpointed blocks]: released in the glue, at the autocast exit
+        cached = sum(self.released_delta(i, "full") for i in which) + sum(
+            self.released_delta(i, "selective") for i in selective)
+        release_at = next((k for k in range(*p.middle)
+                           if self.plain.events[k].kind in (AUTOCAST_EXIT, "pre_bw")), p.middle[1])
         pieces: list[tuple[list[Event], int, int]] = [(self.plain.events, 0, p.prefix_end)]
         for i in range(len(self.blocks)):
             src, seg = self._source(i, which, selective)
@@ -223,17 +262,42 @@ class TimelineComposer:
             if start >= end:
                 continue
             base_level, base_flops = src[start].level, src[start].flops
-            for e in src[start:end]:
-                # Re-base on the composite's running level; a piece's first peak covered the
-                # gap before it in its own pass, so it is at least the level it starts from.
-                peak = level + e.peak - base_level
-                # built directly: dataclasses.replace took half the time of a search's
-                # new checkpointing mixes (70B: 190,000 events per search)
-                out.append(Event(kind=e.kind, module=e.module, level=level + e.level - base_level,
-                                 peak=max(level, peak) if e is src[start] else peak,
-                                 flops=flops + e.flops - base_flops, ops=e.ops))
+            glue = src is self.plain.events and (start, end) == p.middle
+            if glue and cached:
+                out.extend(_release_in_glue(src, start, end, level - base_level,
+                                            flops - base_flops, cached, release_at))
+            else:
+                for e in src[start:end]:
+                    # Re-base on the composite's running level; a piece's first peak covered
+                    # the gap before it in its own pass, so it is at least the level it starts
+                    # from.
+                    peak = level + e.peak - base_level
+                    # built directly: dataclasses.replace took half the time of a search's
+                    # new checkpointing mixes (70B: 190,000 events per search)
+                    out.append(Event(kind=e.kind, module=e.module,
+                                     level=level + e.level - base_level,
+                                     peak=max(level, peak) if e is src[start] else peak,
+                                     flops=flops + e.flops - base_flops, ops=e.ops))
             nxt = src[end] if end < len(src) else src[end - 1]
-            level += nxt.level - base_level
+            level += nxt.level - base_level - (cached if glue else 0)
             flops += nxt.flops - base_flops
         self._cache[key] = out
         return out
+
+
+def _release_in_glue(src: list[Event], start: int, end: int, shift: int, flops_shift: float,
+                     cached: int, release_at: int) -> list[Event]:
+    """The glue ``src[start:end]`` re-based by ``shift`` bytes and ``flops_shift`` FLOPs, with
+    the checkpointed blocks' autocast casts (``cached`` bytes) freed at event ``release_at``
+    ([Note: autocast and checkpointed blocks]; facts without an ``autocast_exit`` event: the
+    first backward event). The peak of the gap before that event still holds them."""
+    out = []
+    level = shift + src[start].level
+    for k in range(start, end):
+        e = src[k]
+        now = shift + e.level - (cached if k >= release_at else 0)
+        peak = shift + e.peak - (cached if k > release_at else 0)
+        out.append(Event(kind=e.kind, module=e.module, level=now,
+                         peak=max(level, peak) if k == start else max(peak, now),
+                         flops=flops_shift + e.flops, ops=e.ops))
+    return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from fsdp_plan.common.autocast import autocast_context
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.compiled import analyze_compiled
@@ -40,9 +42,18 @@ from fsdp_plan.facts.op_classes import ATTENTION_PACKETS as _ATTENTION_PACKETS
 from fsdp_plan.facts.op_classes import CPU_ATTENTION_FLOP_RULES  # noqa: F401 (tests import it here)
 from fsdp_plan.facts.op_classes import FLOP_RULES as _FLOP_RULES
 from fsdp_plan.facts.op_classes import mm_class as _mm_class
-from fsdp_plan.facts.types import Analysis, Event, ModuleCompute, Timeline, fill_flops
+from fsdp_plan.facts.types import (
+    AUTOCAST_EXIT,
+    Analysis,
+    Event,
+    ModuleCompute,
+    SelectivePass,
+    Timeline,
+    fill_flops,
+)
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import LoadedModel, rebuild_meta, user_code_location
+from fsdp_plan.model.transformer_masks import transformer_masks_traceable
 from fsdp_plan.policy_runtime import checkpoint_module, plain_fqn, resolve_ops
 
 # Drops the wrapper segments FSDP1 and checkpointing insert, as the emitted policy does.
@@ -74,6 +85,9 @@ class _ActivationMeter(TorchDispatchMode):
         self.peak_since_mark = 0
         self.flops = 0.0
         self.ops: dict[str, float] = {}
+        self.where: Callable[[], str] | None = None
+        """The module running (set by ``run_pass``): who made each storage (``made_in``)."""
+        self.made_in: dict[int, str] = {}
 
     def take_ops(self) -> dict[str, float] | None:
         """The op-class counters since the previous call (``None`` when no op ran), reset."""
@@ -91,11 +105,14 @@ class _ActivationMeter(TorchDispatchMode):
         nbytes = st.nbytes()
         ref = weakref.ref(st, lambda _r, k=key: self._free(k))
         self.live[key] = (ref, nbytes)
+        if self.where is not None:
+            self.made_in[key] = self.where()
         self.current += nbytes
         self.peak_since_mark = max(self.peak_since_mark, self.current)
 
     def _free(self, key: int) -> None:
         entry = self.live.pop(key, None)
+        self.made_in.pop(key, None)
         if entry is not None:
             self.current -= entry[1]
 
@@ -147,18 +164,23 @@ def _bytes_of(value: Any) -> int:
 
 def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
              checkpoint: list[str] | None = None, model: nn.Module | None = None,
-             selective_ops: list[str] | None = None
+             selective_ops: list[str] | None = None, autocast_dtype: torch.dtype | None = None,
+             selective_mm_stride: int = 1
              ) -> tuple[Timeline, dict[str, ModuleCompute], int]:
     """One fake forward + backward; returns the timeline, per-module figures and input bytes.
 
     ``checkpoint``: modules wrapped for full recomputation, or for selective checkpointing
-    saving ``selective_ops`` (op names) when given."""
+    saving ``selective_ops`` (op names, every ``selective_mm_stride``-th ``aten.mm``) when
+    given. ``autocast_dtype``: parameters stay as built (float32) and forward and loss run
+    under ``torch.autocast`` ([Note: autocast precision] in autocast.py)."""
+    if autocast_dtype is not None and param_dtype is not None and param_dtype.itemsize < 4:
+        raise ValueError("autocast keeps float32 parameters: pass param_dtype None with it")
     started = time.perf_counter()
     model = model if model is not None else rebuild_meta(loaded)
     fake_mode = new_fake_mode()
     materialize_fake(model, fake_mode)
     if checkpoint:
-        apply_checkpointing(model, checkpoint, selective_ops)
+        apply_checkpointing(model, checkpoint, selective_ops, selective_mm_stride)
     # Batch norm stays float32, its inputs cast up and outputs back, as the plan applies it.
     full = [m for m in model.modules() if keeps_full_precision(m)] if (
         param_dtype is not None and param_dtype.itemsize < 4) else []
@@ -212,23 +234,40 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
 
     saved_seen: set[int] = set()
     failed_in: list[str] = []
+    released: dict[str, int] = {}
     hooks = [p.register_post_accumulate_grad_hook(lambda p: meter.untrack(p.grad))
              for p in model.parameters() if p.requires_grad]
     tracker = ModTracker()
     tracker.register_user_hooks(pre_fw, post_fw, lambda m, g: record("pre_bw", m),
                                 lambda m, g: record("post_bw", m))
-    with fake_mode:
+    # nn.Transformer's causal-mask check reads values: [Note: causal masks on fake tensors]
+    with fake_mode, transformer_masks_traceable(loaded.notes):
         args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
-        if param_dtype is not None:
-            args, kwargs = _cast_floating(args, param_dtype), _cast_floating(kwargs, param_dtype)
-        input_bytes = _bytes_of((args, kwargs))
+        input_bytes = _bytes_of((args, kwargs))  # as the loop feeds them
         try:
             checker = DtypeChecker(running_modules(tracker))  # fake kernels accept mixed dtypes
             with tracker, meter, checker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                output = model(*args, **kwargs)
-                checker.raise_if_mismatched()
-                loss = loaded.compute_loss(output)
-                del output
+                meter.where = lambda: stack[-1] if stack else ""
+                # FSDP's root casts floating inputs to param_dtype (cast_forward_inputs): the
+                # copies are the step's, kept only where backward saves them
+                fed = ((_cast_floating(args, param_dtype), _cast_floating(kwargs, param_dtype))
+                       if param_dtype is not None else (args, kwargs))
+                with autocast_context(_dtype_name(autocast_dtype)):
+                    output = model(*fed[0], **fed[1])
+                    del fed
+                    checker.raise_if_mismatched()
+                    loss = loaded.compute_loss(output)
+                    del output
+                    held = ({k: (n, meter.made_in.get(k, "")) for k, (_, n) in meter.live.items()}
+                            if autocast_dtype is not None else {})
+                meter.where = None
+                if autocast_dtype is not None:  # what leaving autocast freed, and when
+                    for key, (nbytes, owner) in held.items():
+                        if key not in meter.live:
+                            released[owner] = released.get(owner, 0) + nbytes
+                    events.append(Event(kind=AUTOCAST_EXIT, module="", level=meter.current,
+                                        peak=meter.mark(), flops=float(meter.flops),
+                                        ops=meter.take_ops()))
                 if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                     raise BadInput("loss_fn must return a scalar tensor; got "
                                    f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}.")
@@ -247,8 +286,13 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
             tracker.clear_user_hooks()
     fill_flops(events, modules)
     timeline = Timeline(events=events, checkpointed=list(checkpoint or []),
-                        final_level=meter.current, seconds=time.perf_counter() - started)
+                        final_level=meter.current, seconds=time.perf_counter() - started,
+                        autocast_released=released)
     return timeline, modules, input_bytes
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str | None:
+    return str(dtype).removeprefix("torch.") if dtype is not None else None
 
 
 def _shapes(args: tuple, kwargs: dict) -> str:
@@ -307,20 +351,32 @@ def _has(model: nn.Module, fqn: str) -> bool:
 
 
 def apply_checkpointing(model: nn.Module, fqns: list[str],
-                        selective_ops: list[str] | None = None) -> None:
+                        selective_ops: list[str] | None = None, mm_stride: int = 1) -> None:
     """Wrap each listed module in PyTorch's non-reentrant checkpoint wrapper, in place: the
-    policy module's own wrapper (``checkpoint_module``), selective when ``selective_ops``."""
+    policy module's own wrapper (``checkpoint_module``), selective when ``selective_ops``
+    (saving every ``mm_stride``-th ``aten.mm``)."""
     ops = resolve_ops(selective_ops) if selective_ops is not None else None
     for fqn in fqns:
         parent_name, _, child = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, checkpoint_module(getattr(parent, child), ops))
+        setattr(parent, child, checkpoint_module(getattr(parent, child), ops, mm_stride))
+
+
+@dataclass(frozen=True)
+class _Compute:
+    """How a pass computes: parameters cast to ``param_dtype`` (FSDP mixed precision), or kept
+    float32 under ``torch.autocast(autocast)`` ([Note: autocast precision])."""
+
+    param_dtype: torch.dtype | None
+    autocast: torch.dtype | None = None
 
 
 def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: list[str],
             with_checkpointing: bool = True, exact: bool = False,
             progress: Callable[[str], None] | None = None, compile_blocks: bool = False,
-            activation_memory_budget: float | None = None) -> Analysis:
+            activation_memory_budget: float | None = None,
+            autocast_dtype: torch.dtype | None = None, selective_mm_stride: int = 1,
+            selective_strides: tuple[int, ...] = (), ddp_autocast: bool = False) -> Analysis:
     """Run the plain pass and, when the model has repeated blocks, the all-blocks-checkpointed pass.
 
     ``compile_blocks``: the blocks run compiled (``--compile``); one block of each class is
@@ -330,50 +386,102 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
 
     Deep models are analysed on a copy cut to three blocks per stack and the middle block's
     segments are repeated (see depth.py); ``exact=True`` runs every block instead.
+    ``autocast_dtype``: every pass keeps float32 parameters and computes under
+    ``torch.autocast`` (``param_dtype`` must then be None or float32). The selective pass
+    saves every ``selective_mm_stride``-th matmul; ``selective_strides`` adds passes at other
+    strides (``Analysis.selective_variants``). ``ddp_autocast``: with ``param_dtype`` below
+    float32, also the plain pass under autocast at that dtype (``Analysis.ddp_analysis``).
     """
-    timeline, modules, input_bytes = _pass(loaded, param_dtype, blocks, None, exact)
+    compute = _Compute(param_dtype=None if autocast_dtype is not None else param_dtype,
+                       autocast=autocast_dtype)
+    timeline, modules, input_bytes = _pass(loaded, compute, blocks, None, exact)
     ckpt = None
     selective: tuple[Timeline | None, dict[str, float], str] = (None, {}, "")
+    variants: list[SelectivePass] = []
     if with_checkpointing and blocks:
         if progress:
             progress("analysing activation checkpointing")
         try:
-            ckpt, _, _ = _pass(loaded, param_dtype, blocks, blocks, exact)
+            ckpt, _, _ = _pass(loaded, compute, blocks, blocks, exact)
         except BadInput:
             ckpt = None  # checkpointing cannot be traced here: plan without it
         if ckpt is not None:
-            selective = _selective_pass(loaded, param_dtype, blocks, exact, modules)
+            selective = _selective_pass(loaded, compute, blocks, exact, modules,
+                                        selective_mm_stride)
+        # compiled blocks are partitioned for the plan's own selective policy only
+        for stride in sorted(set(selective_strides) - {selective_mm_stride}):
+            if selective[0] is None or compile_blocks:
+                break
+            other = _selective_pass(loaded, compute, blocks, exact, modules, stride)
+            if other[0] is not None:
+                variants.append(SelectivePass(mm_stride=stride, timeline=other[0],
+                                              recompute_flops=other[1]))
     compiled = None
     if compile_blocks:
         if not blocks:
             raise BadInput("--compile compiles the model's repeated blocks, and this model has "
                            "none (no container of same-class children); plan without --compile.")
+        if autocast_dtype is not None:
+            raise BadInput("--compile with --autocast is not modelled: the compiled blocks' "
+                           "partition is traced with the parameters in param_dtype. Plan "
+                           "compiled blocks with --param-dtype bf16, or autocast without "
+                           "--compile.")
         if progress:
             progress("tracing the compiled blocks' partition")
         compiled = analyze_compiled(loaded, param_dtype=param_dtype, blocks=blocks,
-                                    activation_memory_budget=activation_memory_budget)
+                                    activation_memory_budget=activation_memory_budget,
+                                    selective_mm_stride=selective_mm_stride)
+    ddp, ddp_unavailable = None, ""
+    if ddp_autocast and autocast_dtype is None and param_dtype is not None and (
+            param_dtype.itemsize < 4):
+        if progress:
+            progress("analysing the step under torch.autocast (how DDP computes)")
+        try:
+            ddp = _plain_analysis(*_pass(loaded, _Compute(None, param_dtype), blocks, None,
+                                         exact), dtype=param_dtype, autocast=True)
+        except BadInput as e:  # e.g. a kernel that takes bfloat16 only, fed float32 by autocast
+            cause = e.__cause__ if e.__cause__ is not None else e
+            text = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
+            ddp_unavailable = (f"DDP computes under torch.autocast with float32 parameters, "
+                               f"where this model fails ({type(cause).__name__}: {text}); "
+                               "DDP is not planned")
+    analysis = _plain_analysis(timeline, modules, input_bytes,
+                               dtype=autocast_dtype or param_dtype,
+                               autocast=autocast_dtype is not None)
+    analysis.checkpointed_timeline = ckpt
+    analysis.selective_timeline = selective[0]
+    analysis.selective_ops = list(DEFAULT_SELECTIVE_OPS) if selective[0] else []
+    analysis.selective_recompute_flops = selective[1]
+    analysis.selective_unavailable = selective[2]
+    analysis.selective_mm_stride = selective_mm_stride
+    analysis.selective_variants = variants
+    analysis.ddp_analysis = ddp
+    analysis.ddp_unavailable = ddp_unavailable
+    analysis.compiled = compiled
+    return analysis
+
+
+def _plain_analysis(timeline: Timeline, modules: dict[str, ModuleCompute], input_bytes: int, *,
+                    dtype: torch.dtype | None, autocast: bool) -> Analysis:
+    """The ``Analysis`` of one plain pass (no checkpointed timelines)."""
     root = modules.get("", ModuleCompute())
     end = timeline.events[-1].flops if timeline.events else 0.0
+    name = _dtype_name(dtype) or "float32"
     return Analysis(
-        timeline=timeline, modules=modules, input_bytes=input_bytes,
-        param_dtype=str(param_dtype).removeprefix("torch.") if param_dtype else "float32",
+        timeline=timeline, modules=modules, input_bytes=input_bytes, param_dtype=name,
         total_fw_flops=root.fw_flops, total_bw_flops=max(0.0, end - root.fw_flops),
-        checkpointed_timeline=ckpt, selective_timeline=selective[0],
-        selective_ops=list(DEFAULT_SELECTIVE_OPS) if selective[0] else [],
-        selective_recompute_flops=selective[1], selective_unavailable=selective[2],
-        compiled=compiled,
-    )
+        autocast_dtype=name if autocast else None)
 
 
-def _selective_pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str],
-                    exact: bool, plain: dict[str, ModuleCompute]
+def _selective_pass(loaded: LoadedModel, compute: _Compute, blocks: list[str],
+                    exact: bool, plain: dict[str, ModuleCompute], mm_stride: int = 1
                     ) -> tuple[Timeline | None, dict[str, float], str]:
     """The pass with every block selectively checkpointed (the replay probe), each block's
     recompute FLOPs (its backward FLOPs over the plain pass's), and why it is unavailable."""
     kind = type(loaded.model.get_submodule(blocks[0])).__name__
     try:
-        timeline, modules, _ = _pass(loaded, param_dtype, blocks, blocks, exact,
-                                     DEFAULT_SELECTIVE_OPS)
+        timeline, modules, _ = _pass(loaded, compute, blocks, blocks, exact,
+                                     DEFAULT_SELECTIVE_OPS, mm_stride)
     except BadInput as e:
         cause = e.__cause__ if e.__cause__ is not None else e
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
@@ -385,16 +493,18 @@ def _selective_pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks
     return timeline, recompute, ""
 
 
-def _pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str],
-          checkpoint: list[str] | None, exact: bool, selective_ops: list[str] | None = None):
+def _pass(loaded: LoadedModel, compute: _Compute, blocks: list[str],
+          checkpoint: list[str] | None, exact: bool, selective_ops: list[str] | None = None,
+          mm_stride: int = 1):
+    options = {"param_dtype": compute.param_dtype, "autocast_dtype": compute.autocast,
+               "selective_ops": selective_ops, "selective_mm_stride": mm_stride}
     if not exact:
         reduced = reduced_copy(loaded.model, blocks)
         if reduced is not None:
             model, cut = reduced
             kept = [b for b in (checkpoint or []) if b in cut.kept_blocks]
             try:
-                result = run_pass(loaded, param_dtype=param_dtype, checkpoint=kept, model=model,
-                                  selective_ops=selective_ops)
+                result = run_pass(loaded, checkpoint=kept, model=model, **options)
             except BadInput:
                 result = None  # the forward may index blocks by count: analyse every block
             if result is not None:
@@ -402,5 +512,4 @@ def _pass(loaded: LoadedModel, param_dtype: torch.dtype | None, blocks: list[str
                 if expanded is not None:
                     expanded[0].checkpointed = list(checkpoint or [])
                     return expanded
-    return run_pass(loaded, param_dtype=param_dtype, checkpoint=checkpoint,
-                    selective_ops=selective_ops)
+    return run_pass(loaded, checkpoint=checkpoint, **options)

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
@@ -29,19 +29,30 @@ class Analyzed:
 
 def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: bool = False,
                   progress: Progress | None = None, compile_blocks: bool = False,
-                  activation_memory_budget: float | None = None) -> Analyzed:
+                  activation_memory_budget: float | None = None, **options: Any) -> Analyzed:
     """Build the model on ``meta`` and run the fake forward + backward (facts/analysis.py);
-    ``compile_blocks``: with the repeated blocks compiled (``--compile``)."""
+    ``compile_blocks``: with the repeated blocks compiled (``--compile``); ``options`` as
+    ``analyze_loaded`` takes them."""
     _, _, load = _torch_stages()
     return analyze_loaded(load.load_model(source), param_dtype=param_dtype, exact=exact,
                           progress=progress, compile_blocks=compile_blocks,
-                          activation_memory_budget=activation_memory_budget)
+                          activation_memory_budget=activation_memory_budget, **options)
 
 
 def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact: bool = False,
                    progress: Progress | None = None, compile_blocks: bool = False,
-                   activation_memory_budget: float | None = None) -> Analyzed:
-    """``analyze_model`` for a model already loaded (verify and predict load it to check it)."""
+                   activation_memory_budget: float | None = None,
+                   autocast_dtype: str | None = None, selective_mm_stride: int = 1,
+                   selective_strides: tuple[int, ...] = (),
+                   ddp_limit_bytes: int | None = None) -> Analyzed:
+    """``analyze_model`` for a model already loaded (verify and predict load it to check it).
+
+    ``autocast_dtype``: float32 parameters, forward and loss under ``torch.autocast``
+    ([Note: autocast precision] in common/autocast.py). The selective pass saves every
+    ``selective_mm_stride``-th matmul, ``selective_strides`` adds passes at others.
+    ``ddp_limit_bytes``: with ``param_dtype`` below float32, also trace the step under
+    autocast for DDP candidates, unless the model's parameters and gradients alone exceed that
+    limit (DDP cannot fit then)."""
     import torch  # see _torch_stages
 
     analysis, graph_of, load = _torch_stages()
@@ -54,12 +65,19 @@ def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact:
             progress(f"note: {note}")
         progress(f"analysing {graph.total_numel:,} parameters, batch {source.batch_size} x "
                  f"sequence {source.seq_len}")
+    ddp_autocast = (ddp_limit_bytes is not None
+                    and 2 * graph.total_param_bytes <= ddp_limit_bytes)
     with load.user_code_output_to_stderr():  # the model's print()s: stdout is the report's
         analysed = analysis.analyze(loaded,
                                     param_dtype=getattr(torch, canonical_dtype(param_dtype)),
                                     blocks=graph.blocks, exact=exact, progress=progress,
                                     compile_blocks=compile_blocks,
-                                    activation_memory_budget=activation_memory_budget)
+                                    activation_memory_budget=activation_memory_budget,
+                                    autocast_dtype=(getattr(torch, canonical_dtype(autocast_dtype))
+                                                    if autocast_dtype else None),
+                                    selective_mm_stride=selective_mm_stride,
+                                    selective_strides=selective_strides,
+                                    ddp_autocast=ddp_autocast)
     return Analyzed(loaded=loaded, facts=ModelFacts(graph=graph, analysis=analysed),
                     digest=source_digest(source), notes=list(loaded.notes))
 

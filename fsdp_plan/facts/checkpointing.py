@@ -5,12 +5,17 @@ Each repeated block runs in one of three modes:
 - ``none``: every tensor its forward saves stays until its backward;
 - ``selective``: per-op selective checkpointing
   (``torch.utils.checkpoint.create_selective_checkpoint_contexts``): the outputs of the ops in
-  the plan's ``selective_ops`` are kept, every other op is replayed in backward;
+  the plan's ``selective_ops`` are kept, every other op is replayed in backward; with
+  ``selective_mm_stride`` k only the 1st, (k+1)th, ... ``aten.mm`` of each block call is kept
+  (torchtitan's "op" policy is its save list with k = 2: a fresh counter per checkpointed call,
+  counting forward and recompute apart; ``policy_runtime.selective_policy``);
 - ``full``: only the block's input is kept and the whole forward is replayed in backward.
 The analysis runs three passes (no checkpointing, every block full, every block selective);
 each block's timeline segment comes from the pass of its mode (timeline.py), and the
 recompute FLOPs of a mode are the extra backward FLOPs of its pass over the plain one, per
-block (for ``full``: the block's forward; for ``selective``: the ops not saved).
+block (for ``full``: the block's forward; for ``selective``: the ops not saved). The selective
+pass runs at one stride (a plan's ``selective_mm_stride``, 1 for the search); planning adds a
+pass at torchtitan's stride 2 for its recipe row (``Analysis.selective_variants``).
 
 Selective mode is offered only for block classes whose selective pass replays: the analysis
 pass is the probe. A replay fails when the recompute issues different ops than the forward
@@ -42,8 +47,11 @@ DEFAULT_SELECTIVE_OPS = [
 compute-intensive ops (matmuls, convolution, every SDPA kernel: flash, memory-efficient and
 cuDNN on GPU, ``_scaled_dot_product_flash_attention_for_cpu`` on CPU and so under fake CPU
 tensors), the ``max`` reduction of low-precision scaling, and reduce-scatter (never repeat a
-collective). Saving every matmul (not torchtitan's "every other matmul" variant, which needs
-a stateful per-call policy) is what the plans write."""
+collective). The search saves every matmul (stride 1); the torchtitan recipe row and
+hand-written plans may save every second one (``selective_mm_stride: 2``)."""
+
+TORCHTITAN_MM_STRIDE = 2
+"""torchtitan's op policy saves every second ``aten.mm`` (the 1st, 3rd, ... of a block)."""
 
 
 def mode_sets(n_full: int, n_selective: int) -> tuple[frozenset[int], frozenset[int]]:

@@ -190,15 +190,18 @@ def trace_block(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,
 
 
 def trace_modes(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,
-                activation_memory_budget: float | None) -> dict[str, CompiledBlock]:
+                activation_memory_budget: float | None,
+                selective_mm_stride: int = 1) -> dict[str, CompiledBlock]:
     """``trace_block`` for ``block`` as it is and in each checkpointing mode's wrapper (the
-    policy's ``checkpoint_module``: the wrapper is what the policy compiles, checkpoint inside
-    the graph). A checkpointed mode that does not compile is left out (not offered)."""
+    policy's ``checkpoint_module``, selective with the plan's ``selective_mm_stride``: the
+    wrapper is what the policy compiles, checkpoint inside the graph). A checkpointed mode that
+    does not compile is left out (not offered)."""
     out = {"none": trace_block(block, args, kwargs, fqn=fqn,
                                activation_memory_budget=activation_memory_budget)}
     for mode, ops in (("full", None), ("selective", resolve_ops(list(DEFAULT_SELECTIVE_OPS)))):
         try:
-            out[mode] = trace_block(checkpoint_module(block, ops), args, kwargs, fqn=fqn,
+            wrapped = checkpoint_module(block, ops, mm_stride=selective_mm_stride)
+            out[mode] = trace_block(wrapped, args, kwargs, fqn=fqn,
                                     activation_memory_budget=activation_memory_budget, mode=mode)
         except BadInput:
             continue
@@ -241,7 +244,8 @@ def one_per_class(model: nn.Module, blocks: list[str]) -> list[str]:
 
 
 def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: list[str],
-                     activation_memory_budget: float | None = None) -> CompiledBlocks:
+                     activation_memory_budget: float | None = None,
+                     selective_mm_stride: int = 1) -> CompiledBlocks:
     """Trace one block of each class of ``blocks`` compiled (see [Note: compiled blocks]).
 
     The model is rebuilt on ``meta`` (cut to three blocks per stack when it is deep,
@@ -274,7 +278,8 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
                                "traced compiled. Plan without --compile.")
             block_args, block_kwargs = inputs[fqn]
             modes = trace_modes(model.get_submodule(fqn), block_args, block_kwargs, fqn=fqn,
-                                activation_memory_budget=activation_memory_budget)
+                                activation_memory_budget=activation_memory_budget,
+                                selective_mm_stride=selective_mm_stride)
             for mode, one in modes.items():
                 by_mode.setdefault(mode, {})[one.class_name] = one
     by_class = by_mode.pop("none", {})

@@ -153,12 +153,30 @@ def expand_pass(timeline: Timeline, modules: dict[str, ModuleCompute], input_byt
                 cut: DepthCut) -> tuple[Timeline, dict[str, ModuleCompute], int] | None:
     """The full-depth timeline and module figures from a reduced pass, or None if blocks differ."""
     events = timeline.events
+    released = dict(timeline.autocast_released)
     for stack, count in cut.stacks:
         expanded = _expand_one(events, modules, stack, count)
         if expanded is None:
             return None
         events = expanded
+        released = _expand_released(released, stack, count)
     fill_flops(events, modules)
     return (Timeline(events=events, checkpointed=timeline.checkpointed,
-                     final_level=timeline.final_level, seconds=timeline.seconds),
+                     final_level=timeline.final_level, seconds=timeline.seconds,
+                     autocast_released=released),
             modules, input_bytes)
+
+
+def _expand_released(released: dict[str, int], stack: str, count: int) -> dict[str, int]:
+    """``Timeline.autocast_released`` at full depth: block 2 becomes the last block and block 1
+    stands for each missing one, as the events are expanded."""
+    def name(i: int) -> str:
+        return f"{stack}.{i}" if stack else str(i)
+    b1, b2, last = name(1), name(2), name(count - 1)
+    out: dict[str, int] = {}
+    for fqn, nbytes in released.items():
+        out[_rename(fqn, b2, last)] = out.get(_rename(fqn, b2, last), 0) + nbytes
+        if fqn == b1 or fqn.startswith(b1 + "."):
+            for j in range(count - KEEP):
+                out[_rename(fqn, b1, name(2 + j))] = nbytes
+    return out

@@ -34,6 +34,7 @@ The op-class counters (``Event.ops``, [Note: op classes]) are attributed the sam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -80,12 +81,18 @@ class ModuleGraph:
     total_buffer_bytes: int
 
 
+AUTOCAST_EXIT = "autocast_exit"
+"""The event a pass under ``torch.autocast`` records where the autocast region ends (after the
+loss, before backward): its weight cache is freed there ([Note: autocast and checkpointed
+blocks] in timeline.py)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class Event:
     """One module boundary in execution order."""
 
     kind: str
-    """``pre_fw``, ``post_fw``, ``pre_bw``, ``post_bw`` or ``end``."""
+    """``pre_fw``, ``post_fw``, ``pre_bw``, ``post_bw``, ``autocast_exit`` or ``end``."""
     module: str
     level: int
     """Activation-side bytes alive at this boundary."""
@@ -107,6 +114,10 @@ class Timeline:
     final_level: int = 0
     """Activation-side bytes left after backward (should be ~0)."""
     seconds: float = 0.0
+    autocast_released: dict[str, int] = field(default_factory=dict)
+    """Under ``torch.autocast``: bytes freed when the autocast region ends after the loss (its
+    weight cache: casts no backward kept), by the module whose forward made them
+    ([Note: autocast and checkpointed blocks] in timeline.py)."""
 
 
 @dataclass(kw_only=True)
@@ -183,6 +194,16 @@ class CompiledBlocks:
 
 
 @dataclass(kw_only=True)
+class SelectivePass:
+    """The pass with every repeated block selectively checkpointed, at one ``aten.mm`` stride
+    (``selective_mm_stride``: [Note: checkpointing modes] in checkpointing.py)."""
+
+    mm_stride: int
+    timeline: Timeline
+    recompute_flops: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
 class Analysis:
     """What one micro-batch costs the unwrapped model: timeline, per-module compute, input bytes."""
 
@@ -203,6 +224,34 @@ class Analysis:
     """Why selective checkpointing is not offered for this model (empty when it is)."""
     compiled: CompiledBlocks | None = None
     """The compiled blocks' partitions (``--compile``); None for eager blocks."""
+    selective_mm_stride: int = 1
+    """The ``aten.mm`` stride of ``selective_timeline``: every k-th matmul of a block saved."""
+    selective_variants: list[SelectivePass] = field(default_factory=list)
+    """Selective passes at other strides (torchtitan's op recipe saves every second matmul)."""
+    autocast_dtype: str | None = None
+    """Set when the passes ran under ``torch.autocast`` with float32 parameters
+    (``param_dtype`` then names the dtype autocast computes in): [Note: autocast precision]."""
+    ddp_analysis: Analysis | None = None
+    """For a plan computing below float32 with FSDP mixed precision: the plain pass under
+    ``torch.autocast`` with float32 parameters, which is how a DDP plan computes (SPEC 7)."""
+    ddp_unavailable: str = ""
+    """Why DDP is not planned (that pass failed: the model does not run under autocast)."""
+
+    def with_selective_stride(self, stride: int) -> Analysis | None:
+        """This analysis with its selective pass at ``stride`` (None when none was run)."""
+        if stride == self.selective_mm_stride:
+            return self
+        for variant in self.selective_variants:
+            if variant.mm_stride == stride:
+                return dataclasses.replace(
+                    self, selective_timeline=variant.timeline,
+                    selective_recompute_flops=dict(variant.recompute_flops),
+                    selective_mm_stride=stride, selective_variants=[])
+        return None
+
+    def for_ddp(self) -> Analysis:
+        """The analysis a DDP candidate is evaluated on (``ddp_analysis`` when there is one)."""
+        return self.ddp_analysis if self.ddp_analysis is not None else self
 
 
 @dataclass(kw_only=True)
@@ -230,24 +279,35 @@ class ModelFacts:
             tied_groups=[list(t) for t in g["tied_groups"]], blocks=list(g["blocks"]),
             total_numel=g["total_numel"], total_param_bytes=g["total_param_bytes"],
             total_buffer_bytes=g["total_buffer_bytes"])
-        a = raw["analysis"]
-        ckpt = a.get("checkpointed_timeline")
-        analysis = Analysis(
-            timeline=_timeline(a["timeline"]),
-            modules={k: ModuleCompute(**v) for k, v in a["modules"].items()},
-            input_bytes=a["input_bytes"], param_dtype=a["param_dtype"],
-            total_fw_flops=a["total_fw_flops"], total_bw_flops=a["total_bw_flops"],
-            checkpointed_timeline=_timeline(ckpt) if ckpt else None,
-            selective_timeline=_timeline(a["selective_timeline"]) if a.get("selective_timeline")
-            else None, selective_ops=list(a.get("selective_ops", [])),
-            selective_recompute_flops=dict(a.get("selective_recompute_flops", {})),
-            selective_unavailable=a.get("selective_unavailable", ""),
-            compiled=_compiled(a.get("compiled")))
-        return cls(graph=graph, analysis=analysis)
+        return cls(graph=graph, analysis=_analysis(raw["analysis"]))
 
     @classmethod
     def from_json(cls, text: str) -> ModelFacts:
         return cls.from_dict(json.loads(text))
+
+
+def _analysis(a: dict[str, Any]) -> Analysis:
+    """An ``Analysis`` from its JSON form (fields added later default)."""
+    ckpt = a.get("checkpointed_timeline")
+    return Analysis(
+        timeline=_timeline(a["timeline"]),
+        modules={k: ModuleCompute(**v) for k, v in a["modules"].items()},
+        input_bytes=a["input_bytes"], param_dtype=a["param_dtype"],
+        total_fw_flops=a["total_fw_flops"], total_bw_flops=a["total_bw_flops"],
+        checkpointed_timeline=_timeline(ckpt) if ckpt else None,
+        selective_timeline=_timeline(a["selective_timeline"]) if a.get("selective_timeline")
+        else None, selective_ops=list(a.get("selective_ops", [])),
+        selective_recompute_flops=dict(a.get("selective_recompute_flops", {})),
+        selective_unavailable=a.get("selective_unavailable", ""),
+        selective_mm_stride=int(a.get("selective_mm_stride", 1)),
+        selective_variants=[SelectivePass(mm_stride=int(v["mm_stride"]),
+                                          timeline=_timeline(v["timeline"]),
+                                          recompute_flops=dict(v.get("recompute_flops", {})))
+                            for v in a.get("selective_variants", [])],
+        compiled=_compiled(a.get("compiled")),
+        autocast_dtype=a.get("autocast_dtype"),
+        ddp_analysis=_analysis(a["ddp_analysis"]) if a.get("ddp_analysis") else None,
+        ddp_unavailable=a.get("ddp_unavailable", ""))
 
 
 def _compiled(raw: dict[str, Any] | None) -> CompiledBlocks | None:
@@ -263,7 +323,8 @@ def _compiled(raw: dict[str, Any] | None) -> CompiledBlocks | None:
 def _timeline(raw: dict[str, Any]) -> Timeline:
     return Timeline(events=[Event(**e) for e in raw["events"]],
                     checkpointed=list(raw.get("checkpointed", [])),
-                    final_level=raw.get("final_level", 0), seconds=raw.get("seconds", 0.0))
+                    final_level=raw.get("final_level", 0), seconds=raw.get("seconds", 0.0),
+                    autocast_released=dict(raw.get("autocast_released", {})))
 
 
 def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:

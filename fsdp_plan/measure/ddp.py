@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fsdp_plan.common.autocast import autocast_context, plan_autocast_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.measure import runtime
@@ -69,7 +70,6 @@ def _bucket_sizes(ddp: Any, key: str = "rebuilt_bucket_sizes") -> list[int]:
 def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[str, Any]:
     """One job on this rank: see the module docstring for the steps."""
     model = runtime.build_real_model(loaded, device)
-    dtype = getattr(torch, job["autocast"]) if job.get("autocast") else None
     if job.get("policy_source"):
         ddp = runtime.load_policy(job["policy_source"]).apply_ddp(model)
     else:
@@ -82,7 +82,7 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
     def forward_backward() -> None:
         # a DDP plan computing below float32 runs its forward under autocast (apply_ddp's note)
         args, kwargs = inputs
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+        with autocast_context(job.get("autocast"), device.type):
             loss = loaded.compute_loss(ddp(*args, **kwargs))
         loss.backward()
 
@@ -206,9 +206,7 @@ def measure_ddp_peak(loaded: LoadedModel, plan: Plan, *, timeout_s: float = 600.
                        f"predicts {format_bytes(expected)}, more than the "
                        f"{format_bytes(MAX_REAL_RUN_BYTES)} verify allows itself; measure it on "
                        "a GPU with fsdp-plan bench PLAN.yaml.")
-    param_dtype = (plan.mixed_precision or {}).get("param_dtype") or "float32"
-    autocast = None if param_dtype in ("float32", "fp32", "float64") else {
-        "bf16": "bfloat16", "fp16": "float16"}.get(param_dtype, param_dtype)
+    autocast = plan_autocast_dtype(plan)  # [Note: autocast precision]
     started = time.perf_counter()
     job = {"source": loaded.source, "policy_source": runtime.policy_source(plan),
            "optimizer": plan.optimizer, "memory": True, "autocast": autocast}

@@ -43,6 +43,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_plan.common.autocast import GPU_DIFFERENCE
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.compiled import graph_backend
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
@@ -53,6 +54,7 @@ from fsdp_plan.measure.recording import RecordingMemTracker
 from fsdp_plan.measure.tracker import CompiledStepMemTracker, GroupAwareMemTracker
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import LoadedModel, rebuild_meta
+from fsdp_plan.model.transformer_masks import transformer_masks_traceable
 from fsdp_plan.plan.document import Plan
 
 _TOTAL = "Total"
@@ -177,8 +179,11 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
         fake_mode = new_fake_mode()
         model = materialize_fake(rebuild_meta(loaded), fake_mode)
         notes = cpu_gpu_differences(model)
+        if runtime.policy_autocast_dtype(policy_module):
+            notes.append(GPU_DIFFERENCE)
         mesh = runtime.make_mesh("cpu", replicate, shard)  # outside fake mode: see make_mesh
-        with fake_mode:
+        # [Note: causal masks on fake tensors]: nn.Transformer's mask check, as analysed
+        with fake_mode, transformer_masks_traceable(notes):
             if compiled:
                 model = policy_module.apply_fully_shard(
                     model, mesh, compile_backend=graph_backend(ran, run=True))

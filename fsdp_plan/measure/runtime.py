@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_plan.common.autocast import autocast_context, device_type_of, plan_autocast_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.precision import OPTIMIZERS
 from fsdp_plan.model.load import LoadedModel, load_model, source_digest
@@ -204,11 +205,21 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer | None:
     raise BadInput(f"the plan's optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}.")
 
 
-def forward_backward(model: nn.Module, loaded: LoadedModel, inputs: tuple[tuple, dict]) -> None:
-    """One forward and backward: the part of a step that issues FSDP's collectives."""
+def forward_backward(model: nn.Module, loaded: LoadedModel, inputs: tuple[tuple, dict],
+                     autocast_dtype: str | None = None) -> None:
+    """One forward and backward: the part of a step that issues FSDP's collectives. Forward
+    and loss run under ``torch.autocast(autocast_dtype)`` when given, as training does."""
     args, kwargs = inputs
-    loss = loaded.compute_loss(model(*args, **kwargs))
+    with autocast_context(autocast_dtype, device_type_of(inputs)):
+        loss = loaded.compute_loss(model(*args, **kwargs))
     loss.backward()
+
+
+def policy_autocast_dtype(policy: types.ModuleType | None) -> str | None:
+    """The dtype a policy module's plan computes in under ``torch.autocast`` (or None):
+    [Note: autocast precision] in common/autocast.py."""
+    plan = getattr(policy, "PLAN", None)
+    return plan_autocast_dtype(plan) if plan else None
 
 
 def micro_batches(model: nn.Module, loaded: LoadedModel, inputs: tuple[tuple, dict],
@@ -217,12 +228,13 @@ def micro_batches(model: nn.Module, loaded: LoadedModel, inputs: tuple[tuple, di
     (``grad_accum_steps``; the policy's ``prepare_microbatch`` sets gradient sync before each).
     ``before_each(index)`` runs first (a memory tracker resets its module stats there)."""
     steps = int((getattr(policy, "PLAN", None) or {}).get("grad_accum_steps", 1) or 1)
+    autocast = policy_autocast_dtype(policy)
     for index in range(steps):
         if before_each is not None:
             before_each(index)
         if steps > 1:
             policy.prepare_microbatch(model, index, steps)
-        forward_backward(model, loaded, inputs)
+        forward_backward(model, loaded, inputs, autocast)
 
 
 def finish_step(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:

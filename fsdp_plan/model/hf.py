@@ -12,15 +12,43 @@ routed rows by expert and runs one grouped matmul, so every tensor's shape (and 
 is the same whatever the router decides. A ``--hf-config`` model that asks for ``eager`` is
 planned with ``grouped_mm`` and the plan says so (``LoadedModel.notes``); a model file that
 builds an ``eager`` MoE model gets a ``BadInput`` naming the switch.
+
+[Note: training loss of Hugging Face heads]
+A ``--hf-config`` model whose head computes a loss when given ``labels`` is fed them (SPEC 7),
+so the step analysed, verified and benched is the one training runs: the model's own loss
+(``ModelOutput.loss``, which ``load.default_loss`` takes first). The head is recognised by its
+class in ``transformers``' auto mappings, and the labels follow what its loss reads:
+- causal LM and masked LM: token ids shaped like ``input_ids`` (causal LMs shift them and
+  compute cross-entropy with the logits upcast to float32: the peak around the loss grows
+  with vocabulary x tokens);
+- seq2seq LM: token ids shaped like ``decoder_input_ids``;
+- sequence and image classification: one class id per sample (``num_labels`` classes), or
+  float targets for ``regression`` (``num_labels == 1``) and ``multi_label_classification``.
+Values are drawn at random: memory and time depend only on shapes (ignored positions,
+-100, cost the same). A model file's ``example_inputs`` and ``loss_fn`` still decide.
+
+[Note: packed-sequence detection on fake tensors]
+Without an attention mask or a cache (a training step), ``transformers``' causal-mask builder
+asks ``masking_utils.find_packed_sequence_indices`` whether the position ids hold several
+packed sequences; on real tensors it reads them, finds one sequence and lets SDPA run causal
+with no mask. A fake tensor counts as "tracing" there, so the check is skipped and a
+``[batch, 1, seq, seq]`` mask is built and kept: planning and ``verify`` (fake tensors) held
+memory that training does not (an HF Llama's DDP step at 2 x 256 measured 6.7% under its
+prediction). While the planner traces, ``hf_masks_as_trained`` answers that check from how the
+position ids were made: a view of one ``arange`` with step 1 (shifted by a number, as
+``arange(n) + past_seen_tokens``) along its last dimension, which is what the model makes
+itself when given none, is one sequence, as its values would say. Other fake
+position ids go to transformers' own check (the mask is built, as it would be for packed data).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -178,9 +206,50 @@ def _accepts(model: nn.Module, name: str) -> bool:
     return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def hf_default_inputs(model: nn.Module, where: str) -> Callable[[int, int], tuple[tuple, dict]]:
-    """``make_inputs(batch_size, seq_len)`` for a ``transformers`` model, as keyword inputs."""
+_HEADS = (  # (head kind, transformers' auto mapping of the classes with that head)
+    ("seq2seq", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    ("causal", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    ("masked", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    ("classification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    ("classification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+)
+
+
+def loss_head(model: nn.Module) -> str | None:
+    """``seq2seq``, ``causal``, ``masked`` or ``classification`` when ``model``'s head computes
+    a loss from ``labels`` ([Note: training loss of Hugging Face heads]), else None."""
+    if not _accepts(model, "labels"):
+        return None
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:  # pragma: no cover - transformers without the auto module
+        return None
+    name = type(model).__name__
+    for kind, mapping in _HEADS:
+        for value in getattr(modeling_auto, mapping, {}).values():
+            if name == value or (isinstance(value, (tuple, list)) and name in value):
+                return kind
+    return None
+
+
+def _class_labels(config: Any) -> Callable[[int], torch.Tensor]:
+    """Classification labels for a batch, as the head's ``problem_type`` reads them."""
+    num_labels = int(getattr(config, "num_labels", 2) or 2)
+    problem = getattr(config, "problem_type", None)
+    if problem == "multi_label_classification":
+        return lambda batch: torch.rand(batch, num_labels)
+    if problem == "regression" or num_labels == 1:
+        return lambda batch: torch.randn(batch) if num_labels == 1 else torch.randn(batch,
+                                                                                  num_labels)
+    return lambda batch: torch.randint(0, num_labels, (batch,))
+
+
+def hf_default_inputs(model: nn.Module, where: str, *, labels: bool = False
+                      ) -> Callable[[int, int], tuple[tuple, dict]]:
+    """``make_inputs(batch_size, seq_len)`` for a ``transformers`` model, as keyword inputs;
+    with ``labels`` (``--hf-config``) a head that computes a loss also gets its ``labels``."""
     config = model.config
+    head = loss_head(model) if labels else None
     name = getattr(model, "main_input_name", "input_ids")
     cls = type(model).__name__
     if name == "pixel_values":
@@ -197,9 +266,14 @@ def hf_default_inputs(model: nn.Module, where: str) -> Callable[[int, int], tupl
                            "image_size/num_channels to shape them; write a model file with "
                            "example_inputs(batch_size, seq_len) returning {'pixel_values': ...}.")
 
+        classes = _class_labels(config) if head == "classification" else None
+
         def make_pixels(batch_size: int, seq_len: int) -> tuple[tuple, dict]:
             del seq_len  # an image's size comes from the config, not --seq-len
-            return (), {"pixel_values": torch.randn(batch_size, channels, height, width)}
+            kwargs = {"pixel_values": torch.randn(batch_size, channels, height, width)}
+            if classes is not None:
+                kwargs["labels"] = classes(batch_size)
+            return (), kwargs
         return make_pixels
     if name != "input_ids":
         raise BadInput(f"{cls} from {where!r} takes {name!r} as its main input; fsdp-plan makes "
@@ -212,6 +286,7 @@ def hf_default_inputs(model: nn.Module, where: str) -> Callable[[int, int], tupl
                        "example_inputs(batch_size, seq_len) in a model file.")
     limit = _learned_position_limit(model, config)
     encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    classes = _class_labels(config) if head == "classification" else None
     # A training step keeps no KV cache; with one, a checkpointed block saves a different
     # number of tensors when it is recomputed (the cache has grown) and checkpointing fails.
     no_cache = {"use_cache": False} if _accepts(model, "use_cache") else {}
@@ -225,5 +300,84 @@ def hf_default_inputs(model: nn.Module, where: str) -> Callable[[int, int], tupl
         if encoder_decoder:
             # Teacher forcing: the decoder reads a sequence as long as the encoder's.
             kwargs["decoder_input_ids"] = torch.randint(0, vocab, (batch_size, seq_len))
+        if head in ("seq2seq", "causal", "masked"):
+            kwargs["labels"] = torch.randint(0, vocab, (batch_size, seq_len))
+        elif classes is not None:
+            kwargs["labels"] = classes(batch_size)
         return (), {**kwargs, **no_cache}
     return make_tokens
+
+
+_SHIFTS = ("add", "sub")
+
+
+class _Aranges:
+    """Records the storages of 1-D runs of consecutive integers as they are made (a dispatch
+    mode, entered around the traced step): ``aten.arange`` with step 1, and such a run shifted
+    by a number (``arange(n) + past_seen_tokens``)."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        self.storages: dict[int, Any] = {}
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                if not isinstance(out, torch.Tensor) or out.dim() != 1:
+                    return out
+                name = func._overloadpacket.__name__
+                made = name == "arange" and kwargs.get("step", args[2] if len(args) > 2 else 1) == 1
+                shifted = name in _SHIFTS and len(args) >= 2 and outer.run(args[0]) and (
+                    isinstance(args[1], (int, float))
+                    or isinstance(args[1], torch.Tensor) and args[1].dim() == 0)
+                if made or shifted:
+                    outer.remember(out)
+                return out
+        self.mode = Mode()
+
+    def remember(self, tensor: torch.Tensor) -> None:
+        import weakref
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        self.storages[key] = weakref.ref(storage, lambda _r, k=key: self.storages.pop(k, None))
+
+    def run(self, value: Any) -> bool:
+        """Whether ``value`` is a whole recorded run (1-D, contiguous)."""
+        return (isinstance(value, torch.Tensor) and value.dim() == 1 and value.stride(0) == 1
+                and self.consecutive(value))
+
+    def consecutive(self, tensor: torch.Tensor) -> bool:
+        """Whether every row of ``tensor`` reads consecutive values of one recorded run."""
+        ref = self.storages.get(id(tensor.untyped_storage()))
+        return (ref is not None and ref() is not None and tensor.dim() >= 1
+                and tensor.stride(-1) == 1)
+
+
+@contextlib.contextmanager
+def hf_masks_as_trained() -> Iterator[None]:
+    """Within the block, ``transformers``' packed-sequence check decides fake position ids
+    from how they were made ([Note: packed-sequence detection on fake tensors]). Nothing
+    happens when ``transformers`` was not imported (no Hugging Face model is traced)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    masking = sys.modules.get("transformers.masking_utils")
+    check = getattr(masking, "find_packed_sequence_indices", None)
+    if check is None:
+        yield
+        return
+    aranges = _Aranges()
+
+    def find(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(position_ids, FakeTensor) and aranges.consecutive(position_ids):
+            return None  # one sequence: what reading the values would find
+        return check(position_ids, *args, **kwargs)
+
+    masking.find_packed_sequence_indices = find
+    try:
+        with aranges.mode:
+            yield
+    finally:
+        masking.find_packed_sequence_indices = check

@@ -362,8 +362,8 @@ def _first_leaf(model: nn.Module) -> nn.Module | None:
 
 
 def _default_inputs_for(model: nn.Module, source: ModelSource):
-    if is_hf_model(model):
-        return hf_default_inputs(model, source.source)
+    if is_hf_model(model):  # --hf-config models train with their loss: SPEC 7
+        return hf_default_inputs(model, source.source, labels=source.kind == "hf-config")
     leaf = _first_leaf(model)
     if not isinstance(leaf, nn.Embedding):
         kind = type(leaf).__name__ if leaf is not None else "no parameterised layer"

@@ -46,6 +46,7 @@ CATEGORIES: dict[str, str] = {
     "accumulated_grads": "gradients (accumulated)",
     "unsharded_grads": "gradients (unsharded)",
     "activations": "activations",
+    "loss": "loss",
     "comm_buffers": "communication buffers",
     "offload_copies": "offload copies",
     "optimizer_temporaries": "optimizer temporaries",
@@ -95,7 +96,8 @@ def plan_timeline(plan: Plan, facts: ModelFacts, prediction: Prediction) -> Memo
     if plan.strategy == "ddp":
         config = candidate.layout.ddp
         assert config is not None, "a DDP plan's layout carries its bucket configuration"
-        return ddp_memory_timeline(facts.graph, facts.analysis,
+        # below float32 a DDP plan computes under autocast: the pass the search evaluated it on
+        return ddp_memory_timeline(facts.graph, facts.analysis.for_ddp(),
                                    Precision.of_plan(plan.mixed_precision), plan.optimizer,
                                    config)
     evaluator = prediction.evaluator

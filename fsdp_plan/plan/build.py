@@ -48,13 +48,16 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
                                               if b not in best.selective], best.selective)
             if best.selective else best.checkpointed),
         selective_ops=list(selective_ops or DEFAULT_SELECTIVE_OPS) if best.selective else [],
+        selective_mm_stride=best.layout.selective_mm_stride if best.selective else 1,
         fsdp_plan_version=2 if (best.selective or best.strategy == "ddp" or offload
                                 or request.grad_accum_steps > 1 or request.compile_blocks
-                                or request.framework) else 1,
+                                or request.framework or request.autocast_dtype) else 1,
         framework=request.framework,
         forward_prefetch=forward, backward_prefetch=backward,
         mixed_precision={"param_dtype": request.param_dtype,
-                         "reduce_dtype": request.reduce_dtype},
+                         "reduce_dtype": request.reduce_dtype,
+                         **({"autocast_dtype": request.autocast_dtype}
+                            if request.autocast_dtype else {})},
         optimizer=request.optimizer, gpu=request.hardware.name,
         hardware=stored_block(request.hardware, request.hardware_origin),
         predicted=predicted_block(best),
@@ -167,6 +170,11 @@ def layout_of(plan: Plan, facts: ModelFacts) -> Layout:
                        + (facts.analysis.selective_unavailable
                           or "this model's blocks could not be traced with selective checkpointing")
                        + "; write full for those blocks.")
+    if selective and facts.analysis.with_selective_stride(plan.selective_mm_stride) is None:
+        raise BadInput(f"the plan saves every {plan.selective_mm_stride}th matmul of its "
+                       "selective blocks (selective_mm_stride), but the model was analysed at "
+                       f"stride {facts.analysis.selective_mm_stride} only; analyse it as the "
+                       "plan says (fsdp-plan predict PLAN.yaml does).")
     if selective and sorted(plan.selective_ops) != sorted(facts.analysis.selective_ops):
         raise BadInput("the plan's selective_ops differ from the ops fsdp-plan analysed "
                        f"({', '.join(facts.analysis.selective_ops)}); fsdp-plan predicts selective "
@@ -178,7 +186,8 @@ def layout_of(plan: Plan, facts: ModelFacts) -> Layout:
                   root_reshard=units[-1].reshard_after_forward, full=checkpoint,
                   selective=selective - checkpoint, forward_prefetch=forward_depth,
                   backward_prefetch=backward_depth,
-                  offload=any((plan.offload or {}).values()))
+                  offload=any((plan.offload or {}).values()),
+                  selective_mm_stride=plan.selective_mm_stride if selective else 1)
 
 
 def prefetch_maps(unit_keys: list[str], forward_depth: int, backward_depth: int

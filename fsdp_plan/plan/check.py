@@ -58,6 +58,9 @@ Python literals too. Unknown top-level keys are accepted (SPEC 3) and dropped.""
 _MESH_KEYS = ("replicate", "shard")
 _UNIT_KEYS = ("modules", "reshard_after_forward", "mixed_precision")
 _PRECISION_KEYS = ("param_dtype", "reduce_dtype")
+_PLAN_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "autocast_dtype")
+AUTOCAST_DTYPE_NAMES = ("bfloat16", "bf16", "float16", "fp16")
+MAX_MM_STRIDE = 1024
 _UNIT_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
 
 
@@ -289,7 +292,11 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     keys = {unit[0][0] for unit in out["units"]}
     for kind in ("forward_prefetch", "backward_prefetch"):
         out[kind] = _check_prefetch(check, raw.get(kind), kind, keys)
-    out["mixed_precision"] = _check_precision(check, raw.get("mixed_precision"))
+    out["mixed_precision"] = _check_precision(check, raw.get("mixed_precision"),
+                                              keys=_PLAN_PRECISION_KEYS)
+    _check_autocast(check, out["mixed_precision"], version)
+    out["selective_mm_stride"] = _check_mm_stride(check, raw.get("selective_mm_stride", 1),
+                                                  version)
     out["optimizer"] = check.choice(raw.get("optimizer", "adamw"), "optimizer", OPTIMIZERS,
                                     "set optimizer to the one the training script uses")
     gpu = raw.get("gpu", "h100")
@@ -608,6 +615,37 @@ def _is_op(name: str) -> bool:
     # resolving needs torch (~6 s to import): only for names fsdp-plan itself never writes
     from fsdp_plan.policy_runtime import resolve_ops
     return bool(resolve_ops([name]))
+
+
+def _check_autocast(check: _Checker, precision: dict[str, str | None], version: int) -> None:
+    """``mixed_precision.autocast_dtype`` (SPEC 7): version 2, a dtype autocast computes in,
+    with float32 parameters (FSDP keeps them; autocast casts per op)."""
+    dtype = precision.get("autocast_dtype")
+    if dtype is None:
+        return
+    path = "mixed_precision.autocast_dtype"
+    if version < 2:
+        raise check.fail(path, "needs fsdp_plan_version: 2", "write fsdp_plan_version: 2, or "
+                         "remove autocast_dtype to compute in param_dtype")
+    check.choice(dtype, path, AUTOCAST_DTYPE_NAMES, "torch.autocast computes in bfloat16 or "
+                 "float16; remove the key to compute in float32")
+    param = precision.get("param_dtype")
+    if param not in (None, "float32", "fp32"):
+        raise check.fail("mixed_precision.param_dtype", f"is {param!r} beside "
+                         f"autocast_dtype {dtype!r}", "under autocast FSDP keeps float32 "
+                         "parameters: write param_dtype: float32 (autocast casts per op)")
+
+
+def _check_mm_stride(check: _Checker, value: Any, version: int) -> int:
+    """``selective_mm_stride`` (SPEC 7): save every k-th ``aten.mm`` of a selective block."""
+    stride = check.integer(value, "selective_mm_stride", 1, MAX_MM_STRIDE,
+                           "selective_mm_stride k saves the 1st, (k+1)th, ... aten.mm of a "
+                           "selectively checkpointed block (1 saves every one; torchtitan's op "
+                           "policy is 2)")
+    if stride != 1 and version < 2:
+        raise check.fail("selective_mm_stride", "needs fsdp_plan_version: 2",
+                         "write fsdp_plan_version: 2, or remove selective_mm_stride")
+    return stride
 
 
 def _check_prefetch(check: _Checker, value: Any, kind: str, keys: set[str]) -> dict[str, list[str]]:

@@ -68,6 +68,9 @@ class Plan:
     selective_ops: list[str] = field(default_factory=list)
     """Ops whose outputs selective checkpointing saves (``aten.mm.default``); written only
     when some module is selective."""
+    selective_mm_stride: int = 1
+    """Of a selective block's ``aten.mm`` calls, the 1st, (k+1)th, ... are saved (version 2,
+    SPEC 7; torchtitan's op policy is 2); written only when not 1."""
     forward_prefetch: dict[str, list[str]] = field(default_factory=dict)
     backward_prefetch: dict[str, list[str]] = field(default_factory=dict)
     mixed_precision: dict[str, str | None] = field(default_factory=dict)
@@ -108,6 +111,9 @@ class Plan:
                  "backward_prefetch", "mixed_precision", "optimizer", "gpu", "predicted"]
         if not raw["selective_ops"]:
             order.remove("selective_ops")
+        if raw["selective_mm_stride"] != 1:
+            order.insert(order.index("activation_checkpointing") + 1 + bool(raw["selective_ops"]),
+                         "selective_mm_stride")
         if raw["grad_accum_steps"] > 1:
             order[order.index("predicted"):order.index("predicted")] = ["grad_accum_steps",
                                                                           "gradient_sync"]
@@ -139,6 +145,7 @@ class Plan:
                    for modules, reshard, precision in checked["units"]],
             activation_checkpointing=checked["activation_checkpointing"],
             selective_ops=checked["selective_ops"],
+            selective_mm_stride=checked["selective_mm_stride"],
             forward_prefetch=checked["forward_prefetch"],
             backward_prefetch=checked["backward_prefetch"],
             mixed_precision=checked["mixed_precision"],

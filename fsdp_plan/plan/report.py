@@ -262,6 +262,8 @@ def format_report(result: PlannedResult, rows: list[dict[str, Any]], *, model_na
     lines += format_units_and_offload(best)
     lines += ["", ascii_timeline(best.time)]
     lines += ddp_lines(best, result.ranked)
+    if analysis.ddp_unavailable:  # DDP's step under autocast failed: not planned
+        lines.append(f"note: {analysis.ddp_unavailable}")
     lines += format_throughput(result)
     if result.framework is not None:
         lines.append(result.framework.line())

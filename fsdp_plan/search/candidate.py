@@ -79,6 +79,8 @@ class Layout:
     """Block indices fully checkpointed."""
     selective: frozenset[int] = frozenset()
     """Block indices selectively checkpointed (never also in ``full``)."""
+    selective_mm_stride: int = 1
+    """Selective blocks save every k-th ``aten.mm`` (torchtitan's op policy: 2; SPEC 7)."""
     forward_prefetch: int = 0
     backward_prefetch: int = 1
     offload: bool = False
@@ -175,6 +177,11 @@ class Candidate:
     def selective(self) -> list[str]:
         """The blocks of ``checkpointed`` in selective mode (the others are full)."""
         return [m.block for m in self.block_modes if m.mode == "selective"]
+
+    @property
+    def selective_mm_stride(self) -> int:
+        """Selective blocks save every k-th ``aten.mm`` (1 without selective blocks)."""
+        return self.layout.selective_mm_stride if self.layout.selective else 1
 
     @property
     def recompute_s(self) -> float:

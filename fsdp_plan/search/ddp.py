@@ -2,7 +2,8 @@
 its bucket cap chosen on the same clock and memory budget as the FSDP candidates.
 
 The buckets, their ready order, DDP's memory and its step are cost models
-(cost/ddp_buckets.py [Note: DDP buckets]); this module only proposes configurations: each
+(cost/ddp_buckets.py [Note: DDP buckets]), evaluated on the step as DDP computes it (under
+autocast below float32: ``Analysis.for_ddp``, [Note: autocast precision]); this module only proposes configurations: each
 cap of ``CAP_GRID_MB`` with a first bucket as large (an explicit ``bucket_cap_mb``) or of
 1 MiB, and DDP's defaults as a named recipe when they are not the fastest.
 """
@@ -37,8 +38,11 @@ class DdpStrategy:
         """The bf16 compression hook is used only when the user allowed a reduced-precision
         gradient reduction."""
         s = evaluator.settings
+        if evaluator.analysis.ddp_unavailable:
+            return []  # the model fails under autocast, as DDP would run it
         compress = s.precision.reduce_bytes < 4
-        configs = config_options(evaluator.graph, evaluator.analysis, compress=compress)
+        configs = config_options(evaluator.graph, evaluator.analysis.for_ddp(),
+                                 compress=compress)
         if self.limits is not None:
             configs = self.limits.ddp_configs(configs, s.precision.reduce_bytes)
             if not configs:
@@ -110,7 +114,7 @@ def best_config(evaluated: list[Candidate]) -> Candidate:
 def sweep(evaluator: Evaluator, caps: tuple[int, ...] = CAP_GRID_MB) -> list[Candidate]:
     """One candidate per cap (first bucket as large): the step-time curve over the cap."""
     s = evaluator.settings
-    unused = bool(unused_parameters(evaluator.graph, evaluator.analysis))
+    unused = bool(unused_parameters(evaluator.graph, evaluator.analysis.for_ddp()))
     configs = [DDPConfig(bucket_cap_mb=cap, first_bucket_mb=cap, find_unused_parameters=unused,
                          comm_hook="bf16_compress" if s.precision.reduce_bytes < 4 else None)
                for cap in caps]

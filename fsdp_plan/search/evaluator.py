@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.collectives import count_fsdp1, count_fsdp2, cross_node_bytes, per_step
 from fsdp_plan.cost.compiled_time import compiled_times, without_inside
 from fsdp_plan.cost.ddp_buckets import GradParam, evaluate_ddp, event_times, grad_parameters
@@ -82,14 +83,33 @@ class Evaluator:
         self._ddp_times: list[float] | None = None
         """DDP's parameter list with ready events, and its event clock: shared by every bucket
         configuration."""
+        self._strided: dict[int, Evaluator | None] = {}
+        """Evaluators at other selective ``aten.mm`` strides (``with_mm_stride``)."""
         self.block_cost = self._block_costs()
 
     def evaluate(self, layout: Layout, name: str) -> Candidate:
         """Memory, collectives and step time of ``layout``, named ``name``."""
+        if layout.selective and layout.selective_mm_stride != self.analysis.selective_mm_stride:
+            strided = self.with_mm_stride(layout.selective_mm_stride)
+            if strided is None:
+                raise BadInput(f"the layout saves every {layout.selective_mm_stride}th matmul of "
+                               "its selective blocks, and the model was not analysed at that "
+                               "stride (Analysis.selective_variants).")
+            return strided.evaluate(layout, name)
         if layout.strategy == "ddp":
             return self._replicated(layout, name)
         candidate = self._sharded(layout, name)
         return self._offloaded(candidate) if layout.offload else candidate
+
+    def with_mm_stride(self, stride: int) -> Evaluator | None:
+        """An evaluator of the same facts and settings whose selective blocks save every
+        ``stride``-th ``aten.mm`` (None when the analysis ran no pass at that stride)."""
+        if stride not in self._strided:
+            analysis = self.analysis.with_selective_stride(stride)
+            self._strided[stride] = (None if analysis is None else self
+                                     if analysis is self.analysis
+                                     else Evaluator(self.graph, analysis, self.settings))
+        return self._strided[stride]
 
     def _sharded(self, layout: Layout, name: str) -> Candidate:
         """FSDP or HSDP units with their checkpointed blocks and prefetch."""
@@ -179,15 +199,16 @@ class Evaluator:
     def _replicated(self, layout: Layout, name: str) -> Candidate:
         """``DistributedDataParallel`` with ``layout.ddp``'s buckets (cost/ddp_buckets.py)."""
         s = self.settings
+        analysis = self.analysis.for_ddp()  # below float32 DDP computes under autocast (SPEC 7)
         if self._ddp_params is None:
-            events = self.analysis.timeline.events
+            events = analysis.timeline.events
             self._ddp_params = grad_parameters(self.graph, events)
-            self._ddp_times = event_times(events, s.hardware, self.analysis.param_dtype)
+            self._ddp_times = event_times(events, s.hardware, analysis.param_dtype)
         assert layout.ddp is not None, "a DDP layout carries its bucket configuration"
-        e = evaluate_ddp(self.graph, self.analysis, layout.ddp, hw=s.hardware,
+        e = evaluate_ddp(self.graph, analysis, layout.ddp, hw=s.hardware,
                          world_size=s.world_size, gpus_per_node=s.gpus_per_node,
                          precision=s.precision, optimizer=s.optimizer,
-                         dtype=self.analysis.param_dtype, params=self._ddp_params,
+                         dtype=analysis.param_dtype, params=self._ddp_params,
                          times=self._ddp_times)
         return Candidate(
             name=name, layout=layout, units=build_units(self.graph, [[""]], [False], 1),
@@ -212,7 +233,9 @@ class Evaluator:
             per: dict[str, BlockMode] = {}
             for mode in modes:
                 level, _ = c.segment_delta(i, mode)
-                saved = max(0, kept - level)
+                # under autocast the cached weight casts a checkpointed block's forward made are
+                # freed before backward: [Note: autocast and checkpointed blocks]
+                saved = max(0, kept - level + c.released_delta(i, mode))
                 flops, ops = _replayed(c, i, mode)
                 compiled = (self.compiled_s.recompute_s.get(b, {}).get(mode)
                             if self.compiled_s is not None else None)

@@ -33,7 +33,7 @@ import dataclasses
 from collections.abc import Callable
 
 from fsdp_plan.cost.units import check_tied, with_full_precision_units
-from fsdp_plan.facts.checkpointing import mode_sets
+from fsdp_plan.facts.checkpointing import TORCHTITAN_MM_STRIDE, mode_sets
 from fsdp_plan.search.candidate import Candidate, Layout, SearchSettings, rank
 from fsdp_plan.search.evaluator import Evaluator
 from fsdp_plan.search.framework import PREFETCH, FrameworkLimits
@@ -242,8 +242,17 @@ def standard_recipes(evaluator: Evaluator) -> list[Candidate]:
                                           "recipe: torchtitan (unit per block)"))
             every = frozenset(range(evaluator.composer.max_checkpointed))
             if every and evaluator.composer.has_selective:
-                out.append(evaluator.evaluate(recipe(groups, reshard, selective=every),
-                                              "recipe: torchtitan selective-op AC"))
+                # torchtitan's op policy saves every second matmul; facts without that pass
+                # (written before it existed) give the row at the analysed stride, named so
+                strided = evaluator.with_mm_stride(TORCHTITAN_MM_STRIDE)
+                stride = (TORCHTITAN_MM_STRIDE if strided is not None
+                          and strided.composer.has_selective
+                          else evaluator.analysis.selective_mm_stride)
+                name = "recipe: torchtitan selective-op AC" + (
+                    "" if stride == TORCHTITAN_MM_STRIDE else " (saving every matmul)"
+                    if stride == 1 else f" (saving every {stride}th matmul)")
+                out.append(evaluator.evaluate(dataclasses.replace(
+                    recipe(groups, reshard, selective=every), selective_mm_stride=stride), name))
             if every:
                 out.append(evaluator.evaluate(recipe(groups, reshard, full=every),
                                               "recipe: full AC every block"))

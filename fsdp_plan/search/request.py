@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
-from fsdp_plan.common.dtypes import canonical_dtype
+from fsdp_plan.common.autocast import AUTOCAST_DTYPES
+from fsdp_plan.common.dtypes import DTYPE_BYTES, canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.limits import budget_limit
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for
 from fsdp_plan.cost.offload import pcie_bandwidth
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision
+from fsdp_plan.facts.checkpointing import TORCHTITAN_MM_STRIDE
 from fsdp_plan.model.source import ModelSource
 from fsdp_plan.search.candidate import SearchSettings
 from fsdp_plan.search.framework import FrameworkLimits, limits_for
@@ -35,6 +38,10 @@ class PlanRequest:
     reduce_dtype: str | None = "float32"
     """``float32``, ``bfloat16``..., ``auto`` (the search tries float32 and bfloat16), or None:
     float32, or under ``framework`` the dtype its configuration reduces in."""
+    autocast_dtype: str | None = None
+    """``--autocast``: FSDP keeps float32 parameters and forward and loss run under
+    ``torch.autocast`` in this dtype ([Note: autocast precision] in common/autocast.py);
+    ``param_dtype`` is then float32."""
     optimizer: str = "adamw"
     hardware: Hardware = field(default_factory=lambda: hardware_for("h100"))
     hardware_origin: dict[str, str] | None = None
@@ -73,6 +80,16 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
+        if self.autocast_dtype is not None:
+            self.autocast_dtype = canonical_dtype(self.autocast_dtype, "autocast dtype")
+            if self.autocast_dtype not in AUTOCAST_DTYPES:
+                raise BadInput(f"--autocast {self.autocast_dtype} is not a dtype torch.autocast "
+                               "computes in; use bf16 or fp16.")
+            if self.param_dtype != "float32":
+                raise BadInput(f"--autocast keeps float32 parameters (FSDP gathers them in "
+                               f"float32 and autocast casts per op), so --param-dtype "
+                               f"{self.param_dtype} cannot go with it; leave --param-dtype out "
+                               "(or give fp32).")
         self.asked_reduce_dtype = self.reduce_dtype
         if self.reduce_dtype not in (None, "auto"):  # auto: the search tries float32 and bf16
             self.reduce_dtype = canonical_dtype(self.reduce_dtype, "reduce_dtype")
@@ -114,6 +131,18 @@ class PlanRequest:
                            "compiled blocks is not modelled. Drop --compile or --strategy ddp.")
         if self.allow_offload:  # before any work: h2d_bandwidth 0 cannot price the copies
             pcie_bandwidth(self.hardware)
+
+    def analysis_options(self) -> dict[str, Any]:
+        """How ``analyze_model`` traces for this request: FSDP mixed precision or autocast, the
+        torchtitan recipe's selective stride, compiled blocks, and (when DDP may be chosen below
+        float32) the step under autocast that DDP computes ([Note: autocast precision])."""
+        lower = DTYPE_BYTES[self.param_dtype] < 4 and self.autocast_dtype is None
+        ddp = self.strategy in ("auto", "ddp") and lower and not self.compile_blocks
+        return {"param_dtype": self.param_dtype, "autocast_dtype": self.autocast_dtype,
+                "exact": self.exact_analysis, "selective_strides": (TORCHTITAN_MM_STRIDE,),
+                "ddp_limit_bytes": self.limit_bytes if ddp else None,
+                "compile_blocks": self.compile_blocks,
+                "activation_memory_budget": self.activation_memory_budget}
 
     @property
     def limits(self) -> FrameworkLimits | None:
