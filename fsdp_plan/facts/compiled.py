@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import logging
 import operator
 from typing import Any
 
@@ -201,11 +202,27 @@ def trace_modes(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,
     for mode, ops in (("full", None), ("selective", resolve_ops(list(DEFAULT_SELECTIVE_OPS)))):
         try:
             wrapped = checkpoint_module(block, ops, mm_stride=selective_mm_stride)
-            out[mode] = trace_block(wrapped, args, kwargs, fqn=fqn,
-                                    activation_memory_budget=activation_memory_budget, mode=mode)
+            with _quiet_selective_warning():
+                out[mode] = trace_block(wrapped, args, kwargs, fqn=fqn,
+                                        activation_memory_budget=activation_memory_budget,
+                                        mode=mode)
         except BadInput:
             continue
     return out
+
+
+@contextlib.contextmanager
+def _quiet_selective_warning():
+    """Dynamo warns once per process, on stderr, that a selective policy under compile must not
+    meet in-place ops: advice for whoever writes the policy, noise in a plan's output. The
+    policy is fsdp-plan's own, and the trace does not depend on the warning."""
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def capture_block_inputs(model: nn.Module, fqns: list[str], run_forward) -> dict[str, tuple]:

@@ -55,6 +55,17 @@ class _MaskOrigins(TorchDispatchMode):
     """Records which square tensors hold ``-inf`` everywhere (``full``) or above the diagonal
     and ``0`` elsewhere (``triu(diagonal=1)`` of such a tensor), as they are made."""
 
+    # A checkpointed compiled block's graphs call higher-order ops (run_and_save_rng_state),
+    # which a mode without this flag refuses; they run through ``__torch_dispatch__`` unchanged.
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Off while Dynamo compiles a block (``--compile`` measured by verify): a dispatch mode
+        that is not would make ``fullgraph=True`` find no compiled frames. Masks are made
+        outside the compiled blocks, so none goes unseen."""
+        return True
+
     def __init__(self) -> None:
         super().__init__()
         self.filled = WeakTensorKeyDictionary()

@@ -137,7 +137,9 @@ class PlanRequest:
         torchtitan recipe's selective stride, compiled blocks, and (when DDP may be chosen below
         float32) the step under autocast that DDP computes ([Note: autocast precision])."""
         lower = DTYPE_BYTES[self.param_dtype] < 4 and self.autocast_dtype is None
-        ddp = self.strategy in ("auto", "ddp") and lower and not self.compile_blocks
+        # --compile auto's eager side may choose DDP (search/compile_choice.py); compiled may not
+        ddp = (self.strategy in ("auto", "ddp") and lower
+               and (not self.compile_blocks or self.compile_auto))
         return {"param_dtype": self.param_dtype, "autocast_dtype": self.autocast_dtype,
                 "exact": self.exact_analysis, "selective_strides": (TORCHTITAN_MM_STRIDE,),
                 "ddp_limit_bytes": self.limit_bytes if ddp else None,
