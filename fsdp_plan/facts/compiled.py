@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import gc
 import logging
 import operator
 from typing import Any
@@ -278,7 +279,7 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
     materialize_fake(model, fake_mode)
     kept = {id(p) for m in model.modules() if keeps_full_precision(m)
             for p in m.parameters(recurse=False)}
-    with fake_mode:
+    with fake_mode, _young_collections_only():
         if param_dtype is not None:
             for p in model.parameters():
                 if p.is_floating_point() and id(p) not in kept:
@@ -305,6 +306,23 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
     return CompiledBlocks(activation_memory_budget=activation_memory_budget, by_class=by_class,
                           block_class={b: type(loaded.model.get_submodule(b)).__name__
                                        for b in blocks}, by_mode=by_mode)
+
+
+@contextlib.contextmanager
+def _young_collections_only():
+    """Pause the cycle collector while the blocks are traced, then collect the young
+    generations once (as the search does, search/run.py ``cycle_collector_paused``): Dynamo
+    and AOTAutograd allocate enough to set off several full collections, each walking every
+    object torch has imported (about half a million), while the cycles the traces leave
+    behind are all young."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+            gc.collect(1)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
