@@ -82,10 +82,10 @@ def test_budget_saves_less_and_recomputes_more():
     assert "mm.default" in tight.recomputed and "mm.default" not in default.recomputed
 
 
-def _plan(compile_blocks: bool, n_full: int | None = None):
+def _plan(compile_blocks: bool, n_full: int | None = None, name: str = "llama"):
     from fsdp_plan.api import make_plan
     from fsdp_plan.search.request import PlanRequest
-    source = ModelSource(source=MODELS["llama"], args={"size": "tiny"}, batch_size=2,
+    source = ModelSource(source=MODELS[name], args={"size": "tiny"}, batch_size=2,
                          seq_len=256)
     return make_plan(PlanRequest(source=source, budget_bytes=2 * 10**9, world_size=2,
                                  strategy="full", compile_blocks=compile_blocks))
@@ -110,8 +110,9 @@ def test_compiled_plan_peak_matches_fsdp_mem_tracker_on_the_compiled_step():
     assert abs(predicted - measured.peak_bytes) <= 0.05 * measured.peak_bytes
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_checkpointed_compiled_blocks_peak_matches_the_compiled_step(mode):
+def test_checkpointed_compiled_blocks_peak_matches_the_compiled_step(mode, name):
     """Acceptance (issue 22) in each checkpointing mode: every block checkpointed in ``mode``
     and compiled (the wrapper compiled, checkpoint inside the graph), predicted from that
     mode's partition within 5% of FSDPMemTracker with the compiled graphs running."""
@@ -120,7 +121,7 @@ def test_checkpointed_compiled_blocks_peak_matches_the_compiled_step(mode):
     from fsdp_plan.measure.memory import measure_peak
     from fsdp_plan.plan.document import Plan
     from fsdp_plan.plan.emit import load_policy_module, render_policy_module
-    comp = _plan(True)
+    comp = _plan(True, name=name)
     doc = comp.plan.to_dict()
     doc.update(activation_checkpointing={b: mode for b in comp.facts.graph.blocks},
                selective_ops=list(DEFAULT_SELECTIVE_OPS) if mode == "selective" else [])
@@ -132,4 +133,6 @@ def test_checkpointed_compiled_blocks_peak_matches_the_compiled_step(mode):
     predicted = predict(plan, comp.facts).predicted["peak_bytes"]
     measured = measure_peak(comp.loaded, plan, load_policy_module(render_policy_module(plan)))
     assert any("graph calls" in n for n in measured.notes)
+    print(f"{name} {mode}: predicted {predicted:,} measured {measured.peak_bytes:,} "
+          f"({predicted / measured.peak_bytes - 1:+.2%})")
     assert abs(predicted - measured.peak_bytes) <= 0.05 * measured.peak_bytes

@@ -160,7 +160,67 @@ def read_partition(fw: fx.GraphModule, bw: fx.GraphModule, joint_forward: set[st
         saved_bytes=_new_bytes(saved, inputs), kept_bytes=_new_bytes(saved + user_outputs, inputs),
         saved_input_tensors=len(saved) - len([n for n in saved if _new_bytes([n], inputs)]),
         saved_tensors=len(saved), recomputed=dict(sorted(recomputed.items())), mode=mode,
-        fw_ops=fused_counters(fw), bw_ops=fused_counters(bw))
+        fw_ops=fused_counters(fw), bw_ops=fused_counters(bw), bw_peak_bytes=op_by_op_peak(bw))
+
+
+def _nbytes(value: Any) -> tuple[int, int] | None:
+    """(identity, bytes) of a traced tensor's storage; a symbolic size counts its hint."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    storage = value.untyped_storage()
+    size = storage.nbytes()
+    if isinstance(size, torch.SymInt):
+        size = size.node.hint or 0
+    return storage._cdata, int(size)
+
+
+def op_by_op_peak(gm: fx.GraphModule) -> int:
+    """The most bytes of new storages alive at once while ``gm`` runs node by node, each
+    storage freed once no later node reads a value on it (as FX's generated code drops each
+    value after its last use); graph inputs are not counted.
+
+    This is how the partitioned backward runs where verify measures it (op by op, inductor's
+    decompositions materialising every intermediate, float32 upcasts included), and what a
+    fully checkpointed block's backward holds while it recomputes the block and runs its
+    backward: the eager pass's shape for it is the eager kernels', which can be far less
+    (GPT-2's LayerNorm and tanh GELU are single kernels in eager, a dozen float32 tensors
+    decomposed). Inductor's kernels fuse most of it away, so on a GPU this is an upper bound."""
+    nodes = list(gm.graph.nodes)
+    last_use: dict[fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for arg in node.all_input_nodes:
+            last_use[arg] = i
+    holders: dict[int, int] = {}
+    """Storage -> how many live nodes hold a value on it."""
+    held: dict[fx.Node, list[int]] = {}
+    size: dict[int, int] = {}
+    inputs: set[int] = set()
+    alive = peak = 0
+    for i, node in enumerate(nodes):
+        value = node.meta.get("val")
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for one in map(_nbytes, values):
+            if one is None:
+                continue
+            key, nbytes = one
+            if node.op == "placeholder":
+                inputs.add(key)
+            elif key not in inputs and key not in size:
+                size[key] = nbytes
+                alive += nbytes
+            if key in size and key not in held.get(node, []):
+                held.setdefault(node, []).append(key)
+                holders[key] = holders.get(key, 0) + 1
+        peak = max(peak, alive)
+        for arg in node.all_input_nodes:
+            if last_use.get(arg) != i:
+                continue
+            for key in held.pop(arg, []):
+                holders[key] -= 1
+                if not holders[key]:
+                    alive -= size.pop(key)
+                    del holders[key]
+    return peak
 
 
 def trace_block(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,

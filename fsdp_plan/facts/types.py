@@ -167,6 +167,10 @@ class CompiledBlock:
     memory-bound ops counted per fused region (facts/fused.py [Note: fused regions])."""
     bw_ops: dict[str, float] = field(default_factory=dict)
     """The same for the backward graph (recomputed ops included)."""
+    bw_peak_bytes: int = 0
+    """The most bytes of new storages the backward graph holds at once when run op by op,
+    each freed after its last use (graph inputs excluded): the block's transient on top of
+    what its backward starts with (cost/timeline.py [Note: compiled timeline])."""
 
 
 @dataclass(kw_only=True)
@@ -191,6 +195,12 @@ class CompiledBlocks:
         """What ``block``'s compiled forward leaves alive, or None when it was not traced."""
         one = self.of(block, mode)
         return None if one is None else one.kept_bytes
+
+    def bw_peak_bytes(self, block: str, mode: str = "none") -> int | None:
+        """``block``'s backward-graph transient (``CompiledBlock.bw_peak_bytes``), or None
+        when it was not traced."""
+        one = self.of(block, mode)
+        return None if one is None else one.bw_peak_bytes
 
 
 @dataclass(kw_only=True)
