@@ -183,3 +183,22 @@ def test_bench_runs_a_compiled_plan_with_exact_counts(tmp_path):
     assert result["collectives"]["measured"]["all_gather"] > 0
     assert result["compiled_graphs"] >= 1  # one AOTAutograd compilation per block class
     assert "compiled blocks:" in done.stdout
+
+
+def test_bench_fsdp1_refuses_a_compiled_plan(tmp_path, capsys):
+    """``bench --fsdp1`` on a plan made with ``--compile`` is refused before any worker starts
+    (exit 2, one paragraph saying what to run instead, nothing written), instead of silently
+    benching the plan's blocks eager under FSDP1."""
+    from fsdp_plan.cli.main import main
+    plan = str(tmp_path / "plan.yaml")
+    assert main([os.path.join(ROOT, "examples", "llama.py"), "--model-arg", "size=tiny",
+                 "--seq-len", "64", "--batch-size", "2", "--mem", "1GB", "--world-size", "2",
+                 "--strategy", "full", "--compile", "--plan", plan, "--format", "json"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "results"
+    assert main(["bench", plan, "--fsdp1", *FAST, "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert "planned with --compile" in captured.err, captured.err
+    assert "without --fsdp1" in captured.err and "without --compile" in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert not out.exists() or not os.listdir(out)

@@ -90,6 +90,8 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
     if request.refit:  # checked before the run: a bad file fails fast
         check_refit_path(request.refit)
     plan = read_plan(request.plan_path)
+    if request.fsdp_version == 1 and (plan.compile or {}).get("blocks"):
+        raise BadInput(compiled_fsdp1_refusal(request.plan_path))
     loaded = runtime.load_planned_model(plan, request.model_path, request.plan_path)
     mesh, notes = run_mesh(plan, nproc)
     payload = {
@@ -108,6 +110,17 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
     except BaseException:  # a signal right here: the caller never sees the folder
         shutil.rmtree(payload["trace_dir"], ignore_errors=True)
         raise
+
+
+def compiled_fsdp1_refusal(plan_path: str) -> str:
+    """Why ``--fsdp1`` does not run a plan made with ``--compile``, and what to do."""
+    return (f"--fsdp1: {plan_path!r} was planned with --compile, and it compiles its repeated "
+            "blocks the FSDP2 way (torch.compile(block.forward, fullgraph=True) after "
+            "checkpointing, before fully_shard, so FSDP's hooks stay outside the graphs); FSDP1 "
+            "wraps the blocks in FullyShardedDataParallel units with their own hooks, which is "
+            "not what the plan's predictions were made for, and running it eager would "
+            "benchmark a different plan under the same name. Run bench without --fsdp1 (FSDP2, "
+            "the blocks compiled), or plan again without --compile to bench with FSDP1.")
 
 
 def _cpu_memory(prepared: Prepared, record: bool = False) -> dict[str, Any]:
