@@ -80,6 +80,10 @@ class PlanResult:
     """With ``--framework``: what keeping to its configuration costs (search/framework.py)."""
     facts_by_micro_batch: dict[int, tuple[int, ModelFacts]] = field(default_factory=dict)
     """Per micro-batch tried: its accumulation steps and facts (the frontier searches them)."""
+    compiled_facts: dict[int, ModelFacts] = field(default_factory=dict)
+    """With ``--compile auto``: per micro-batch analysed, the facts with the compiled
+    partitions, whichever plan was kept (the frontier weighs eager and compiled at every
+    budget, as the plan did)."""
     request: PlanRequest | None = None
     """The request as the plan chose it (micro-batch, accumulation, gradient sync, reduce
     dtype): the frontier searches other budgets with it."""
@@ -161,6 +165,8 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
                     if request.global_batch_size else None)
         result.facts_by_micro_batch = {b: (per_rank // b if per_rank else 1, a.facts)
                                        for b, a in analyses.items()}
+    if request.compile_auto:
+        result.compiled_facts = {b: a.facts for b, a in analyses.items()}
     result.seconds = time.perf_counter() - started
     result.loaded = analyzed.loaded
     return result
@@ -175,8 +181,9 @@ def _framework_choice(request: PlanRequest, facts_at, loaded_model
     is chosen and the report says why."""
     name = request.framework or ""
     limits = request.limits
-    if limits is None:  # Lightning: its configuration says no unit
-        choice = choose_batch(request, facts_at=facts_at, search=_search_for(request))
+    if limits is None:  # Lightning: its configuration says no unit (the policy applies the plan)
+        choice = (compare_compile(request, facts_at, _search_for) if request.compile_auto
+                  else choose_batch(request, facts_at=facts_at, search=_search_for(request)))
         return choice, FrameworkCost(framework=name, restricted=False, why=LIGHTNING_WHY)
     free_request = request.unrestricted()
     try:

@@ -42,6 +42,7 @@ from fsdp_plan.plan.report import (
     gather_module_rows,
 )
 from fsdp_plan.search.candidate import STRATEGY_CHOICES
+from fsdp_plan.search.compile_choice import eager_facts
 from fsdp_plan.search.framework import FRAMEWORKS
 from fsdp_plan.search.frontier import Variant, compute_frontier, more_memory_line
 
@@ -367,8 +368,20 @@ def plan_frontier(result, request: PlanRequest, *, above_only: bool):
                 for b, (k, facts) in sorted(result.facts_by_micro_batch.items())] or [
         Variant(micro_batch=int(plan.model["batch_size"]), grad_accum_steps=plan.grad_accum_steps,
                 facts=result.facts)]
+    if result.compiled_facts:  # --compile auto: every budget weighs eager and compiled blocks
+        variants = [dataclasses.replace(v, facts=f) for v in variants
+                    for f in _eager_and_compiled(result.compiled_facts.get(v.micro_batch,
+                                                                           v.facts))]
     return compute_frontier(variants, chosen.settings(), seq_len=int(plan.model["seq_len"]),
                             count=10 if not above_only else 3, above_only=above_only)
+
+
+def _eager_and_compiled(facts):
+    """``facts`` with its compiled partitions and without (the eager model of the same
+    analysis, search/compile_choice.py)."""
+    if facts.analysis.compiled is None:
+        return [facts]
+    return [facts, eager_facts(facts)]
 
 
 def picture_files(args: argparse.Namespace, result, values: dict[str, Any], frontier):

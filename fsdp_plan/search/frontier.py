@@ -70,10 +70,14 @@ class FrontierPoint:
     """Selectively checkpointed blocks."""
     micro_batch: int = 0
     grad_accum_steps: int = 1
+    compiled: bool = False
+    """Whether the plan compiles its blocks (``--compile``; with ``--compile auto`` every
+    budget weighs eager and compiled variants)."""
 
     def knobs(self) -> dict[str, Any]:
         """What the frontier reports a change of."""
-        return {"units": self.units, "full checkpointing": self.full,
+        return {"blocks": "compiled" if self.compiled else "eager",
+                "units": self.units, "full checkpointing": self.full,
                 "selective checkpointing": self.selective,
                 "mesh": f"{self.strategy} {self.mesh}", "micro-batch": self.micro_batch}
 
@@ -222,7 +226,9 @@ class _Searcher:
             step_s=best.time.step_s, tokens_per_s=tokens, peak_bytes=best.memory.peak_bytes,
             strategy=best.strategy, mesh=f"{best.replicate}x{best.shard}", units=len(best.units),
             full=len(best.checkpointed) - len(best.selective), selective=len(best.selective),
-            micro_batch=variant.micro_batch, grad_accum_steps=variant.grad_accum_steps)
+            micro_batch=variant.micro_batch, grad_accum_steps=variant.grad_accum_steps,
+            # a DDP plan reads the eager timeline (compiled DDP is not modelled)
+            compiled=variant.facts.analysis.compiled is not None and best.strategy != "ddp")
 
     def _tokens(self, variant: Variant, c: Candidate) -> float:
         return variant.micro_batch * self.seq_len * variant.grad_accum_steps / max(
@@ -273,6 +279,8 @@ def describe_change(here: FrontierPoint, better: FrontierPoint) -> str:
     """``at 100.00 GB (93.13 GiB): no full checkpointing, 78 blocks selectively checkpointed
     instead of 57, -5.3% step`` (what the plan at ``better`` does differently from ``here``)."""
     what = []
+    if better.compiled != here.compiled:
+        what.append("compiled blocks" if better.compiled else "eager blocks")
     if better.full != here.full:
         what.append("no full checkpointing" if better.full == 0 else
                     f"{better.full} blocks fully checkpointed instead of {here.full}")

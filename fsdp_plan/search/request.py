@@ -119,6 +119,13 @@ class PlanRequest:
                 raise BadInput(f"--activation-memory-budget {self.activation_memory_budget} is "
                                "outside 0..1 (the fraction of the default saved activations "
                                "the partitioner may keep); give e.g. 0.5.")
+        if self.compile_auto and self.limits is not None:
+            raise BadInput(f"--compile auto with --framework {self.framework}: its exported "
+                           "configuration cannot say compiled blocks, so only eager plans "
+                           "could be kept; plan without --compile for an eager "
+                           f"{self.framework} plan, or without --framework to weigh compiled "
+                           "blocks against eager (export then writes a hook that compiles "
+                           "them).")
         if self.compile_blocks and self.limits is not None:
             raise BadInput(f"--compile with --framework {self.framework}: the exported "
                            "configuration does not say compiled blocks yet; plan without "
