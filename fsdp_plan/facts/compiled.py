@@ -22,6 +22,8 @@ From the partition:
 - ``recomputed``: forward ops of the joint graph that the backward graph computes again;
 - ``fw_ops`` / ``bw_ops``: the graphs' op-class counters per fused kernel (facts/fused.py
   [Note: fused regions]), which the step-time model times (cost/compiled_time.py).
+- ``bw_peak_bytes``: the most new bytes the backward graph holds at once run op by op
+  (``op_by_op_peak``), the floor of the block's backward transient in the timeline.
 
 Each class is traced as it is and inside the policy's full and selective checkpoint wrappers
 (``trace_modes``): the policy compiles the wrapper, so the checkpoint is inside the graph and
