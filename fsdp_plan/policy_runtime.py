@@ -365,12 +365,18 @@ def prepare_microbatch(model: nn.Module, index: int, count: int) -> None:
 
     With ``gradient_sync: last`` FSDP2 skips the reduce-scatter (and HSDP all-reduce) of every
     micro-batch but the last, accumulating unsharded gradients instead
-    (``set_requires_gradient_sync``); with ``every`` (or one micro-batch) each backward reduces
-    as usual. ``model`` is the root returned by ``apply_fully_shard``."""
+    (``set_requires_gradient_sync``), and DDP skips its all-reduce as under ``no_sync()``
+    (which sets ``require_backward_grad_sync``); with ``every`` (or one micro-batch) each
+    backward reduces as usual. ``model`` is the root returned by ``apply_fully_shard`` or
+    ``apply_ddp``."""
     if not 0 <= index < count:
         raise ValueError(f"micro-batch index {index} is outside 0..{count - 1}.")
-    if PLAN.get("gradient_sync", "every") == "last" and hasattr(model, "set_requires_gradient_sync"):
+    if PLAN.get("gradient_sync", "every") != "last":
+        return
+    if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(index == count - 1)
+    elif hasattr(model, "require_backward_grad_sync"):  # DistributedDataParallel
+        model.require_backward_grad_sync = index == count - 1
 
 
 def _offload_kwargs() -> dict:

@@ -91,10 +91,11 @@ class _Steps:
         maybe_inject_fault(self.ctx.rank, self.number)
         self.ctx.report(phase=phase, step=self.number, steps=self.total)
 
-    def micro_batches(self) -> None:
-        """Forward and backward of every micro-batch of one optimizer step (SPEC 6)."""
+    def micro_batches(self, before_each: Any = None) -> None:
+        """Forward and backward of every micro-batch of one optimizer step (SPEC 6);
+        ``before_each(index)`` runs before each (``peak_of_step``'s tracker reset)."""
         w = self.worker
-        runtime.micro_batches(w.model, w.loaded, w.inputs, w.policy)
+        runtime.micro_batches(w.model, w.loaded, w.inputs, w.policy, before_each)
 
     def finish(self) -> None:
         runtime.finish_step(self.worker.model, self.worker.optimizer)

@@ -45,6 +45,23 @@ leaf) at the container's last ``post_bw``, a tied parameter at the latest of its
 and a parameter whose modules never ran backward is unused. Within one module, ``Linear``
 (and ``Conv1D``) gives its bias first (the add's backward runs before the matmul's), while
 fused kernels (norms, convolutions with bias) accumulate in registration order.
+
+[Note: DDP and accumulation] (torch 2.13 ``DistributedDataParallel._pre_forward`` /
+``_post_forward``; counts checked on gloo with 2 processes by tests/test_ddp.py)
+An optimizer step of N micro-batches runs N forwards and backwards and one optimizer step.
+With ``gradient_sync: every`` each backward all-reduces its buckets (and the used-parameter
+map), so the step is N times one micro-batch's forward, backward and exposed all-reduces,
+plus one optimizer step. With ``last`` every micro-batch but the last runs under
+``no_sync`` (``require_backward_grad_sync = False``, the policy's ``prepare_microbatch``):
+the reducer is not armed and nothing is all-reduced, so those micro-batches cost their
+forward and backward only, and the step all-reduces once. Buffers are broadcast at the start
+of a forward only when the previous forward synchronised (``require_forward_param_sync``,
+set by ``_post_forward``): once per micro-batch with ``every``, once per step with ``last``
+(the first micro-batch, after the previous step's synchronised last one). Under ``no_sync``
+the gradients are not bucket views: the step's ``zero_grad(set_to_none=True)`` dropped
+them, so autograd accumulates into fresh ``.grad`` tensors, one parameter-sized copy held
+over the later micro-batches until the synchronised backward copies each into its bucket
+(MemTracker on gloo measured exactly that much more than ``every``).
 """
 
 from __future__ import annotations
@@ -58,6 +75,7 @@ from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_stat
 from fsdp_plan.cost.step_time import (
     Rates,
     StepTime,
+    accumulated_step,
     collective_time,
     compute_time,
     issue_time,
@@ -373,7 +391,8 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
 # --- memory -----------------------------------------------------------------------------------
 
 def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, optimizer: str,
-               config: DDPConfig, unused: list[GradParam] | None = None) -> MemoryEstimate:
+               config: DDPConfig, unused: list[GradParam] | None = None, *,
+               sync_last: bool = False) -> MemoryEstimate:
     """Per-rank peak of a steady DDP step (every rank holds everything).
 
     Always alive: fp32 parameters, the bucket storage (which is the gradients under
@@ -384,7 +403,11 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     temporary (one gradient-sized ``foreach`` buffer, as in cost/memory.py). A plan computing below
     float32 runs under ``torch.autocast``, which keeps a low-precision copy of each weight
     from its forward use to its backward: in the activations of an analysis traced under
-    autocast ([Note: autocast precision]), added as ``autocast_weights`` to one that was not."""
+    autocast ([Note: autocast precision]), added as ``autocast_weights`` to one that was not.
+    ``sync_last``: micro-batches accumulated under ``no_sync`` hold their gradients apart
+    from the buckets ([Note: DDP and accumulation])."""
+    if unused is None:
+        unused = unused_parameters(graph, analysis)
     static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
                                                unused)
     events = analysis.timeline.events
@@ -393,6 +416,10 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     step = {**static, "activations": activations}
     if autocast:
         step["autocast_weights"] = autocast
+    held = _held_grads(graph, config, unused, sync_last)
+    if held:
+        step["accumulated_grads"] = held
+        autocast += held  # held, like the autocast copies, over the micro-batch's activations
     if base + opt_temp > base + activations + autocast:
         return MemoryEstimate(peak_bytes=base + opt_temp, phase="optimizer step",
                               breakdown={**static, "optimizer_temporaries": opt_temp})
@@ -407,6 +434,17 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
         step["loss"] = activations - step["activations"]
     return MemoryEstimate(peak_bytes=base + activations + autocast, phase=f"{phase} ({where})",
                           breakdown=step)
+
+
+def _held_grads(graph: ModuleGraph, config: DDPConfig, unused: list[GradParam] | None,
+                sync_last: bool) -> int:
+    """Bytes of the gradients a micro-batch under ``no_sync`` leaves for the next: the
+    optimizer's ``zero_grad(set_to_none=True)`` dropped the bucket views, so autograd
+    accumulates into fresh ``.grad`` tensors until the synchronised micro-batch copies them
+    into the buckets (measured with MemTracker on gloo: one parameter-sized copy more)."""
+    if not sync_last or not config.gradient_as_bucket_view:
+        return 0  # without bucket views ``.grad`` is already a copy of its own ("grads")
+    return graph.total_param_bytes - sum(p.nbytes for p in unused or [])
 
 
 def _ddp_resident(graph: ModuleGraph, analysis: Analysis, precision: Precision, optimizer: str,
@@ -441,19 +479,25 @@ def _ddp_resident(graph: ModuleGraph, analysis: Analysis, precision: Precision, 
 
 def ddp_memory_timeline(graph: ModuleGraph, analysis: Analysis, precision: Precision,
                         optimizer: str, config: DDPConfig,
-                        unused: list[GradParam] | None = None) -> MemoryTimeline:
-    """``ddp_memory`` at every analysed boundary (for pictures): the resident bytes and the
-    autocast copies under the activation timeline, then the optimizer step; its highest
-    total is ``ddp_memory``'s peak."""
+                        unused: list[GradParam] | None = None, *,
+                        sync_last: bool = False) -> MemoryTimeline:
+    """``ddp_memory`` at every analysed boundary (for pictures): the resident bytes, the
+    autocast copies and the gradients held under ``no_sync`` under the activation timeline,
+    then the optimizer step; its highest total is ``ddp_memory``'s peak."""
+    if unused is None:
+        unused = unused_parameters(graph, analysis)
     static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
                                                unused)
+    held = {"autocast_weights": autocast} if autocast else {}
+    if _held_grads(graph, config, unused, sync_last):
+        held["accumulated_grads"] = _held_grads(graph, config, unused, sync_last)
     events = analysis.timeline.events
     backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), len(events))
     forward_end = max(0, backward_start - 1)
     return MemoryTimeline(
         events=events, forward_end=forward_end, points=[4 * i for i in range(len(events))],
         activations=[e.peak for e in events], static=static,
-        held={"autocast_weights": autocast} if autocast else {}, live=[], instants=[],
+        held=held, live=[], instants=[],
         grads_at=[], optimizer_step={**static, "optimizer_temporaries": opt_temp},
         loss_span=loss_span(events, backward_start))
 
@@ -463,26 +507,37 @@ def ddp_memory_timeline(graph: ModuleGraph, analysis: Analysis, precision: Preci
 def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, hw: Hardware,
                  world_size: int, gpus_per_node: int, precision: Precision, optimizer: str,
                  dtype: str = "bfloat16", params: list[GradParam] | None = None,
-                 times: list[float] | None = None) -> DDPEvaluation:
+                 times: list[float] | None = None, grad_accum_steps: int = 1,
+                 gradient_sync: str = "every") -> DDPEvaluation:
     """Buckets, memory, collectives and step time of one DDP configuration (``params``: the
     model's ``grad_parameters``, and ``times``: ``event_times``, computed once when several
-    configurations are evaluated)."""
+    configurations are evaluated) over one optimizer step of ``grad_accum_steps``
+    micro-batches ([Note: DDP and accumulation])."""
     events = analysis.timeline.events
     buckets, params = build_buckets(graph, events, config, params)
     unused = [p.index for p in params if p.ready_event is None]
     optimizer_s = optimizer_time(hw, Rates.of(hw, dtype), optimizer, graph.total_numel,
                                  precision.orig_bytes)
+    times = event_times(events, hw, dtype) if times is None else times
+    common = {"world_size": world_size, "gpus_per_node": gpus_per_node,
+              "optimizer_s": optimizer_s, "times": times}
     time, ready = ddp_step_time(
-        buckets, events, hw, world_size=world_size, gpus_per_node=gpus_per_node,
-        optimizer_s=optimizer_s, compress=config.comm_hook == "bf16_compress",
-        used_map_bytes=4 * len(params) if config.find_unused_parameters else 0,
-        times=event_times(events, hw, dtype) if times is None else times)
+        buckets, events, hw, compress=config.comm_hook == "bf16_compress",
+        used_map_bytes=4 * len(params) if config.find_unused_parameters else 0, **common)
+    if grad_accum_steps > 1:
+        earlier = time
+        if gradient_sync == "last":  # under no_sync: forward and backward, no all-reduce
+            earlier, _ = ddp_step_time([], events, hw, **common)
+        time = accumulated_step(time, earlier, grad_accum_steps)
     memory = ddp_memory(graph, analysis, precision, optimizer, config,
-                        [p for p in params if p.ready_event is None])
+                        [p for p in params if p.ready_event is None],
+                        sync_last=grad_accum_steps > 1 and gradient_sync == "last")
+    reduces = 1 if gradient_sync == "last" else grad_accum_steps
     collectives = {"all_gather": 0, "reduce_scatter": 0,
-                   "all_reduce": len(buckets) + (1 if config.find_unused_parameters else 0)}
+                   "all_reduce": reduces * (len(buckets)
+                                            + (1 if config.find_unused_parameters else 0))}
     if buffer_broadcasts(graph):
-        collectives["broadcast"] = buffer_broadcasts(graph)
+        collectives["broadcast"] = reduces * buffer_broadcasts(graph)
     return DDPEvaluation(config=config, buckets=buckets, memory=memory, time=time,
                          collectives=collectives, unused=unused, ready_s=ready)
 

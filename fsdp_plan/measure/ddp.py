@@ -79,7 +79,8 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
     src = loaded.source
     inputs = runtime.to_device(loaded.make_inputs(src.batch_size, src.seq_len), device)
 
-    def forward_backward() -> None:
+    def forward_backward(before_each: Any = None) -> None:
+        """One micro-batch (``before_each``: peak_of_step's hook, unused for one)."""
         # a DDP plan computing below float32 runs its forward under autocast (apply_ddp's note)
         args, kwargs = inputs
         with autocast_context(job.get("autocast"), device.type):
@@ -137,9 +138,16 @@ def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = 
 
     Registered first, while the gradients exist: the model, its gradients (under
     ``gradient_as_bucket_view`` views of DDP's bucket storage, which the reducer allocated
-    before and the tracker would otherwise never see), the optimizer states and the inputs."""
+    before and the tracker would otherwise never see), the optimizer states and the inputs.
+    ``forward_backward(before_each)`` runs one step's micro-batches, calling
+    ``before_each(index)`` before each: a later one resets the tracker's module statistics,
+    without which ``MemTracker`` refuses the root's second forward (the peak is kept)."""
     forward_backward()
     tracker = MemTracker()
+
+    def before_each(index: int) -> None:
+        if index:
+            tracker.reset_mod_stats()
     tensors = []
     if inputs is not None:
         args, kwargs = inputs
@@ -154,7 +162,7 @@ def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = 
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        forward_backward()
+        forward_backward(before_each)
         if optimizer is not None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

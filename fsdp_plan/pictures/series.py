@@ -99,7 +99,8 @@ def plan_timeline(plan: Plan, facts: ModelFacts, prediction: Prediction) -> Memo
         # below float32 a DDP plan computes under autocast: the pass the search evaluated it on
         return ddp_memory_timeline(facts.graph, facts.analysis.for_ddp(),
                                    Precision.of_plan(plan.mixed_precision), plan.optimizer,
-                                   config)
+                                   config, sync_last=plan.grad_accum_steps > 1
+                                   and plan.gradient_sync == "last")
     evaluator = prediction.evaluator
     if evaluator is None:
         raise ValueError("a prediction without its evaluator has no memory timeline")

@@ -211,7 +211,8 @@ class Evaluator:
                          world_size=s.world_size, gpus_per_node=s.gpus_per_node,
                          precision=s.precision, optimizer=s.optimizer,
                          dtype=analysis.param_dtype, params=self._ddp_params,
-                         times=self._ddp_times)
+                         times=self._ddp_times, grad_accum_steps=s.grad_accum_steps,
+                         gradient_sync=s.gradient_sync)
         return Candidate(
             name=name, layout=layout, units=build_units(self.graph, [[""]], [False], 1),
             memory=e.memory, time=e.time, collectives=dict(e.collectives),
