@@ -466,7 +466,7 @@ def test_help_shows_units_defaults_and_presets(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for needle in ("70GB (10^9 bytes)", "default: 10% of --mem", "1..1,048,576 (default: 8)",
                    "h100, h200, a100, b200", "(default: 4096)", "FLOP/s", "--model-arg",
-                   "(default: bf16)", "(default: table)"):
+                   "(default: bf16; fp32 with --autocast)", "(default: table)"):
         assert needle in text, needle
 
 
