@@ -323,12 +323,21 @@ class _Aranges:
         outer = self
 
         class Mode(TorchDispatchMode):
+            # as transformer_masks._MaskOrigins: compiled blocks (verify --compile) run under
+            # it, their higher-order ops passing through unchanged
+            supports_higher_order_operators = True
+
+            @classmethod
+            def ignore_compile_internals(cls) -> bool:
+                return True
+
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
                 out = func(*args, **kwargs)
                 if not isinstance(out, torch.Tensor) or out.dim() != 1:
                     return out
-                name = func._overloadpacket.__name__
+                packet = getattr(func, "_overloadpacket", None)  # None: a higher-order op
+                name = packet.__name__ if packet is not None else ""
                 made = name == "arange" and kwargs.get("step", args[2] if len(args) > 2 else 1) == 1
                 shifted = name in _SHIFTS and len(args) >= 2 and outer.run(args[0]) and (
                     isinstance(args[1], (int, float))
