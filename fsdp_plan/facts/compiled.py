@@ -41,7 +41,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import gc
 import logging
 import operator
 from typing import Any
@@ -49,6 +48,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.depth import reduced_copy
@@ -341,7 +341,7 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
     materialize_fake(model, fake_mode)
     kept = {id(p) for m in model.modules() if keeps_full_precision(m)
             for p in m.parameters(recurse=False)}
-    with fake_mode, _young_collections_only():
+    with fake_mode, cycle_collector_paused():
         if param_dtype is not None:
             for p in model.parameters():
                 if p.is_floating_point() and id(p) not in kept:
@@ -370,21 +370,6 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
                                        for b in blocks}, by_mode=by_mode)
 
 
-@contextlib.contextmanager
-def _young_collections_only():
-    """Pause the cycle collector while the blocks are traced, then collect the young
-    generations once (as the search does, search/run.py ``cycle_collector_paused``): Dynamo
-    and AOTAutograd allocate enough to set off several full collections, each walking every
-    object torch has imported (about half a million), while the cycles the traces leave
-    behind are all young."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-            gc.collect(1)
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:

@@ -30,12 +30,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.errors import NoFeasiblePlan
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.search.candidate import Candidate, SearchSettings
 from fsdp_plan.search.evaluator import Evaluator
-from fsdp_plan.search.run import cycle_collector_paused, plug_ins_for, run_search
+from fsdp_plan.search.run import plug_ins_for, run_search
 
 UNLIMITED = 10**18
 """A budget no plan reaches: the search's fastest plan of all."""

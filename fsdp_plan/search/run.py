@@ -9,14 +9,13 @@ that names every strategy.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.errors import NoFeasiblePlan
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.facts.types import ModelFacts
@@ -184,23 +183,3 @@ def suggestions(smallest: Candidate, settings: SearchSettings,
     return "; ".join(tips)
 
 
-@contextlib.contextmanager
-def cycle_collector_paused() -> Iterator[None]:
-    """Pause Python's cycle collector while the search runs, and collect once after.
-
-    The search allocates millions of short-lived tuples and dataclasses that reference
-    counting frees at once, but each allocation counts towards the collector's next pass, and
-    every pass walks the model's graph and analysis (tens of thousands of objects for 10,000
-    modules). Paused, a 10,006-module search took 18.5 s instead of 25.3 s; the few cycles it
-    makes (about 200) are collected at the end, by a collection of the young generations only:
-    everything the search allocated is young (the collector was off), and a full collection
-    would walk torch's objects too (about half a million once ``--compile`` has traced blocks;
-    the five full collections took 1.3 s of CPU time in planning the 70B shape)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-            gc.collect(1)

@@ -1,0 +1,33 @@
+"""Python's cycle collector paused around work that allocates much and leaves few cycles.
+
+[Note: pausing the cycle collector]
+The search allocates millions of short-lived tuples and dataclasses, and Dynamo and
+AOTAutograd allocate heavily while ``--compile`` traces blocks. Reference counting frees
+nearly all of it at once, but each allocation counts towards the collector's next pass, and
+every full pass walks every live object: the model's graph and analysis (tens of thousands of
+objects for 10,000 modules) and everything torch has imported (about half a million once blocks
+are traced). Paused, a 10,006-module search took 18.5 s instead of 25.3 s, and planning the
+70B shape with ``--compile`` spent 1.1 s instead of 2.6 s in the collector. The few cycles the
+work leaves are all young (the collector was off while it ran), so one collection of the young
+generations at the end frees them without walking torch's objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def cycle_collector_paused() -> Iterator[None]:
+    """Pause the cycle collector within the block, then collect the young generations once
+    ([Note: pausing the cycle collector]); a collector already off stays off."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+            gc.collect(1)
