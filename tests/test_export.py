@@ -369,3 +369,15 @@ def test_the_exported_plan_is_the_plan(tmp_path: Path) -> None:
     assert (out / "fsdp_plan_policy.py").read_bytes() == (tmp_path / "p.py").read_bytes()
     assert read_plan(str(tmp_path / "lightning.yaml")).to_dict() == plan.to_dict()
     assert LLAMA
+
+
+def test_the_trainer_loses_no_gradient_sync_of_a_ddp_plan():
+    """The Trainer accumulates under ``accelerator.accumulate`` (DDP's ``no_sync`` on every
+    micro-batch but the last): a DDP plan's ``gradient_sync: last`` is what it does, while an
+    FSDP2 plan's is lost (its loop cannot call ``prepare_microbatch``)."""
+    import dataclasses
+
+    from fsdp_plan.export import trainer
+    fsdp = dataclasses.replace(shape_of(hook_plan()), gradient_sync="last", grad_accum_steps=4)
+    assert [g.feature for g in trainer.lost_with_hook(fsdp)] == ["gradient_sync"]
+    assert trainer.lost_with_hook(dataclasses.replace(fsdp, strategy="ddp")) == []

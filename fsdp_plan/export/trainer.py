@@ -57,8 +57,10 @@ def config_gaps(shape: PlanShape) -> list[Gap]:
 
 
 def lost_with_hook(shape: PlanShape) -> list[Gap]:
-    """What the Trainer's own loop loses even with the hook."""
-    if shape.gradient_sync == "last" and shape.grad_accum_steps > 1:
+    """What the Trainer's own loop loses even with the hook. Under DDP nothing of the sync is
+    lost: the Trainer accumulates inside ``accelerator.accumulate``, which runs every micro-batch
+    but the last under DDP's ``no_sync``, exactly the plan's ``gradient_sync: last``."""
+    if shape.gradient_sync == "last" and shape.grad_accum_steps > 1 and shape.strategy != "ddp":
         return [Gap("gradient_sync", "gradients reduced on the last micro-batch only",
                     f"{WHO}'s loop cannot call prepare_microbatch, so FSDP2 reduces after every "
                     "micro-batch (same result, more communication)")]
