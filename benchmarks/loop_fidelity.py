@@ -33,19 +33,10 @@ import sys
 import tempfile
 import time
 import types
-from collections import defaultdict
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    checkpoint_wrapper as ptd_checkpoint_wrapper,
-)
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    create_selective_checkpoint_contexts,
-)
 
 from fsdp_plan.api import PlanRequest, make_plan, to_plan
 from fsdp_plan.common.errors import FsdpPlanError
@@ -56,6 +47,7 @@ from fsdp_plan.model.load import load_model
 from fsdp_plan.model.source import ModelSource
 from fsdp_plan.plan.document import write_plan
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
+from tests.fixtures.torchtitan_op_policy import apply_torchtitan_op_ac  # torchtitan's, verbatim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -179,41 +171,7 @@ def gloo_counts() -> Row:
                time.perf_counter() - started)
 
 
-# --- op-policy: torchtitan's op policy, as torchtitan writes it -------------------------------
-
-_save_list = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,  # the CPU kernel
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops.aten.max.default,
-}
-
-
-def _get_custom_policy(meta):
-    def _custom_policy(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        mm_count_key = f"{mode}_mm_count"
-        if func == torch.ops.aten.mm.default:
-            meta[mm_count_key] += 1
-        # Saves output of all compute ops, except every second mm
-        to_save = func in _save_list and not (
-            func == torch.ops.aten.mm.default and meta[mm_count_key] % 2 == 0
-        )
-        return (
-            CheckpointPolicy.MUST_SAVE
-            if to_save
-            else CheckpointPolicy.PREFER_RECOMPUTE
-        )
-
-    return _custom_policy
-
-
-def selective_checkpointing_context_fn():
-    meta = defaultdict(int)
-    return create_selective_checkpoint_contexts(_get_custom_policy(meta))
-
+# --- op-policy: torchtitan's op policy (tests/fixtures/torchtitan_op_policy.py) ------------
 
 def op_policy(quick: bool) -> list[Row]:
     started = time.perf_counter()
@@ -228,9 +186,7 @@ def op_policy(quick: bool) -> list[Row]:
         plan, activation_checkpointing=[], selective_ops=[], selective_mm_stride=1)))
 
     def apply_fully_shard(model, mesh):
-        for layer_id, block in model.layers.named_children():
-            model.layers.register_module(layer_id, ptd_checkpoint_wrapper(
-                block, context_fn=selective_checkpointing_context_fn, preserve_rng_state=False))
+        apply_torchtitan_op_ac(model)
         return plain.apply_fully_shard(model, mesh)
 
     torchtitan = types.SimpleNamespace(PLAN=plain.PLAN, apply_fully_shard=apply_fully_shard)

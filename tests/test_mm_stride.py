@@ -15,12 +15,10 @@ from collections import defaultdict
 
 import pytest
 import torch
+from fixtures.torchtitan_op_policy import _get_custom_policy, _save_list, apply_torchtitan_op_ac
 from test_measure_helpers import LLAMA, plan_file, run_cli, tiny_llama_plan
 from test_selective_ac import _real_tiny_llama
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    checkpoint_wrapper as ptd_checkpoint_wrapper,
-)
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy
 
 from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts, predict, to_plan
 from fsdp_plan.common.errors import BadInput
@@ -33,49 +31,6 @@ from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 from fsdp_plan.policy_runtime import resolve_ops, selective_policy
 
 aten = torch.ops.aten
-
-# --- torchtitan's op policy, as torchtitan writes it ------------------------------------------
-_save_list = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,  # the CPU kernel
-    torch.ops._c10d_functional.reduce_scatter_tensor.default,
-    torch.ops.aten.max.default,
-}
-
-
-def _get_custom_policy(meta):
-    def _custom_policy(ctx, func, *args, **kwargs):
-        mode = "recompute" if ctx.is_recompute else "forward"
-        mm_count_key = f"{mode}_mm_count"
-        if func == torch.ops.aten.mm.default:
-            meta[mm_count_key] += 1
-        # Saves output of all compute ops, except every second mm
-        to_save = func in _save_list and not (
-            func == torch.ops.aten.mm.default and meta[mm_count_key] % 2 == 0
-        )
-        return (
-            CheckpointPolicy.MUST_SAVE
-            if to_save
-            else CheckpointPolicy.PREFER_RECOMPUTE
-        )
-
-    return _custom_policy
-
-
-def selective_checkpointing_context_fn():
-    meta = defaultdict(int)
-    return create_selective_checkpoint_contexts(_get_custom_policy(meta))
-
-
-def apply_torchtitan_op_ac(model: torch.nn.Module) -> None:
-    for layer_id, transformer_block in model.layers.named_children():
-        transformer_block = ptd_checkpoint_wrapper(
-            transformer_block, context_fn=selective_checkpointing_context_fn,
-            preserve_rng_state=False)
-        model.layers.register_module(layer_id, transformer_block)
-
 
 # --- the policy decides as torchtitan's does ---------------------------------------------------
 
