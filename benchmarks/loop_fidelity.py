@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,8 +45,10 @@ from fsdp_plan.measure.peak import measured_peak
 from fsdp_plan.model.load import load_model
 from fsdp_plan.model.source import ModelSource
 from fsdp_plan.plan.document import write_plan
-from fsdp_plan.plan.emit import load_policy_module, render_policy_module
-from tests.fixtures.torchtitan_op_policy import apply_torchtitan_op_ac  # torchtitan's, verbatim
+from fsdp_plan.plan.emit import load_policy_module
+from tests.fixtures.torchtitan_op_policy import (
+    torchtitan_policy_module,  # torchtitan's AC, verbatim
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -182,15 +183,7 @@ def op_policy(quick: bool) -> list[Row]:
     result = make_plan(request)
     recipe = next(r for r in result.recipes if r.name == "recipe: torchtitan selective-op AC")
     plan = to_plan(recipe, request, result.facts)
-    plain = load_policy_module(render_policy_module(dataclasses.replace(
-        plan, activation_checkpointing=[], selective_ops=[], selective_mm_stride=1)))
-
-    def apply_fully_shard(model, mesh):
-        apply_torchtitan_op_ac(model)
-        return plain.apply_fully_shard(model, mesh)
-
-    torchtitan = types.SimpleNamespace(PLAN=plain.PLAN, apply_fully_shard=apply_fully_shard)
-    measured = measure_peak(load_model(source), plan, torchtitan)
+    measured = measure_peak(load_model(source), plan, torchtitan_policy_module(plan))
     shape = "Llama small, world 4, 2 x 128" if quick else "Llama 3 8B, world 8, 1 x 4096"
     return [Row("op-policy", f"torchtitan selective-op recipe (stride {plan.selective_mm_stride})"
                 f": {shape}", recipe.memory.peak_bytes, measured.peak_bytes,

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from fixtures.torchtitan_op_policy import _get_custom_policy, _save_list, apply_torchtitan_op_ac
+from fixtures.torchtitan_op_policy import _get_custom_policy, _save_list, torchtitan_policy_module
 from test_measure_helpers import LLAMA, plan_file, run_cli, tiny_llama_plan
 from test_selective_ac import _real_tiny_llama
 from torch.utils.checkpoint import CheckpointPolicy
@@ -98,15 +98,7 @@ def test_torchtitan_recipe_is_within_3_percent_of_torchtitans_policy_measured(sm
     plan = to_plan(recipe, request, facts)
     assert plan.selective_mm_stride == 2 and plan.to_dict()["selective_mm_stride"] == 2
     # the plan's units without its checkpointing, and torchtitan's own AC applied first
-    plain = load_policy_module(render_policy_module(dataclasses.replace(
-        plan, activation_checkpointing=[], selective_ops=[], selective_mm_stride=1)))
-
-    def apply_fully_shard(model, mesh):
-        apply_torchtitan_op_ac(model)
-        return plain.apply_fully_shard(model, mesh)
-
-    torchtitan = types.SimpleNamespace(PLAN=plain.PLAN, apply_fully_shard=apply_fully_shard)
-    measured = measure_peak(load_model(SMALL), plan, torchtitan)
+    measured = measure_peak(load_model(SMALL), plan, torchtitan_policy_module(plan))
     predicted = recipe.memory.peak_bytes
     assert abs(predicted - measured.peak_bytes) <= 0.03 * measured.peak_bytes, (
         predicted, measured.peak_bytes)
