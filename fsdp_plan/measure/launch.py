@@ -12,6 +12,8 @@ parent polls them, so it needs no process group of its own and never blocks on a
   names the rank whose error came FIRST (a crash makes its peers fail in their next collective
   a moment later, and those secondary errors must not hide the cause).
 - A worker that dies without Python's help (signal, ``os._exit``) is reported by exit code.
+- Rank 0 exits only after every other rank has left its result (``_wait_for_peers``): it
+  hosts the store and its exit can strand a peer still finishing its last collective.
 - A hang is a rank that has reported no progress for ``timeout_s`` seconds. Before its first
   report after imports, a rank gets ``max(timeout_s, startup_s)``: importing torch in N fresh
   processes on a busy machine takes tens of seconds and says nothing while it does.
@@ -264,8 +266,28 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
         end_forked_children()
         os._exit(1)  # skip atexit/process-group teardown, which can block on dead peers
     stack_file.flush()
+    if rank == 0:
+        _wait_for_peers(workdir, nproc)
     end_forked_children()  # a child the model forked does not outlive its worker
     os._exit(0)
+
+
+def _wait_for_peers(workdir: str, nproc: int, limit_s: float = 600.0) -> None:
+    """Rank 0 leaves last: it waits until every other rank has left its result or error file.
+
+    Rank 0 hosts the TCPStore and one end of every gloo pair. A peer still in the target's
+    last collective or in ``destroy_process_group`` when rank 0 exits can lose the message it
+    was reading with the closed socket and wait forever: CI saw rank 1 hang after "done" (its
+    result never written) while rank 0 had returned and exited. The parent still enforces its
+    own timeout, so this wait cannot outlive a hung peer."""
+    deadline = time.monotonic() + limit_s
+    pending = set(range(1, nproc))
+    while pending and time.monotonic() < deadline:
+        pending = {r for r in pending
+                   if not any(os.path.exists(os.path.join(workdir, f"rank{r}.{kind}.json"))
+                              for kind in ("result", "error"))}
+        if pending:
+            time.sleep(_POLL_S)
 
 
 def _stuck_frame(stack_text: str) -> str:
