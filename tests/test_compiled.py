@@ -82,8 +82,8 @@ def test_saved_bytes_equal_what_the_compiled_forward_saves(name, budget):
                     reason="needs transformers")
 @pytest.mark.parametrize("budget", [None, 0.3])
 def test_saved_bytes_of_a_hugging_face_llama_block(budget):
-    """The same exactness for transformers' LlamaDecoderLayer, planned from a config with its
-    labels (issue 22 names an HF Llama beside the bundled blocks)."""
+    """The same exactness for transformers' LlamaDecoderLayer, built from a config (issue 22
+    names an HF Llama beside the bundled blocks); its rotary embeddings come in as a tuple."""
     _assert_saved_bytes_exact(load_model(ModelSource(
         source=HF_LLAMA, kind="hf-config", entry="from_config", batch_size=2, seq_len=64)),
         budget)

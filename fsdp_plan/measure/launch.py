@@ -98,7 +98,7 @@ class WorkerContext:
         if self.workdir is None:
             return
         progress.update(time=time.time(), order=self.reports)
-        _atomic_json(os.path.join(self.workdir, f"rank{self.rank}.progress.json"), progress)
+        _atomic_json(_rank_file(self.workdir, self.rank, "progress.json"), progress)
 
 
 class Terminated(BaseException):
@@ -206,6 +206,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _rank_file(workdir: str, rank: int, kind: str) -> str:
+    """Where rank ``rank`` leaves its ``kind`` file (``progress.json``, ``result.json``,
+    ``error.json``, ``stack.txt``) for the parent to read."""
+    return os.path.join(workdir, f"rank{rank}.{kind}")
+
+
 def _atomic_json(path: str, data: Any) -> None:
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
@@ -251,15 +257,15 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
                       LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     ctx = WorkerContext(rank=rank, world_size=nproc, local_rank=rank, workdir=workdir)
     ctx.report(phase="started")
-    stack_file = open(os.path.join(workdir, f"rank{rank}.stack.txt"), "w")  # noqa: SIM115
+    stack_file = open(_rank_file(workdir, rank, "stack.txt"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
         module_name, _, func_name = target.partition(":")
         result = getattr(importlib.import_module(module_name), func_name)(ctx, payload)
-        _atomic_json(os.path.join(workdir, f"rank{rank}.result.json"), result)
+        _atomic_json(_rank_file(workdir, rank, "result.json"), result)
     except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
         lines = traceback.format_exception_only(type(e), e)
-        _atomic_json(os.path.join(workdir, f"rank{rank}.error.json"), {
+        _atomic_json(_rank_file(workdir, rank, "error.json"), {
             "time": time.time(), "error": (lines[-1] if lines else repr(e)).strip(),
             "traceback": traceback.format_exc()})
         stack_file.flush()
@@ -267,25 +273,25 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
         os._exit(1)  # skip atexit/process-group teardown, which can block on dead peers
     stack_file.flush()
     if rank == 0:
-        _wait_for_peers(workdir, nproc)
+        _wait_for_peers(workdir, nproc, parent_pid)
     end_forked_children()  # a child the model forked does not outlive its worker
     os._exit(0)
 
 
-def _wait_for_peers(workdir: str, nproc: int, limit_s: float = 600.0) -> None:
+def _wait_for_peers(workdir: str, nproc: int, parent_pid: int | None) -> None:
     """Rank 0 leaves last: it waits until every other rank has left its result or error file.
 
     Rank 0 hosts the TCPStore and one end of every gloo pair. A peer still in the target's
     last collective or in ``destroy_process_group`` when rank 0 exits can lose the message it
     was reading with the closed socket and wait forever: CI saw rank 1 hang after "done" (its
-    result never written) while rank 0 had returned and exited. The parent still enforces its
-    own timeout, so this wait cannot outlive a hung peer."""
-    deadline = time.monotonic() + limit_s
+    result never written) while rank 0 had returned and exited. The wait needs no limit of its
+    own: a peer that hangs or dies without a file is the parent's to notice, and the parent
+    then kills every worker; if the parent itself is gone, rank 0 stops waiting."""
     pending = set(range(1, nproc))
-    while pending and time.monotonic() < deadline:
+    while pending and (parent_pid is None or os.getppid() == parent_pid):
         pending = {r for r in pending
-                   if not any(os.path.exists(os.path.join(workdir, f"rank{r}.{kind}.json"))
-                              for kind in ("result", "error"))}
+                   if not any(os.path.exists(_rank_file(workdir, r, kind))
+                              for kind in ("result.json", "error.json"))}
         if pending:
             time.sleep(_POLL_S)
 
@@ -316,7 +322,7 @@ class _Run:
         return self.startup_s if progress.get("phase", "started") == "started" else self.timeout_s
 
     def progress(self, rank: int) -> dict[str, Any]:
-        return _read_json(os.path.join(self.workdir, f"rank{rank}.progress.json")) or {}
+        return _read_json(_rank_file(self.workdir, rank, "progress.json")) or {}
 
     def kill_all(self) -> None:
         """End every live worker and its process group (SIGKILL), then reap it."""
@@ -337,7 +343,7 @@ class _Run:
         for rank, p in enumerate(self.procs):
             if p.exitcode in (None, 0):
                 continue
-            err = _read_json(os.path.join(self.workdir, f"rank{rank}.error.json"))
+            err = _read_json(_rank_file(self.workdir, rank, "error.json"))
             if err:
                 failures.append(RankFailure(rank=rank, kind="error", error=err["error"],
                                             detail=err["traceback"],
@@ -364,7 +370,7 @@ class _Run:
         failures = []
         for rank in live:
             try:
-                with open(os.path.join(self.workdir, f"rank{rank}.stack.txt")) as f:
+                with open(_rank_file(self.workdir, rank, "stack.txt")) as f:
                     stack = f.read()
             except OSError:
                 stack = ""
@@ -442,7 +448,7 @@ def launch(target: str, payload: Any, *, nproc: int, timeout_s: float = 300.0,
             raise
         results = []
         for rank in range(nproc):
-            result = _read_json(os.path.join(workdir, f"rank{rank}.result.json"))
+            result = _read_json(_rank_file(workdir, rank, "result.json"))
             if result is None:
                 raise WorkersFailed(f"rank {rank} exited cleanly but left no result.",
                                     [RankFailure(rank=rank, kind="exit", error="no result file")])
