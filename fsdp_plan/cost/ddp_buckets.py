@@ -78,6 +78,7 @@ from fsdp_plan.cost.step_time import (
     accumulated_step,
     collective_time,
     compute_time,
+    issue_time,
     optimizer_time,
     ranks_per_node_in,
 )
@@ -333,15 +334,21 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     (``comm_overlaps_compute: false``, gloo on a CPU, as the FSDP simulation reads it too)
     backward waits for each all-reduce, counted as exposed communication: the reducer's gloo
     threads then share the few cores backward runs on. ``times`` is ``event_times(events, hw,
-    dtype)`` (the same for every bucket size). Returns the step and when each bucket became
-    ready."""
+    dtype)`` (the same for every bucket size). The host issues the ops between two events
+    ahead of the device, which never runs ahead of it ([Note: the host floor] in streams.py).
+    Returns the step and when each bucket became ready."""
     n = len(events)
     bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
     forward = times[bw_start]
+    rates = Rates.of(hw)
+    issued = [0.0] * n
+    """Host seconds to issue the ops up to each event."""
+    for i in range(1, n):
+        issued[i] = issued[i - 1] + issue_time(rates, events[i].ops)
     local = ranks_per_node_in(world_size, 1, gpus_per_node)
     streams = Streams(hw)
-    streams.spans.append(("compute", "FW", 0.0, forward))
-    now, unslowed_at, contention, waited = forward, forward, 0.0, 0.0
+    now, _ = streams.compute("FW", 0.0, forward, issued[bw_start])
+    done, contention, waited = bw_start, 0.0, 0.0
     ready: list[float] = []
 
     def all_reduce(label: str, nbytes: float) -> None:
@@ -353,30 +360,31 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
             waited += streams.comm_free - now
             now = streams.comm_free
 
-    def compute_until(target: float, label: str) -> None:
-        nonlocal now, unslowed_at, contention
-        duration = max(0.0, target - unslowed_at)
-        if duration <= 0:
+    def compute_until(event: int, label: str) -> None:
+        """Backward compute from the last event reached to ``event``."""
+        nonlocal now, done, contention
+        duration, host = times[event] - times[done], issued[event] - issued[done]
+        if event <= done or (duration <= 0 and host <= 0):
             return
-        now, slowdown = streams.compute(label, now, duration)
+        now, slowdown = streams.compute(label, now, max(0.0, duration), host)
         contention += slowdown
-        unslowed_at = target
+        done = event
 
     for i, bucket in enumerate(buckets):
-        compute_until(times[bucket.ready_event], f"BW to bucket {i}")
+        compute_until(bucket.ready_event, f"BW to bucket {i}")
         ready.append(now)
         wire = bucket.nbytes / 2 if compress else bucket.nbytes
         all_reduce(f"AR bucket {i} ({wire / MIB:.1f} MiB)", wire)
-    compute_until(times[-1], "BW")
+    compute_until(n - 1, "BW")
     if used_map_bytes:
         all_reduce("AR used-parameter map", used_map_bytes)
     tail, total_comm = streams.finish(now, optimizer_s)
     backward = times[-1] - forward
-    step = StepTime(step_s=forward + backward + contention + waited + tail + optimizer_s,
-                    forward_s=forward, backward_s=backward + contention,
+    step = StepTime(step_s=forward + backward + contention + streams.host_wait_s + waited + tail
+                    + optimizer_s, forward_s=forward, backward_s=backward + contention,
                     exposed_comm_s=waited + tail, total_comm_s=total_comm,
                     optimizer_s=optimizer_s, bubbles_s=waited, contention_s=contention,
-                    comm_tail_s=tail, spans=streams.spans)
+                    comm_tail_s=tail, host_wait_s=streams.host_wait_s, spans=streams.spans)
     return step, ready
 
 

@@ -11,7 +11,9 @@ SMs and HBM bandwidth). Then (SPEC section 6):
     tail     = max(0, comm_finish - backward_finish)             -> comm_tail_s
     exposed  = waits + tail                                       -> exposed_comm_s
     hidden   = total communication - exposed
-    step     = compute (with contention) + exposed + optimizer
+    step     = compute (with contention and host waits) + exposed + optimizer
+The host issues each unit's pass ahead of the device; where it falls behind, the device waits
+for it ([Note: the host floor] in streams.py: ``host_wait_s``, part of compute).
 Every wait lies inside a span where the communication stream is busy (an all-gather issued
 no later than the wait began is still running), so exposed <= total and hidden >= 0.
 
@@ -20,8 +22,11 @@ A unit's compute time comes from its ops (facts/types.py [Note: op classes]): ma
 by shape class at the hardware's measured matmul rates for the compute dtype, attention FLOPs
 at the attention rate, bytes moved by memory-bound ops at the memory bandwidth, and a host
 overhead per op (``op_overhead_s``: added on a CPU, overlapped on a GPU whose host runs ahead,
-where an op costs max(work, overhead)), plus ``unit_overhead_s`` per FSDP unit and pass.
-Facts without op counters (written before they existed) fall back to FLOPs at
+where an op costs max(work, overhead)), plus ``unit_overhead_s`` per FSDP unit and pass. On a
+GPU (``async_launch``) the host's side of both is ``issue_time``: the host issues each unit's
+ops and FSDP's per-unit work on its own timeline, which the device never runs ahead of
+([Note: the host floor] in streams.py); on a CPU the host computes in line and both are
+device time. Facts without op counters (written before they existed) fall back to FLOPs at
 ``peak_flops x efficiency``.
 
 [Note: bandwidth across nodes]
@@ -62,6 +67,8 @@ class Rates:
     """Bytes/s of memory-bound ops."""
     op_overhead_s: float
     async_launch: bool
+    unit_overhead_s: float = 0.0
+    """Host seconds FSDP spends per unit and pass (hooks, copy-in/copy-out issue)."""
     fallback: float
     """FLOP/s for facts without op counters: ``peak_flops x efficiency``."""
 
@@ -81,7 +88,7 @@ class Rates:
         memory = hw.memory_bandwidth or 0.8 * hw.hbm_bandwidth
         return cls(matmul=matmul, attention=attention, memory=memory,
                    op_overhead_s=hw.op_overhead_s, async_launch=hw.async_launch,
-                   fallback=fallback)
+                   unit_overhead_s=hw.unit_overhead_s, fallback=fallback)
 
 
 def compute_time(rates: Rates, ops: Mapping[str, float] | None, flops: float) -> float:
@@ -94,6 +101,26 @@ def compute_time(rates: Rates, ops: Mapping[str, float] | None, flops: float) ->
     work += ops.get("memory_bytes", 0.0) / rates.memory
     overhead = ops.get("ops", 0.0) * rates.op_overhead_s
     return max(work, overhead) if rates.async_launch else work + overhead
+
+
+def issue_time(rates: Rates, ops: Mapping[str, float] | None, units: int = 0) -> float:
+    """Host seconds to issue ``ops`` and ``units`` FSDP unit passes ahead of the device: the
+    host timeline of [Note: the host floor] (streams.py). 0 where the host computes in line (a
+    CPU, ``async_launch: false``: ``compute_time`` and ``pass_time`` already count it as
+    device time) and for facts without op counters (their FLOP rate includes everything)."""
+    if not rates.async_launch or not ops:
+        return 0.0
+    return ops.get("ops", 0.0) * rates.op_overhead_s + units * rates.unit_overhead_s
+
+
+def pass_time(rates: Rates, ops: Mapping[str, float] | None, flops: float
+              ) -> tuple[float, float]:
+    """(device seconds, host seconds) of one FSDP unit's forward or backward pass over these
+    ops ([Note: per-op compute time]): FSDP's per-unit host cost is device time where the host
+    computes in line (a CPU), host time where it runs ahead (a GPU)."""
+    host = issue_time(rates, ops, units=1)
+    device = compute_time(rates, ops, flops)
+    return (device, host) if rates.async_launch else (device + rates.unit_overhead_s, host)
 
 
 def add_ops(total: dict[str, float], ops: Mapping[str, float] | None) -> dict[str, float]:
@@ -211,6 +238,11 @@ class UnitCost:
     reduce_scatter_s: float
     all_reduce_s: float = 0.0
     regather: bool = True
+    fw_host_s: float = 0.0
+    bw_host_s: float = 0.0
+    """Host seconds to issue the unit's forward and backward (its ops' dispatch and launch,
+    FSDP's per-unit hooks and copies); the device never runs ahead of them ([Note: the host
+    floor] in streams.py). 0: issued in line, or the host is never behind."""
 
 
 @dataclass(kw_only=True)
@@ -231,6 +263,9 @@ class StepTime:
     contention_s: float
     comm_tail_s: float = 0.0
     """Communication left after backward: max(0, comm_finish - backward_finish)."""
+    host_wait_s: float = 0.0
+    """Compute standing still for the host to issue its work ([Note: the host floor] in
+    streams.py): part of ``compute_s``, in neither ``forward_s`` nor ``backward_s``."""
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)
     """(lane, label, start, end) for the report's timeline and the Chrome trace; lanes are
     ``compute``, ``comm`` and ``wait`` (compute standing still for communication)."""
@@ -268,8 +303,9 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
             if start > now:
                 streams.wait(f"wait AG {u.key}", now, start)
             bubbles += start - now
-            duration = u.fw_compute_s if phase == "fw" else u.bw_compute_s
-            now, slowdown = streams.compute(f"{phase.upper()} {u.key}", start, duration)
+            duration, host = ((u.fw_compute_s, u.fw_host_s) if phase == "fw"
+                              else (u.bw_compute_s, u.bw_host_s))
+            now, slowdown = streams.compute(f"{phase.upper()} {u.key}", start, duration, host)
             contention += slowdown
             if phase == "bw":
                 streams.issue(f"RS {u.key}", now, u.reduce_scatter_s)
@@ -286,11 +322,12 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     backward = sum(u.bw_compute_s for u in units)
     bubbles = fw_bubbles + bw_bubbles
     exposed = bubbles + tail
-    step = forward + backward + (fw_cont + bw_cont) + exposed + optimizer_s
+    step = (forward + backward + (fw_cont + bw_cont) + streams.host_wait_s + exposed
+            + optimizer_s)
     return StepTime(step_s=step, forward_s=forward, backward_s=backward + bw_cont,
                     exposed_comm_s=exposed, total_comm_s=total_comm, optimizer_s=optimizer_s,
                     bubbles_s=bubbles, contention_s=fw_cont + bw_cont, comm_tail_s=tail,
-                    spans=streams.spans)
+                    host_wait_s=streams.host_wait_s, spans=streams.spans)
 
 
 def step_phases(time: StepTime) -> dict[str, float]:
@@ -315,4 +352,4 @@ def accumulated_step(last: StepTime, earlier: StepTime, steps: int) -> StepTime:
                     exposed_comm_s=total("exposed_comm_s"), total_comm_s=total("total_comm_s"),
                     optimizer_s=last.optimizer_s, bubbles_s=total("bubbles_s"),
                     contention_s=total("contention_s"), comm_tail_s=total("comm_tail_s"),
-                    spans=last.spans)
+                    host_wait_s=total("host_wait_s"), spans=last.spans)

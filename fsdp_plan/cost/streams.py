@@ -12,6 +12,20 @@ the tail, ``max(0, comm_finish - backward_finish)``; then the optimizer runs. Sp
 the Chrome trace and the pictures. The strategies decide *when* they issue and wait
 ([Note: two-stream simulation] in step_time.py, [Note: DDP buckets] in ddp_buckets.py); this
 module is the one place that keeps the streams.
+
+[Note: the host floor]
+A third timeline, the host, issues the device's work: each stretch of compute (a unit's pass,
+or DDP's backward up to a bucket) costs the host ``host_s`` seconds to issue, its ops'
+dispatch and kernel launch plus FSDP's per-unit hooks, copy-in/copy-out issue and stream
+waits (cost/step_time.py ``issue_time``). The host issues in program order, as soon as it has
+issued what came before: it runs ahead of the device when the device is the slower
+(asynchronous launch), and the device never runs ahead of it. So a stretch starts no earlier
+than the host began issuing it and ends no earlier than the host finished: its end is
+``max(start + device seconds, host end)``, and a step of many small ops takes at least what the
+host needs to issue it. Where the host is never behind, nothing changes. The device standing
+still for the host is ``host_wait_s`` (part of compute: no collective is exposed by it); the
+host's issuing is the ``host`` lane. Where the host computes in line (a CPU, ``async_launch:
+false``) the callers pass ``host_s = 0`` and compute_time already adds the per-op cost.
 """
 
 from __future__ import annotations
@@ -31,6 +45,10 @@ class Streams:
         """When the communication stream finishes what was issued so far."""
         self._busy: list[tuple[float, float]] = []
         self._ends: list[float] = []
+        self.host_free = 0.0
+        """When the host has issued everything so far ([Note: the host floor])."""
+        self.host_wait_s = 0.0
+        """Seconds the device stood still waiting for the host to issue its work."""
 
     def issue(self, label: str, at: float, seconds: float) -> float:
         """A collective issued at ``at``; returns when it finishes."""
@@ -52,13 +70,24 @@ class Streams:
             i += 1
         return total
 
-    def compute(self, label: str, start: float, seconds: float) -> tuple[float, float]:
-        """Compute of ``seconds`` started at ``start``, slowed where collectives overlap it;
-        returns (its end, the slowdown in seconds)."""
+    def compute(self, label: str, start: float, seconds: float,
+                host_s: float = 0.0) -> tuple[float, float]:
+        """Compute of ``seconds`` ready to start at ``start``, slowed where collectives overlap
+        it, whose ops the host issues in ``host_s`` seconds: it starts no earlier than the host
+        began issuing it and ends no earlier than the host finished ([Note: the host floor]).
+        Returns (its end, the slowdown in seconds)."""
+        begin, issued = start, start
+        if host_s > 0:
+            self.spans.append(("host", f"issue {label}", self.host_free,
+                               self.host_free + host_s))
+            begin = max(start, self.host_free)
+            self.host_free = issued = self.host_free + host_s
         slowed = seconds * (1 + self.hw.contention * min(
-            1.0, self.overlap(start, start + seconds) / max(seconds, 1e-12)))
-        self.spans.append(("compute", label, start, start + slowed))
-        return start + slowed, slowed - seconds
+            1.0, self.overlap(begin, begin + seconds) / max(seconds, 1e-12)))
+        end = max(begin + slowed, issued)
+        self.host_wait_s += (begin - start) + max(0.0, issued - (begin + slowed))
+        self.spans.append(("compute", label, begin, end))
+        return end, slowed - seconds
 
     def wait(self, label: str, start: float, end: float) -> None:
         """Compute standing still from ``start`` to ``end`` for communication."""

@@ -182,27 +182,37 @@ def format_breakdown(breakdown: dict[str, int]) -> str:
 
 def ascii_timeline(time: StepTime, width: int = 72) -> str:
     """Three lanes scaled to ``width``: compute, communication, and the waits, where compute
-    stands still for communication (all-gather waits ``w``, the tail after backward ``!``)."""
+    stands still for communication (all-gather waits ``w``, the tail after backward ``!``);
+    a fourth, the host issuing the device's work ``h``, where the host ran behind the device
+    ([Note: the host floor] in cost/streams.py)."""
     end = max((e for _, _, _, e in time.spans), default=0.0) or 1.0
-    lanes = {"compute": [" "] * width, "comm": [" "] * width, "wait": [" "] * width}
+    lanes = {"compute": [" "] * width, "comm": [" "] * width, "wait": [" "] * width,
+             "host": [" "] * width}
     for lane, label, start, stop in time.spans:
         a, b = int(start / end * (width - 1)), max(int(start / end * (width - 1)) + 1,
                                                     int(stop / end * (width - 1)))
         if lane == "wait":
             ch = "!" if "tail" in label else "w"
+        elif lane == "host":
+            ch = "h"
         else:
             ch = "F" if label.startswith("FW") else "B" if label.startswith("BW") else \
                 "O" if label == "optimizer" else "g" if label.startswith("AG") else "r"
         for x in range(a, min(b, width)):
             lanes.get(lane, lanes["wait"])[x] = ch
+    host = (["host    |" + "".join(lanes["host"]) + "|"] if time.host_wait_s > 0 else [])
     return "\n".join([
         "compute |" + "".join(lanes["compute"]) + "|",
         "comm    |" + "".join(lanes["comm"]) + "|",
         "waits   |" + "".join(lanes["wait"]) + "|",
+        *host,
         ("F forward, B backward, O optimizer, g all-gather, r reduce-scatter/all-reduce; "
-         "w compute waits for an all-gather, ! communication tail after backward"),
+         "w compute waits for an all-gather, ! communication tail after backward"
+         + ("; h the host issuing the device's work" if host else "")),
         (f"step {time.step_s:.3f} s = compute {time.compute_s:.3f} s (contention "
-         f"{time.contention_s:.3f} s included) + exposed communication "
+         f"{time.contention_s:.3f} s"
+         + (f", waits for the host {time.host_wait_s:.3f} s" if host else "")
+         + " included) + exposed communication "
          f"{time.exposed_comm_s:.3f} s (waits {time.bubbles_s:.3f} s + tail "
          f"{time.comm_tail_s:.3f} s) + optimizer {time.optimizer_s:.3f} s; communication "
          f"{time.total_comm_s:.3f} s in all, {time.hidden_comm_s:.3f} s of it hidden"),
@@ -210,16 +220,18 @@ def ascii_timeline(time: StepTime, width: int = 72) -> str:
 
 
 def chrome_trace(time: StepTime) -> str:
-    """The predicted timeline as Chrome/Perfetto trace JSON: one thread per stream and one
-    for the waits (compute standing still for communication)."""
-    tids = {"compute": 1, "comm": 2, "wait": 3}
+    """The predicted timeline as Chrome/Perfetto trace JSON: one thread per stream, one for
+    the waits (compute standing still for communication) and one for the host issuing the
+    device's work ([Note: the host floor] in cost/streams.py)."""
+    tids = {"compute": 1, "comm": 2, "wait": 3, "host": 4}
     events = [{"name": label, "ph": "X", "pid": 0, "tid": tids.get(lane, 3), "ts": start * 1e6,
                "dur": (stop - start) * 1e6,
                "cat": "predicted,exposed" if lane == "wait" else "predicted"}
               for lane, label, start, stop in time.spans]
     events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
                for n, t in (("compute (predicted)", 1), ("communication (predicted)", 2),
-                            ("compute waits for communication (predicted)", 3))]
+                            ("compute waits for communication (predicted)", 3),
+                            ("host issues the device's work (predicted)", 4))]
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 
 

@@ -106,6 +106,8 @@ class BlockMode:
     mode: str
     saved_bytes: int
     recompute_s: float
+    recompute_host_s: float = 0.0
+    """Host seconds to issue the replayed ops ([Note: the host floor] in cost/streams.py)."""
 
 
 @dataclass(kw_only=True)

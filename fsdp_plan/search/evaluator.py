@@ -37,7 +37,9 @@ from fsdp_plan.cost.step_time import (
     compute_time,
     exclusive_ops,
     fsdp_copy_time,
+    issue_time,
     optimizer_time,
+    pass_time,
     ranks_per_node_in,
     simulate_step,
 )
@@ -240,18 +242,21 @@ class Evaluator:
                 flops, ops = _replayed(c, i, mode)
                 compiled = (self.compiled_s.recompute_s.get(b, {}).get(mode)
                             if self.compiled_s is not None else None)
+                host_s = 0.0
                 if rates is None:
                     seconds = 0.0
                 elif compiled is not None:  # [Note: compiled block time]
                     seconds = compiled
                 elif ops is not None:
                     seconds = compute_time(rates, ops, flops)
+                    host_s = issue_time(rates, ops)
                 else:  # facts without op counters: the FLOPs, and for the memory-bound ops
                     # the bytes no longer kept, written once and read once
                     flops = self.block_fw.get(b, flops) if mode == "full" else flops
                     seconds = (compute_time(rates, None, flops)
                                + compute_time(rates, {"memory_bytes": 2.0 * saved}, 0.0))
-                per[mode] = BlockMode(block=b, mode=mode, saved_bytes=saved, recompute_s=seconds)
+                per[mode] = BlockMode(block=b, mode=mode, saved_bytes=saved, recompute_s=seconds,
+                                      recompute_host_s=host_s)
             out[b] = per
         return out
 
@@ -338,7 +343,7 @@ class Evaluator:
         p = s.precision
         shard_local = ranks_per_node_in(shard, 1, s.gpus_per_node)
         replicate_local = ranks_per_node_in(replicate, shard, s.gpus_per_node)
-        recompute_of = {m.block: m.recompute_s for m in block_modes}
+        recompute_of = {m.block: (m.recompute_s, m.recompute_host_s) for m in block_modes}
         costs: list[UnitCost] = []
         for u in units:
             fw, bw, owned = self._unit_flops(u)
@@ -352,12 +357,15 @@ class Evaluator:
                 unsharded = u.unsharded_numel(shard)
                 ag_bytes = unsharded * p.unit_param_bytes(u)
                 rs_bytes = unsharded * p.reduce_bytes
+                (fw_s, fw_host), (bw_s, bw_host) = (pass_time(rates, fw_ops, fw),
+                                                    pass_time(rates, bw_ops, bw))
                 base = self._cost_cache[key] = UnitCost(
                     key=u.key or "<root>",
-                    fw_compute_s=compute_time(rates, fw_ops, fw) + hw.unit_overhead_s
+                    fw_compute_s=fw_s
                     + (self.compiled_s.forward_s(owned) if self.compiled_s else 0.0),
-                    bw_compute_s=compute_time(rates, bw_ops, bw) + hw.unit_overhead_s
+                    bw_compute_s=bw_s
                     + (self.compiled_s.backward_s(owned) if self.compiled_s else 0.0),
+                    fw_host_s=fw_host, bw_host_s=bw_host,
                     all_gather_s=collective_time(hw, ag_bytes, shard, ranks_per_node=shard_local)
                     + fsdp_copy_time(hw, rates, ag_bytes, "all_gather") if u.numel else 0.0,
                     reduce_scatter_s=collective_time(hw, rs_bytes, shard, "reduce_scatter",
@@ -371,10 +379,10 @@ class Evaluator:
                 )
             # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
             # its unit's backward: [Note: recompute time].
-            recompute_s = (sum(recompute_of[b] for b in owned if b in recompute_of)
-                           if recompute_of else 0.0)
-            costs.append(dataclasses.replace(base, bw_compute_s=base.bw_compute_s + recompute_s)
-                         if recompute_s else base)
+            replays = [recompute_of[b] for b in owned if b in recompute_of] if recompute_of else []
+            costs.append(dataclasses.replace(
+                base, bw_compute_s=base.bw_compute_s + sum(r[0] for r in replays),
+                bw_host_s=base.bw_host_s + sum(r[1] for r in replays)) if replays else base)
         # Forward order: the root gathers first, then units as they run.
         root = [c for c in costs if c.key == "<root>"]
         ordered = root + [c for c in costs if c.key != "<root>"]
