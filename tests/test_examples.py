@@ -16,7 +16,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NAMES = ["llama", "gpt2", "vit", "mixed", "resnet"]
+NAMES = ["llama", "gpt2", "vit", "mixed", "resnet", "deep_narrow"]
 
 
 def load_example(name: str):
@@ -74,6 +74,8 @@ PUBLISHED = [
     ("resnet", "resnet50", 25_557_032),   # torchvision's resnet50, resnet101, resnet152
     ("resnet", "resnet101", 44_549_160),
     ("resnet", "resnet152", 60_192_808),
+    ("deep_narrow", "tiny", 25_152),
+    ("deep_narrow", "base", 1_663_232),
 ]
 
 
