@@ -30,7 +30,9 @@ The rules:
   ``latency_s`` with ``collective_latency_s``;
 - ``fsdp_s_per_byte``, ``optimizer_s_per_param``: seconds per byte or parameter, scale with
   the inverse of the memory bandwidth (``memory_bandwidth``, else 0.8 x ``hbm_bandwidth``);
-- ``optimizer_s_per_tensor``: host dispatch per tensor, scales with ``op_overhead_s``.
+- ``optimizer_s_per_tensor``: host dispatch per tensor, scales with ``op_overhead_s``;
+- ``unit_overhead_s``: FSDP2's host seconds per unit and pass, the same host's Python and
+  dispatch, scales with ``op_overhead_s`` ([Note: the host floor] in cost/streams.py).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ _RULES = (
     _Rule("fsdp_s_per_byte", ("memory_bandwidth", "hbm_bandwidth"), _memory, power=-1),
     _Rule("optimizer_s_per_param", ("memory_bandwidth", "hbm_bandwidth"), _memory, power=-1),
     _Rule("optimizer_s_per_tensor", ("op_overhead_s",), lambda v: v["op_overhead_s"]),
+    _Rule("unit_overhead_s", ("op_overhead_s",), lambda v: v["op_overhead_s"]),
 )
 
 
@@ -114,7 +117,7 @@ def follow_base_figures(before: Mapping[str, Any], after: dict[str, Any],
             factor: float | None = (new / old) ** rule.power
         else:
             factor = None
-        if rule.table == "memory_bandwidth":
+        if not isinstance(table, Mapping):  # a figure, not a table (memory_bandwidth, ...)
             after[rule.table] = table * factor if factor is not None else 0.0
         elif rule.leaf is None and factor is None:
             after[rule.table] = {}

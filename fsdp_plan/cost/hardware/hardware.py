@@ -19,14 +19,17 @@ Per-op fields (all optional):
   backward together);
 - ``memory_bandwidth``: bytes/s that memory-bound ops (norms, activations, adds, copies) reach;
 - ``op_overhead_s``: host time to dispatch (and launch) one op; ``async_launch`` says whether
-  the host runs ahead of the device (GPUs: an op costs max(work, overhead)) or not (CPU:
-  work + overhead);
+  the host runs ahead of the device (GPUs: a unit's ops cost max(work, overhead), and the host
+  issues them on its own timeline, which the device never runs ahead of: [Note: the host
+  floor] in cost/streams.py) or not (CPU: work + overhead, in line);
 - ``collectives``: ``{all_gather|reduce_scatter|all_reduce: {GROUP: {latency_s,
   bus_bandwidth}}}``, a fit of ``latency + factor * (g - 1) / g * bytes / bus_bandwidth`` per
   group size (``factor`` 2 for all-reduce), within a node;
 - ``optimizer_s_per_param``: ``{adamw|sgd: seconds}`` per parameter of the rank's shard, and
   ``optimizer_s_per_tensor`` per parameter tensor (dispatch through FSDP2's DTensors);
-- ``unit_overhead_s``: host time FSDP spends per unit per pass (hooks, copy-in/out bookkeeping);
+- ``unit_overhead_s``: host time FSDP spends per unit per pass (hooks, copy-in/copy-out issue,
+  stream waits): on a GPU on the host's timeline (it costs the step only where the host falls
+  behind the device), on a CPU in line;
 - ``fsdp_s_per_byte``: ``{all_gather|reduce_scatter: {UNIT_BYTES: seconds per byte}}``, what
   FSDP2 spends per byte of a unit's gathered parameters around its all-gather (copy-in,
   copy-out, allocation) and per byte of its unsharded gradients around its reduce-scatter
