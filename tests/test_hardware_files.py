@@ -86,10 +86,19 @@ def test_a_lower_peak_slows_compute_by_its_factor(planned, tmp_path, capsys):
         tmp_path, "low.yaml", {**quiet, "peak_flops": 1e9}))
     assert base["compute_s"] > 1e-2
     assert low["compute_s"] == pytest.approx(10 * base["compute_s"], rel=1e-3)
-    # the issue's case: 989x lower FLOP/s is not the preset's step any more
+    # the issue's case: 989x lower FLOP/s is not the preset's step any more (the host's floor,
+    # the same for both, off: a tiny Llama on an H100 waits for its host, [Note: the host
+    # floor]; unit_overhead_s follows op_overhead_s to 0)
+    host_off = {"op_overhead_s": 0}
     issue = predicted(capsys, planned, "--hardware", write_yaml(
-        tmp_path, "issue.yaml", {"peak_flops": 1.0e10}))
-    assert issue["compute_s"] > 10 * predicted(capsys, planned)["compute_s"]
+        tmp_path, "issue.yaml", {**host_off, "peak_flops": 1.0e10}))
+    preset = predicted(capsys, planned, "--hardware", write_yaml(tmp_path, "preset.yaml",
+                                                                 host_off))
+    assert issue["compute_s"] > 10 * preset["compute_s"]
+    # with the floor the file still moves the step: the device is now the slower
+    floored = predicted(capsys, planned, "--hardware", write_yaml(
+        tmp_path, "floored.yaml", {"peak_flops": 1.0e10}))
+    assert floored["compute_s"] > 2 * predicted(capsys, planned)["compute_s"]
 
 
 def test_rescaled_tables_equal_the_same_tables_written_out(planned, tmp_path, capsys):
