@@ -313,6 +313,9 @@ def test_calibrate_writes_a_hardware_file_that_plans_read(tmp_path, capsys):
     assert set(hw.collectives) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert all("2" in g for g in hw.collectives.values())
     assert hw.matmul_flops["float32"]["large"] > 1e8 and hw.op_overhead_s > 0
+    # FSDP2's host cost per unit and pass, from the fake process group ([Note: the floor's
+    # figures]): more than one op's dispatch, less than a second
+    assert hw.op_overhead_s < hw.unit_overhead_s < 1.0
     assert hw.h2d_bandwidth == 0 and "skipped" in out.read_text()
     from fsdp_plan.measure.calibrate import FSDP_UNIT_SHAPES
     sizes = {str(d * d * layers * 4) for d, layers in FSDP_UNIT_SHAPES["cpu"]}

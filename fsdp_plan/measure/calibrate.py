@@ -20,10 +20,29 @@ once measures, each repeated and reduced to a median:
   may not: the collective can hold the core the computing thread needs), and how much
   compute slows while it does: [Note: the overlap probe];
 - FSDP's host cost per unit and pass: an FSDP2 model of many tiny units against one unit,
-  less the collectives the extra units issue; and FSDP2's cost per byte around a unit's
+  less the collectives the extra units issue (on a CPU: the same pair on the fake process
+  group, whose collectives cost nothing: [Note: the floor's figures]); and FSDP2's cost per
+  byte around a unit's
   all-gather and reduce-scatter (copies, allocation, division): units of four sizes, each
   one's forward and backward less the fitted collectives.
 Rank 0 returns the figures; the parent writes the hardware file (atomically, never half).
+
+[Note: the floor's figures]
+The clock's floor (cost/streams.py [Note: the host floor]) takes two figures from here.
+``op_overhead_s`` is what one op of a training step costs the host: tiny layers forward and
+backward, so small that the time is the host's. On a CPU that is the dispatch cost per op,
+paid in line; on a GPU the same chain, synchronised, is host-bound, so it is the launch floor
+that keeps a kernel from starting before the host has issued it. ``unit_overhead_s`` is
+FSDP2's host cost per unit and pass (hooks, copy-in/copy-out issue, stream waits): blocks of
+eight parameters (a transformer block has six to sixteen) each its own unit against all in
+one. With gloo the difference also holds three collectives per extra unit, whose fitted
+latency was taken off; on a loaded 2-core machine those latencies swung from 0.3 to 1 ms and
+the estimate with them: 1.2 ms per unit and pass on a quiet run, 11.5 ms on a loaded one,
+where the deep narrow example's 48 extra units added 80 ms to a step in one interleaved
+launch. So on a CPU the pair runs in rank 0 on the fake process group after the real one is
+gone, with nothing to take off (2.4 ms, 47 op dispatches, on that loaded machine; Llama-shaped
+blocks of nine parameters cost 66-72 dispatches). On a GPU the NCCL estimate stays: there
+the latencies are tens of microseconds.
 
 [Note: fitting collectives]
 ``t = latency + factor * (g-1)/g * bytes / bus_bandwidth``: the latency is what the two
@@ -459,6 +478,50 @@ def _fsdp_bytes(device: Any, sync: Callable[[], None], repeat: int,
     return {"fsdp_s_per_byte": table}
 
 
+FSDP_HOST_BLOCKS = 16
+"""Blocks of the host-cost probe (``_fsdp_host_cost``), each its own unit or all in one."""
+
+
+def _fsdp_host_cost(repeat: int) -> float:
+    """FSDP2's host seconds per unit and pass on a CPU: ``FSDP_HOST_BLOCKS`` blocks of eight
+    parameters, each its own unit, against the same blocks in one unit, on the fake process
+    group (its collectives return at once, so the difference is FSDP2's hooks, copies and
+    bookkeeping alone; [Note: the floor's figures]). Runs in one process with no other
+    process group initialised."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    try:
+        x = torch.randn(4, 8)
+        steps = []
+        for own_units in (False, True):
+            torch.manual_seed(0)
+            net = nn.Sequential(*[nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(),
+                                                nn.Linear(8, 8), nn.Linear(8, 8))
+                                  for _ in range(FSDP_HOST_BLOCKS)])
+            for block in net if own_units else []:
+                fully_shard(block)
+            fully_shard(net, reshard_after_forward=False)
+
+            def step(net=net) -> None:
+                net(x).sum().backward()
+                net.zero_grad(set_to_none=True)
+            steps.append(step)
+        # the two in turn, so a burst of load on a shared machine hits both
+        one, own = [], []
+        for _ in range(max(3, repeat)):
+            one.append(_timed(steps[0], lambda: None, 1, inner=4))
+            own.append(_timed(steps[1], lambda: None, 1, inner=4))
+        extra = statistics.median(b - a for a, b in zip(one, own))
+        return max(0.0, extra / FSDP_HOST_BLOCKS / 2)
+    finally:
+        dist.destroy_process_group()
+
+
 def calibrate_rank(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     """One calibration worker (``launch`` target): every rank measures, rank 0 returns."""
     import torch
@@ -491,7 +554,11 @@ def calibrate_rank(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     dist.destroy_process_group()
     if ctx.rank != 0:
         return {"rank": ctx.rank}
-    return {"ranks": gathered, "device": str(device),
+    host: dict[str, float] = {}
+    if not use_cuda:  # FSDP2's host cost without gloo's latency in it: [Note: the floor's figures]
+        ctx.report(phase="fsdp host cost")
+        host["unit_overhead_s"] = _fsdp_host_cost(repeat)
+    return {"ranks": gathered, **host, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if use_cuda
             else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
             "torch": torch.__version__}
@@ -531,7 +598,7 @@ def hardware_from(result: dict[str, Any], backend: str, nproc: int) -> Hardware:
         h2d_bandwidth=fig.get("h2d_bandwidth") or 0.0, collectives=coll,
         optimizer_s_per_param=fig["optimizer_s_per_param"],
         optimizer_s_per_tensor=fig.get("optimizer_s_per_tensor") or {},
-        unit_overhead_s=fig.get("unit_overhead_s", 0.0) or 0.0,
+        unit_overhead_s=result.get("unit_overhead_s", fig.get("unit_overhead_s", 0.0)) or 0.0,
         fsdp_s_per_byte=fig.get("fsdp_s_per_byte") or {},
         source=(f"fsdp-plan calibrate --backend {backend} --nproc {nproc} on "
                 f"{result['device_name']}, torch {result['torch']}, "
