@@ -268,7 +268,8 @@ class StepTime:
     streams.py): part of ``compute_s``, in neither ``forward_s`` nor ``backward_s``."""
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)
     """(lane, label, start, end) for the report's timeline and the Chrome trace; lanes are
-    ``compute``, ``comm`` and ``wait`` (compute standing still for communication)."""
+    ``compute``, ``comm``, ``wait`` (compute standing still for communication) and ``host``
+    (the host issuing a stretch of compute, where it has a timeline of its own)."""
 
     @property
     def hidden_comm_s(self) -> float:

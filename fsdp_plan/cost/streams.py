@@ -8,8 +8,8 @@ that overlaps running collectives slows by ``hardware.contention`` times the sha
 duration that overlaps (collectives take SMs and HBM bandwidth). Compute standing still for
 communication is a ``wait`` span. After backward, what the communication stream still runs is
 the tail, ``max(0, comm_finish - backward_finish)``; then the optimizer runs. Spans are
-``(lane, label, start, end)`` with lanes ``compute``, ``comm`` and ``wait``, read by the report,
-the Chrome trace and the pictures. The strategies decide *when* they issue and wait
+``(lane, label, start, end)`` with lanes ``compute``, ``comm``, ``wait`` and ``host`` ([Note:
+the host floor]), read by the report, the Chrome trace and the pictures. The strategies decide *when* they issue and wait
 ([Note: two-stream simulation] in step_time.py, [Note: DDP buckets] in ddp_buckets.py); this
 module is the one place that keeps the streams.
 
@@ -18,14 +18,19 @@ A third timeline, the host, issues the device's work: each stretch of compute (a
 or DDP's backward up to a bucket) costs the host ``host_s`` seconds to issue, its ops'
 dispatch and kernel launch plus FSDP's per-unit hooks, copy-in/copy-out issue and stream
 waits (cost/step_time.py ``issue_time``). The host issues in program order, as soon as it has
-issued what came before: it runs ahead of the device when the device is the slower
-(asynchronous launch), and the device never runs ahead of it. So a stretch starts no earlier
-than the host began issuing it and ends no earlier than the host finished: its end is
-``max(start + device seconds, host end)``, and a step of many small ops takes at least what the
-host needs to issue it. Where the host is never behind, nothing changes. The device standing
-still for the host is ``host_wait_s`` (part of compute: no collective is exposed by it); the
-host's issuing is the ``host`` lane. Where the host computes in line (a CPU, ``async_launch:
-false``) the callers pass ``host_s = 0`` and compute_time already adds the per-op cost.
+issued what came before: FSDP2 makes streams wait on events, never the host, so it runs ahead
+of the device when the device is the slower (asynchronous launch), and the device never runs
+ahead of it. A stretch therefore starts no earlier than the host began issuing it and ends no
+earlier than the host finished: ``end = max(start + device seconds, host end)``, and a step of
+many small ops takes at least what the host needs to issue it (ops x ``op_overhead_s`` + units
+x 2 passes x ``unit_overhead_s``). A stretch's device seconds keep their own floor,
+max(work, ops x ``op_overhead_s``) (step_time.py [Note: per-op compute time]), so where the
+host is never behind the step is what it was without this timeline, to the bit; what the
+timeline adds is FSDP's per-unit host cost and a host lag carried from unit to unit, which a
+slow unit later absorbs. The device standing still for the host is ``host_wait_s`` (part of
+compute: no collective is exposed by it); the host's issuing is the ``host`` lane. Where the
+host computes in line (a CPU, ``async_launch: false``) the callers pass ``host_s = 0`` and the
+per-op and per-unit costs are device seconds already.
 """
 
 from __future__ import annotations
