@@ -36,13 +36,14 @@ that keeps a kernel from starting before the host has issued it. ``unit_overhead
 FSDP2's host cost per unit and pass (hooks, copy-in/copy-out issue, stream waits): blocks of
 eight parameters (a transformer block has six to sixteen) each its own unit against all in
 one. With gloo the difference also holds three collectives per extra unit, whose fitted
-latency was taken off; on a loaded 2-core machine those latencies swung from 0.3 to 1 ms and
-the estimate with them: 1.2 ms per unit and pass on a quiet run, 11.5 ms on a loaded one,
-where the deep narrow example's 48 extra units added 80 ms to a step in one interleaved
-launch. So on a CPU the pair runs in rank 0 on the fake process group after the real one is
-gone, with nothing to take off (2.4 ms, 47 op dispatches, on that loaded machine; Llama-shaped
-blocks of nine parameters cost 66-72 dispatches). On a GPU the NCCL estimate stays: there
-the latencies are tens of microseconds.
+latency was taken off; on a 2-core machine those latencies swung from 0.3 to 7 ms with the
+load and the estimate with them (1.2 ms per unit and pass on a quiet run, 11.5 ms on a loaded
+one). So on a CPU the pair runs in rank 0 on the fake process group after the real one is
+gone, with no collective to take off, the two in turn. That removes the collectives' share,
+not the load's: at a load of 10-12 on 2 cores it read 2.4 ms (47 op dispatches) and 11.8 ms
+(134) in two runs half an hour apart; Llama-shaped blocks of nine parameters measured 66-72
+dispatches the same way. On a GPU the NCCL estimate stays: there the latencies are tens of
+microseconds.
 
 [Note: fitting collectives]
 ``t = latency + factor * (g-1)/g * bytes / bus_bandwidth``: the latency is what the two
