@@ -33,7 +33,8 @@ gradients, orange activations (light orange: what the loss holds), yellow commun
 LANES = {"FW": ("compute", "#4472c4"), "BW": ("compute", "#ed7d31"),
          "optimizer": ("compute", "#7030a0"), "AG": ("communication", "#70ad47"),
          "RS": ("communication", "#ffc000"), "AR": ("communication", "#c55a11"),
-         "wait": ("waits", "#c00000"), "tail": ("waits", "#7f0000")}
+         "wait": ("waits", "#c00000"), "tail": ("waits", "#7f0000"),
+         "host": ("host", "#7f7f7f")}
 CONFIG = {"displaylogo": False, "responsive": True}
 _GB = 1e9
 
@@ -149,6 +150,8 @@ def _frontier_figure(page: Page) -> Any:
 def _lane_of(lane: str, label: str) -> str:
     if lane == "wait":
         return "tail" if "tail" in label else "wait"
+    if lane == "host":  # [Note: the host floor] in cost/streams.py
+        return "host"
     if label.startswith("optimizer"):
         return "optimizer"
     return label.split(" ", 1)[0]
@@ -168,7 +171,8 @@ def _timeline_figure(page: Page) -> Any:
         r["text"].append(label)
     names = {"FW": "forward", "BW": "backward (and recompute)", "optimizer": "optimizer",
              "AG": "all-gather", "RS": "reduce-scatter", "AR": "all-reduce",
-             "wait": "compute waits for an all-gather", "tail": "exposed tail after backward"}
+             "wait": "compute waits for an all-gather", "tail": "exposed tail after backward",
+             "host": "the host issuing the device's work"}
     fig = go.Figure()
     for kind, r in rows.items():
         fig.add_trace(go.Bar(orientation="h", y=r["y"], x=r["x"], base=r["base"],
