@@ -316,6 +316,10 @@ def test_calibrate_writes_a_hardware_file_that_plans_read(tmp_path, capsys):
     # FSDP2's host cost per unit and pass, from the fake process group ([Note: the floor's
     # figures]): more than one op's dispatch, less than a second
     assert hw.op_overhead_s < hw.unit_overhead_s < 1.0
+    # and per parameter tensor of a unit, and per checkpointed block (the same probe): each
+    # more than nothing, a parameter less than a unit
+    assert 0 < hw.param_overhead_s < hw.unit_overhead_s
+    assert 0 < hw.checkpoint_overhead_s < 1.0
     assert hw.h2d_bandwidth == 0 and "skipped" in out.read_text()
     from fsdp_plan.measure.calibrate import FSDP_UNIT_SHAPES
     sizes = {str(d * d * layers * 4) for d, layers in FSDP_UNIT_SHAPES["cpu"]}

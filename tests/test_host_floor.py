@@ -187,3 +187,25 @@ def test_a_step_of_large_ops_is_unchanged_by_the_floor(llama):
         bare = step(large, dataclasses.replace(hw, unit_overhead_s=0.0), per_block, k)
         assert cand.time.step_s == bare.time.step_s
         assert cand.time.host_wait_s == 0.0
+
+
+def test_on_a_cpu_each_parameter_and_checkpointed_block_costs_its_host_time(llama):
+    """``async_launch: false`` (calibrate on a CPU): FSDP's per-parameter cost is paid in
+    line, twice per parameter tensor (forward and backward), and each checkpointed block's
+    wrapper once per step, on top of the ops it replays: the step grows by exactly that."""
+    small = with_ops(llama, ops=7, memory_bytes=7.0)
+    cpu = dataclasses.replace(gpu(), async_launch=False, op_overhead_s=10 * US,
+                              unit_overhead_s=150 * US, comm_overlaps_compute=False)
+    params = sum(len(m.param_shapes) for m in small.graph.modules.values())
+    blocks = len(small.graph.blocks)
+    for per_block in (True, False):
+        bare = step(small, cpu, per_block).time.step_s
+        priced = step(small, dataclasses.replace(cpu, param_overhead_s=3 * US), per_block)
+        assert priced.time.step_s == pytest.approx(bare + 2 * params * 3 * US, rel=1e-9)
+    replayed = step(small, cpu, True, blocks).time.step_s
+    wrapped = step(small, dataclasses.replace(cpu, checkpoint_overhead_s=500 * US), True, blocks)
+    assert wrapped.time.step_s == pytest.approx(replayed + blocks * 500 * US, rel=1e-9)
+    # on a GPU both are the host's: a step of tiny ops waits for them
+    on_gpu = dataclasses.replace(cpu, async_launch=True, comm_overlaps_compute=True)
+    floored = step(small, dataclasses.replace(on_gpu, param_overhead_s=3 * US), True)
+    assert floored.time.step_s > step(small, on_gpu, True).time.step_s

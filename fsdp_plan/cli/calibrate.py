@@ -53,7 +53,9 @@ def _summary(hw: Hardware) -> str:
                                              for d, v in hw.attention_flops.items()))
     lines.append(f"  memory-bound ops: {hw.memory_bandwidth / 1e9:,.2f} GB/s; op overhead "
                  f"{hw.op_overhead_s * 1e6:.1f} us; FSDP unit overhead "
-                 f"{hw.unit_overhead_s * 1e6:.1f} us per pass")
+                 f"{hw.unit_overhead_s * 1e6:.1f} us per pass and "
+                 f"{hw.param_overhead_s * 1e6:.1f} us per parameter tensor and pass; "
+                 f"checkpointing {hw.checkpoint_overhead_s * 1e6:.1f} us per block")
     for kind, sizes in hw.fsdp_s_per_byte.items():
         shown = ", ".join(f"{int(b) / 2**20:g} MiB {v * 1e9:.2f}" for b, v in sizes.items())
         lines.append(f"  FSDP around {kind} (ns per byte, by unit size): {shown}")

@@ -69,6 +69,10 @@ class Rates:
     async_launch: bool
     unit_overhead_s: float = 0.0
     """Host seconds FSDP spends per unit and pass (hooks, copy-in/copy-out issue)."""
+    param_overhead_s: float = 0.0
+    """Host seconds FSDP spends per parameter tensor of a unit and pass."""
+    checkpoint_overhead_s: float = 0.0
+    """Host seconds activation checkpointing spends per checkpointed block and step."""
     fallback: float
     """FLOP/s for facts without op counters: ``peak_flops x efficiency``."""
 
@@ -88,7 +92,8 @@ class Rates:
         memory = hw.memory_bandwidth or 0.8 * hw.hbm_bandwidth
         return cls(matmul=matmul, attention=attention, memory=memory,
                    op_overhead_s=hw.op_overhead_s, async_launch=hw.async_launch,
-                   unit_overhead_s=hw.unit_overhead_s, fallback=fallback)
+                   unit_overhead_s=hw.unit_overhead_s, param_overhead_s=hw.param_overhead_s,
+                   checkpoint_overhead_s=hw.checkpoint_overhead_s, fallback=fallback)
 
 
 def compute_time(rates: Rates, ops: Mapping[str, float] | None, flops: float) -> float:
@@ -103,24 +108,30 @@ def compute_time(rates: Rates, ops: Mapping[str, float] | None, flops: float) ->
     return max(work, overhead) if rates.async_launch else work + overhead
 
 
-def issue_time(rates: Rates, ops: Mapping[str, float] | None, units: int = 0) -> float:
-    """Host seconds to issue ``ops`` and ``units`` FSDP unit passes ahead of the device: the
-    host timeline of [Note: the host floor] (streams.py). 0 where the host computes in line (a
-    CPU, ``async_launch: false``: ``compute_time`` and ``pass_time`` already count it as
-    device time) and for facts without op counters (their FLOP rate includes everything)."""
+def issue_time(rates: Rates, ops: Mapping[str, float] | None, units: int = 0,
+               params: int = 0) -> float:
+    """Host seconds to issue ``ops`` and ``units`` FSDP unit passes over ``params`` parameter
+    tensors ahead of the device: the host timeline of [Note: the host floor] (streams.py). 0
+    where the host computes in line (a CPU, ``async_launch: false``: ``compute_time`` and
+    ``pass_time`` already count it as device time) and for facts without op counters (their
+    FLOP rate includes everything)."""
     if not rates.async_launch or not ops:
         return 0.0
-    return ops.get("ops", 0.0) * rates.op_overhead_s + units * rates.unit_overhead_s
+    return (ops.get("ops", 0.0) * rates.op_overhead_s + units * rates.unit_overhead_s
+            + params * rates.param_overhead_s)
 
 
-def pass_time(rates: Rates, ops: Mapping[str, float] | None, flops: float
+def pass_time(rates: Rates, ops: Mapping[str, float] | None, flops: float, params: int = 0
               ) -> tuple[float, float]:
     """(device seconds, host seconds) of one FSDP unit's forward or backward pass over these
-    ops ([Note: per-op compute time]): FSDP's per-unit host cost is device time where the host
-    computes in line (a CPU), host time where it runs ahead (a GPU)."""
-    host = issue_time(rates, ops, units=1)
+    ops and its ``params`` parameter tensors ([Note: per-op compute time]): FSDP's per-unit
+    and per-parameter host cost is device time where the host computes in line (a CPU), host
+    time where it runs ahead (a GPU)."""
+    host = issue_time(rates, ops, units=1, params=params)
     device = compute_time(rates, ops, flops)
-    return (device, host) if rates.async_launch else (device + rates.unit_overhead_s, host)
+    if rates.async_launch:
+        return device, host
+    return device + rates.unit_overhead_s + params * rates.param_overhead_s, host
 
 
 def add_ops(total: dict[str, float], ops: Mapping[str, float] | None) -> dict[str, float]:

@@ -38,12 +38,23 @@ eight parameters (a transformer block has six to sixteen) each its own unit agai
 one. With gloo the difference also holds three collectives per extra unit, whose fitted
 latency was taken off; on a 2-core machine those latencies swung from 0.3 to 7 ms with the
 load and the estimate with them (1.2 ms per unit and pass on a quiet run, 11.5 ms on a loaded
-one). So on a CPU the pair runs in rank 0 on the fake process group after the real one is
-gone, with no collective to take off, the two in turn. That removes the collectives' share,
-not the load's: at a load of 10-12 on 2 cores it read 2.4 ms (47 op dispatches) and 11.8 ms
-(134) in two runs half an hour apart; Llama-shaped blocks of nine parameters measured 66-72
-dispatches the same way. On a GPU the NCCL estimate stays: there the latencies are tens of
-microseconds.
+one). So on a CPU the pair runs on the fake process group after the real one is gone, with
+no collective to take off, the arms in turn. That removes the collectives' share, not the
+load's: at a load of 10-12 on 2 cores it read 2.4 ms (47 op dispatches) and 11.8 ms (134) in
+two runs half an hour apart; Llama-shaped blocks of nine parameters measured 66-72
+dispatches the same way. It runs in every rank at once, as a run's ranks share the cores:
+in rank 0 alone it read 1.5-2.4 ms per unit and pass where two processes at once read
+2.4-4.9 ms (load 6 on 2 cores), and the closed loop's deep narrow model, whose step is
+mostly this cost, came out 26-54% fast from the lone reading. The same probe gives two more
+figures the clock lacked: FSDP2's cost per parameter tensor and pass (one unit against no
+FSDP, less that unit's share: 27-54 us, Python around each parameter's views, gradient and
+DTensor, which the per-unit difference cancels), and activation checkpointing's cost per
+checkpointed block and step beyond its replayed ops (1.1-1.6 ms: the wrapper, saved-tensor
+hooks, RNG stashing). Measured in one process interleaved with the deep narrow model's own
+steps on the fake process group (benchmarks/floor_in_process.py), its three plans' median
+errors over three rounds were -18%, -5% and -12% with them (rounds from -27% to +22%, the
+root-only plan's mostly the optimizer's load) and -26%, -12% and -22% without. On a GPU the NCCL estimate stays: there
+the latencies are tens of microseconds.
 
 [Note: fitting collectives]
 ``t = latency + factor * (g-1)/g * bytes / bus_bandwidth``: the latency is what the two
@@ -483,44 +494,71 @@ FSDP_HOST_BLOCKS = 16
 """Blocks of the host-cost probe (``_fsdp_host_cost``), each its own unit or all in one."""
 
 
-def _fsdp_host_cost(repeat: int) -> float:
-    """FSDP2's host seconds per unit and pass on a CPU: ``FSDP_HOST_BLOCKS`` blocks of eight
-    parameters, each its own unit, against the same blocks in one unit, on the fake process
-    group (its collectives return at once, so the difference is FSDP2's hooks, copies and
-    bookkeeping alone; [Note: the floor's figures]). Runs in one process with no other
-    process group initialised."""
-    import torch
+def _fsdp_host_cost(repeat: int) -> dict[str, float]:
+    """FSDP2's and activation checkpointing's host seconds on a CPU, on the fake process group
+    (its collectives return at once, so what is left is hooks, copies and bookkeeping;
+    [Note: the floor's figures]): ``FSDP_HOST_BLOCKS`` blocks of eight parameters without
+    FSDP, all in one unit, each its own unit, and each its own unit and checkpointed, timed in
+    turn. ``unit_overhead_s`` (per unit and pass) is own units against one unit;
+    ``param_overhead_s`` (per parameter tensor and pass) is one unit against none, less that
+    unit's own share; ``checkpoint_overhead_s`` (per checkpointed block and step, beyond the
+    ops its forward replays, which the clock counts as ops) is checkpointed against not.
+    Runs in one process with no other process group initialised."""
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
-        x = torch.randn(4, 8)
-        steps = []
-        for own_units in (False, True):
-            torch.manual_seed(0)
-            net = nn.Sequential(*[nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(),
-                                                nn.Linear(8, 8), nn.Linear(8, 8))
-                                  for _ in range(FSDP_HOST_BLOCKS)])
-            for block in net if own_units else []:
-                fully_shard(block)
-            fully_shard(net, reshard_after_forward=False)
-
-            def step(net=net) -> None:
-                net(x).sum().backward()
-                net.zero_grad(set_to_none=True)
-            steps.append(step)
-        # the two in turn, so a burst of load on a shared machine hits both
-        one, own = [], []
-        for _ in range(max(3, repeat)):
-            one.append(_timed(steps[0], lambda: None, 1, inner=4))
-            own.append(_timed(steps[1], lambda: None, 1, inner=4))
-        extra = statistics.median(b - a for a, b in zip(one, own))
-        return max(0.0, extra / FSDP_HOST_BLOCKS / 2)
+        return fsdp_host_figures(repeat)
     finally:
         dist.destroy_process_group()
+
+
+def fsdp_host_figures(repeat: int) -> dict[str, float]:
+    """``_fsdp_host_cost``'s figures, on the fake process group already initialised."""
+    import torch
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import fully_shard
+
+    def block() -> nn.Module:
+        return nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8),
+                             nn.Linear(8, 8))
+
+    x = torch.randn(4, 8)
+    steps = []
+    for arm in ("plain", "one unit", "own units", "checkpointed"):
+        torch.manual_seed(0)
+        blocks = [block() for _ in range(FSDP_HOST_BLOCKS)]
+        if arm == "checkpointed":
+            blocks = [checkpoint_wrapper(b, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                      for b in blocks]
+        net = nn.Sequential(*blocks)
+        for b in net if arm in ("own units", "checkpointed") else []:
+            fully_shard(b)
+        if arm != "plain":
+            fully_shard(net, reshard_after_forward=False)
+
+        def step(net=net) -> None:
+            net(x).sum().backward()
+            net.zero_grad(set_to_none=True)
+        steps.append(step)
+    params = sum(1 for _ in net.parameters())
+    replay = _count_ops(lambda: block()(x)) * FSDP_HOST_BLOCKS  # forward ops replayed
+    # the arms in turn, so a burst of load on a shared machine hits all of them
+    rounds: list[list[float]] = []
+    for _ in range(max(3, repeat)):
+        rounds.append([_timed(s, lambda: None, 1, inner=4) for s in steps])
+    plain, one, own, ckpt = (statistics.median(r[i] for r in rounds) for i in range(4))
+    unit = max(0.0, (own - one) / FSDP_HOST_BLOCKS / 2)
+    per_op = plain / max(1, _count_ops(steps[0]))
+    return {"unit_overhead_s": unit,
+            "param_overhead_s": max(0.0, (one - plain - 2 * unit) / params / 2),
+            "checkpoint_overhead_s": max(0.0, (ckpt - own - replay * per_op)
+                                         / FSDP_HOST_BLOCKS)}
 
 
 def calibrate_rank(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
@@ -553,12 +591,13 @@ def calibrate_rank(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     dist.all_gather_object(gathered, figures)
     dist.barrier()
     dist.destroy_process_group()
-    if ctx.rank != 0:
-        return {"rank": ctx.rank}
     host: dict[str, float] = {}
-    if not use_cuda:  # FSDP2's host cost without gloo's latency in it: [Note: the floor's figures]
+    if not use_cuda:  # FSDP2's host cost without gloo's latency in it, every rank at once as
+        # the ranks of a run share the cores: [Note: the floor's figures]
         ctx.report(phase="fsdp host cost")
-        host["unit_overhead_s"] = _fsdp_host_cost(repeat)
+        host = _fsdp_host_cost(repeat)
+    if ctx.rank != 0:
+        return {"rank": ctx.rank, **host}
     return {"ranks": gathered, **host, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if use_cuda
             else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
@@ -600,6 +639,8 @@ def hardware_from(result: dict[str, Any], backend: str, nproc: int) -> Hardware:
         optimizer_s_per_param=fig["optimizer_s_per_param"],
         optimizer_s_per_tensor=fig.get("optimizer_s_per_tensor") or {},
         unit_overhead_s=result.get("unit_overhead_s", fig.get("unit_overhead_s", 0.0)) or 0.0,
+        param_overhead_s=result.get("param_overhead_s", 0.0) or 0.0,
+        checkpoint_overhead_s=result.get("checkpoint_overhead_s", 0.0) or 0.0,
         fsdp_s_per_byte=fig.get("fsdp_s_per_byte") or {},
         source=(f"fsdp-plan calibrate --backend {backend} --nproc {nproc} on "
                 f"{result['device_name']}, torch {result['torch']}, "
@@ -625,4 +666,8 @@ def calibrate(*, nproc: int, backend: str, repeat: int = 5,
     results = launch("fsdp_plan.measure.calibrate:calibrate_rank",
                      {"backend": backend, "repeat": repeat, "sizes": list(sizes)},
                      nproc=nproc, timeout_s=timeout_s, on_progress=on_progress)
+    for key in ("unit_overhead_s", "param_overhead_s", "checkpoint_overhead_s"):
+        host = [r[key] for r in results if key in r]
+        if host:  # the median over the ranks, as every other figure
+            results[0][key] = statistics.median(host)
     return hardware_from(results[0], backend, nproc), results[0]

@@ -255,6 +255,11 @@ class Evaluator:
                     flops = self.block_fw.get(b, flops) if mode == "full" else flops
                     seconds = (compute_time(rates, None, flops)
                                + compute_time(rates, {"memory_bytes": 2.0 * saved}, 0.0))
+                if rates is not None:  # the checkpoint wrapper's own host cost
+                    if rates.async_launch:
+                        host_s += rates.checkpoint_overhead_s
+                    else:
+                        seconds += rates.checkpoint_overhead_s
                 per[mode] = BlockMode(block=b, mode=mode, saved_bytes=saved, recompute_s=seconds,
                                       recompute_host_s=host_s)
             out[b] = per
@@ -357,8 +362,8 @@ class Evaluator:
                 unsharded = u.unsharded_numel(shard)
                 ag_bytes = unsharded * p.unit_param_bytes(u)
                 rs_bytes = unsharded * p.reduce_bytes
-                (fw_s, fw_host), (bw_s, bw_host) = (pass_time(rates, fw_ops, fw),
-                                                    pass_time(rates, bw_ops, bw))
+                (fw_s, fw_host), (bw_s, bw_host) = (pass_time(rates, fw_ops, fw, u.num_params),
+                                                    pass_time(rates, bw_ops, bw, u.num_params))
                 base = self._cost_cache[key] = UnitCost(
                     key=u.key or "<root>",
                     fw_compute_s=fw_s

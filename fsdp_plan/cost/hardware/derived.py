@@ -31,8 +31,9 @@ The rules:
 - ``fsdp_s_per_byte``, ``optimizer_s_per_param``: seconds per byte or parameter, scale with
   the inverse of the memory bandwidth (``memory_bandwidth``, else 0.8 x ``hbm_bandwidth``);
 - ``optimizer_s_per_tensor``: host dispatch per tensor, scales with ``op_overhead_s``;
-- ``unit_overhead_s``: FSDP2's host seconds per unit and pass, the same host's Python and
-  dispatch, scales with ``op_overhead_s`` ([Note: the host floor] in cost/streams.py).
+- ``unit_overhead_s``, ``param_overhead_s``, ``checkpoint_overhead_s``: FSDP2's and
+  checkpointing's host seconds, the same host's Python and dispatch, scale with
+  ``op_overhead_s`` ([Note: the host floor] in cost/streams.py).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ _RULES = (
     _Rule("optimizer_s_per_param", ("memory_bandwidth", "hbm_bandwidth"), _memory, power=-1),
     _Rule("optimizer_s_per_tensor", ("op_overhead_s",), lambda v: v["op_overhead_s"]),
     _Rule("unit_overhead_s", ("op_overhead_s",), lambda v: v["op_overhead_s"]),
+    _Rule("param_overhead_s", ("op_overhead_s",), lambda v: v["op_overhead_s"]),
+    _Rule("checkpoint_overhead_s", ("op_overhead_s",), lambda v: v["op_overhead_s"]),
 )
 
 

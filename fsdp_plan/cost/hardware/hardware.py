@@ -30,6 +30,11 @@ Per-op fields (all optional):
 - ``unit_overhead_s``: host time FSDP spends per unit per pass (hooks, copy-in/copy-out issue,
   stream waits): on a GPU on the host's timeline (it costs the step only where the host falls
   behind the device), on a CPU in line;
+- ``param_overhead_s``: host time FSDP spends per parameter tensor of a unit per pass (its
+  unsharded view, its gradient's copy and sharded DTensor), the same way;
+- ``checkpoint_overhead_s``: host time activation checkpointing spends per checkpointed block
+  and step (the wrapper, its saved-tensor hooks, RNG stashing, the recompute's setup) beyond
+  the ops its forward replays, the same way;
 - ``fsdp_s_per_byte``: ``{all_gather|reduce_scatter: {UNIT_BYTES: seconds per byte}}``, what
   FSDP2 spends per byte of a unit's gathered parameters around its all-gather (copy-in,
   copy-out, allocation) and per byte of its unsharded gradients around its reduce-scatter
@@ -110,6 +115,8 @@ class Hardware:
     optimizer_s_per_tensor: Mapping[str, float] = field(default_factory=dict)
     """Seconds per parameter tensor of an optimizer step (FSDP2's DTensor dispatch per op)."""
     unit_overhead_s: float = 0.0
+    param_overhead_s: float = 0.0
+    checkpoint_overhead_s: float = 0.0
     fsdp_s_per_byte: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     """FSDP2's own seconds per byte around a unit's all-gather and reduce-scatter, by unit
     bytes (empty: two passes at ``memory_bandwidth``)."""
@@ -149,6 +156,10 @@ _RANGES: dict[str, tuple[float, float, str | None, str, str]] = {
     "op_overhead_s": (1e-15, 1.0, "none", "seconds per op", "5e-6"),
     "h2d_bandwidth": (1e6, 1e15, "not measured", "bytes/s", "50e9"),
     "unit_overhead_s": (1e-15, 10.0, "none", "seconds per FSDP unit and pass", "100e-6"),
+    "param_overhead_s": (1e-15, 1.0, "none", "seconds per FSDP parameter tensor and pass",
+                         "20e-6"),
+    "checkpoint_overhead_s": (1e-15, 10.0, "none", "seconds per checkpointed block and step",
+                              "500e-6"),
     "fsdp_s_per_byte": (1e-18, 1e-6, "free", "seconds per byte",
                         "{all_gather: {134217728: 1e-12}}"),
     # nested values, checked with these bounds
