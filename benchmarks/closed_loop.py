@@ -146,6 +146,51 @@ def pair_verdicts(steps: dict[str, list[float]], predicted: dict[str, float]) ->
     return out
 
 
+def each_round(args: argparse.Namespace, work: str, say) -> bool:
+    """Calibrate, then bench every plan predicted from that calibration, ``--rounds`` times:
+    on a shared machine the load moves the calibration and the benches together only when
+    they run minutes apart at most. Each round's error, their spread and their median."""
+    models = args.models.split(",")
+    errors: dict[tuple[str, str], list[float]] = {}
+    for r in range(1, args.rounds + 1):
+        hw_path = os.path.join(work, f"hw-{r}.yaml")
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", "calibrate", "--nproc",
+                        str(args.nproc), "--backend", "gloo", "-o", hw_path], check=True,
+                       capture_output=True)
+        hw = hardware_for("h100", read_hardware_file(hw_path))
+        ag = next(iter(hw.collectives.get("all_gather", {}).values()), {})
+        say(f"round {r}: calibrate {time.perf_counter() - started:.0f} s at load "
+            f"{os.getloadavg()[0]:.1f}: op {hw.op_overhead_s * 1e6:.1f} us, FSDP unit "
+            f"{hw.unit_overhead_s * 1e3:.2f} ms per pass, all-gather latency "
+            f"{ag.get('latency_s', 0.0) * 1e3:.2f} ms")
+        for model in models:
+            plans, _ = plans_for({**MODELS, **SHORT_STEP}[model], hw, args.nproc)
+            for name, plan in plans.items():
+                path = os.path.join(work, f"{model}-{name}-{r}.yaml".replace(" ", "_").replace(
+                    "+", "ac"))
+                write_plan(plan, path)
+                measured = bench(path, args.nproc, args.steps, args.warmup,
+                                 os.path.join(work, "results"))
+                predicted = plan.predicted["step_time_s"]
+                err = predicted / measured - 1
+                errors.setdefault((model, name), []).append(err)
+                say(f"round {r}: {model:11s} {name:15s} measured {measured * 1e3:9.1f} ms, "
+                    f"predicted {predicted * 1e3:9.1f} ms ({err:+6.1%}), load "
+                    f"{os.getloadavg()[0]:.1f}")
+    ok = True
+    for (model, name), errs in errors.items():
+        median = statistics.median(errs)
+        within = abs(median) <= 0.25
+        ok &= within
+        say(f"{model:11s} {name:15s} median error {median:+6.1%} "
+            f"{'ok ' if within else 'OFF'} | rounds {', '.join(f'{e:+.1%}' for e in errs)} "
+            f"(spread {max(errs) - min(errs):.1%})")
+    say("ACCEPTED: every plan's median error over the rounds within 25%" if ok else
+        "NOT ACCEPTED (see OFF above)")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
@@ -159,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, of {', '.join([*MODELS, *SHORT_STEP])}")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks/results/closed_loop.txt"))
+    parser.add_argument("--calibrate-each-round", action="store_true",
+                        help="calibrate again before every round and predict that round's "
+                             "benches from it (no refit): the spread over rounds shows what the "
+                             "shared machine's load does to both")
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="closed-loop-")
     lines: list[str] = []
@@ -166,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     def say(text: str) -> None:
         print(text, flush=True)
         lines.append(text)
+
+    if args.calibrate_each_round:
+        ok = each_round(args, work, say)
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        return 0 if ok else 1
 
     hw_path = args.hardware
     if hw_path is None:
