@@ -17,13 +17,15 @@ module is the one place that keeps the streams.
 A third timeline, the host, issues the device's work: each stretch of compute (a unit's pass,
 or DDP's backward up to a bucket) costs the host ``host_s`` seconds to issue, its ops'
 dispatch and kernel launch plus FSDP's per-unit hooks, copy-in/copy-out issue and stream
-waits (cost/step_time.py ``issue_time``). The host issues in program order, as soon as it has
+waits, its per-parameter bookkeeping, and a checkpointed block's wrapper in the backward that
+replays it (cost/step_time.py ``issue_time``). The host issues in program order, as soon as it has
 issued what came before: FSDP2 makes streams wait on events, never the host, so it runs ahead
 of the device when the device is the slower (asynchronous launch), and the device never runs
 ahead of it. A stretch therefore starts no earlier than the host began issuing it and ends no
 earlier than the host finished: ``end = max(start + device seconds, host end)``, and a step of
-many small ops takes at least what the host needs to issue it (ops x ``op_overhead_s`` + units
-x 2 passes x ``unit_overhead_s``). A stretch's device seconds keep their own floor,
+many small ops takes at least what the host needs to issue it (ops x ``op_overhead_s`` + 2
+passes x (units x ``unit_overhead_s`` + parameter tensors x ``param_overhead_s``) +
+checkpointed blocks x ``checkpoint_overhead_s``). A stretch's device seconds keep their own floor,
 max(work, ops x ``op_overhead_s``) (step_time.py [Note: per-op compute time]), so where the
 host is never behind the step is what it was without this timeline, to the bit; what the
 timeline adds is FSDP's per-unit host cost and a host lag carried from unit to unit, which a
