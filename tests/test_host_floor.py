@@ -195,7 +195,8 @@ def test_on_a_cpu_each_parameter_and_checkpointed_block_costs_its_host_time(llam
     wrapper once per step, on top of the ops it replays: the step grows by exactly that."""
     small = with_ops(llama, ops=7, memory_bytes=7.0)
     cpu = dataclasses.replace(gpu(), async_launch=False, op_overhead_s=10 * US,
-                              unit_overhead_s=150 * US, comm_overlaps_compute=False)
+                              unit_overhead_s=150 * US, comm_overlaps_compute=False,
+                              param_overhead_s=0.0, checkpoint_overhead_s=0.0)
     params = sum(len(m.param_shapes) for m in small.graph.modules.values())
     blocks = len(small.graph.blocks)
     for per_block in (True, False):
