@@ -257,6 +257,27 @@ def test_bad_per_op_fields_are_refused_by_name(overrides, words):
     assert "--hardware 'hw.yaml'" in str(e.value)
 
 
+def test_calibrate_takes_fsdp_per_unit_cost_from_the_backend_and_one_rank_from_the_fake_group():
+    """[Note: the floor's figures]: the per-unit figure of a run on two or more ranks is the
+    backend's (its collectives taken off, gloo's work handles and waits kept); one rank, with
+    no collective to measure, keeps the fake process group's. The per-parameter and
+    checkpoint figures are the fake group's either way."""
+    from fsdp_plan.measure.calibrate import hardware_from
+    rank = {"matmul_flops": {"float32": {"small": 1e10}}, "attention_flops": {"float32": 2e9},
+            "memory_bandwidth": 3e10, "op_overhead_s": 2e-5,
+            "optimizer_s_per_param": {"adamw": 1e-9}}
+    fake = {"unit_overhead_s": 0.9e-3, "param_overhead_s": 2e-5, "checkpoint_overhead_s": 1e-3,
+            "device_name": "cpu (test)", "torch": "test"}
+    backend = {**rank, "unit_overhead_s": 1.2e-3,
+               "collectives": {"all_gather": {"2": {"latency_s": 4e-4, "bus_bandwidth": 4e8}}}}
+    two = hardware_from({"ranks": [backend, {**backend, "unit_overhead_s": 1.4e-3}], **fake},
+                        "gloo", 2)
+    assert two.unit_overhead_s == pytest.approx(1.3e-3)
+    assert (two.param_overhead_s, two.checkpoint_overhead_s) == (2e-5, 1e-3)
+    one = hardware_from({"ranks": [rank], **fake}, "gloo", 1)
+    assert one.unit_overhead_s == 0.9e-3 and one.param_overhead_s == 2e-5
+
+
 def test_fit_recovers_latency_and_bandwidth():
     from fsdp_plan.measure.calibrate import _fit
     sizes = [1 << 12, 1 << 16, 1 << 20, 1 << 23]
@@ -313,11 +334,11 @@ def test_calibrate_writes_a_hardware_file_that_plans_read(tmp_path, capsys):
     assert set(hw.collectives) == {"all_gather", "reduce_scatter", "all_reduce"}
     assert all("2" in g for g in hw.collectives.values())
     assert hw.matmul_flops["float32"]["large"] > 1e8 and hw.op_overhead_s > 0
-    # FSDP2's host cost per unit and pass, from the fake process group ([Note: the floor's
+    # FSDP2's cost per unit and pass beyond its collectives, on gloo ([Note: the floor's
     # figures]): more than one op's dispatch, less than a second
     assert hw.op_overhead_s < hw.unit_overhead_s < 1.0
-    # and per parameter tensor of a unit, and per checkpointed block (the same probe): each
-    # more than nothing, a parameter less than a unit
+    # and per parameter tensor of a unit, and per checkpointed block (the fake process group):
+    # each more than nothing, a parameter less than a unit
     assert 0 < hw.param_overhead_s < hw.unit_overhead_s
     assert 0 < hw.checkpoint_overhead_s < 1.0
     assert hw.h2d_bandwidth == 0 and "skipped" in out.read_text()

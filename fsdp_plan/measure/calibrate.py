@@ -19,42 +19,48 @@ once measures, each repeated and reduced to a median:
 - overlap and contention: whether compute runs while an all-gather is in flight (on gloo it
   may not: the collective can hold the core the computing thread needs), and how much
   compute slows while it does: [Note: the overlap probe];
-- FSDP's host cost per unit and pass: an FSDP2 model of many tiny units against one unit,
-  less the collectives the extra units issue (on a CPU: the same pair on the fake process
-  group, whose collectives cost nothing: [Note: the floor's figures]); and FSDP2's cost per
-  byte around a unit's
-  all-gather and reduce-scatter (copies, allocation, division): units of four sizes, each
-  one's forward and backward less the fitted collectives.
+- FSDP's cost per unit and pass: an FSDP2 model of many tiny units against one unit, each
+  less its own collectives timed alone; per parameter tensor and per checkpointed block on
+  the fake process group, whose collectives cost nothing ([Note: the floor's figures]); and
+  FSDP2's cost per byte around a unit's all-gather and reduce-scatter (copies, allocation,
+  division): units of four sizes, each one's forward and backward less the fitted
+  collectives.
 Rank 0 returns the figures; the parent writes the hardware file (atomically, never half).
 
 [Note: the floor's figures]
-The clock's floor (cost/streams.py [Note: the host floor]) takes two figures from here.
+The clock's floor (cost/streams.py [Note: the host floor]) takes its figures from here.
 ``op_overhead_s`` is what one op of a training step costs the host: tiny layers forward and
 backward, so small that the time is the host's. On a CPU that is the dispatch cost per op,
 paid in line; on a GPU the same chain, synchronised, is host-bound, so it is the launch floor
-that keeps a kernel from starting before the host has issued it. ``unit_overhead_s`` is
-FSDP2's host cost per unit and pass (hooks, copy-in/copy-out issue, stream waits): blocks of
-eight parameters (a transformer block has six to sixteen) each its own unit against all in
-one. With gloo the difference also holds three collectives per extra unit, whose fitted
-latency was taken off; on a 2-core machine those latencies swung from 0.3 to 7 ms with the
-load and the estimate with them (1.2 ms per unit and pass on a quiet run, 11.5 ms on a loaded
-one). So on a CPU the pair runs on the fake process group after the real one is gone, with
-no collective to take off, the arms in turn. That removes the collectives' share, not the
-load's: at a load of 10-12 on 2 cores it read 2.4 ms (47 op dispatches) and 11.8 ms (134) in
-two runs half an hour apart; Llama-shaped blocks of nine parameters measured 66-72
-dispatches the same way. It runs in every rank at once, as a run's ranks share the cores:
-in rank 0 alone it read 1.5-2.4 ms per unit and pass where two processes at once read
-2.4-4.9 ms (load 6 on 2 cores), and the closed loop's deep narrow model, whose step is
-mostly this cost, came out 26-54% fast from the lone reading. The same probe gives two more
-figures the clock lacked: FSDP2's cost per parameter tensor and pass (one unit against no
-FSDP, less that unit's share: 27-54 us, Python around each parameter's views, gradient and
-DTensor, which the per-unit difference cancels), and activation checkpointing's cost per
-checkpointed block and step beyond its replayed ops (1.1-1.6 ms: the wrapper, saved-tensor
-hooks, RNG stashing). Measured in one process interleaved with the deep narrow model's own
-steps on the fake process group (benchmarks/floor_in_process.py), its three plans' median
-errors over three rounds were -18%, -5% and -12% with them (rounds from -27% to +22%, the
-root-only plan's mostly the optimizer's load) and -26%, -12% and -22% without. On a GPU the NCCL estimate stays: there
-the latencies are tens of microseconds.
+that keeps a kernel from starting before the host has issued it.
+
+``unit_overhead_s`` is FSDP2's cost per unit and pass beyond its collectives (hooks, copy-in /
+copy-out, the work handles and waits of an asynchronous collective): sixteen tiny units
+against one, on the backend the plans will run on. Each arm's collectives are also timed
+alone, at the sizes FSDP2 pads them to, and taken off; the four arms run in turn, each
+round, so a burst of load on a shared machine hits them alike. An earlier probe took off the
+collectives' latency fitted minutes before (``_collective_figures``); on a 2-core machine
+that latency swung from 0.3 to 7 ms with the load and the estimate with it (1.2 ms per unit
+and pass on a quiet run, 11.5 ms on a loaded one). Its replacement ran FSDP2 on the fake
+process group, whose collectives cost nothing, and read 0.85-1.0 ms on an idle machine where
+the gloo arms read 1.2 ms: the closed loop's deep narrow model (49 units of one small
+all-gather pair and reduce-scatter each) then came out 17-32% fast with per-unit plans, its
+per-unit cost 6.0 ms per step measured against 4.7 predicted. What the fake group misses is
+gloo's side of an asynchronous collective inside a step (the work object, the wake-up of its
+thread, the wait), which a bench on gloo pays; so on two or more ranks the figure is the
+backend's, and the fake group's is kept for one rank (no collective to measure).
+
+The fake process group (``_fsdp_host_cost``, every rank at once as a run's ranks share the
+cores: in rank 0 alone it read 1.5-2.4 ms per unit and pass where two processes at once read
+2.4-4.9 ms at load 6) still gives the figures no collective touches: FSDP2's cost per
+parameter tensor and pass (one unit against no FSDP, less that unit's share: 27-54 us,
+Python around each parameter's views, gradient and DTensor, which the per-unit difference
+cancels), and activation checkpointing's cost per checkpointed block and step beyond its
+replayed ops (1.1-1.6 ms: the wrapper, saved-tensor hooks, RNG stashing). Measured in one
+process interleaved with the deep narrow model's own steps on the fake process group
+(benchmarks/floor_in_process.py), its three plans' median errors over three rounds were
+-18%, -5% and -12% with them (rounds from -27% to +22%, the root-only plan's mostly the
+optimizer's load) and -26%, -12% and -22% without.
 
 [Note: fitting collectives]
 ``t = latency + factor * (g-1)/g * bytes / bus_bandwidth``: the latency is what the two
@@ -392,36 +398,60 @@ def _contention(device: Any, sync: Callable[[], None], repeat: int) -> dict[str,
 
 def _fsdp_figures(device: Any, sync: Callable[[], None], repeat: int,
                   collectives: dict[str, Any]) -> dict[str, Any]:
-    """FSDP2's host cost per unit and pass: many tiny units against one, less the extra
-    collectives' latency (an extra unit issues two all-gathers and one reduce-scatter); and
-    the optimizer's cost per parameter tensor on FSDP2's DTensor parameters."""
+    """FSDP2's cost per unit and pass on this backend beyond its collectives ([Note: the floor's
+    figures]): sixteen tiny units against one, each arm's own collectives timed alone and taken
+    off, the four arms in turn; and the optimizer's cost per parameter tensor on FSDP2's
+    DTensor parameters."""
     import torch
+    import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard
 
+    layers, width = FSDP_HOST_BLOCKS, 8
+
     def model(units: int) -> nn.Module:
         torch.manual_seed(0)
-        net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(16)]).to(device)
-        layers = list(net) if units > 1 else []
-        for layer in layers:
+        net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+        for layer in (list(net) if units > 1 else []):
             fully_shard(layer)
         fully_shard(net)
         return net
 
-    x = torch.randn(4, 8, device=device)
-    timings = []
-    for units in (1, 17):
-        net = model(units)
+    def their_collectives(units: int, gathers: int) -> Callable[[], None]:
+        """The all-gathers and reduce-scatters ``units`` units of ``layers // units`` layers
+        issue in a step (``gathers`` all-gathers each: the root keeps its parameters between
+        forward and backward), at the sizes FSDP2 pads them to."""
+        world = dist.get_world_size()
+        rows = -(-width // world)  # dim 0 of each parameter, padded to a multiple of the world
+        shard = (rows * width + rows) * (layers // units)
+        full = torch.zeros(shard * world, device=device)
+        part = torch.zeros(shard, device=device)
 
+        def run() -> None:
+            for _ in range(units):
+                for _ in range(gathers):
+                    _all_gather(full, part)
+                _reduce_scatter(part, full)
+        return run
+
+    x = torch.randn(4, width, device=device)
+    nets = {units: model(units) for units in (1, layers)}
+    steps = {}
+    for units, net in nets.items():
         def step(net=net) -> None:
             net(x).sum().backward()
             net.zero_grad(set_to_none=True)
-        timings.append(_timed(step, sync, repeat, inner=4))
-    world = str(torch.distributed.get_world_size())
-    latency = (2 * collectives["all_gather"][world]["latency_s"]
-               + collectives["reduce_scatter"][world]["latency_s"])
-    per_unit = (timings[1] - timings[0]) / 16
+        steps[units] = step
+    arms = [steps[1], their_collectives(1, 1), steps[layers], their_collectives(layers, 2)]
+    for arm in arms:  # warm-up: FSDP's lazy init, gloo's pairs
+        arm()
+    rounds = [[_timed(arm, sync, 1, inner=4) for arm in arms] for _ in range(max(3, repeat))]
+    one, one_comm, own, own_comm = (statistics.median(r[i] for r in rounds)
+                                    for i in range(len(arms)))
+    # the root of the own-units arm holds no parameter: its units are the 16 extra ones
+    per_unit = ((own - own_comm) - (one - one_comm)) / (layers - 1)
     per_tensor = {}
+    net = nets[layers]
     params = list(net.parameters())
     for name, make in (("adamw", lambda p: torch.optim.AdamW(p, lr=1e-4)),
                        ("sgd", lambda p: torch.optim.SGD(p, lr=1e-4))):
@@ -429,7 +459,7 @@ def _fsdp_figures(device: Any, sync: Callable[[], None], repeat: int,
         opt = make(params)
         per_tensor[name] = _timed(opt.step, sync, repeat, inner=4) / len(params)
         net.zero_grad(set_to_none=True)
-    return {"unit_overhead_s": max(0.0, (per_unit - latency) / 2),
+    return {"unit_overhead_s": max(0.0, per_unit / 2),
             "optimizer_s_per_tensor": per_tensor,
             **_fsdp_bytes(device, sync, repeat, collectives)}
 
@@ -592,8 +622,8 @@ def calibrate_rank(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     host: dict[str, float] = {}
-    if not use_cuda:  # FSDP2's host cost without gloo's latency in it, every rank at once as
-        # the ranks of a run share the cores: [Note: the floor's figures]
+    if not use_cuda:  # the per-parameter and checkpoint figures, where no collective runs,
+        # every rank at once as the ranks of a run share the cores: [Note: the floor's figures]
         ctx.report(phase="fsdp host cost")
         host = _fsdp_host_cost(repeat)
     if ctx.rank != 0:
@@ -638,7 +668,9 @@ def hardware_from(result: dict[str, Any], backend: str, nproc: int) -> Hardware:
         h2d_bandwidth=fig.get("h2d_bandwidth") or 0.0, collectives=coll,
         optimizer_s_per_param=fig["optimizer_s_per_param"],
         optimizer_s_per_tensor=fig.get("optimizer_s_per_tensor") or {},
-        unit_overhead_s=result.get("unit_overhead_s", fig.get("unit_overhead_s", 0.0)) or 0.0,
+        # per unit: on this backend, beside its collectives; alone (one process, no collective)
+        # the fake process group's: [Note: the floor's figures]
+        unit_overhead_s=fig.get("unit_overhead_s", result.get("unit_overhead_s", 0.0)) or 0.0,
         param_overhead_s=result.get("param_overhead_s", 0.0) or 0.0,
         checkpoint_overhead_s=result.get("checkpoint_overhead_s", 0.0) or 0.0,
         fsdp_s_per_byte=fig.get("fsdp_s_per_byte") or {},
