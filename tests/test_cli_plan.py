@@ -37,7 +37,10 @@ def test_json_trace_policy_and_plan_agree(tmp_path, capsys):
     assert plan["units"][-1]["modules"] == [""]
     events = json.loads(trace.read_text())["traceEvents"]
     lanes = {e["tid"] for e in events if e["ph"] == "X"}
-    assert {1, 2} <= lanes <= {1, 2, 3}  # compute, communication, and waits when any
+    # compute, communication, waits when any, and the host issuing the device's work (a GPU's
+    # host runs ahead on its own timeline: [Note: the host floor] in cost/streams.py)
+    assert {1, 2} <= lanes <= {1, 2, 3, 4}
+    assert any(e["tid"] == 4 and e["name"].startswith("issue ") for e in events)
     assert any(e["name"].startswith("AG ") for e in events)
     assert report["candidates"][0]["peak_bytes"] == plan["predicted"]["peak_bytes"]
 
