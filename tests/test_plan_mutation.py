@@ -77,7 +77,8 @@ def _locate(doc, path):
 
 
 def _rename_everywhere(doc, old: str, new: str) -> None:
-    for unit in doc.get("units") or []:
+    units = doc.get("units")
+    for unit in units if isinstance(units, list) else []:  # a retyped field stays retyped
         if isinstance(unit, dict) and isinstance(unit.get("modules"), list):
             unit["modules"] = [new if m == old else m for m in unit["modules"]]
     if isinstance(doc.get("activation_checkpointing"), list):
