@@ -329,6 +329,14 @@ def _marked_pids(marker: str) -> list[int]:
     return pids
 
 
+def _as_from_a_terminal() -> None:
+    """The bench starts with SIGINT at its default, as from a terminal. A shell's background
+    job (``CMD &`` without job control, as a CI script may start the suite) inherits SIGINT
+    ignored, and Python then never turns it into KeyboardInterrupt: the SIGINT case waited out
+    its 60 s in such a run while the bench trained on, as a background job should."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_bench(plan: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path, Path, list]:
     marker = uuid.uuid4().hex
     private = tmp_path / "tmp"
@@ -340,7 +348,8 @@ def _start_bench(plan: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path
     proc = subprocess.Popen(
         [sys.executable, "-m", "fsdp_plan.cli.main", "bench", plan, "--nproc", "2",
          "--steps", "100000", "--warmup", "0", "--timeout", "120", "--out", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_as_from_a_terminal)
     lines: list[str] = []
 
     def drain() -> None:
