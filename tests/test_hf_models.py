@@ -45,7 +45,11 @@ NPROC = 2
 # plan is not just the root: per-block units, a separate lm_head unit, checkpointed blocks.
 HF_CASES: dict[str, tuple[list[str], str, list[str]]] = {
     "llama": (["--hf-config", os.path.join(HF, "llama.json")], "1MB", ["--seq-len", "16"]),
-    "mixtral": (["--hf-config", os.path.join(HF, "mixtral.json")], "3MB", ["--seq-len", "16"]),
+    # Full sharding: with the host floor this tiny MoE step (its experts' many small ops and
+    # parameter tensors) is the host's, and at 3 MB HSDP root-only wins, which 2 gloo workers
+    # on a flat mesh cannot count.
+    "mixtral": (["--hf-config", os.path.join(HF, "mixtral.json")], "3MB",
+                ["--seq-len", "16", "--strategy", "full"]),
     "gpt2": (["--hf-config", os.path.join(HF, "gpt2.json")], "1MB", ["--seq-len", "16"]),
     "t5": (["--hf-config", os.path.join(HF, "t5.json")], "2MB", ["--seq-len", "16"]),
     "vit": (["--hf-config", os.path.join(HF, "vit.json")], "600kB", []),
