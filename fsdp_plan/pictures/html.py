@@ -193,7 +193,11 @@ def _timeline_figure(page: Page) -> Any:
     if measured:
         order = ["measured exposed communication", "measured communication",
                  "measured compute"] + order
-    fig.update_layout(title="One step on two streams (compute, communication) and the waits",
+    title = "One step on two streams (compute, communication) and the waits"
+    if "host" in rows:  # the host fell behind somewhere: [Note: the host floor]
+        order.append("predicted host")
+        title += ", below the host that issues the work"
+    fig.update_layout(title=title,
                       barmode="overlay", height=380 + 40 * bool(measured),
                       xaxis_title="ms into the step", margin={"t": 60, "r": 20},
                       yaxis={"categoryorder": "array", "categoryarray": order})
