@@ -153,6 +153,15 @@ def _count_ops(fn: Callable[[], Any]) -> int:
     return Counter.count
 
 
+def _training_step(net: Any, x: Any) -> Callable[[], None]:
+    """One forward and backward of ``net`` on ``x``, gradients dropped after: what the probes
+    below time (a step's host cost without the optimizer)."""
+    def step() -> None:
+        net(x).sum().backward()
+        net.zero_grad(set_to_none=True)
+    return step
+
+
 def _op_overhead(device: Any, sync: Callable[[], None], repeat: int) -> tuple[float, int]:
     """Host seconds per op of a training step, and the ops counted: a stack of tiny layers
     forward and backward (module calls, autograd, gradient accumulation), its compute
@@ -164,9 +173,7 @@ def _op_overhead(device: Any, sync: Callable[[], None], repeat: int) -> tuple[fl
         torch.nn.Linear(16, 16), torch.nn.LayerNorm(16), torch.nn.GELU())]).to(device)
     x0 = torch.randn(4, 16, device=device)
 
-    def chain() -> None:
-        stack(x0).sum().backward()
-        stack.zero_grad(set_to_none=True)
+    chain = _training_step(stack, x0)
     ops = _count_ops(chain)
     return _timed(chain, sync, repeat) / max(ops, 1), ops
 
@@ -436,12 +443,7 @@ def _fsdp_figures(device: Any, sync: Callable[[], None], repeat: int,
 
     x = torch.randn(4, width, device=device)
     nets = {units: model(units) for units in (1, layers)}
-    steps = {}
-    for units, net in nets.items():
-        def step(net=net) -> None:
-            net(x).sum().backward()
-            net.zero_grad(set_to_none=True)
-        steps[units] = step
+    steps = {units: _training_step(net, x) for units, net in nets.items()}
     arms = [steps[1], their_collectives(1, 1), steps[layers], their_collectives(layers, 2)]
     for arm in arms:  # warm-up: FSDP's lazy init, gloo's pairs
         arm()
@@ -571,11 +573,7 @@ def fsdp_host_figures(repeat: int) -> dict[str, float]:
             fully_shard(b)
         if arm != "plain":
             fully_shard(net, reshard_after_forward=False)
-
-        def step(net=net) -> None:
-            net(x).sum().backward()
-            net.zero_grad(set_to_none=True)
-        steps.append(step)
+        steps.append(_training_step(net, x))
     params = sum(1 for _ in net.parameters())
     replay = _count_ops(lambda: block()(x)) * FSDP_HOST_BLOCKS  # forward ops replayed
     # the arms in turn, so a burst of load on a shared machine hits all of them
