@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -113,3 +114,49 @@ def test_no_module_outside_the_command_line_imports_it():
 def test_the_plan_command_uses_the_library_api():
     assert "fsdp_plan.api" in imports(PACKAGE / "cli" / "plan.py", module_level_only=False)
     assert "fsdp_plan.api" in imports(PACKAGE / "cli" / "predict.py", module_level_only=False)
+
+
+README = PACKAGE.parent / "README.md"
+
+
+def _how_it_works_rows() -> dict[str, set[str]]:
+    """README's "How it works" table: subpackage folder -> the module files its row names."""
+    text = README.read_text(encoding="utf-8")
+    section = text.split("## How it works", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, set[str]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[1].startswith("`"):
+            continue
+        folder = cells[1].strip("`").rstrip("/")
+        named = set(re.findall(r"`([A-Za-z_/]+(?:\.py|/))`", cells[2]))
+        rows.setdefault(folder, set()).update(named)
+    return rows
+
+
+def test_readme_has_no_merge_markers():
+    text = README.read_text(encoding="utf-8")
+    for marker in ("<<<<<<< ", "\n=======\n", ">>>>>>> "):
+        assert marker not in text, f"README.md holds an unresolved merge marker {marker!r}"
+
+
+def test_readme_module_table_matches_the_tree():
+    """Each subpackage row of README's "How it works" names modules that exist, and every
+    module of that subpackage is named (a module table that drifted from the tree is how a
+    newcomer gets lost: issue 31, S4-18)."""
+    rows = _how_it_works_rows()
+    subpackages = sorted(p.name for p in PACKAGE.iterdir()
+                         if p.is_dir() and (p / "__init__.py").exists())
+    assert sorted(k for k in rows if "/" not in k and not k.endswith(".py")) == subpackages
+    for folder, named in rows.items():
+        if folder.endswith(".py"):
+            continue
+        base = PACKAGE / folder
+        for name in named:
+            target = PACKAGE.parent / name if name.startswith("fsdp_plan/") else base / name
+            assert target.exists(), f"README names {folder}/{name}, which is not in the tree"
+        present = {p.name for p in base.glob("*.py") if p.name != "__init__.py"}
+        present |= {p.name + "/" for p in base.iterdir()
+                    if p.is_dir() and (p / "__init__.py").exists()}
+        missing = sorted(present - named)
+        assert not missing, f"README's {folder}/ row does not name {missing}"
