@@ -24,7 +24,6 @@ import yaml
 from test_hostile_round3 import tree
 from test_measure_helpers import run_cli
 
-from fsdp_plan.cli.main import main
 from fsdp_plan.plan.document import Mesh, Plan, Unit, write_plan
 
 FRAMEWORKS = ("accelerate", "trainer", "lightning", "torchtitan")

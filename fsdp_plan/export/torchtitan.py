@@ -136,7 +136,8 @@ def parallelize(model, *, parallel_dims, **_options):
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     return policy.apply(model, mesh=parallel_dims.get_mesh(names))
 ''' if hook else ""
-    return f'''"""torchtitan config made by fsdp-plan from the plan for {doc_safe(shape.model_source or "a model", 60)}.
+    source = doc_safe(shape.model_source or "a model", 60)  # S4-01: never pasted raw
+    return f'''"""torchtitan config made by fsdp-plan from the plan for {source}.
 
     python -m torchtitan.train --module fsdp_plan_torchtitan --config {CONFIG_FUNCTION}
 
