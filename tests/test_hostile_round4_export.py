@@ -104,7 +104,10 @@ def hostile_export(tmp_path: Path, name: str) -> tuple[Path, Plan, dict[str, Pat
                 forward_prefetch={layers[0]: [layers[1]]},
                 backward_prefetch={layers[1]: [layers[0]]},
                 mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"},
-                gpu=name)
+                gpu=name,
+                # a hardware name is one printable line (hardware_for): the rest goes as is
+                hardware={"file": name, "header": name,
+                          "figures": {"name": "".join(c for c in name if c.isprintable())}})
     plan_path = tmp_path / "plan.yaml"
     write_plan(plan, str(plan_path))
     (tmp_path / "titan_stub.py").write_text(

@@ -10,7 +10,10 @@ JSON and ``TrainingArguments`` fields; Lightning Trainer arguments; a torchtitan
 module), the plan's policy module, the shortest code hook that keeps what the configuration
 cannot say (only when there is something), and ``README.md``: how to launch and what, if
 anything, is lost. The model is built on ``meta`` to learn its block classes (no weights, no
-framework imported). Exit 2 for an invalid plan or model; nothing is written unless all is.
+framework imported). Exit 2 for an invalid plan or model, for ``--torchtitan-config`` with
+another ``--to``, and for a folder where a file the export may write is an input (the plan,
+the model it names or MODEL, through links too) — checked before the model is loaded; nothing
+is written unless all is.
 """
 
 from __future__ import annotations
