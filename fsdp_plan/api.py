@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdp_plan.common.autocast import plan_autocast_dtype
 from fsdp_plan.common.errors import NoFeasiblePlan
-from fsdp_plan.common.files import atomic_write_all
+from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.common.progress import Progress
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for, read_hardware_file
@@ -42,6 +42,7 @@ from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.plan.build import layout_of, predicted_block, throughput_fields, to_plan
 from fsdp_plan.plan.document import Plan, plan_to_yaml
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
+from fsdp_plan.plan.read import plan_model_file
 from fsdp_plan.plan.report import chrome_trace
 from fsdp_plan.search.batching import BatchChoice, choose_batch
 from fsdp_plan.search.candidate import Candidate, SearchSettings
@@ -117,6 +118,13 @@ class PlanResult:
                                                   (plan, self.plan_yaml),
                                                   (trace, self.trace_json)) if path]
         outputs += extra or []
+        # the model it was planned from is never an output (issue 31, S4-02); a relocated
+        # relative model.source is read from the plan file's folder
+        inputs = [("model file the plan names", plan_model_file(self.plan.model, plan))]
+        if self.request is not None and self.request.source.kind in ("file", "hf-config"):
+            inputs.append(("model file it was planned from", self.request.source.source))
+        flags = {policy: "policy", plan: "plan", trace: "trace"}
+        check_outputs(inputs, [(flags.get(path, "output"), path) for path, _ in outputs])
         atomic_write_all(outputs)
         return [path for path, _ in outputs]
 

@@ -27,6 +27,7 @@ from fsdp_plan.model.load import LoadedModel
 from fsdp_plan.pictures import files as pictures
 from fsdp_plan.pictures.snapshot import measured_snapshot
 from fsdp_plan.plan.document import Plan, read_plan
+from fsdp_plan.plan.read import plan_input_files
 
 
 @dataclass(kw_only=True)
@@ -83,13 +84,13 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
     predicted_trace = (inputs.read_predicted_trace(request.predicted_trace)
                        if request.predicted_trace else None)
     inputs.check_out_folder(request.out)
-    check_outputs([("PLAN.yaml", request.plan_path), ("MODEL", request.model_path),
+    plan = read_plan(request.plan_path)  # data only: its model.source is an input too (S4-02)
+    check_outputs([*plan_input_files(plan, request.plan_path, request.model_path),
                    ("--compare", request.compare), ("--predicted-trace", request.predicted_trace)],
-                  pictures.outputs(request))
+                  [*pictures.outputs(request), ("--refit", request.refit)])
     pictures.check(request)
     if request.refit:  # checked before the run: a bad file fails fast
         check_refit_path(request.refit)
-    plan = read_plan(request.plan_path)
     if request.fsdp_version == 1 and (plan.compile or {}).get("blocks"):
         raise BadInput(compiled_fsdp1_refusal(request.plan_path))
     loaded = runtime.load_planned_model(plan, request.model_path, request.plan_path)

@@ -15,6 +15,7 @@ import argparse
 from fsdp_plan.common.files import check_outputs, check_writable
 from fsdp_plan.plan.document import read_plan
 from fsdp_plan.plan.emit import write_policy_module
+from fsdp_plan.plan.read import plan_input_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_outputs([("PLAN.yaml", args.plan)], [("-o", args.output)])
+    plan = read_plan(args.plan)  # data only: its model.source is an input too (S4-02)
+    check_outputs(plan_input_files(plan, args.plan), [("-o", args.output)])
     check_writable(args.output, "-o")
-    plan = read_plan(args.plan)
     write_policy_module(plan, args.output)
     print(f"wrote {args.output} (strategy {plan.strategy}, {len(plan.units)} units)")
     return 0

@@ -10,7 +10,10 @@ JSON and ``TrainingArguments`` fields; Lightning Trainer arguments; a torchtitan
 module), the plan's policy module, the shortest code hook that keeps what the configuration
 cannot say (only when there is something), and ``README.md``: how to launch and what, if
 anything, is lost. The model is built on ``meta`` to learn its block classes (no weights, no
-framework imported). Exit 2 for an invalid plan or model; nothing is written unless all is.
+framework imported). Exit 2 for an invalid plan or model, for ``--torchtitan-config`` with
+another ``--to``, and for a folder where a file the export may write is an input (the plan,
+the model it names or MODEL, through links too) — checked before the model is loaded; nothing
+is written unless all is.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import argparse
 import os
 
 from fsdp_plan.common.errors import BadInput
-from fsdp_plan.common.files import atomic_write_all, check_writable
-from fsdp_plan.export.common import FRAMEWORKS, export_plan, plan_shape
+from fsdp_plan.common.files import atomic_write_all, check_outputs, check_writable
+from fsdp_plan.export import torchtitan
+from fsdp_plan.export.common import FRAMEWORKS, export_plan, file_names, plain_text, plan_shape
 from fsdp_plan.plan.document import read_plan
 from fsdp_plan.plan.emit import render_policy_module
+from fsdp_plan.plan.read import plan_input_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,13 +65,19 @@ def run(args: argparse.Namespace) -> int:
             raise BadInput(f"give --to {'|'.join(FRAMEWORKS)}: the plan {args.plan!r} was not "
                            "made for a framework (fsdp-plan --framework NAME records one).")
         args.framework = plan.framework
+    if args.framework == "torchtitan":
+        torchtitan.check_config_name(args.torchtitan_config)
+    elif args.torchtitan_config is not None:  # S4-12: an option that does nothing is refused
+        raise BadInput(f"--torchtitan-config applies to --to torchtitan only, not to --to "
+                       f"{args.framework}; leave it out (or export --to torchtitan).")
+    # every file this export may write, checked against every input before any work (S4-02)
+    possible = [("-o", os.path.join(args.output, name)) for name in file_names(args.framework)]
+    check_outputs(plan_input_files(plan, args.plan, args.model), possible)
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     shape = plan_shape(plan, loaded.model)
     result = export_plan(plan, shape, args.framework, render_policy_module(plan),
                          {"torchtitan_config": args.torchtitan_config})
     paths = {name: os.path.join(args.output, name) for name in result.files}
-    if os.path.abspath(args.plan) in {os.path.abspath(p) for p in paths.values()}:
-        raise BadInput(f"-o {args.output!r} would overwrite the plan file; choose another folder.")
     os.makedirs(args.output, exist_ok=True)
     for path in paths.values():
         check_writable(path, "-o")
@@ -75,8 +86,11 @@ def run(args: argparse.Namespace) -> int:
     if result.config_gaps:
         print(f"the {args.framework} configuration alone cannot say {len(result.config_gaps)} "
               "thing(s) the plan holds; the code hook keeps them (README.md says how)")
+    elif result.lost:  # S4-17: "the whole plan" only when nothing is lost
+        print(f"no code hook needed: the {args.framework} configuration says all a hook could "
+              f"keep; {len(result.lost)} thing(s) the plan holds are lost (README.md says what)")
     else:
         print(f"the {args.framework} configuration is the whole plan; no code hook needed")
     for gap in result.lost:
-        print(f"lost: {gap.line()}")
+        print(f"lost: {plain_text(gap.line())}")
     return 0

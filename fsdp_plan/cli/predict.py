@@ -25,6 +25,7 @@ from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.model.source import check_count
 from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import Plan, read_plan
+from fsdp_plan.plan.read import plan_input_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -108,10 +109,10 @@ def _divisor_below(world: int, limit: int) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_outputs([("PLAN.yaml", args.plan), ("MODEL", args.model),
-                   ("--hardware", args.hardware)], pictures.outputs(args))
+    plan = read_plan(args.plan)  # data only: its model.source is an input too (S4-02)
+    check_outputs([*plan_input_files(plan, args.plan, args.model), ("--hardware", args.hardware)],
+                  pictures.outputs(args))
     pictures.check(args)
-    plan = read_plan(args.plan)
     hardware = plan_hardware(plan, gpu=args.gpu, hardware_file=args.hardware)
     gpus_per_node = check_gpus_per_node(args.gpus_per_node, plan)
     # loading imports torch (~6 s): deferred so --help and the flag checks answer at once

@@ -35,7 +35,8 @@ from fsdp_plan.common.files import atomic_write_all, check_outputs, write_failed
 from fsdp_plan.common.progress import Steps
 from fsdp_plan.measure.launch import Terminated, stop_on_signals
 from fsdp_plan.pictures import files as pictures
-from fsdp_plan.plan.document import plan_to_yaml, read_plan
+from fsdp_plan.plan.document import Plan, plan_to_yaml, read_plan
+from fsdp_plan.plan.read import plan_input_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pictures.add_arguments(parser, measured=False)
 
 
-def _check(args: argparse.Namespace) -> None:
+def _check(args: argparse.Namespace) -> Plan:
+    """Every flag and path checked before any work; returns the plan read."""
     if not (math.isfinite(args.budget_minutes) and args.budget_minutes > 0):
         raise BadInput(f"--budget-minutes must be a positive number, got {args.budget_minutes}.")
     if not 4 <= args.steps <= 1000:
@@ -71,10 +73,12 @@ def _check(args: argparse.Namespace) -> None:
     if not 1 <= args.warmup <= 100:
         raise BadInput(f"--warmup {args.warmup} is outside 1..100.")
     check_out_folder(args.out)  # before any measuring, as bench does (issue 21, S3-11)
-    check_outputs([("PLAN.yaml", args.plan), ("MODEL", args.model),
-                   ("--hardware", args.hardware)], pictures.outputs(args))
+    plan = read_plan(args.plan)  # data only: its model.source is an input too (S4-02)
+    check_outputs([*plan_input_files(plan, args.plan, args.model), ("--hardware", args.hardware)],
+                  pictures.outputs(args))
     pictures.check(args)
     check_nproc(args.nproc)  # capped as bench and calibrate cap it (S3-31)
+    return plan
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,8 +94,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    _check(args)
-    plan = read_plan(args.plan)
+    plan = _check(args)
     # timing and loading import torch (~6 s): deferred so --help and the flag checks answer at
     # once
     import torch

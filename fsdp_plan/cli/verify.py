@@ -30,6 +30,7 @@ from fsdp_plan.model.load import LoadedModel, user_code_output_to_stderr
 from fsdp_plan.pictures import files as pictures
 from fsdp_plan.pictures.snapshot import measured_snapshot
 from fsdp_plan.plan.document import Plan, read_plan
+from fsdp_plan.plan.read import plan_input_files
 
 # FSDPMemTracker's categories -> the planner's breakdown keys (several may share one key).
 TRACKER_TO_PLAN = {
@@ -178,9 +179,9 @@ def format_report(data: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.tolerance < 1:
         raise BadInput(f"--tolerance is a fraction (0.05 = 5%), got {args.tolerance}.")
-    check_outputs([("PLAN.yaml", args.plan), ("MODEL", args.model)], pictures.outputs(args))
+    plan = read_plan(args.plan)  # data only: its model.source is an input too (S4-02)
+    check_outputs(plan_input_files(plan, args.plan, args.model), pictures.outputs(args))
     pictures.check(args)
-    plan = read_plan(args.plan)
     if plan.strategy == "ddp" and args.memory_snapshot:
         pictures.refuse_with(args, "a DDP plan is measured in a separate one-rank process that "
                              "records no allocation trace; fsdp-plan predict --memory-snapshot "

@@ -24,6 +24,7 @@ from fsdp_plan.export.common import (
     Export,
     Gap,
     PlanShape,
+    carriable_class_name,
     class_wrap_gaps,
     precision_name,
     readme,
@@ -32,6 +33,8 @@ from fsdp_plan.plan.document import Plan
 
 CONFIG_FILE = "accelerate_config.yaml"
 HOOK_FILE = "fsdp_plan_accelerate.py"
+FILE_NAMES = (CONFIG_FILE, HOOK_FILE)
+"""Every file of its own this export may write (with the policy module and README.md)."""
 WHO = "accelerate"
 
 
@@ -78,7 +81,10 @@ def config(plan: Plan, shape: PlanShape, hook: bool) -> dict[str, Any]:
         document["fsdp_config"] = {
             "fsdp_version": 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": ",".join(shape.block_classes),
+            # with the hook accelerate wraps nothing (the model arrives prepared): only the
+            # names its comma-separated list can carry are written (S4-09)
+            "fsdp_transformer_layer_cls_to_wrap": ",".join(
+                name for name in shape.block_classes if carriable_class_name(name)),
             "fsdp_reshard_after_forward": bool(shape.block_reshard and shape.block_reshard[-1]),
             "fsdp_activation_checkpointing": bool(shape.checkpointed) and not hook,
             "fsdp_offload_params": shape.offload,

@@ -19,11 +19,26 @@ without configuration gaps, through the same ``config_gaps`` functions.
 not in the plan): which classes the units' modules have, and whether "every module of those
 classes, one unit each, plus the root" is exactly the plan's units. Everything after it is a
 pure function of ``PlanShape``, so the frameworks' rules are tested without a model.
+
+[Note: strings in exports]
+Names in an export come from user files: the plan's ``model.source`` (any string the plan
+validator lets through: quotes, newlines, code), the model's module FQNs and class names (a
+class may be named ``'Block,Linear'`` or hold a newline), and ``--torchtitan-config``. Each is
+encoded once, where it lands (issue 31, S4-01):
+- generated Python: values only as ``repr`` literals or ints, and docstring text through
+  ``emit.doc_safe`` (a character whitelist, as the policy module's docstring);
+  ``--torchtitan-config`` must be a dotted module path and a function name;
+- YAML and JSON: ``yaml.safe_dump`` / ``json.dumps`` of plain data, never text pasted in;
+- README.md: the title and every gap line through ``md_text`` (one line, Markdown and HTML
+  escaped); the terminal's ``lost:`` lines through ``plain_text``.
+A framework whose own format cannot carry a name (accelerate's and the Trainer's
+comma-separated class list) gets a gap instead, so the code hook applies the plan by FQN.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +50,7 @@ from fsdp_plan.search.framework import FRAMEWORKS, TITAN_EMBEDDINGS, TITAN_TAIL
 
 POLICY_FILE = "fsdp_plan_policy.py"
 """Name of the policy module inside an export folder (hooks import it as ``fsdp_plan_policy``)."""
+README_FILE = "README.md"
 
 
 @dataclass(frozen=True)
@@ -247,10 +263,23 @@ def precision_name(shape: PlanShape) -> str | None:
     return None
 
 
+def carriable_class_name(name: str) -> bool:
+    """Whether accelerate's ``fsdp_transformer_layer_cls_to_wrap`` (one string that accelerate
+    splits at commas; the Trainer joins its list into it) can name the class: an identifier,
+    what a ``class`` statement makes (issue 31, S4-09: ``type("Block,Linear", ...)`` would be
+    read as two classes)."""
+    return name.isidentifier()
+
+
 def class_wrap_gaps(shape: PlanShape, who: str) -> list[Gap]:
     """What a class-based FSDP2 configuration (one reshard flag, AC all or none, implicit
     prefetch, one precision) cannot say about a sharded plan; ``who`` names the framework."""
     gaps = []
+    odd = [name for name in shape.block_classes if not carriable_class_name(name)]
+    if odd:
+        gaps.append(Gap("units", f"block class name(s) {', '.join(repr(n) for n in odd)}",
+                        f"{who}'s class list is one comma-separated string of class names, "
+                        "which cannot carry them"))
     if shape.grouped_units:
         gaps.append(Gap("units", f"{shape.grouped_units} unit(s) grouping several modules in "
                         "one fully_shard call", f"{who} gives each module of a class its own unit"))
@@ -314,6 +343,15 @@ def framework_gaps(framework: str, plan: Plan, model: nn.Module) -> list[Gap]:
     return list(module.config_gaps(plan_shape(plan, model)))
 
 
+def file_names(framework: str) -> tuple[str, ...]:
+    """Every file name ``framework``'s export may write, whatever the plan: the outputs that
+    ``export`` checks against its inputs before any work (issue 31, S4-02)."""
+    if framework not in FRAMEWORKS:
+        raise BadInput(f"--to {framework!r} is not a framework fsdp-plan exports to; choose one "
+                       f"of {', '.join(FRAMEWORKS)}.")
+    module = importlib.import_module(f"fsdp_plan.export.{framework}")
+    return (*module.FILE_NAMES, POLICY_FILE, README_FILE)
+
 
 def export_plan(plan: Plan, shape: PlanShape, framework: str, policy_source: str,
                 options: dict[str, Any] | None = None) -> Export:
@@ -327,10 +365,32 @@ def export_plan(plan: Plan, shape: PlanShape, framework: str, policy_source: str
     return result
 
 
+def plain_text(value: object) -> str:
+    """``value`` as one line of text for a terminal or a document: every character that is
+    not printable (line breaks, tabs, escape sequences, Unicode line separators) is written
+    as its Python escape (``\\n``, ``\\x1b``), so a name from a model or a plan cannot start a
+    line or a terminal sequence of its own (see [Note: strings in exports])."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(value))
+
+
+_MARKDOWN_SPECIAL = re.compile(r"[\\`*\[\]<>&|~#]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+
+
+def md_text(value: object) -> str:
+    """``value`` as Markdown text that renders as written: one line (``plain_text``), and
+    every character that opens Markdown or HTML (code spans and fences, emphasis, links,
+    images, HTML tags and entities, tables, headings) backslash-escaped. Underscores inside a
+    word (``reshard_after_forward``) open nothing and stay as they are."""
+    return _MARKDOWN_SPECIAL.sub(lambda m: "\\" + m.group(0), plain_text(value))
+
+
 def readme(title: str, export: Export, launch: str, hook_text: str, files: dict[str, str]
            ) -> str:
-    """The export folder's README.md: the files, how to launch, what (if anything) is lost."""
-    lines = [f"# {title}", "",
+    """The export folder's README.md: the files, how to launch, what (if anything) is lost.
+
+    ``title`` and the gaps carry names from the plan and the model: they are written through
+    ``md_text``; ``launch``, ``hook_text`` and ``files`` are fsdp-plan's own Markdown."""
+    lines = [f"# {md_text(title)}", "",
              "Written by `fsdp-plan export`; regenerate it from the plan rather than editing it.",
              "", "## Files", ""]
     lines += [f"- `{name}`: {what}" for name, what in files.items()]
@@ -338,14 +398,18 @@ def readme(title: str, export: Export, launch: str, hook_text: str, files: dict[
     if export.config_gaps:
         lines += ["## The code hook", "", "The configuration alone cannot say all of the plan:",
                   ""]
-        lines += [f"- {gap.line()}" for gap in export.config_gaps]
+        lines += [f"- {md_text(gap.line())}" for gap in export.config_gaps]
         lines += ["", hook_text.strip(), ""]
+    elif export.lost:  # no hook would keep more (S4-17: "whole plan" only when it is)
+        lines += ["## No code hook", "",
+                  "This configuration says all of the plan that a code hook could keep; what "
+                  "neither can is listed below.", ""]
     else:
         lines += ["## The configuration is the whole plan", "",
                   "Nothing in the plan is beyond this configuration: no code hook is needed.", ""]
     lines += ["## What is lost", ""]
     if export.lost:
-        lines += [f"- {gap.line()}" for gap in export.lost]
+        lines += [f"- {md_text(gap.line())}" for gap in export.lost]
     else:
         lines.append("Nothing: launched as above, the run is the planned run.")
     return "\n".join(lines) + "\n"

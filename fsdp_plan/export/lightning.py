@@ -19,6 +19,8 @@ from fsdp_plan.plan.document import Plan
 
 CONFIG_FILE = "lightning_config.yaml"
 HOOK_FILE = "fsdp_plan_lightning.py"
+FILE_NAMES = (CONFIG_FILE, HOOK_FILE)
+"""Every file of its own this export may write (with the policy module and README.md)."""
 _PRECISION = {None: "32-true", "bfloat16": "bf16-mixed", "float16": "16-mixed"}
 
 

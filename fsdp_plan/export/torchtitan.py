@@ -21,11 +21,14 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput
-from fsdp_plan.export.common import POLICY_FILE, Export, Gap, PlanShape, readme
+from fsdp_plan.export.common import POLICY_FILE, Export, Gap, PlanShape, plain_text, readme
 from fsdp_plan.plan.document import Plan
+from fsdp_plan.plan.emit import doc_safe
 from fsdp_plan.search.framework import TITAN_TAIL
 
 MODULE_FILE = "fsdp_plan_torchtitan.py"
+FILE_NAMES = (MODULE_FILE,)
+"""Every file of its own this export may write (with the policy module and README.md)."""
 CONFIG_FUNCTION = "fsdp_plan"
 WHO = "torchtitan"
 
@@ -133,7 +136,8 @@ def parallelize(model, *, parallel_dims, **_options):
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     return policy.apply(model, mesh=parallel_dims.get_mesh(names))
 ''' if hook else ""
-    return f'''"""torchtitan config made by fsdp-plan from the plan for {shape.model_source!s:.60}.
+    source = doc_safe(shape.model_source or "a model", 60)  # S4-01: never pasted raw
+    return f'''"""torchtitan config made by fsdp-plan from the plan for {source}.
 
     python -m torchtitan.train --module fsdp_plan_torchtitan --config {CONFIG_FUNCTION}
 
@@ -159,12 +163,24 @@ def {CONFIG_FUNCTION}():
 '''
 
 
-def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
-    base = options.get("torchtitan_config")
-    if not base or ":" not in base:
+def check_config_name(base: str | None) -> str:
+    """``--torchtitan-config``: given, and ``MODULE:FUNCTION`` with a dotted module path and a
+    function name, since the config module imports the one and calls the other (anything else
+    could not be imported, and would reach the generated files as text)."""
+    if not base:
         raise BadInput("--to torchtitan needs --torchtitan-config MODULE:FUNCTION, the torchtitan "
                        "config of the model this plan is for (torchtitan trains its own model "
                        "definitions), e.g. torchtitan.models.llama3.config_registry:llama3_8b.")
+    module, colon, function = base.partition(":")
+    if not (colon and function.isidentifier() and all(p.isidentifier() for p in module.split("."))):
+        raise BadInput(f"--torchtitan-config {plain_text(base)!r} is not MODULE:FUNCTION (a dotted "
+                       "module path, a colon and a function name), e.g. "
+                       "torchtitan.models.llama3.config_registry:llama3_8b.")
+    return base
+
+
+def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
+    base = check_config_name(options.get("torchtitan_config"))
     result = Export("torchtitan", config_gaps=config_gaps(shape))
     result.lost = lost_with_hook(shape)
     result.files[MODULE_FILE] = _module_text(plan, shape, base, result.needs_hook)

@@ -29,6 +29,8 @@ from fsdp_plan.plan.document import Plan
 FSDP_CONFIG_FILE = "fsdp_config.json"
 ARGS_FILE = "training_args.json"
 HOOK_FILE = "fsdp_plan_trainer.py"
+FILE_NAMES = (ARGS_FILE, FSDP_CONFIG_FILE, HOOK_FILE)
+"""Every file of its own this export may write (with the policy module and README.md)."""
 WHO = "the Trainer"
 
 

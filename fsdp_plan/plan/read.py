@@ -67,3 +67,32 @@ def resolve_candidates(source: str, plan_path: str | None) -> list[str]:
         found.append(os.path.join(os.path.dirname(os.path.abspath(plan_path)), source))
     found.append(os.path.abspath(source))
     return list(dict.fromkeys(os.path.normpath(p) for p in found))
+
+
+def plan_model_file(model: Any, plan_path: str | None) -> str | None:
+    """The existing file the plan's ``model.source`` names (looked up as
+    ``resolve_candidates`` does; nothing is imported), or None."""
+    source = model.get("source") if isinstance(model, dict) else None
+    if not isinstance(source, str) or not source or "\0" in source:
+        return None
+    for candidate in resolve_candidates(source, plan_path):
+        if os.path.isfile(candidate):
+            return candidate
+    return None
+
+
+def plan_input_files(plan: Any, plan_path: str | None, model_path: str | None = None
+                     ) -> list[tuple[str, str]]:
+    """``(flag, path)`` of every file a verb reads for a plan, for ``files.check_outputs``
+    (issue 31, S4-02): the plan file, the model given as MODEL (its module's file for
+    ``package.module:attr``), and the model file or config the plan's ``model.source`` names
+    where it exists. The plan's model counts even when MODEL overrides it: it is still the
+    user's code."""
+    from fsdp_plan.model.source import model_input_files
+
+    files: list[tuple[str, str]] = [("PLAN.yaml", plan_path)] if plan_path else []
+    files += model_input_files(model_path, None)
+    named = plan_model_file(getattr(plan, "model", None), plan_path)
+    if named:
+        files.append(("model file the plan names", named))
+    return files
