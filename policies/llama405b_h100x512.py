@@ -1024,7 +1024,7 @@ def ddp_kwargs(ddp: dict) -> dict:
 def apply_ddp(model: nn.Module, device_ids: list | None = None,
               device_mesh: DeviceMesh | None = None) -> nn.Module:
     """Apply a DDP plan: activation checkpointing first, then ``DistributedDataParallel`` with
-    ``DDP_KWARGS`` (and the bf16 gradient compression hook when the plan has it); returns the
+    ``DDP_KWARGS`` and the plan's communication hook (``register_comm_hook``); returns the
     DDP module. On a GPU, move the model to ``local_device()`` and pass
     ``device_ids=[local_device().index]`` (``apply`` does both). DDP keeps float32 parameters:
     run forward and loss under ``autocast()``, which computes in ``PARAM_DTYPE`` when it is
@@ -1044,10 +1044,48 @@ def apply_ddp(model: nn.Module, device_ids: list | None = None,
         kwargs["device_mesh"] = device_mesh
     apply_activation_checkpointing(model)
     ddp = DistributedDataParallel(model, device_ids=device_ids, **kwargs)
-    if PLAN["ddp"].get("comm_hook") == "bf16_compress":
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-        ddp.register_comm_hook(None, bf16_compress_hook)
+    register_comm_hook(ddp)
     return ddp
+
+
+def register_comm_hook(ddp: nn.Module) -> object | None:
+    """Register the plan's ``ddp.comm_hook`` on a ``DistributedDataParallel`` module and return
+    the hook's state (PowerSGD's ``PowerSGDState``, to checkpoint with the model; None for the
+    others). ``fp16_compress`` / ``bf16_compress`` all-reduce in half precision; ``powersgd``
+    all-reduces low-rank approximations from ``start_iter`` on (the plan's ``ddp.powersgd``),
+    with PyTorch's defaults for the rest (error feedback and warm start on)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hook = PLAN["ddp"].get("comm_hook")
+    if hook is None:
+        return None
+    backend = str(torch.distributed.get_backend()) if torch.distributed.is_initialized() else ""
+    buckets = len((PLAN.get("predicted") or {}).get("buckets") or [])
+    if hook == "powersgd" and backend == "gloo" and buckets != 1:
+        raise ValueError(f"PLAN's ddp.comm_hook powersgd over {buckets or 'several'} buckets on "
+                         "gloo: gloo completes each bucket's all-reduce on its own thread, where "
+                         "PowerSGD issues the next one, so ranks can issue them in different "
+                         "orders and abort. Plan one bucket (a bucket_cap_mb above the model's "
+                         "gradient bytes) on a CPU, or run on NCCL.")
+    if hook == "powersgd":
+        settings = PLAN["ddp"].get("powersgd") or {}
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=settings.get("rank", 1),
+            start_powerSGD_iter=settings.get("start_iter", 1000))
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return state
+    hooks = {"fp16_compress": default_hooks.fp16_compress_hook,
+             "bf16_compress": default_hooks.bf16_compress_hook}
+    if hook not in hooks:
+        raise ValueError(f"PLAN's ddp.comm_hook {hook!r} is not one this policy knows "
+                         f"({', '.join([*hooks, 'powersgd'])}); regenerate it with fsdp-plan emit")
+    if hook == "bf16_compress" and backend not in ("nccl", "xccl"):
+        raise ValueError(f"PLAN's ddp.comm_hook bf16_compress needs NCCL (or XCCL); this process "
+                         f"group's backend is {backend or 'not initialised'} (gloo refuses it in "
+                         "the first backward). Plan for this machine's hardware (a CPU plan "
+                         "uses fp16_compress or none), or run on GPUs.")
+    ddp.register_comm_hook(None, hooks[hook])
+    return None
 
 
 def local_device() -> torch.device:

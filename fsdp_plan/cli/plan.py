@@ -132,6 +132,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-memory-budget", type=float, default=None, metavar="B",
                         help="with --compile: torch._functorch.config.activation_memory_budget "
                         "(0..1) for the compiled blocks (default: the partitioner's own)")
+    parser.add_argument("--allow-lossy-hooks", action="store_true",
+                        help="DDP plans may all-reduce gradients through a lossy communication "
+                        "hook: fp16 or bf16 compression (half the bytes, fewer significant bits) "
+                        "or PowerSGD (low-rank, error feedback); each is priced and the report "
+                        "says what it changes numerically")
     parser.add_argument("--allow-offload", action="store_true",
                         help="when no plan fits on the GPU, plan FSDP2 CPU offload "
                         "(CPUOffloadPolicy: parameters, gradients and optimizer states in host "
@@ -290,7 +295,8 @@ def run(args: argparse.Namespace) -> int:
         param_dtype=values["param_dtype"], reduce_dtype=values["reduce_dtype"],
         autocast_dtype=values["autocast"], optimizer=args.optimizer, hardware=values["hardware"],
         hardware_origin=values["hardware_origin"], exact_analysis=args.exact_analysis,
-        allow_offload=args.allow_offload, auto_batch=args.batch_size == "auto",
+        allow_offload=args.allow_offload, allow_lossy_hooks=args.allow_lossy_hooks,
+        auto_batch=args.batch_size == "auto",
         # --batch-size N with --global-batch-size: N is the micro-batch (fixed_accumulation)
         global_batch_size=None if fixed_steps else args.global_batch_size,
         grad_accum_steps=fixed_steps or 1, compile_blocks=args.compile is not None,

@@ -69,6 +69,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_plan.cost.comm_hooks import (
+    POWERSGD_DEFAULT_START_ITER,
+    HookPhase,
+    all_reduces_per_bucket,
+    hook_kind,
+    hook_phases,
+    hook_state_bytes,
+    hook_step_bytes,
+)
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.memory import MemoryEstimate, MemoryTimeline, loss_span
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
@@ -109,7 +118,12 @@ class DDPConfig:
     static_graph: bool = False
     find_unused_parameters: bool = False
     comm_hook: str | None = None
-    """``bf16_compress`` (``default_hooks.bf16_compress_hook``: half the bytes) or None."""
+    """A hook kind of cost/comm_hooks.py ``COMM_HOOKS`` (``fp16_compress``, ``bf16_compress``,
+    ``powersgd``), or None for DDP's own all-reduce."""
+    powersgd_rank: int = 1
+    """PowerSGD's ``matrix_approximation_rank`` (read only with ``comm_hook: powersgd``)."""
+    powersgd_start_iter: int = POWERSGD_DEFAULT_START_ITER
+    """PowerSGD's ``start_powerSGD_iter``: plain all-reduces before that iteration."""
 
     @property
     def limits(self) -> list[int]:
@@ -123,14 +137,19 @@ class DDPConfig:
                "find_unused_parameters": self.find_unused_parameters}
         if self.comm_hook:
             out["comm_hook"] = self.comm_hook
+        if self.comm_hook == "powersgd":
+            out["powersgd"] = {"rank": self.powersgd_rank, "start_iter": self.powersgd_start_iter}
         return out
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> DDPConfig:
         raw = dict(raw or {})
+        powersgd = raw.get("powersgd") or {}
+        extra = {f"powersgd_{k}": powersgd[k] for k in ("rank", "start_iter") if k in powersgd}
         return cls(**{k: raw[k] for k in ("bucket_cap_mb", "first_bucket_mb",
                                           "gradient_as_bucket_view", "static_graph",
-                                          "find_unused_parameters", "comm_hook") if k in raw})
+                                          "find_unused_parameters", "comm_hook") if k in raw},
+                   **extra)
 
 
 @dataclass(kw_only=True)
@@ -327,7 +346,8 @@ def event_times(events: list[Event], hw: Hardware, dtype: str) -> list[float]:
 
 def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, world_size: int,
                   gpus_per_node: int, optimizer_s: float, times: list[float],
-                  compress: bool = False, used_map_bytes: int = 0) -> tuple[StepTime, list[float]]:
+                  chains: list[list[HookPhase]] | None = None, host_sync: bool = False,
+                  used_map_bytes: int = 0) -> tuple[StepTime, list[float]]:
     """Forward, then backward with each bucket's all-reduce issued when it is ready and all
     earlier buckets were issued (the reducer launches buckets in order), on the two streams of
     cost/streams.py. Where the hardware file says collectives do not overlap compute
@@ -336,6 +356,9 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     threads then share the few cores backward runs on. ``times`` is ``event_times(events, hw,
     dtype)`` (the same for every bucket size). The host issues the ops between two events
     ahead of the device, which never runs ahead of it ([Note: the host floor] in streams.py).
+    ``chains``: each bucket's communication hook chain (``comm_hooks.hook_phases``; None: DDP's
+    own all-reduce of the bucket), placed as [Note: hooks on the clock] says; ``host_sync``:
+    the host waits for each bucket's chain on a GPU (PowerSGD).
     Returns the step and when each bucket became ready."""
     n = len(events)
     bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
@@ -348,7 +371,7 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     local = ranks_per_node_in(world_size, 1, gpus_per_node)
     streams = Streams(hw)
     now, _ = streams.compute("FW", 0.0, forward, issued[bw_start])
-    done, contention, waited = bw_start, 0.0, 0.0
+    done, contention, waited, hook_s = bw_start, 0.0, 0.0, 0.0
     ready: list[float] = []
 
     def all_reduce(label: str, nbytes: float) -> None:
@@ -370,18 +393,49 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
         contention += slowdown
         done = event
 
+    def phase_time(phase: HookPhase) -> float:
+        return compute_time(rates, {"mm_small": phase.flops, "memory_bytes": phase.memory_bytes,
+                                    "ops": phase.ops}, phase.flops)
+
+    def run_chain(i: int, chain: list[HookPhase]) -> None:
+        """Bucket ``i``'s hook: its first compute on the compute stream, then each collective
+        and the callback work after it off the compute stream ([Note: hooks on the clock])."""
+        nonlocal now, hook_s, waited
+        first = phase_time(chain[0])
+        if first > 0:
+            start = now
+            now, _ = streams.compute(f"{chain[0].label} bucket {i}", now, first,
+                                     chain[0].ops * rates.op_overhead_s if rates.async_launch
+                                     else 0.0)
+            hook_s += now - start
+        for j, phase in enumerate(chain):
+            if j and phase_time(phase) > 0:
+                streams.issue(f"{phase.label} bucket {i}", streams.comm_free, phase_time(phase))
+            if phase.all_reduce_bytes is not None:
+                wire = phase.all_reduce_bytes
+                all_reduce(f"AR bucket {i} ({wire / MIB:.1f} MiB)" if len(chain) == 2
+                           else f"AR bucket {i} {phase.label} ({wire / MIB:.2f} MiB)", wire)
+        if host_sync and rates.async_launch and streams.comm_free > now:
+            streams.wait(f"wait: bucket {i} hook's synchronize", now, streams.comm_free)
+            waited += streams.comm_free - now
+            now = streams.comm_free
+            streams.host_free = max(streams.host_free, now)
+
     for i, bucket in enumerate(buckets):
         compute_until(bucket.ready_event, f"BW to bucket {i}")
         ready.append(now)
-        wire = bucket.nbytes / 2 if compress else bucket.nbytes
-        all_reduce(f"AR bucket {i} ({wire / MIB:.1f} MiB)", wire)
+        if chains is None:
+            all_reduce(f"AR bucket {i} ({bucket.nbytes / MIB:.1f} MiB)", bucket.nbytes)
+        else:
+            run_chain(i, chains[i])
     compute_until(n - 1, "BW")
     if used_map_bytes:
         all_reduce("AR used-parameter map", used_map_bytes)
     tail, total_comm = streams.finish(now, optimizer_s)
     backward = times[-1] - forward
-    step = StepTime(step_s=forward + backward + contention + streams.host_wait_s + waited + tail
-                    + optimizer_s, forward_s=forward, backward_s=backward + contention,
+    step = StepTime(step_s=forward + backward + contention + hook_s + streams.host_wait_s
+                    + waited + tail + optimizer_s, forward_s=forward,
+                    backward_s=backward + contention + hook_s,
                     exposed_comm_s=waited + tail, total_comm_s=total_comm,
                     optimizer_s=optimizer_s, bubbles_s=waited, contention_s=contention,
                     comm_tail_s=tail, host_wait_s=streams.host_wait_s, spans=streams.spans)
@@ -392,7 +446,7 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
 
 def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, optimizer: str,
                config: DDPConfig, unused: list[GradParam] | None = None, *,
-               sync_last: bool = False) -> MemoryEstimate:
+               sync_last: bool = False, hook_buffers: int = 0) -> MemoryEstimate:
     """Per-rank peak of a steady DDP step (every rank holds everything).
 
     Always alive: fp32 parameters, the bucket storage (which is the gradients under
@@ -405,13 +459,32 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     from its forward use to its backward: in the activations of an analysis traced under
     autocast ([Note: autocast precision]), added as ``autocast_weights`` to one that was not.
     ``sync_last``: micro-batches accumulated under ``no_sync`` hold their gradients apart
-    from the buckets ([Note: DDP and accumulation])."""
+    from the buckets ([Note: DDP and accumulation]). A communication hook's state kept across
+    steps is always alive (``comm_hook_state``); ``hook_buffers``, what one bucket's chain
+    holds while it runs (``hook_memory``), comes on top of backward's activations where that
+    is higher (``comm_hook_buffers``)."""
     if unused is None:
         unused = unused_parameters(graph, analysis)
     static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
                                                unused)
+    buffers = hook_buffers
     events = analysis.timeline.events
     activations = max((e.peak for e in events), default=0)
+    backward = [i for i, e in enumerate(events) if e.kind.endswith("bw")]
+    if buffers and backward and max(events[i].peak for i in backward) + buffers > activations:
+        at = max(backward, key=lambda i: events[i].peak)
+        step = {**static, "activations": events[at].peak, "comm_hook_buffers": buffers}
+        if autocast:
+            step["autocast_weights"] = autocast
+        held = _held_grads(graph, config, unused, sync_last)
+        if held:
+            step["accumulated_grads"] = held
+        base, top = sum(static.values()), events[at].peak + buffers + autocast + held
+        if base + opt_temp <= base + top:
+            return MemoryEstimate(peak_bytes=base + top,
+                                  phase=f"backward ({events[at].kind} "
+                                        f"{events[at].module or '<root>'}, a hook's buffers)",
+                                  breakdown=step)
     base = sum(static.values())
     step = {**static, "activations": activations}
     if autocast:
@@ -469,6 +542,11 @@ def _ddp_resident(graph: ModuleGraph, analysis: Analysis, precision: Precision, 
     }
     if not config.gradient_as_bucket_view:
         static["grads"] = params
+    if config.comm_hook is not None:
+        buckets, grads = build_buckets(graph, analysis.timeline.events, config)
+        state, _ = hook_memory(graph, grads, buckets, config)
+        if state:
+            static["comm_hook_state"] = state
     # traced under autocast, the activations hold the weights' casts already; facts traced with
     # the parameters cast (FSDP mixed precision) get one cast of every weight added
     autocast = (graph.total_numel * precision.param_bytes
@@ -521,8 +599,14 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
     times = event_times(events, hw, dtype) if times is None else times
     common = {"world_size": world_size, "gpus_per_node": gpus_per_node,
               "optimizer_s": optimizer_s, "times": times}
+    kind = hook_kind(config.comm_hook)
+    chains = None
+    if kind is not None:
+        element = _grad_element_bytes(params)
+        chains = [hook_phases(config.comm_hook, bucket_shapes(graph, params, b), element,
+                              rank=config.powersgd_rank) for b in buckets]
     time, ready = ddp_step_time(
-        buckets, events, hw, compress=config.comm_hook == "bf16_compress",
+        buckets, events, hw, chains=chains, host_sync=kind is not None and kind.host_sync,
         used_map_bytes=4 * len(params) if config.find_unused_parameters else 0, **common)
     if grad_accum_steps > 1:
         earlier = time
@@ -531,15 +615,46 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
         time = accumulated_step(time, earlier, grad_accum_steps)
     memory = ddp_memory(graph, analysis, precision, optimizer, config,
                         [p for p in params if p.ready_event is None],
-                        sync_last=grad_accum_steps > 1 and gradient_sync == "last")
+                        sync_last=grad_accum_steps > 1 and gradient_sync == "last",
+                        hook_buffers=hook_memory(graph, params, buckets, config)[1])
     reduces = 1 if gradient_sync == "last" else grad_accum_steps
+    per_bucket = all_reduces_per_bucket(config.comm_hook)
     collectives = {"all_gather": 0, "reduce_scatter": 0,
-                   "all_reduce": reduces * (len(buckets)
+                   "all_reduce": reduces * (per_bucket * len(buckets)
                                             + (1 if config.find_unused_parameters else 0))}
     if buffer_broadcasts(graph):
         collectives["broadcast"] = reduces * buffer_broadcasts(graph)
     return DDPEvaluation(config=config, buckets=buckets, memory=memory, time=time,
                          collectives=collectives, unused=unused, ready_s=ready)
+
+
+def bucket_shapes(graph: ModuleGraph, params: list[GradParam], bucket: Bucket
+                  ) -> list[tuple[int, ...]]:
+    """The shapes of a bucket's gradients, in the bucket's order (``bucket.gradients()``)."""
+    by_index = {p.index: p for p in params}
+    out = []
+    for index in bucket.params:
+        p = by_index[index]
+        out.append(tuple(int(d) for d in graph.modules[p.module].param_shapes[p.position]))
+    return out
+
+
+def _grad_element_bytes(params: list[GradParam]) -> int:
+    """Bytes per gradient element (DDP's buckets hold the parameters' dtype)."""
+    numel = sum(p.numel for p in params)
+    return max(1, round(sum(p.nbytes for p in params) / numel)) if numel else 4
+
+
+def hook_memory(graph: ModuleGraph, params: list[GradParam], buckets: list[Bucket],
+                config: DDPConfig) -> tuple[int, int]:
+    """(bytes a communication hook keeps across steps, bytes it holds on top while a bucket's
+    chain runs) for ``config``'s hook ([Note: communication hooks])."""
+    if config.comm_hook is None:
+        return 0, 0
+    shapes = [bucket_shapes(graph, params, b) for b in buckets]
+    element = _grad_element_bytes(params)
+    return (hook_state_bytes(config.comm_hook, shapes, element, rank=config.powersgd_rank),
+            hook_step_bytes(config.comm_hook, shapes, element, rank=config.powersgd_rank))
 
 
 def buffer_broadcasts(graph: ModuleGraph) -> int:

@@ -43,12 +43,15 @@ class Precision:
     orig_bytes: int = 4
     param_bytes: int = 2
     reduce_bytes: int = 4
+    reduce_dtype: str = "float32"
+    """The reduction's dtype by name (float16 and bfloat16 have one size, not one hook)."""
 
     @classmethod
     def of(cls, param_dtype: str, reduce_dtype: str) -> Precision:
         """Element sizes for a plan's mixed precision (parameters are stored in fp32)."""
         return cls(orig_bytes=4, param_bytes=DTYPE_BYTES[canonical_dtype(param_dtype)],
-                   reduce_bytes=DTYPE_BYTES[canonical_dtype(reduce_dtype)])
+                   reduce_bytes=DTYPE_BYTES[canonical_dtype(reduce_dtype)],
+                   reduce_dtype=canonical_dtype(reduce_dtype))
 
     @classmethod
     def of_plan(cls, mixed_precision: dict | None) -> Precision:

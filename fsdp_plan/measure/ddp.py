@@ -106,7 +106,26 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
     peak, breakdown = (peak_of_step(ddp, optimizer, forward_backward, inputs) if job.get("memory")
                        else (None, {}))
     return {"rebuilt_bucket_sizes": rebuilt, "bucket_sizes": first, "counts": counter.counts(),
-            "step_times_s": times, "peak_bytes": peak, "peak_breakdown": breakdown}
+            "step_times_s": times, "peak_bytes": peak, "peak_breakdown": breakdown,
+            "comm_hook": registered_hook(ddp)}
+
+
+def registered_hook(ddp: Any) -> dict[str, Any] | None:
+    """The communication hook DDP runs and what it keeps: the hook's name, and for PowerSGD
+    its rank, start iteration and the bytes of its error, P and Q tensors (the state
+    cost/comm_hooks.py ``hook_state_bytes`` predicts)."""
+    hooks = getattr(ddp, "_comm_hooks", None) or []
+    if not hooks:
+        return None
+    hook, state = hooks[-1]
+    out: dict[str, Any] = {"hook": getattr(hook, "__name__", repr(hook))}
+    if state is not None and hasattr(state, "error_dict"):
+        def nbytes(tensors: dict) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors.values())
+        out.update(rank=state.matrix_approximation_rank, start_iter=state.start_powerSGD_iter,
+                   state_bytes=nbytes(state.error_dict) + nbytes(state.p_memory_dict)
+                   + nbytes(state.q_memory_dict))
+    return out
 
 
 def _ddp_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:

@@ -37,6 +37,7 @@ from fsdp_plan.common.limits import (
     MAX_WORLD_SIZE,
 )
 from fsdp_plan.common.safe_yaml import MAX_DEPTH, MAX_NODES, clip
+from fsdp_plan.cost.comm_hooks import COMM_HOOKS, POWERSGD_DEFAULT_START_ITER
 from fsdp_plan.cost.hardware.stored import check_stored_block
 from fsdp_plan.cost.precision import OPTIMIZERS
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
@@ -751,8 +752,10 @@ def _refuse_unapplied(check: _Checker, raw: dict) -> None:
 # --- DDP (SPEC 6) -----------------------------------------------------------------------------
 
 DDP_FLAGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
-DDP_COMM_HOOKS = ("bf16_compress",)
-_DDP_KEYS = ("bucket_cap_mb", "first_bucket_mb", *DDP_FLAGS, "comm_hook")
+DDP_COMM_HOOKS = tuple(COMM_HOOKS)
+_DDP_KEYS = ("bucket_cap_mb", "first_bucket_mb", *DDP_FLAGS, "comm_hook", "powersgd")
+MAX_POWERSGD_RANK = 1 << 16
+MAX_POWERSGD_START_ITER = 1 << 40
 MAX_BUCKET_MB = 1 << 20
 
 
@@ -771,7 +774,8 @@ def _check_ddp_strategy(check: _Checker, shard: int,
 
 def _check_ddp(check: _Checker, value: Any, strategy: str) -> dict[str, Any] | None:
     """The ``ddp`` mapping: bucket caps in MiB (as ``bucket_cap_mb``), booleans, the optional
-    ``comm_hook``; only with ``strategy: ddp`` (defaults filled in when it is absent)."""
+    ``comm_hook`` (a kind of cost/comm_hooks.py) and, for ``powersgd``, its ``powersgd: {rank,
+    start_iter}``; only with ``strategy: ddp`` (defaults filled in when it is absent)."""
     fix = ("ddp is {bucket_cap_mb: 25, first_bucket_mb: 1, gradient_as_bucket_view: true, "
            "static_graph: false, find_unused_parameters: false}")
     if strategy != "ddp":
@@ -804,6 +808,26 @@ def _check_ddp(check: _Checker, value: Any, strategy: str) -> dict[str, Any] | N
             out[key] = mapping[key]
     if mapping.get("comm_hook") is not None:
         out["comm_hook"] = check.choice(mapping["comm_hook"], "ddp.comm_hook", DDP_COMM_HOOKS,
-                                        "bf16_compress all-reduces gradients in bfloat16; remove "
-                                        "the key for none")
+                                        "fp16_compress and bf16_compress all-reduce gradients in "
+                                        "half precision, powersgd as low-rank matrices; remove "
+                                        "the key for DDP's own all-reduce")
+    if out.get("comm_hook") == "powersgd":
+        out["powersgd"] = _check_powersgd(check, mapping.get("powersgd"))
+    elif mapping.get("powersgd") is not None:
+        raise check.fail("ddp.powersgd", "is present but ddp.comm_hook is not powersgd",
+                         "write comm_hook: powersgd, or remove the powersgd key")
     return out
+
+
+def _check_powersgd(check: _Checker, value: Any) -> dict[str, int]:
+    """PowerSGD's ``matrix_approximation_rank`` and ``start_powerSGD_iter``."""
+    mapping = check.mapping(value, "ddp.powersgd", "ddp.powersgd is {rank: 1, start_iter: "
+                            f"{POWERSGD_DEFAULT_START_ITER}}}", optional=True)
+    check.keys(mapping, "ddp.powersgd", ("rank", "start_iter"))
+    rank = check.integer(mapping.get("rank", 1), "ddp.powersgd.rank", 1, MAX_POWERSGD_RANK,
+                         "PowerSGD's matrix_approximation_rank: 1 or more (1-4 is usual)")
+    start = check.integer(mapping.get("start_iter", POWERSGD_DEFAULT_START_ITER),
+                          "ddp.powersgd.start_iter", 2, MAX_POWERSGD_START_ITER,
+                          "iterations of plain all-reduce before compression; PyTorch needs at "
+                          "least 2 with error feedback")
+    return {"rank": rank, "start_iter": start}

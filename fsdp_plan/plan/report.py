@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from tabulate import tabulate
 
 from fsdp_plan.common.sizes import format_bytes, format_gb
+from fsdp_plan.cost.comm_hooks import hook_kind
 from fsdp_plan.cost.ddp_buckets import MIB
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.precision import OPTIMIZER_STATES
@@ -391,9 +392,14 @@ def ddp_lines(best: Candidate, ranked: list[Candidate]) -> list[str]:
         c = best.detail.config
         lines.append(f"DDP buckets after the rebuild ({len(best.detail.buckets)}, cap "
                      f"{c.bucket_cap_mb:g} MiB, first {c.first_bucket_mb:g} MiB"
-                     + (", bf16 compression hook" if c.comm_hook else "")
+                     + (f", {c.comm_hook} hook" if c.comm_hook else "")
                      + (", find_unused_parameters" if c.find_unused_parameters else "") + "):")
         lines.extend(describe_buckets(best))
+        kind = hook_kind(c.comm_hook)
+        if kind is not None:
+            rank = (f" rank {c.powersgd_rank}, from iteration {c.powersgd_start_iter}"
+                    if kind.name == "powersgd" else "")
+            lines.append(f"lossy: the {kind.name} communication hook{rank}: {kind.numerics}.")
     return lines
 
 

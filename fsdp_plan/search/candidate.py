@@ -52,6 +52,9 @@ class SearchSettings:
     """Reduce gradients after ``every`` micro-batch or only the ``last``."""
     micro_batch: int = 1
     """Samples per micro-batch per rank (the no-fit advice suggests fewer when above 1)."""
+    allow_lossy_hooks: bool = False
+    """DDP plans may use a lossy communication hook the user did not ask for by dtype
+    (``--allow-lossy-hooks``: half-precision casts, PowerSGD; cost/comm_hooks.py)."""
 
     @property
     def limit_bytes(self) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fsdp_plan.cost.comm_hooks import COMM_HOOKS, POWERSGD_RANKS, compress_hook_for
 from fsdp_plan.cost.ddp_buckets import (
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_MB,
@@ -34,15 +35,33 @@ class DdpStrategy:
     def __init__(self, limits: FrameworkLimits | None = None) -> None:
         self.limits = limits
 
+    @staticmethod
+    def hooks(settings: SearchSettings) -> list[tuple[str | None, int]]:
+        """The (hook, PowerSGD rank) pairs to try. A reduced-precision reduction the user asked
+        for (``--reduce-dtype``) is the cast hook of that dtype; with ``--allow-lossy-hooks``
+        DDP's own all-reduce, both cast hooks and PowerSGD at each rank of ``POWERSGD_RANKS``
+        compete (on a CPU, gloo, only fp16: gloo refuses the bf16 hook, and completes
+        PowerSGD's all-reduces on its own threads, where ranks may issue the next ones in
+        different orders)."""
+        asked = compress_hook_for(settings.precision.reduce_dtype)
+        if not settings.allow_lossy_hooks:
+            return [(asked, 1)]
+        out: list[tuple[str | None, int]] = [(None, 1)]
+        for name in COMM_HOOKS:
+            if name != "fp16_compress" and not settings.hardware.async_launch:
+                continue  # gloo (a CPU) refuses bf16 and can misorder PowerSGD's all-reduces
+            ranks = POWERSGD_RANKS if name == "powersgd" else (1,)
+            out += [(name, r) for r in ranks]
+        return out
+
     def candidates(self, evaluator: Evaluator) -> list[Candidate]:
-        """The bf16 compression hook is used only when the user allowed a reduced-precision
-        gradient reduction."""
+        """A lossy hook is used only when the user allowed it: a reduced-precision gradient
+        reduction (``--reduce-dtype``) or ``--allow-lossy-hooks``."""
         s = evaluator.settings
         if evaluator.analysis.ddp_unavailable:
             return []  # the model fails under autocast, as DDP would run it
-        compress = s.precision.reduce_bytes < 4
         configs = config_options(evaluator.graph, evaluator.analysis.for_ddp(),
-                                 compress=compress)
+                                 hooks=self.hooks(s))
         if self.limits is not None:
             configs = self.limits.ddp_configs(configs, s.precision.reduce_bytes)
             if not configs:
@@ -74,26 +93,38 @@ def label(config: DDPConfig) -> str:
     """A DDP candidate's name: its cap, its first bucket and its hook."""
     first = (f", first {config.first_bucket_mb:g} MiB"
              if config.first_bucket_mb != config.bucket_cap_mb else "")
-    hook = ", bf16 all-reduce" if config.comm_hook else ""
-    return f"ddp buckets {config.bucket_cap_mb:g} MiB{first}{hook}"
+    return f"ddp buckets {config.bucket_cap_mb:g} MiB{first}{hook_label(config)}"
 
 
-def config_options(graph: ModuleGraph, analysis: Analysis, *, compress: bool,
+def hook_label(config: DDPConfig) -> str:
+    """A candidate name's words for its communication hook ('' for none)."""
+    if config.comm_hook is None:
+        return ""
+    if config.comm_hook == "powersgd":
+        return f", PowerSGD rank {config.powersgd_rank}"
+    return f", {config.comm_hook.split('_')[0]} all-reduce"
+
+
+def config_options(graph: ModuleGraph, analysis: Analysis, *,
+                   hooks: list[tuple[str | None, int]] | None = None,
                    caps: tuple[int, ...] = CAP_GRID_MB, unused: bool | None = None
                    ) -> list[DDPConfig]:
     """The configurations the search tries: each cap with a first bucket as large (an explicit
     ``bucket_cap_mb``) or of 1 MiB, ``find_unused_parameters`` exactly when a parameter gets no
     gradient. ``static_graph`` stays off: one traced step cannot show that the graph never
     changes (data-dependent control flow), and it changes no bucket or byte here. ``unused``
-    (whether any parameter gets no gradient) spares recomputing it when the caller knows."""
+    (whether any parameter gets no gradient) spares recomputing it when the caller knows.
+    ``hooks``: (communication hook, PowerSGD rank) pairs, each tried with every cap (default:
+    DDP's own all-reduce)."""
     if unused is None:
         unused = bool(unused_parameters(graph, analysis))
     out = []
-    for cap in caps:
-        for first in sorted({cap, min(cap, DEFAULT_FIRST_BUCKET_MB)}, reverse=True):
-            out.append(DDPConfig(bucket_cap_mb=cap, first_bucket_mb=first,
-                                 find_unused_parameters=unused,
-                                 comm_hook="bf16_compress" if compress else None))
+    for hook, rank in hooks or [(None, 1)]:
+        for cap in caps:
+            for first in sorted({cap, min(cap, DEFAULT_FIRST_BUCKET_MB)}, reverse=True):
+                out.append(DDPConfig(bucket_cap_mb=cap, first_bucket_mb=first,
+                                     find_unused_parameters=unused, comm_hook=hook,
+                                     powersgd_rank=rank))
     return out
 
 
@@ -115,7 +146,7 @@ def sweep(evaluator: Evaluator, caps: tuple[int, ...] = CAP_GRID_MB) -> list[Can
     """One candidate per cap (first bucket as large): the step-time curve over the cap."""
     s = evaluator.settings
     unused = bool(unused_parameters(evaluator.graph, evaluator.analysis.for_ddp()))
+    hook = compress_hook_for(s.precision.reduce_dtype)
     configs = [DDPConfig(bucket_cap_mb=cap, first_bucket_mb=cap, find_unused_parameters=unused,
-                         comm_hook="bf16_compress" if s.precision.reduce_bytes < 4 else None)
-               for cap in caps]
+                         comm_hook=hook) for cap in caps]
     return [evaluator.evaluate(ddp_layout(s, c), label(c)) for c in configs]

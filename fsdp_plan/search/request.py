@@ -49,6 +49,9 @@ class PlanRequest:
     file): the plan stores it beside the figures (SPEC 7)."""
     exact_analysis: bool = False
     """Analyse every block instead of three per stack (facts/depth.py)."""
+    allow_lossy_hooks: bool = False
+    """DDP plans may all-reduce through a lossy communication hook (``--allow-lossy-hooks``:
+    fp16/bf16 compression, PowerSGD), each priced on the clock (cost/comm_hooks.py)."""
     allow_offload: bool = False
     """When nothing fits on the device, plan FSDP2 ``CPUOffloadPolicy`` (``--allow-offload``;
     cost/offload.py [Note: offload as the last resort])."""
@@ -180,4 +183,5 @@ class PlanRequest:
                               optimizer=self.optimizer, hardware=self.hardware,
                               grad_accum_steps=self.grad_accum_steps,
                               gradient_sync=self.gradient_sync,
-                              micro_batch=self.source.batch_size)
+                              micro_batch=self.source.batch_size,
+                              allow_lossy_hooks=self.allow_lossy_hooks)
