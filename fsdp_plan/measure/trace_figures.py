@@ -70,7 +70,7 @@ def in_window(acts: list[Activity], window: tuple[float, float]) -> list[Activit
 def _sets(acts: list[Activity], window: tuple[float, float]):
     lo, hi = window
     comm = clip(union((a.start, a.end) for a in acts if a.comm), lo, hi)
-    compute = clip(union((a.start, a.end) for a in acts if not a.comm), lo, hi)
+    compute = clip(union((a.start, a.end) for a in acts if a.compute), lo, hi)
     busy = clip(union((a.start, a.end) for a in acts), lo, hi)
     return comm, compute, busy
 
@@ -82,7 +82,7 @@ def alone_medians(timeline: Timeline, by_step: dict[int, list[Activity]]) -> dic
         acts = by_step[step.number]
         cover = Cover(union((a.start, a.end) for a in acts if a.comm))
         for a in acts:
-            if not a.comm and not cover.overlaps(a.start, a.end):
+            if a.compute and not cover.overlaps(a.start, a.end):
                 alone.setdefault(a.name, []).append(a.end - a.start)
     return {name: statistics.median(d) for name, d in alone.items()}
 
@@ -94,17 +94,18 @@ def step_figures(step: Step, acts: list[Activity], medians: dict[str, float]) ->
     comm, compute, busy = _sets(acts, step.window)
     exposed = minus(comm, compute)
     pending = clip(union((a.launch, a.start) for a in acts
-                         if not a.comm and a.launch is not None), lo, hi)
+                         if a.compute and a.launch is not None), lo, hi)
     queued = clip(union((a.launch, a.start) for a in acts if a.launch is not None), lo, hi)
-    backward = [a for a in acts if a.phase == "backward"]
-    bw_compute_end = max((a.end for a in backward if not a.comm), default=None)
+    own = [a for a in acts if a.step == step.index]
+    backward = [a for a in own if a.phase == "backward"]
+    bw_compute_end = max((a.end for a in backward if a.compute), default=None)
     if bw_compute_end is not None:
         b0 = max(lo, min(a.start for a in backward))
         bf = min(hi, bw_compute_end)
-        cf = min(hi, max((a.end for a in acts if a.comm and a.phase != "optimizer"), default=bf))
+        cf = min(hi, max((a.end for a in own if a.comm and a.phase != "optimizer"), default=bf))
         tail = max(0.0, cf - bf)
     else:  # no backward (an evaluation loop): all before the optimizer is forward
-        b0 = bf = min((a.start for a in acts if a.phase == "optimizer"), default=hi)
+        b0 = bf = min((a.start for a in own if a.phase == "optimizer"), default=hi)
         b0 = bf = max(lo, min(hi, b0))
         tail = 0.0
     after = min(hi, bf + tail)
@@ -118,15 +119,14 @@ def step_figures(step: Step, acts: list[Activity], medians: dict[str, float]) ->
         comm_s=length(comm) * US, hidden_comm_s=length(intersect(comm, compute)) * US,
         exposed_comm_s=length(exposed) * US,
         exposed_delaying_compute_s=length(intersect(exposed, pending)) * US,
-        comm_tail_s=tail * US, overlap_slowdown_s=_slowdown(acts, comm, medians) * US)
+        comm_tail_s=tail * US, overlap_slowdown_s=_slowdown(acts, medians) * US)
 
 
-def _slowdown(acts: list[Activity], comm: list[tuple[float, float]],
-              medians: dict[str, float]) -> float:
-    cover = Cover(comm)
+def _slowdown(acts: list[Activity], medians: dict[str, float]) -> float:
+    cover = Cover(union((a.start, a.end) for a in acts if a.comm))
     beside: dict[str, list[float]] = {}
     for a in acts:
-        if not a.comm and a.name in medians and cover.overlaps(a.start, a.end):
+        if a.compute and a.name in medians and cover.overlaps(a.start, a.end):
             beside.setdefault(a.name, []).append(a.end - a.start)
     return sum(max(0.0, (statistics.median(d) - medians[name]) * len(d))
                for name, d in beside.items())

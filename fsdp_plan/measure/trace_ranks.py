@@ -30,7 +30,7 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.measure.trace_figures import US, StepFigures, percentile, rank_steps
-from fsdp_plan.measure.trace_read import MAX_TRACE_BYTES, read_trace
+from fsdp_plan.measure.trace_read import read_trace
 from fsdp_plan.measure.trace_steps import Activity, Timeline, build_timeline
 
 TRACE_VERSION = 1
@@ -131,7 +131,7 @@ def _buckets(rank_steps_acts: list[Activity], window: tuple[float, float], step:
 
 
 def analyze_rank(path: str, *, position: int = 0, count: int = 1,
-                 limit: int = MAX_TRACE_BYTES) -> RankFigures:
+                 limit: int | None = None) -> RankFigures:
     """One rank's figures from its trace file."""
     raw = read_trace(path, limit=limit)
     timeline = build_timeline(raw)
@@ -184,7 +184,7 @@ def stragglers(ranks: list[RankFigures]) -> list[dict[str, Any]]:
             for rank, total in sorted(charge.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
-def analyze_traces(paths: list[str], *, limit: int = MAX_TRACE_BYTES) -> TraceAnalysis:
+def analyze_traces(paths: list[str], *, limit: int | None = None) -> TraceAnalysis:
     """The figures of every rank's trace under ``paths`` (files or folders)."""
     files = trace_files(paths)
     ranks = [analyze_rank(f, position=i, count=len(files), limit=limit)

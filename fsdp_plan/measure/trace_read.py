@@ -220,8 +220,10 @@ def _device_name(meta: dict[str, Any]) -> str | None:
     return None
 
 
-def read_trace(path: str, *, limit: int = MAX_TRACE_BYTES) -> RawTrace:
-    """The kept events of the trace file at ``path``, with its rank, world size and device."""
+def read_trace(path: str, *, limit: int | None = None) -> RawTrace:
+    """The kept events of the trace file at ``path``, with its rank, world size and device;
+    more than ``limit`` bytes of JSON (default ``MAX_TRACE_BYTES``) is refused."""
+    limit = MAX_TRACE_BYTES if limit is None else limit
     if not os.path.isfile(path):
         raise BadInput(f"trace {path!r} does not exist or is not a file.")
     text = _text(path, limit)
@@ -249,6 +251,4 @@ def _fill_correlation_from_flows(events: list[TraceEvent], flows: list[tuple]) -
     for e in events:
         if e.correlation is None:
             fid = at.get((e.pid, e.tid, e.ts))
-            if fid is None and isinstance(e.ts, float) and e.ts.is_integer():
-                fid = at.get((e.pid, e.tid, int(e.ts)))
             e.correlation = fid

@@ -54,7 +54,10 @@ class Activity:
     start: float
     end: float
     comm: bool
+    compute: bool
+    """A compute kernel (or CPU op); copies and memsets are neither compute nor comm."""
     step: int | None
+    """The index in ``Timeline.steps`` of the step that launched it."""
     phase: str
     launch: float | None = None
     """When the host launched it (GPU), or called the collective (gloo); None when unknown."""
@@ -67,6 +70,8 @@ class Activity:
 @dataclass(kw_only=True)
 class Step:
     number: int
+    index: int
+    """Its place in ``Timeline.steps``."""
     annotation: tuple[float, float]
     window: tuple[float, float] = (0.0, 0.0)
     complete: bool = True
@@ -152,7 +157,8 @@ def _steps(events: list[TraceEvent], path: str) -> tuple[list[Step], set[Any]]:
                        "be told apart: call prof.step() once per training step inside the "
                        "torch.profiler.profile context (or use its schedule=).")
     threads = {(e.pid, e.tid) for _, e in marks}
-    return [Step(number=n, annotation=(e.ts, e.end)) for n, e in marks], threads
+    return [Step(number=n, index=i, annotation=(e.ts, e.end))
+            for i, (n, e) in enumerate(marks)], threads
 
 
 def build_timeline(raw: RawTrace) -> Timeline:
@@ -201,7 +207,8 @@ def _gpu_activities(events, device, phases, step_at):
             match = _NCCL_KIND.search(e.name)
             kind = collective_kind(str(named) if named else (match.group(1) if match else "nccl"))
             nbytes = _nbytes(args.get("In msg nelems"), args.get("dtype"))
-        acts.append(Activity(e.name, e.ts, e.end, is_comm, step_at(ts), phase,
+        acts.append(Activity(e.name, e.ts, e.end, is_comm, e.cat == "kernel" and not is_comm,
+                             step_at(ts), phase,
                              launch.ts if launch is not None else None, kind, nbytes,
                              args.get("stream", e.tid)))
     unmatched = {step_at(e.ts) for c, e in launches.items()
@@ -231,7 +238,7 @@ def _cpu_activities(events, phases, step_at):
         reach = float("-inf")
         for e in items:  # the outermost ops only: nested ones are inside their caller's time
             if e.ts >= reach:
-                acts.append(Activity(e.name, e.ts, e.end, False, step_at(e.ts),
+                acts.append(Activity(e.name, e.ts, e.end, False, True, step_at(e.ts),
                                      phases.at(thread, e.ts), e.ts, stream=thread[1]))
                 reach = e.end
     taken: dict[str, int] = {}
@@ -243,7 +250,7 @@ def _cpu_activities(events, phases, step_at):
             taken[kind] = i + 1
         at = call.ts if call is not None else e.ts
         phase = phases.at((call.pid, call.tid), at) if call is not None else "forward"
-        acts.append(Activity(e.name, e.ts, e.end, True, step_at(at), phase, at, kind,
+        acts.append(Activity(e.name, e.ts, e.end, True, False, step_at(at), phase, at, kind,
                              _gloo_bytes(e.args), e.tid))
     return acts
 
