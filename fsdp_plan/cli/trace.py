@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write a hardware file fitted from the trace (read by --hardware)")
     parser.add_argument("--format", choices=("table", "json"), default="table",
                         help="table (default): a summary per rank; json: SPEC 8's document")
+    # TRACES... --plan P.yaml MODEL: positionals on both sides of a flag (SPEC 8's order),
+    # which plain parse_args refuses ("unrecognized arguments: MODEL")
+    parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]
 
 
 def _split_model(args: argparse.Namespace) -> tuple[list[str], str | None]:
