@@ -75,11 +75,11 @@ def _sets(acts: list[Activity], window: tuple[float, float]):
     return comm, compute, busy
 
 
-def alone_medians(timeline: Timeline, by_step: dict[int, list[Activity]]) -> dict[str, float]:
-    """Median duration per compute kernel name when no communication ran beside it."""
+def alone_medians(groups: list[list[Activity]]) -> dict[str, float]:
+    """Median duration per compute kernel name when no communication of its group (a step's
+    window) ran beside it."""
     alone: dict[str, list[float]] = {}
-    for step in timeline.stable:
-        acts = by_step[step.number]
+    for acts in groups:
         cover = Cover(union((a.start, a.end) for a in acts if a.comm))
         for a in acts:
             if a.compute and not cover.overlaps(a.start, a.end):
@@ -119,10 +119,12 @@ def step_figures(step: Step, acts: list[Activity], medians: dict[str, float]) ->
         comm_s=length(comm) * US, hidden_comm_s=length(intersect(comm, compute)) * US,
         exposed_comm_s=length(exposed) * US,
         exposed_delaying_compute_s=length(intersect(exposed, pending)) * US,
-        comm_tail_s=tail * US, overlap_slowdown_s=_slowdown(acts, medians) * US)
+        comm_tail_s=tail * US, overlap_slowdown_s=overlap_slowdown(acts, medians) * US)
 
 
-def _slowdown(acts: list[Activity], medians: dict[str, float]) -> float:
+def overlap_slowdown(acts: list[Activity], medians: dict[str, float]) -> float:
+    """Microseconds compute kernels lost beside communication: per name, (median beside -
+    ``medians[name]``) x the count beside, clipped at 0 ([Note: the measured step split])."""
     cover = Cover(union((a.start, a.end) for a in acts if a.comm))
     beside: dict[str, list[float]] = {}
     for a in acts:
@@ -155,5 +157,5 @@ def rank_steps(timeline: Timeline) -> tuple[list[StepFigures], dict[int, list[Ac
         first = bisect.bisect_left(starts, lo - longest)
         last = bisect.bisect_left(starts, hi)
         by_step[step.number] = in_window(ordered[first:last], step.window)
-    medians = alone_medians(timeline, by_step)
+    medians = alone_medians(list(by_step.values()))
     return [step_figures(s, by_step[s.number], medians) for s in timeline.stable], by_step

@@ -33,7 +33,10 @@ MAX_TRACE_BYTES = 2 << 30
 file is refused rather than filling the machine's memory."""
 KEPT_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver",
                              "cpu_op", "user_annotation", "gpu_user_annotation"})
-_ARGS_KEPT = ("correlation", "stream", "Collective name", "In msg nelems", "Out msg nelems",
+_ARGS_FOR = ("gloo:", "c10d::", "nccl:", "record_param_comms")
+"""Host events whose ``args`` (input dims and types, message sizes) the analysis reads."""
+_intern = sys.intern
+_ARGS_KEPT = ("stream", "Collective name", "In msg nelems", "Out msg nelems",
               "dtype", "Group size", "Input Dims", "Input type", "Process Group Name")
 _SPACE = re.compile(r"[\s,]*")
 _BOUNDARY = re.compile(r"\}[ \t]*,[ \t]*\r?\n\s*\{")
@@ -116,8 +119,9 @@ def _walk_events(text: str, start: int, path: str, out: list[Any], keep) -> int:
     """Decode the array at ``text[start]`` into ``out`` (via ``keep``), a chunk of elements at
     a time; returns the position after the array. See [Note: reading a large trace]."""
     pos = _SPACE.match(text, start + 1).end()
+    reach = _CHUNK_CHARS
     while True:
-        boundary = _BOUNDARY.search(text, pos + _CHUNK_CHARS)
+        boundary = _BOUNDARY.search(text, pos + reach)
         if boundary is not None:
             try:
                 items = _fast_loads("[" + text[pos:boundary.start() + 1] + "]")
@@ -127,12 +131,16 @@ def _walk_events(text: str, start: int, path: str, out: list[Any], keep) -> int:
                 for item in items:
                     keep(item, out)
                 del items
-                pos = boundary.end() - 1
+                pos, reach = boundary.end() - 1, _CHUNK_CHARS
                 continue
+        if reach > 4096:  # near the array's end: shorter chunks before element by element
+            reach //= 8
+            continue
         until = boundary.start() + 1 if boundary is not None else len(text)
         pos, ended = _walk_slowly(text, pos, path, out, keep, until)
         if ended:
             return pos
+        reach = _CHUNK_CHARS
 
 
 def _walk_slowly(text: str, pos: int, path: str, out: list[Any], keep,
@@ -188,8 +196,9 @@ def parse_trace_text(text: str, path: str = "<trace>") -> tuple[dict[str, Any], 
 
 
 def _keep(item: Any, out: list[Any]) -> None:
-    """Keep complete events of ``KEPT_CATEGORIES``, flow ends and thread names, compactly."""
-    if not isinstance(item, dict):
+    """Keep complete events of ``KEPT_CATEGORIES``, flow ends and thread names, compactly:
+    ``args`` only where the analysis reads more than the correlation (kernels, collectives)."""
+    if item.__class__ is not dict:
         return
     ph = item.get("ph")
     if ph == "X":
@@ -200,12 +209,17 @@ def _keep(item: Any, out: list[Any]) -> None:
             ts, dur = float(item["ts"]), float(item.get("dur", 0.0))
         except (KeyError, TypeError, ValueError):
             return
-        args = item.get("args") if isinstance(item.get("args"), dict) else {}
+        args = item.get("args")
+        if args.__class__ is not dict:
+            args = {}
         corr = args.get("correlation")
-        kept = {k: args[k] for k in _ARGS_KEPT if k in args and k != "correlation"}
-        out.append(TraceEvent(sys.intern(str(item.get("name", ""))), sys.intern(cat), ts,
-                              max(0.0, dur), item.get("pid"), item.get("tid"),
-                              corr if isinstance(corr, int) else None, kept or None))
+        name = str(item.get("name", ""))
+        kept = None
+        if args and (cat == "kernel" or name.startswith(_ARGS_FOR)):
+            kept = {k: args[k] for k in _ARGS_KEPT if k in args} or None
+        out.append(TraceEvent(_intern(name), _intern(cat), ts, dur if dur > 0 else 0.0,
+                              item.get("pid"), item.get("tid"),
+                              corr if corr.__class__ is int else None, kept))
     elif ph in ("s", "f") and item.get("cat") == "ac2g":
         out.append((ph, item.get("id"), item.get("pid"), item.get("tid"), item.get("ts")))
     elif ph == "M" and item.get("name") == "thread_name":
@@ -229,6 +243,10 @@ def read_trace(path: str, *, limit: int | None = None) -> RawTrace:
     text = _text(path, limit)
     meta, kept = parse_trace_text(text, path)
     del text
+    return _raw(path, meta, kept)
+
+
+def _raw(path: str, meta: dict[str, Any], kept: list[Any]) -> RawTrace:
     events = [k for k in kept if isinstance(k, TraceEvent)]
     flows = [k for k in kept if isinstance(k, tuple) and k[0] in ("s", "f")]
     names = {k[1]: k[2] for k in kept if isinstance(k, tuple) and k[0] == "M"}
@@ -240,6 +258,15 @@ def read_trace(path: str, *, limit: int | None = None) -> RawTrace:
     return RawTrace(path=path, events=events, rank=as_int(info.get("rank")),
                     world_size=as_int(info.get("world_size")), backend=info.get("backend"),
                     device=_device_name(meta), thread_names=names)
+
+
+def raw_from_dict(trace: dict[str, Any] | list[Any], path: str = "<trace>") -> RawTrace:
+    """A trace already decoded (``json.load`` of a file) as ``read_trace`` would read it."""
+    items = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    kept: list[Any] = []
+    for item in items if isinstance(items, list) else []:
+        _keep(item, kept)
+    return _raw(path, trace if isinstance(trace, dict) else {}, kept)
 
 
 def _fill_correlation_from_flows(events: list[TraceEvent], flows: list[tuple]) -> None:

@@ -173,10 +173,10 @@ def build_timeline(raw: RawTrace) -> Timeline:
     phases = _Phases(events, step_threads)
     device = [e for e in events if e.is_device]
     if device:
-        acts, unmatched = _gpu_activities(events, device, phases, step_at)
+        acts, unmatched = gpu_activities(events, device, phases, step_at)
         source, name = "gpu", raw.device or "gpu"
     else:
-        acts, unmatched = _cpu_activities(events, phases, step_at), set()
+        acts, unmatched = cpu_activities(events, phases, step_at), set()
         source, name = "cpu", "cpu"
     if not acts:
         raise BadInput(f"trace {raw.path!r} holds no GPU kernels and no CPU operators "
@@ -189,7 +189,11 @@ def build_timeline(raw: RawTrace) -> Timeline:
     return timeline
 
 
-def _gpu_activities(events, device, phases, step_at):
+def gpu_activities(events: list[TraceEvent], device: list[TraceEvent], phases,
+                   step_at) -> tuple[list[Activity], set[int | None]]:
+    """The GPU work of ``device`` events with its launches' phase (``phases.at(thread, ts)``)
+    and step (``step_at(ts)``); and the steps holding a launch whose kernel is not in the
+    trace."""
     launches = {e.correlation: e for e in events
                 if e.cat in ("cuda_runtime", "cuda_driver") and e.correlation is not None}
     acts = []
@@ -216,7 +220,9 @@ def _gpu_activities(events, device, phases, step_at):
     return acts, unmatched
 
 
-def _cpu_activities(events, phases, step_at):
+def cpu_activities(events: list[TraceEvent], phases, step_at) -> list[Activity]:
+    """A CPU run's compute (outermost ``aten::`` ops outside collectives) and gloo's
+    collectives, with phase and step as in ``gpu_activities``."""
     gloo = sorted((e for e in events if e.name.startswith("gloo:")), key=lambda e: e.ts)
     comm_threads = {(e.pid, e.tid) for e in gloo}
     calls: dict[Any, list[TraceEvent]] = {}
@@ -248,8 +254,9 @@ def _cpu_activities(events, phases, step_at):
         call = queue[i] if i < len(queue) and queue[i].ts <= e.end else None
         if call is not None:
             taken[kind] = i + 1
-        at = call.ts if call is not None else e.ts
-        phase = phases.at((call.pid, call.tid), at) if call is not None else "forward"
+        caller = call if call is not None else e
+        at = caller.ts
+        phase = phases.at((caller.pid, caller.tid), at)
         acts.append(Activity(e.name, e.ts, e.end, True, False, step_at(at), phase, at, kind,
                              _gloo_bytes(e.args), e.tid))
     return acts
