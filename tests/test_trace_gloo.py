@@ -132,3 +132,42 @@ def test_plan_names_the_cap_that_built_them(recorded, capsys, tmp_path):
     assert doc["predicted"]["ddp_buckets"] == [sum(order)]  # the plan's own cap: 25 MiB
     table = _trace(capsys, traces, "--plan", plan, folder / "model.py")
     assert "bucket_cap_mb that built these buckets: 0.1" in table and "predicted" in table
+
+
+def _shortest_all_reduce_us(traces: Path) -> dict[int, float]:
+    """{bytes: shortest gloo:all_reduce} over both ranks' steps after the first, by hand."""
+    import gzip
+    shortest: dict[int, float] = {}
+    for path in traces.glob("*.json.gz"):
+        events = json.load(gzip.open(path))["traceEvents"]
+        second = min(e["ts"] for e in events if e.get("name") == "ProfilerStep#2")
+        for e in events:
+            if e.get("name") == "gloo:all_reduce" and e["ts"] >= second:
+                nbytes = e["args"]["Input Dims"][0][0] * 4  # float32
+                shortest[nbytes] = min(shortest.get(nbytes, float("inf")), e["dur"])
+    return shortest
+
+
+def test_refit_writes_a_hardware_file_that_replays_the_collectives(recorded, capsys, tmp_path):
+    _, traces, sizes = recorded
+    hw_path = tmp_path / "hw.yaml"
+    out = _trace(capsys, traces, "--refit", hw_path)
+    assert f"wrote {hw_path}" in out
+    from fsdp_plan.cost.hardware import hardware_for, read_hardware_file
+    from fsdp_plan.cost.step_time import collective_time
+    hw = hardware_for("h100", read_hardware_file(str(hw_path)))  # what --hardware reads
+    fit = hw.collectives["all_reduce"]["2"]
+    assert fit["latency_s"] > 0 and fit["bus_bandwidth"] > 0
+    shortest = _shortest_all_reduce_us(traces)
+    assert sorted(shortest) == sorted(sizes)
+    (small, t_small), (large, t_large) = sorted(shortest.items())
+    if t_large > t_small:  # two sizes, time rising with bytes: the line passes through both
+        for nbytes, us in shortest.items():
+            predicted = collective_time(hw, nbytes, 2, "all_reduce") - hw.launch_overhead_s
+            assert predicted == pytest.approx(us * 1e-6, rel=1e-3, abs=1e-7)
+    else:  # a loaded CPU made the smaller bucket slower: the start's latency is kept and the
+        # largest size fixes the bandwidth
+        assert fit["latency_s"] == hardware_for("h100").collective_latency_s
+        assert fit["bus_bandwidth"] == pytest.approx(large / (t_large * 1e-6 - fit["latency_s"]),
+                                                     rel=1e-6)
+    assert "refit by fsdp-plan trace" in hw.source

@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
     analysis = gather_data(args)
     outputs = []
     if args.refit is not None:
-        from fsdp_plan.measure.trace_refit import refit_text
-        outputs.append((args.refit, refit_text(analysis, args.plan)))
+        from fsdp_plan.bench.trace_refit import refit_text
+        outputs.append((args.refit, refit_text(analysis, args.plan, args.refit)))
     if args.html is not None:
         from fsdp_plan.pictures.trace_page import trace_page
         outputs.append((args.html, trace_page(analysis)))
