@@ -35,7 +35,8 @@ def cpu():
 t, c = time.perf_counter(), cpu()
 a = analyze_traces([sys.argv[1]])
 r = a.ranks[0]
-print(f"{time.perf_counter() - t:.2f} {cpu() - c:.2f} {len(r.steps)} {r.step_s_p50:.6f} "
+print(f"{time.perf_counter() - t:.2f} {cpu() - c:.2f} {len(r.steps)} "
+      f"{r.step_s_p50:.6f} "
       f"{len(r.timeline.activities)}")
 """
 
@@ -91,7 +92,8 @@ def synthesise(source: str, target_mb: float, out: str) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=200.0)
-    parser.add_argument("--source", default=os.path.join(ROOT, "tests/data/hta/sampled_rank-0.json.gz"))
+    parser.add_argument("--source",
+                        default=os.path.join(ROOT, "tests/data/hta/sampled_rank-0.json.gz"))
     parser.add_argument("--keep", default=None, help="write the synthetic trace here and keep it")
     args = parser.parse_args()
     out = args.keep or tempfile.mktemp(suffix=".json")
@@ -108,8 +110,8 @@ def main() -> int:
         seconds, cpu, steps, p50, acts = done.stdout.split()
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
         print(f"analysed {size / 1e6:.0f} MB: {seconds} s in the analysis, {cpu} s of it on "
-              f"the CPU ({wall:.1f} s with the interpreter), peak RSS {peak / 2**30:.2f} GiB; {steps} stable steps, "
-              f"{acts} activities, step p50 {float(p50) * 1e3:.3f} ms")
+              f"the CPU ({wall:.1f} s with the interpreter), peak RSS {peak / 2**30:.2f} GiB; "
+              f"{steps} stable steps, {acts} activities, step p50 {float(p50) * 1e3:.3f} ms")
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     finally:
         if not args.keep and os.path.exists(out):

@@ -172,3 +172,15 @@ def test_larger_real_traces_from_the_mirror(tmp_path, capsys, name):
         assert steps[0]["exposed_comm_s"] > 0.010 and steps[0]["exposed_delaying_compute_s"] < 6e-4
         code, out, _ = run_cli([path], capsys)
         assert "nothing to gain from overlap here: the GPU waits for the host" in out
+
+
+def test_html_draws_each_ranks_median_step(capsys, tmp_path):
+    page = tmp_path / "r.html"
+    code, out, err = run_cli([*RANKS, "--html", page], capsys)
+    assert code == 0, err
+    text = page.read_text()
+    assert text.startswith("<!DOCTYPE html>") and f"wrote {page}" in out
+    for rank in (0, 1):  # a row per stream, then the step's exposed / idle / tail rows
+        assert f"rank {rank} stream 84" in text and f"rank {rank} step 552" in text
+    assert "exposed communication" in text and "idle, the host launching nothing" in text
+    assert '<script src="http' not in text  # nothing loaded from the network

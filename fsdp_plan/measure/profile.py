@@ -103,7 +103,8 @@ def analyze_trace(trace: dict[str, Any] | str) -> CommTiming:
     step_s = step[0].dur * _US if step else 0.0
     return CommTiming(comm_s=length(comm_u) * _US, exposed_s=length(exposed) * _US,
                       hidden_s=(length(comm_u) - length(exposed)) * _US,
-                      tail_exposed_s=max(0.0, comm_end - backward_compute_end) * _US if comm else 0.0,
+                      tail_exposed_s=(max(0.0, comm_end - backward_compute_end) * _US
+                                      if comm else 0.0),
                       compute_s=length(compute_u) * _US, step_s=step_s,
                       exposed_by_phase_s=by_phase, overlap_slowdown_s=slow_all,
                       backward_overlap_slowdown_s=slow_bw, num_comm_events=len(comm), source=source)
