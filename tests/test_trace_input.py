@@ -153,3 +153,59 @@ def test_sweeps_match_a_grid():
         for start, end in raw[0]:
             if end > start:
                 assert cover.overlaps(start, end) == any(gb[start:end])
+
+
+def _kernel_trace(with_correlation: bool, drop_last_kernel: bool = False) -> dict:
+    """Three steps, each launching a gemm and an all-reduce from the main thread."""
+    events, n = [], 0
+    for step in range(3):
+        t0 = step * 1000
+        events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step}",
+                       "ts": t0, "dur": 100, "pid": 1, "tid": 1})
+        for offset, name, dur in ((10, "gemm", 300),
+                                  (20, "ncclDevKernel_AllReduce_Sum_f32", 400)):
+            n += 1
+            launch = {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                      "ts": t0 + offset, "dur": 5, "pid": 1, "tid": 1, "args": {}}
+            stream = 7 if name == "gemm" else 8
+            kernel = {"ph": "X", "cat": "kernel", "name": name, "ts": t0 + 200 + offset * 10,
+                      "dur": dur, "pid": 0, "tid": stream,
+                      "args": {"stream": stream, "In msg nelems": 256, "dtype": "Float"}}
+            if with_correlation:
+                launch["args"]["correlation"] = kernel["args"]["correlation"] = n
+            else:  # only the ac2g flow ties them, as in traces that drop args.correlation
+                events += [{"ph": "s", "cat": "ac2g", "id": n, "pid": 1, "tid": 1,
+                            "ts": launch["ts"]},
+                           {"ph": "f", "cat": "ac2g", "id": n, "pid": 0, "tid": stream,
+                            "ts": kernel["ts"], "bp": "e"}]
+            events.append(launch)
+            if not (drop_last_kernel and step == 2 and name == "gemm"):
+                events.append(kernel)
+    return {"traceEvents": events, "distributedInfo": {"rank": 0, "world_size": 1}}
+
+
+def test_flow_events_tie_kernels_to_launches_like_correlation(tmp_path):
+    from fsdp_plan.measure.trace_ranks import analyze_traces
+    docs = []
+    for flag in (True, False):
+        path = tmp_path / f"t{flag}.json"
+        path.write_text(json.dumps(_kernel_trace(flag)))
+        docs.append(analyze_traces([str(path)]).to_document()["ranks"][0])
+    assert docs[0]["steps"] == docs[1]["steps"]
+    step = docs[0]["steps"][0]
+    # window [end of step 0's work = 800, 1800]: gemm [1300,1600], all-reduce [1400,1800]
+    assert [s["step"] for s in docs[0]["steps"]] == [1, 2]
+    assert step["step_s"] == pytest.approx(1000e-6)
+    assert step["comm_s"] == pytest.approx(400e-6)
+    assert step["hidden_comm_s"] == pytest.approx(200e-6)
+    assert step["exposed_comm_s"] == pytest.approx(200e-6)
+    assert step["idle_s"] == pytest.approx(500e-6)  # [800,1300]; launches at 1010/1020
+    assert step["host_wait_s"] == pytest.approx(210e-6)  # [800,1010]: nothing launched yet
+
+
+def test_a_cut_off_last_step_is_dropped(tmp_path):
+    from fsdp_plan.measure.trace_ranks import analyze_traces
+    path = tmp_path / "cut.json"
+    path.write_text(json.dumps(_kernel_trace(True, drop_last_kernel=True)))
+    rank = analyze_traces([str(path)]).to_document()["ranks"][0]
+    assert [s["step"] for s in rank["steps"]] == [1]  # step 2 launched a gemm never traced

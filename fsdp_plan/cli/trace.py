@@ -104,7 +104,8 @@ def _row(label: str, value_s: float, predicted: float | None = None) -> str:
 
 
 def render_table(analysis: TraceAnalysis) -> str:
-    predicted = (analysis.predicted or {}).get("step") or {}
+    plan = analysis.predicted or {}
+    predicted = plan.get("step") or {}
     lines = []
     for r in analysis.ranks:
         m = r.median()
@@ -116,13 +117,20 @@ def render_table(analysis: TraceAnalysis) -> str:
                      "idle_s", "host_wait_s", "comm_s", "hidden_comm_s", "exposed_comm_s",
                      "exposed_delaying_compute_s", "overlap_slowdown_s"):
             lines.append(_row(name.removesuffix("_s"), getattr(m, name), predicted.get(name)))
-        if r.collectives_per_step:
-            lines.append("  collectives per step: " + ", ".join(
-                f"{k} {v}" for k, v in sorted(r.collectives_per_step.items())))
-        if r.ddp_buckets:
+        if r.collectives_per_step or plan.get("collectives_per_step"):
+            line = "  collectives per step: " + (", ".join(
+                f"{k} {v}" for k, v in sorted(r.collectives_per_step.items())) or "none")
+            if plan.get("collectives_per_step"):
+                line += "   predicted " + ", ".join(
+                    f"{k} {v}" for k, v in sorted(plan["collectives_per_step"].items()) if v)
+            lines.append(line)
+        if r.ddp_buckets or plan.get("ddp_buckets"):
             sizes = ", ".join("?" if b.bytes is None else f"{b.bytes / 2**20:.2f}"
-                              for b in r.ddp_buckets)
-            lines.append(f"  DDP buckets (MiB, ready order): {sizes}")
+                              for b in r.ddp_buckets) or "none"
+            line = f"  DDP buckets (MiB, ready order): {sizes}"
+            if plan.get("ddp_buckets"):
+                line += "   predicted " + ", ".join(f"{b / 2**20:.2f}" for b in plan["ddp_buckets"])
+            lines.append(line)
     if analysis.bucket_cap_mb is not None:
         lines.append(f"bucket_cap_mb that built these buckets: {analysis.bucket_cap_mb:g}")
     for s in analysis.stragglers[:3]:
