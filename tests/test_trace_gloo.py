@@ -171,3 +171,65 @@ def test_refit_writes_a_hardware_file_that_replays_the_collectives(recorded, cap
         assert fit["bus_bandwidth"] == pytest.approx(large / (t_large * 1e-6 - fit["latency_s"]),
                                                      rel=1e-6)
     assert "refit by fsdp-plan trace" in hw.source
+
+
+FSDP_RECORD = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist, torch.multiprocessing as mp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from model import build_model
+
+    def worker(rank, out, port):
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        torch.set_num_threads(1)
+        mesh = init_device_mesh("cpu", (2,))
+        model = build_model()
+        for i in (0, 2):
+            fully_shard(model[i], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        x = torch.randn(32, 64)
+        schedule = torch.profiler.schedule(wait=0, warmup=1, active=4, repeat=1)
+        handler = torch.profiler.tensorboard_trace_handler(out, worker_name=f"rank{rank}")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    schedule=schedule, on_trace_ready=handler,
+                                    record_shapes=True) as prof:
+            for _ in range(6):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                prof.step()
+        dist.destroy_process_group()
+
+    if __name__ == "__main__":
+        mp.spawn(worker, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)
+""")
+
+
+def test_fsdp2_collectives_map_to_their_units(tmp_path, capsys):
+    """FSDP2 (fully_shard on Linear 0, Linear 2 and the root) on gloo, plain .json traces:
+    each unit's all-gathers and reduce-scatters are found from FSDP2's own annotations
+    (gloo runs the reduce-scatter as an all-reduce; it is reported as the reduce-scatter)."""
+    (tmp_path / "model.py").write_text(MODEL)
+    (tmp_path / "record.py").write_text(FSDP_RECORD)
+    traces = tmp_path / "traces"
+    port = 29900 + os.getpid() % 90
+    subprocess.run([sys.executable, str(tmp_path / "record.py"), str(traces), str(port)],
+                   check=True, timeout=300, capture_output=True)
+    from fsdp_plan.measure.trace_ranks import analyze_traces
+    analysis = analyze_traces([str(traces)])
+    assert [r.rank for r in analysis.ranks] == [0, 1]
+    for rank in analysis.ranks:
+        # the root keeps its parameters after forward: one all-gather; the others gather
+        # again for backward; every unit reduce-scatters its gradients once
+        assert rank.collectives_by_unit == {"": {"all_gather": 1, "reduce_scatter": 1},
+                                            "0": {"all_gather": 2, "reduce_scatter": 1},
+                                            "2": {"all_gather": 2, "reduce_scatter": 1}}
+        assert rank.collectives_per_step == {"all_gather": 5, "reduce_scatter": 3}
+        assert rank.ddp_buckets == []  # no all-reduce in backward: not DDP
+    table = _trace(capsys, traces)
+    assert "FSDP units: <root> all_gather 1, reduce_scatter 1; 0 all_gather 2" in table

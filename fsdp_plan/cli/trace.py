@@ -124,6 +124,10 @@ def render_table(analysis: TraceAnalysis) -> str:
                 line += "   predicted " + ", ".join(
                     f"{k} {v}" for k, v in sorted(plan["collectives_per_step"].items()) if v)
             lines.append(line)
+        if r.collectives_by_unit:
+            lines.append("  FSDP units: " + "; ".join(
+                f"{unit or '<root>'} " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()))
+                for unit, c in r.collectives_by_unit.items()))
         if r.ddp_buckets or plan.get("ddp_buckets"):
             sizes = ", ".join("?" if b.bytes is None else f"{b.bytes / 2**20:.2f}"
                               for b in r.ddp_buckets) or "none"

@@ -68,6 +68,9 @@ class _Regions:
     def at(self, thread: Any, ts: float) -> str | None:
         return next((p for start, end, p in self.regions if start <= ts <= end), None)
 
+    def unit(self, thread: Any, ts: float) -> str | None:
+        return None
+
 
 def _activities(trace: dict[str, Any] | str) -> tuple[list[Activity], list[TraceEvent], str]:
     raw = read_trace(trace) if isinstance(trace, str) else raw_from_dict(trace)

@@ -64,6 +64,8 @@ class RankFigures:
     ddp_buckets: list[Bucket]
     collectives_per_step: dict[str, int]
     """Collectives of each kind in the median step (its own launches)."""
+    collectives_by_unit: dict[str, dict[str, int]] = field(default_factory=dict)
+    """The median step's collectives per FSDP unit, where FSDP2's annotations name them."""
     timeline: Timeline = field(repr=False)
     median_step: int = 0
 
@@ -145,14 +147,19 @@ def analyze_rank(path: str, *, position: int = 0, count: int = 1,
     window = next(s.window for s in timeline.stable if s.number == median.step)
     acts = by_step[median.step]
     kinds: dict[str, int] = {}
+    units: dict[str, dict[str, int]] = {}
     for a in acts:
         if a.comm and a.step is not None and timeline.steps[a.step].number == median.step:
             kinds[a.kind or "?"] = kinds.get(a.kind or "?", 0) + 1
+            if a.unit is not None:
+                per = units.setdefault(a.unit, {})
+                per[a.kind or "?"] = per.get(a.kind or "?", 0) + 1
     index = next(i for i, s in enumerate(timeline.steps) if s.number == median.step)
     return RankFigures(path=path, rank=raw.rank if raw.rank is not None else position,
                        world_size=raw.world_size if raw.world_size is not None else count,
                        device=timeline.device, source=timeline.source, steps=steps,
                        ddp_buckets=_buckets(acts, window, index), collectives_per_step=kinds,
+                       collectives_by_unit=units,
                        timeline=timeline, median_step=median.step)
 
 

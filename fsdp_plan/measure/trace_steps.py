@@ -37,6 +37,12 @@ from fsdp_plan.measure.intervals import Cover, union
 from fsdp_plan.measure.trace_read import RawTrace, TraceEvent
 
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_FSDP_UNIT = re.compile(r"^FSDP::(?:all_gather|post_backward_reduce|pre_forward|pre_backward|"
+                        r"post_forward|post_backward)(?: \((.*)\))?$")
+"""FSDP2's ``record_function`` names carry their unit, ``FSDP::all_gather (layers.0)``; the
+root's have none (its FQN is empty): ``FSDP::all_gather``."""
+_GLOO_RUNS = {"all_reduce": ("reduce_scatter",)}
+"""c10d kinds gloo runs as another collective: its reduce-scatter is an all-reduce."""
 _NCCL_KIND = re.compile(r"nccl(?:Dev)?Kernel_([A-Za-z]+)")
 _LAUNCHES = ("LaunchKernel", "MemcpyAsync", "MemsetAsync", "LaunchCooperativeKernel")
 DTYPE_BYTES = {"float": 4, "float32": 4, "int": 4, "int32": 4, "uint32": 4, "double": 8,
@@ -65,6 +71,8 @@ class Activity:
     """A collective's kind in c10d's words (``all_reduce``, ``all_gather``, ...)."""
     nbytes: int | None = None
     stream: Any = None
+    unit: str | None = None
+    """The FSDP unit (module FQN) whose ``FSDP::... (fqn)`` annotation issued a collective."""
 
 
 @dataclass(kw_only=True)
@@ -138,6 +146,27 @@ class _Phases:
         self.backward = {t: Cover(union(v)) for t, v in backward.items()}
         self.optimizer = Cover(union((e.ts, e.end) for e in events
                                      if e.name.startswith("Optimizer.step#")))
+        fsdp: dict[Any, list[tuple[float, float, str]]] = {}
+        for e in events:
+            m = _FSDP_UNIT.match(e.name)
+            if m:
+                fsdp.setdefault((e.pid, e.tid), []).append((e.ts, e.end, m.group(1) or ""))
+        self.fsdp = {t: sorted(v) for t, v in fsdp.items()}
+        self.fsdp_starts = {t: [x[0] for x in v] for t, v in self.fsdp.items()}
+
+    def unit(self, thread: Any, ts: float) -> str | None:
+        """The unit of the innermost ``FSDP::<what> (<fqn>)`` annotation around ``ts`` (they
+        nest properly on a thread: the latest-starting one that contains ``ts``)."""
+        spans = self.fsdp.get(thread)
+        if not spans:
+            return None
+        i = bisect.bisect_right(self.fsdp_starts[thread], ts) - 1
+        while i >= 0:
+            start, end, fqn = spans[i]
+            if end >= ts:
+                return fqn
+            i -= 1
+        return None
 
     def at(self, thread: Any, ts: float) -> str:
         if thread in self.engine_threads:
@@ -214,7 +243,9 @@ def gpu_activities(events: list[TraceEvent], device: list[TraceEvent], phases,
         acts.append(Activity(e.name, e.ts, e.end, is_comm, e.cat == "kernel" and not is_comm,
                              step_at(ts), phase,
                              launch.ts if launch is not None else None, kind, nbytes,
-                             args.get("stream", e.tid)))
+                             args.get("stream", e.tid),
+                             phases.unit((launch.pid, launch.tid), ts)
+                             if is_comm and launch is not None else None))
     unmatched = {step_at(e.ts) for c, e in launches.items()
                  if c not in seen and any(k in e.name for k in _LAUNCHES)}
     return acts, unmatched
@@ -250,15 +281,19 @@ def cpu_activities(events: list[TraceEvent], phases, step_at) -> list[Activity]:
     taken: dict[str, int] = {}
     for e in gloo:  # each gloo collective was called by the next unclaimed c10d op of its kind
         kind = collective_kind(e.name.removeprefix("gloo:"))
-        queue, i = calls.get(kind, []), taken.get(kind, 0)
-        call = queue[i] if i < len(queue) and queue[i].ts <= e.end else None
-        if call is not None:
-            taken[kind] = i + 1
+        heads = [(calls[k][taken.get(k, 0)].ts, k) for k in (kind, *_GLOO_RUNS.get(kind, ()))
+                 if taken.get(k, 0) < len(calls.get(k, ()))
+                 and calls[k][taken.get(k, 0)].ts <= e.end]
+        call = None
+        if heads:
+            _, k = min(heads)
+            call, kind = calls[k][taken.get(k, 0)], k
+            taken[k] = taken.get(k, 0) + 1
         caller = call if call is not None else e
         at = caller.ts
         phase = phases.at((caller.pid, caller.tid), at)
         acts.append(Activity(e.name, e.ts, e.end, True, False, step_at(at), phase, at, kind,
-                             _gloo_bytes(e.args), e.tid))
+                             _gloo_bytes(e.args), e.tid, phases.unit((caller.pid, caller.tid), at)))
     return acts
 
 
