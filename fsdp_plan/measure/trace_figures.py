@@ -61,12 +61,6 @@ class StepFigures:
         return {k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-def in_window(acts: list[Activity], window: tuple[float, float]) -> list[Activity]:
-    """The activities that overlap ``window`` (any step's: windows tile device time)."""
-    lo, hi = window
-    return [a for a in acts if a.end > lo and a.start < hi]
-
-
 def _sets(acts: list[Activity], window: tuple[float, float]):
     lo, hi = window
     comm = clip(union((a.start, a.end) for a in acts if a.comm), lo, hi)
@@ -147,15 +141,20 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def rank_steps(timeline: Timeline) -> tuple[list[StepFigures], dict[int, list[Activity]]]:
-    """The figures of every stable step and the activities of each step's window."""
-    ordered = sorted(timeline.activities, key=lambda a: a.start)
-    starts = [a.start for a in ordered]
-    longest = max((a.end - a.start for a in ordered), default=0.0)
-    by_step: dict[int, list[Activity]] = {}
-    for step in timeline.stable:
-        lo, hi = step.window
-        first = bisect.bisect_left(starts, lo - longest)
-        last = bisect.bisect_left(starts, hi)
-        by_step[step.number] = in_window(ordered[first:last], step.window)
+    """The figures of every stable step and the activities of each step's window.
+
+    Windows tile the device's time in order (trace_steps.py), so each activity is placed in
+    the windows it overlaps by two bisections over their starts: linear in the activities
+    plus their overlaps, however long one of them runs."""
+    windows = [s.window for s in timeline.stable]
+    starts = [w[0] for w in windows]
+    groups: list[list[Activity]] = [[] for _ in windows]
+    for a in sorted(timeline.activities, key=lambda a: a.start):
+        i = max(0, bisect.bisect_right(starts, a.start) - 1)
+        while i < len(windows) and windows[i][0] < a.end:
+            if a.end > windows[i][0] and a.start < windows[i][1]:
+                groups[i].append(a)
+            i += 1
+    by_step = {s.number: g for s, g in zip(timeline.stable, groups)}
     medians = alone_medians(list(by_step.values()))
     return [step_figures(s, by_step[s.number], medians) for s in timeline.stable], by_step
