@@ -34,7 +34,7 @@ from fsdp_plan.common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanE
 VERBS = {"verify": "fsdp_plan.cli.verify", "bench": "fsdp_plan.cli.bench",
          "predict": "fsdp_plan.cli.predict", "calibrate": "fsdp_plan.cli.calibrate",
          "tune": "fsdp_plan.cli.tune", "emit": "fsdp_plan.cli.emit",
-         "export": "fsdp_plan.cli.export"}
+         "export": "fsdp_plan.cli.export", "trace": "fsdp_plan.cli.trace"}
 """The other verbs' modules, imported by name only when the verb is given: most import torch
 (about 6 s) before their work, which ``fsdp-plan --help`` and the plan verb's flag checks do
 not wait for. The plan verb imports no torch until it runs, so it is imported above

@@ -15,6 +15,10 @@ Its modules, from the ground up:
 - ``peak``: ``measured_peak``, the one choice between ``memory`` and ``ddp`` (verify, the API);
 - ``allocator``: the CUDA allocator's peak on one GPU (the GPU check);
 - ``collectives``: collectives per step on real gloo/NCCL workers (``CommDebugMode``);
-- ``profile``: communication time, hidden and exposed, from a profiler trace;
+- ``trace_read``, ``trace_steps``, ``trace_figures``, ``trace_ranks``: any run's profiler
+  traces read (streamed), cut into steps and phases, split as the clock splits a step, with
+  DDP buckets and stragglers across ranks (``fsdp-plan trace``); ``intervals``: the sweeps
+  they rest on; ``bucket_cap``: the ``bucket_cap_mb`` that built traced buckets;
+- ``profile``: bench's profiled step by the same definitions (comm, hidden, exposed, tail);
 - ``calibrate``: micro-benchmarks of this machine, written as a hardware file.
 """
