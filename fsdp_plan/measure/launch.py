@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_plan.common.errors import BadInput, CheckFailed
+from fsdp_plan.common.errors import BadInput, CheckFailed, Stop
 from fsdp_plan.common.limits import MAX_WORLD_SIZE
 from fsdp_plan.common.safe_yaml import clip
 
@@ -101,7 +101,7 @@ class WorkerContext:
         _atomic_json(_rank_file(self.workdir, self.rank, "progress.json"), progress)
 
 
-class Terminated(BaseException):
+class Terminated(Stop):
     """SIGTERM or SIGHUP arrived (see [Note: stopping]); a ``BaseException`` so that no
     ``except Exception`` in library code swallows it."""
 
