@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from fsdp_plan.common.arguments import require_type, require_whole
 from fsdp_plan.common.autocast import plan_autocast_dtype
 from fsdp_plan.common.errors import NoFeasiblePlan
 from fsdp_plan.common.files import atomic_write_all, check_outputs
+from fsdp_plan.common.limits import MAX_GPUS_PER_NODE
 from fsdp_plan.common.progress import Progress
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for, read_hardware_file
@@ -113,6 +115,8 @@ class PlanResult:
               extra: list[tuple[str, str | bytes]] | None = None) -> list[str]:
         """Write the chosen outputs all-or-nothing (``extra``: more ``(path, content)``, such
         as the pictures); returns the paths written."""
+        for name, path in (("policy", policy), ("plan", plan), ("trace", trace)):
+            require_type(path, (str, os.PathLike, type(None)), f"PlanResult.write({name}=...)")
         outputs: list[tuple[str, str | bytes]] = [
             (path, render()) for path, render in ((policy, self.policy_source),
                                                   (plan, self.plan_yaml),
@@ -132,6 +136,8 @@ class PlanResult:
 def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
     """Analyse the model, search, and return the fastest plan that fits (``NoFeasiblePlan`` if
     none does)."""
+    require_type(request, PlanRequest, "make_plan(request)")  # [Note: API arguments]
+    _check_progress(progress, "make_plan")
     started = time.perf_counter()
     batching = request.global_batch_size is not None or request.auto_batch
     analyses: dict[int, Analyzed] = {}
@@ -178,6 +184,12 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
     result.seconds = time.perf_counter() - started
     result.loaded = analyzed.loaded
     return result
+
+
+def _check_progress(progress: Any, where: str) -> None:
+    if progress is not None and not callable(progress):
+        raise TypeError(f"{where}(progress) must be a callable taking one str, or None; got "
+                        f"{type(progress).__name__}.")
 
 
 def _framework_choice(request: PlanRequest, facts_at, loaded_model
@@ -233,6 +245,10 @@ def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = ""
                     notes: list[str] | None = None) -> PlanResult:
     """The search over ``facts`` at the request's own micro-batch: a pure function (no model,
     no torch)."""
+    require_type(facts, ModelFacts, "plan_from_facts(facts)")
+    require_type(request, PlanRequest, "plan_from_facts(request)")
+    require_type(digest, str, "plan_from_facts(digest)")
+    require_type(notes, (list, type(None)), "plan_from_facts(notes)")
     single = dataclasses.replace(request, global_batch_size=None, auto_batch=False)
     choice = choose_batch(single, facts_at=lambda _: facts, search=_search_for(single))
     return _result(choice, digest=digest, notes=notes)
@@ -265,6 +281,10 @@ def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:
     mixed precision at its ``param_dtype``, or float32 parameters under ``torch.autocast``:
     [Note: autocast precision]) with its selective stride (``predict``, ``verify`` and
     ``tune`` all start here)."""
+    require_type(plan, Plan, "analyze_for_plan(plan)")
+    if loaded is None or not hasattr(loaded, "model"):
+        raise TypeError(f"analyze_for_plan(loaded) must be a LoadedModel (model/load.py), got "
+                        f"{type(loaded).__name__}.")
     compiled = plan.compile or {}
     autocast = plan_autocast_dtype(plan)
     param = "float32" if autocast else plan.mixed_precision.get("param_dtype") or "float32"
@@ -280,6 +300,9 @@ def plan_hardware(plan: Plan, *, gpu: str | None = None, hardware_file: str | No
     ``fsdp-plan calibrate``) over ``gpu`` or the plan's preset; else the ``gpu`` preset; else
     the figures the plan stored; else its ``gpu`` preset (cost/hardware/stored.py [Note: plans
     keep their hardware])."""
+    require_type(plan, Plan, "plan_hardware(plan)")
+    require_type(gpu, (str, type(None)), "plan_hardware(gpu)")
+    require_type(hardware_file, (str, os.PathLike, type(None)), "plan_hardware(hardware_file)")
     if hardware_file:
         return hardware_for(gpu or plan.gpu or "h100", read_hardware_file(hardware_file),
                             where=f"--hardware {hardware_file!r}")
@@ -308,6 +331,10 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
 
     A pure function over the model's facts: the plan's layout (plan/build.py ``layout_of``) is
     evaluated with the same memory model, collective rule and step-time model the search uses."""
+    require_type(plan, Plan, "predict(plan)")  # [Note: API arguments]
+    require_type(facts, ModelFacts, "predict(facts)")
+    require_type(hardware, (Hardware, type(None)), "predict(hardware)")
+    require_whole(gpus_per_node, "predict(gpus_per_node)", 1, MAX_GPUS_PER_NODE)
     layout = layout_of(plan, facts)
     settings = SearchSettings(
         budget_bytes=plan.budget_bytes, headroom_bytes=plan.headroom_bytes,
@@ -329,6 +356,10 @@ def verify_by_measurement(result: PlanResult, loaded: LoadedModel,
     """Measure the chosen plan (FSDPMemTracker on the fake process group, or one real DDP rank:
     measure/peak.py) for ``--verify``;
     records the figure in the plan and raises ``NoFeasiblePlan`` when it is over the limit."""
+    require_type(result, PlanResult, "verify_by_measurement(result)")
+    if loaded is None or not hasattr(loaded, "model"):
+        raise TypeError(f"verify_by_measurement(loaded) must be a LoadedModel (model/load.py), "
+                        f"got {type(loaded).__name__}.")
     # measurement imports torch: ``import fsdp_plan`` and planning from facts stay torch-free
     from fsdp_plan.measure.peak import measured_peak
     plan = result.plan

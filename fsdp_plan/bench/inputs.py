@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.reading import read_input_bytes
 
 MAX_STEPS = 100_000
 MAX_WARMUP = 10_000
@@ -106,15 +107,14 @@ def read_predicted_trace(path: str) -> dict[str, Any]:
         raise BadInput(f"--predicted-trace {path!r} does not exist; {hint}.")
     if not os.path.isfile(path):
         raise BadInput(f"--predicted-trace {path!r} is not a file; {hint}.")
-    if os.path.getsize(path) > MAX_TRACE_BYTES:
-        raise BadInput(f"--predicted-trace {path!r} is larger than 1 GiB; a planner trace is "
-                       f"a few MB. Pass the file that fsdp-plan --trace wrote.")
+    data = read_input_bytes(path, f"--predicted-trace {path!r}", MAX_TRACE_BYTES,
+                            limit_text="1 GiB", hint=f"To fix, {hint}.",
+                            too_large="a planner trace is a few MB")
     try:
-        with open(path, encoding="utf-8") as f:
-            trace = json.load(f)
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        trace = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError too
         raise BadInput(f"--predicted-trace {path!r} is not a readable JSON trace "
-                       f"({' '.join(str(e).split())}); {hint}.") from e
+                       f"({' '.join(str(e).split())[:300]}); {hint}.") from e
     events = trace.get("traceEvents") if isinstance(trace, dict) else None
     if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         raise BadInput(f"--predicted-trace {path!r} is JSON but not a Chrome trace (an object "

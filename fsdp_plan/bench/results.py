@@ -20,12 +20,18 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from fsdp_plan.bench.result_check import (  # noqa: F401 - re-exported: results.read_result
+    MAX_RESULT_BYTES,
+    RESULT_VERSION,
+    check_result,
+    is_number,
+    read_result,
+)
 from fsdp_plan.bench.tune import relative_spread
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all
 from fsdp_plan.common.sizes import format_bytes
 
-RESULT_VERSION = 1
 DEFAULT_RESULTS_DIR = os.path.join("benchmarks", "results")
 """Where bench, tune and the GPU check write their results unless told otherwise."""
 
@@ -217,92 +223,6 @@ def side_by_side_trace(predicted: dict[str, Any], measured: dict[str, Any]) -> d
     return {"traceEvents": merged, "displayTimeUnit": "ms"}
 
 
-_FIELD_KINDS = {
-    "text": "a string",
-    "mapping": "an object",
-    "counts": "an object of collective counts (non-negative integers)",
-    "seconds": "a non-negative number of seconds",
-    "seconds or null": "a non-negative number of seconds, or null",
-    "bytes or null": "a non-negative integer of bytes, or null",
-}
-_REQUIRED_FIELDS = (
-    ("plan.hash", "text"), ("run", "mapping"), ("collectives.measured", "counts"),
-    ("step_time.median_s", "seconds"), ("step_time.p99_s", "seconds"), ("memory", "mapping"),
-    ("comm.rank0", "mapping"),
-)
-"""What ``compare`` and the report read from an old result (``--compare``)."""
-_OPTIONAL_FIELDS = (("memory.peak_bytes", "bytes or null"),
-                    ("comm.rank0.exposed_s", "seconds or null"))
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _fits(kind: str, value: Any) -> bool:
-    if kind.endswith(" or null") and value is None:
-        return True
-    if kind == "text":
-        return isinstance(value, str)
-    if kind == "mapping":
-        return isinstance(value, dict)
-    if kind == "counts":
-        return isinstance(value, dict) and all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
-            for k, v in value.items())
-    if kind.startswith("seconds"):
-        return _is_number(value) and value >= 0
-    if kind.startswith("bytes"):
-        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    raise ValueError(kind)
-
-
-_MISSING = object()
-
-
-def _field(doc: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(doc, dict) or part not in doc:
-            return _MISSING
-        doc = doc[part]
-    return doc
-
-
-def check_result(result: Any, where: str) -> None:
-    """Refuse a result document that lacks a field ``compare`` reads, or holds a wrong type."""
-    fix = "pass a .json result written by fsdp-plan bench (not its .trace.json)."
-    if not isinstance(result, dict) or result.get("fsdp_plan_bench_version") != RESULT_VERSION:
-        raise BadInput(f"{where} is not an fsdp-plan bench result (fsdp_plan_bench_version "
-                       f"{RESULT_VERSION}); {fix}")
-    for dotted, kind in _REQUIRED_FIELDS + _OPTIONAL_FIELDS:
-        value = _field(result, dotted)
-        if value is _MISSING:
-            if (dotted, kind) in _OPTIONAL_FIELDS:
-                continue
-            raise BadInput(f"{where} lacks the field {dotted} ({_FIELD_KINDS[kind]}), so it is "
-                           f"not a complete fsdp-plan bench result; {fix}")
-        if not _fits(kind, value):
-            shown = repr(value)
-            shown = shown if len(shown) <= 60 else shown[:57] + "..."
-            raise BadInput(f"{where}: the field {dotted} is {shown}, not {_FIELD_KINDS[kind]}; "
-                           f"{fix}")
-
-
-def read_result(path: str) -> dict[str, Any]:
-    """A result file written by ``write_result``, checked field by field (for ``--compare``,
-    before any worker starts)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            result = json.load(f)
-    except FileNotFoundError as e:
-        raise BadInput(f"--compare {path!r} does not exist.") from e
-    except (OSError, ValueError) as e:
-        raise BadInput(f"--compare {path!r} is not a readable JSON result: "
-                       f"{' '.join(str(e).split())}.") from e
-    check_result(result, f"--compare {path!r}")
-    return result
-
-
 def counts_differ(measured: dict[str, int], predicted: dict[str, int]) -> list[str]:
     """Kinds whose counts differ (a kind missing on one side counts as 0)."""
     kinds = sorted(set(measured) | set(predicted))
@@ -420,12 +340,14 @@ def _change(old: float | None, new: float | None) -> float | None:
 def step_noise(result: dict[str, Any]) -> float | None:
     """The relative spread of a run's step times (its slowest rank's, ``tune.relative_spread``),
     or None for a result without per-step times."""
-    per_rank = [r.get("steps_s") for r in (result["step_time"].get("per_rank") or [])
-                if isinstance(r, dict) and r.get("steps_s")]
-    if not per_rank or not all(isinstance(t, (int, float)) for r in per_rank for t in r):
-        return None
+    listed = result["step_time"].get("per_rank")
+    per_rank = [r.get("steps_s") for r in (listed if isinstance(listed, list) else [])
+                if isinstance(r, dict) and isinstance(r.get("steps_s"), list) and r["steps_s"]]
+    if not per_rank or not all(is_number(t) for r in per_rank for t in r):
+        return None  # check_result refuses such an old result; a new one never holds it
     slowest = max(per_rank, key=statistics.median)
-    return relative_spread([float(t) for t in slowest])
+    spread = relative_spread([float(t) for t in slowest])
+    return spread if math.isfinite(spread) else None
 
 
 def compare(old: dict[str, Any], new: dict[str, Any], threshold: float) -> tuple[str, list[str]]:

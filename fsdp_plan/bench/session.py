@@ -23,7 +23,7 @@ from fsdp_plan.measure import runtime
 from fsdp_plan.measure.memory import measure_peak
 from fsdp_plan.measure.profile import stream_intervals
 from fsdp_plan.measure.worker_setup import source_payload
-from fsdp_plan.model.load import LoadedModel
+from fsdp_plan.model.load import LoadedModel, user_code_output_to_stderr
 from fsdp_plan.pictures import files as pictures
 from fsdp_plan.pictures.snapshot import measured_snapshot
 from fsdp_plan.plan.document import Plan, read_plan
@@ -147,8 +147,12 @@ def finish(prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
                   "source": ranks[0].get("peak_source")
                   or "torch.cuda.max_memory_allocated over the timed steps"}
     else:
-        memory = _cpu_memory(prepared, record=pictures.wanted(request)
-                             and prepared.plan.strategy != "ddp")
+        # The tracked step runs the model here, in the main thread, whose print()s would go
+        # to the report (cli/process.py [Note: the report owns file descriptor 1]) and break
+        # --format json's one document (issue 31, S3-15): they go to stderr.
+        with user_code_output_to_stderr():
+            memory = _cpu_memory(prepared, record=pictures.wanted(request)
+                                 and prepared.plan.strategy != "ddp")
     record = memory.pop("record", None)
     result = results.build_result(prepared, ranks, memory)
     problems = results.check_prediction(result)
@@ -163,7 +167,10 @@ def finish(prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
         _print_report(result, prepared, compare_table)
         raise BadInput(f"{e} The figures above were measured but not saved.") from e
     result["path"] = path
-    written = _write_pictures(prepared, ranks[0], record) if pictures.wanted(request) else []
+    written = []
+    if pictures.wanted(request):
+        with user_code_output_to_stderr():  # the prediction under the page runs the model
+            written = _write_pictures(prepared, ranks[0], record)
     _print_report(result, prepared, compare_table)
     for picture in written:
         print(f"picture written to {picture}", file=sys.stderr)

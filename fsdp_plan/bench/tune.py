@@ -96,7 +96,10 @@ def relative_spread(times: list[float]) -> float:
     if len(times) < 4:
         return max(NOISE_FLOOR, 0.1)
     q = statistics.quantiles(times, n=4)
-    return max(NOISE_FLOOR, (q[2] - q[0]) / statistics.median(times))
+    median = statistics.median(times)
+    if not median > 0:  # no time measured (a hand-made result): nothing says how far it moves
+        return max(NOISE_FLOOR, 0.1)
+    return max(NOISE_FLOOR, (q[2] - q[0]) / median)
 
 
 def _layout(plan: Plan) -> tuple[list[list[str]], list[bool]]:

@@ -11,7 +11,9 @@ error reaches the user as one paragraph on stderr, never a Python traceback (``-
 shows it). fsdp-plan's own errors (``fsdp_plan.common.errors``) carry their code. Of the rest,
 what the machine or the input caused is exit 2: a file or device operation that failed
 (``OSError``), memory exhausted (``MemoryError``), nesting too deep (``RecursionError``), and
-``sys.exit`` called by the user's model code. Anything else is a bug, in fsdp-plan or in code
+``sys.exit`` called by the user's model code, and any other ``BaseException`` that is not
+Ctrl-C's ``KeyboardInterrupt`` or fsdp-plan's own ``Stop`` (``GeneratorExit``, a model's
+``class Boom(BaseException)``: issue 31, S4-07). Anything else is a bug, in fsdp-plan or in code
 it ran: exit 1, as Python's own uncaught-exception exit, with "internal error ... rerun with
 --debug and report it".
 """
@@ -29,7 +31,8 @@ import traceback
 import types
 
 from fsdp_plan.cli import plan as plan_verb
-from fsdp_plan.common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError
+from fsdp_plan.common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError, Stop
+from fsdp_plan.common.files import forget_umask, remember_umask
 
 VERBS = {"verify": "fsdp_plan.cli.verify", "bench": "fsdp_plan.cli.bench",
          "predict": "fsdp_plan.cli.predict", "calibrate": "fsdp_plan.cli.calibrate",
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the SPEC exit code (0 ok, 1 check failed, 2 bad input, 3 no
     plan fits). Nothing but ``KeyboardInterrupt``'s 130 and those codes leaves this function."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    remember_umask()  # before any model is imported (common/files.py [Note: output files])
     debug = "--debug" in argv
     # FakeTensorMode logs a whole traceback at ERROR level when a meta kernel rejects the
     # model's inputs; the planner reports that error as one paragraph (--debug keeps the log).
@@ -168,8 +172,22 @@ def main(argv: list[str] | None = None) -> int:
         message, code = describe_unexpected(e)
         sys.stderr.write(f"fsdp-plan: {message}\n")
         return code
+    except BaseException as e:  # noqa: BLE001 - GeneratorExit, a model's own BaseException
+        if debug:
+            traceback.print_exc()
+        if isinstance(e, Stop):  # a stopping signal no verb caught: its 128 + signal
+            sys.stderr.write(f"fsdp-plan: {_one_line(e) or type(e).__name__}; nothing was "
+                             "written.\n")
+            return int(getattr(e, "exit_code", EXIT_CHECK_FAILED))
+        sys.stderr.write(f"fsdp-plan: the run was stopped by {type(e).__name__}"
+                         f"{': ' + _one_line(e, 300) if str(e) else ''}{_innermost_frame(e)}, "
+                         "a BaseException that is not an Exception, raised by the model's code or "
+                         "a library it uses; nothing was written. Raise an Exception subclass "
+                         "instead.\n")
+        return EXIT_BAD_INPUT
     finally:
         fake_log.setLevel(level)
+        forget_umask()
 
 
 def entry() -> None:

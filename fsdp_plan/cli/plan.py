@@ -196,12 +196,13 @@ def validate(args: argparse.Namespace) -> dict[str, Any]:
                   outputs)
     overrides = read_hardware_file(args.hardware) if args.hardware else None
     hardware = hardware_for(args.gpu, overrides, where=f"--hardware {args.hardware!r}")
-    autocast = canonical_dtype(args.autocast, "--autocast") if args.autocast else None
+    # ``--autocast ""`` is a dtype that was given and is not one (issue 31, S4-11), not "off"
+    autocast = canonical_dtype(args.autocast, "--autocast") if args.autocast is not None else None
     if autocast is not None and autocast not in AUTOCAST_DTYPES:
         raise BadInput(f"--autocast {args.autocast} is not a dtype torch.autocast computes in; "
                        "use bf16 or fp16.")
-    param_dtype = canonical_dtype(args.param_dtype or ("fp32" if autocast else "bf16"),
-                                  "--param-dtype")
+    param_dtype = canonical_dtype(args.param_dtype if args.param_dtype is not None
+                                  else "fp32" if autocast else "bf16", "--param-dtype")
     if autocast is not None and param_dtype != "float32":
         raise BadInput(f"--autocast keeps float32 parameters (FSDP gathers them in float32 and "
                        f"autocast casts per op), so --param-dtype {args.param_dtype} cannot go "

@@ -10,7 +10,9 @@ inherited descriptor (issue 21, S3-15 and S3-16). So for the whole command, file
 is pointed at file descriptor 2, and the report is written through a duplicate of the
 original descriptor 1: ``sys.stdout`` becomes a stream that sends the main thread's writes to
 that duplicate and any other thread's to stderr. When the command returns, the duplicate is
-closed and ``sys.stdout`` is stderr, so ``atexit`` output lands there too.
+closed and ``sys.stdout`` is stderr, so ``atexit`` output lands there too. The main thread's
+own calls into the model (analysis, verify's step, bench's memory step after the run) are
+each inside ``user_code_output_to_stderr``, since their print()s would reach the report.
 
 [Note: ending the process]
 When the command is done: children that the model's code forked and that still run are ended

@@ -36,6 +36,12 @@ class CheckFailed(FsdpPlanError):
     exit_code = EXIT_CHECK_FAILED
 
 
+class Stop(BaseException):
+    """Base of fsdp-plan's own ``BaseException``s (a stopping signal's ``Terminated``): they
+    pass through every guard around the user's code, which turns any other ``BaseException``
+    raised there into a ``BadInput`` (model/load.py [Note: calling user code])."""
+
+
 def exit_code_for(error: BaseException) -> int:
     """The process exit code for an error raised anywhere in the pipeline."""
     if isinstance(error, FsdpPlanError):

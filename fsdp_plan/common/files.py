@@ -8,7 +8,10 @@
   target, so a crash or a full disk never leaves a half-written file. Temporary names are short
   (``.fsdp-plan-XXXXXXXX.tmp``) so a legal long file name stays legal.
 - Modes: a new file gets ``0666 & ~umask`` like any file the user's shell creates; a replaced
-  file keeps its mode. (``mkstemp`` alone would make every output 0600.)
+  file keeps its mode. (``mkstemp`` alone would make every output 0600.) The umask is the one
+  the command started with (``remember_umask``, called by cli/main.py before any model is
+  imported): a model that calls ``os.umask(0o777)`` at import made every output mode 000
+  (issue 31, S4-14); model/load.py also restores the umask after each call into user code.
 - A symbolic link given as an output is followed: the file it points to is replaced and the
   link stays.
 - Failures name the user's path and the reason (disk full, permission denied, read-only file
@@ -56,6 +59,34 @@ def write_failed(path: str, error: OSError, what: str = "", written: str = "noth
     reason, fix = describe_os_error(error)
     label = f"{what} {path!r}" if what else repr(path)
     return BadInput(f"{label} cannot be written ({reason}); {written}. To fix, {fix}.")
+
+
+_started_umask: int | None = None
+"""The umask the command started with (``remember_umask``); None: the process's current one."""
+
+
+def current_umask() -> int:
+    """The process's umask now (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def remember_umask() -> int:
+    """Record the umask new outputs follow, before any user code can change it; returns it."""
+    global _started_umask
+    _started_umask = current_umask()
+    return _started_umask
+
+
+def forget_umask() -> None:
+    """The command is done: later writes follow the process's umask again."""
+    global _started_umask
+    _started_umask = None
+
+
+def _creation_umask() -> int:
+    return _started_umask if _started_umask is not None else current_umask()
 
 
 def _temporary_name(folder: str) -> str:
@@ -107,7 +138,8 @@ def _keep_mode_and_owner(fd: int, target: str) -> None:
     replaces, so overwriting a 0755 script or a group-shared plan changes only its contents."""
     try:
         st = os.stat(target)
-    except FileNotFoundError:
+    except FileNotFoundError:  # a new file: 0666 less the umask the command started with
+        os.fchmod(fd, 0o666 & ~_creation_umask())
         return
     os.fchmod(fd, stat.S_IMODE(st.st_mode))
     try:

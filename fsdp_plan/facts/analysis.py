@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from fsdp_plan.common.autocast import autocast_context
-from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.errors import BadInput, Stop
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.compiled import analyze_compiled
 from fsdp_plan.facts.depth import expand_pass, reduced_copy
@@ -52,7 +52,12 @@ from fsdp_plan.facts.types import (
     fill_flops,
 )
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
-from fsdp_plan.model.load import LoadedModel, rebuild_meta, user_code_location
+from fsdp_plan.model.load import (
+    LoadedModel,
+    base_exception_refusal,
+    rebuild_meta,
+    user_code_location,
+)
 from fsdp_plan.model.transformer_masks import transformer_masks_traceable
 from fsdp_plan.policy_runtime import checkpoint_module, plain_fqn, resolve_ops
 
@@ -280,6 +285,11 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
         except Exception as e:
             where = failed_in[0] if failed_in else stack[-1] if stack else None
             raise _explain_trace_failure(e, loaded, where, _shapes(args, kwargs)) from e
+        except (KeyboardInterrupt, SystemExit, Stop):
+            raise
+        except BaseException as e:  # the model's own BaseException subclass, GeneratorExit
+            raise base_exception_refusal("the model's forward, loss or backward", e,
+                                         user_code_location(e, loaded)) from e
         finally:
             for h in hooks + casts:
                 h.remove()

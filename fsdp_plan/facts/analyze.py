@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fsdp_plan.common.arguments import require_type
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.progress import Progress
@@ -33,6 +34,7 @@ def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: 
     """Build the model on ``meta`` and run the fake forward + backward (facts/analysis.py);
     ``compile_blocks``: with the repeated blocks compiled (``--compile``); ``options`` as
     ``analyze_loaded`` takes them."""
+    require_type(source, ModelSource, "analyze_model(source)")  # [Note: API arguments]
     _, _, load = _torch_stages()
     return analyze_loaded(load.load_model(source), param_dtype=param_dtype, exact=exact,
                           progress=progress, compile_blocks=compile_blocks,

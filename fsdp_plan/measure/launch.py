@@ -24,6 +24,9 @@ parent polls them, so it needs no process group of its own and never blocks on a
 - Each worker leads its own process group, so ending a worker ends whatever it started too
   (``os.killpg``), and asks the kernel to kill it when its parent dies
   (``PR_SET_PDEATHSIG``): a launcher killed with SIGKILL leaves no worker training on.
+- SIGTERM, SIGHUP and SIGINT are held while a worker starts and let through once it is
+  listed (``_start_whole``), so a signal never cuts its start-up pipe half-written (the
+  worker would print an ``EOFError`` traceback) and ``kill_all`` knows every worker.
 - ``stop_on_signals()`` turns SIGTERM and SIGHUP into ``Terminated`` (as Python turns SIGINT
   into ``KeyboardInterrupt``), so ``launch`` kills its workers and every ``finally`` and
   ``with`` removes its temporary folder before the command exits with 128 + the signal.
@@ -48,7 +51,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_plan.common.errors import BadInput, CheckFailed
+from fsdp_plan.common.errors import BadInput, CheckFailed, Stop
 from fsdp_plan.common.limits import MAX_WORLD_SIZE
 from fsdp_plan.common.safe_yaml import clip
 
@@ -101,7 +104,7 @@ class WorkerContext:
         _atomic_json(_rank_file(self.workdir, self.rank, "progress.json"), progress)
 
 
-class Terminated(BaseException):
+class Terminated(Stop):
     """SIGTERM or SIGHUP arrived (see [Note: stopping]); a ``BaseException`` so that no
     ``except Exception`` in library code swallows it."""
 
@@ -117,6 +120,8 @@ class Terminated(BaseException):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_HELD_SIGNALS = (*STOP_SIGNALS, signal.SIGINT)
+"""Held while a worker starts (``_start_whole``)."""
 
 
 @contextlib.contextmanager
@@ -418,8 +423,7 @@ def launch(target: str, payload: Any, *, nproc: int, timeout_s: float = 300.0,
                 p = ctx.Process(target=_child_main, args=(rank, nproc, port, target, payload,
                                                           workdir, os.getpid()),
                                 daemon=True, name=f"fsdp-plan-rank{rank}")
-                p.start()
-                run.procs.append(p)
+                _start_whole(p, run.procs)
             while True:
                 time.sleep(_POLL_S)
                 now = time.time()
@@ -454,6 +458,38 @@ def launch(target: str, payload: Any, *, nproc: int, timeout_s: float = 300.0,
                                     [RankFailure(rank=rank, kind="exit", error="no result file")])
             results.append(result)
         return results
+
+
+def _start_whole(process: Any, started: list[Any]) -> None:
+    """Start ``process`` with the stopping signals held until it is in ``started`` ([Note:
+    stopping]): a signal that arrived while ``start`` was writing the worker's pickled
+    payload closed the pipe half-written, and the new worker, not yet listed for
+    ``kill_all``, printed an ``EOFError`` traceback after the command's last words (issue 31,
+    S4-13). A signal that arrives meanwhile is recorded, then handed to the handler that was
+    in place (``Terminated``, ``KeyboardInterrupt``, or the default action) once the worker
+    is listed. (Python runs signal handlers in the main thread, so this holds however many
+    threads torch started; a thread mask would not.)"""
+    if threading.current_thread() is not threading.main_thread():
+        process.start()
+        started.append(process)
+        return
+    arrived: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        arrived.append(signum)
+    previous = {sig: signal.signal(sig, hold) for sig in _HELD_SIGNALS}
+    try:
+        process.start()
+        started.append(process)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    if arrived:
+        handler = previous[arrived[0]]
+        if callable(handler):
+            handler(arrived[0], None)  # raises Terminated or KeyboardInterrupt
+        elif handler != signal.SIG_IGN:
+            os.kill(os.getpid(), arrived[0])  # the default action, now that it is listed
 
 
 def _failure_message(failures: list[RankFailure]) -> str:

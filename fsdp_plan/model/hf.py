@@ -55,7 +55,10 @@ import torch
 from torch import nn
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.reading import read_input_bytes
 
+MAX_CONFIG_BYTES = 16 * 2**20
+"""A model's config.json is a few kB (with its vocabulary maps, tens of kB)."""
 STATIC_EXPERTS = "grouped_mm"
 
 ROUTING_NOTE = (
@@ -84,10 +87,12 @@ def read_hf_config(config_path: str) -> dict[str, Any]:
         inside = os.path.join(config_path, "config.json")
         hint = f" (did you mean {inside!r}?)" if os.path.isfile(inside) else ""
         raise BadInput(f"Hugging Face config {config_path!r} is a folder; pass its config.json{hint}.")
+    data = read_input_bytes(config_path, f"Hugging Face config {config_path!r}",
+                            MAX_CONFIG_BYTES, hint="Pass the path of a model's config.json.",
+                            too_large="a model's config.json is a few kB")
     try:
-        with open(config_path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, UnicodeDecodeError) as e:
+        raw = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
         raise BadInput(f"Hugging Face config {config_path!r} cannot be read: {e}.") from e
     except json.JSONDecodeError as e:
         raise BadInput(f"Hugging Face config {config_path!r} is not valid JSON: {e.msg} at line "

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.errors import BadInput, Stop
+from fsdp_plan.common.files import current_umask
+from fsdp_plan.common.reading import check_regular_file
 from fsdp_plan.model.hf import hf_default_inputs, hf_factory, is_hf_model
 from fsdp_plan.model.source import (  # noqa: F401  (re-exported: callers import these from load)
     ModelSource,
@@ -57,8 +59,12 @@ class LoadedModel:
 # call and the line instead of ending the planner with the user's exit code and nothing said.
 # os._exit() and os.fork() are guarded too (model/user_process.py [Note: user code and
 # the process]).
-# KeyboardInterrupt is left alone: Ctrl-C still stops the planner (exit 130). An os.chdir() in
-# user code is undone, so relative output paths still name the files that were checked.
+# KeyboardInterrupt is left alone: Ctrl-C still stops the planner (exit 130), and so are
+# fsdp-plan's own ``Stop``s (a stopping signal). Any other BaseException raised there
+# (GeneratorExit, a model's ``class Boom(BaseException)``) is the model's: nothing that calls
+# a model expects it, so it becomes a BadInput naming the call and the line (issue 31, S4-07).
+# An os.chdir() in user code is undone, so relative output paths still name the files that
+# were checked, and so is an os.umask() (outputs keep the modes the user's shell gives).
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -72,6 +78,7 @@ def user_code_output_to_stderr(what: str = "the model's forward",
     ``what`` names the call for the message (``build_model(size='tiny')``); ``path`` is the
     user's file, whose innermost line the message shows."""
     cwd = _getcwd()
+    umask = current_umask()
     try:
         with process_guarded(), contextlib.redirect_stdout(sys.stderr):
             yield
@@ -84,10 +91,35 @@ def user_code_output_to_stderr(what: str = "the model's forward",
                        "would end fsdp-plan at once with nothing planned or checked; the planner "
                        "runs this code to read the model's shapes. Remove the exit (guard script "
                        "code with `if __name__ == \"__main__\":`).") from e
+    except (Exception, KeyboardInterrupt, Stop):  # errors have their callers; Ctrl-C stops
+        raise
+    except BaseException as e:  # GeneratorExit, or the model's own BaseException subclass
+        raise base_exception_refusal(what, e, _user_frame_hint(e, path)) from e
     finally:
         # An os.chdir() in user code would move relative output paths after they were checked.
         if cwd is not None and _getcwd() != cwd:
             os.chdir(cwd)
+        # An os.umask() in user code would change the modes of the outputs and folders made.
+        if current_umask() != umask:
+            os.umask(umask)
+
+
+def base_exception_refusal(what: str, error: BaseException, at: str) -> BadInput:
+    """The ``BadInput`` for a ``BaseException`` that is neither Ctrl-C, an exit nor
+    fsdp-plan's own ``Stop``, raised by ``what`` (the user's code) at ``at`` ([Note: calling
+    user code])."""
+    return BadInput(f"{what} raised {_exception_text(error)}{at}. It derives from "
+                    "BaseException, not Exception, which Python keeps for leaving a program "
+                    "(SystemExit, KeyboardInterrupt, GeneratorExit), so nothing that calls the "
+                    "model expects it; the planner stopped with nothing written. Raise an "
+                    "Exception subclass in the model's code.")
+
+
+def _exception_text(error: BaseException) -> str:
+    """``Boom: it broke`` (or ``Boom``) on one line, cut to a readable length."""
+    text = " ".join(str(error).split())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _getcwd() -> str | None:
@@ -155,8 +187,13 @@ def import_model_file(path: str) -> types.ModuleType:
     if not os.path.exists(path):
         raise BadInput(f"model file {path!r} does not exist; pass the path to a .py file that "
                        "defines build_model(**kwargs).")
-    if not os.path.isfile(path) or not os.access(path, os.R_OK):
-        raise BadInput(f"model file {path!r} is not a readable file.")
+    if os.path.isdir(path):
+        raise BadInput(f"model file {path!r} is not a readable file (it is a folder); pass the "
+                       "path to a .py file that defines build_model(**kwargs).")
+    check_regular_file(path, f"model file {path!r}", "Pass the path to a .py file that "
+                       "defines build_model(**kwargs).")  # a FIFO would block the import
+    if not os.access(path, os.R_OK):
+        raise BadInput(f"model file {path!r} is not a readable file (permission denied).")
     name = "fsdp_plan_user_model_" + hashlib.sha1(os.path.realpath(path).encode()).hexdigest()[:10]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:

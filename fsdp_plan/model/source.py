@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from fsdp_plan.common.arguments import require_type
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.limits import MAX_BATCH_SIZE, MAX_SEQ_LEN, MAX_TOKENS  # noqa: F401 - re-exported
 
@@ -40,6 +41,19 @@ class ModelSource:
     """``file``, ``import`` (``package.module:attr``) or ``hf-config``."""
 
     def __post_init__(self) -> None:
+        require_type(self.source, str, "ModelSource.source")  # [Note: API arguments]
+        if not self.source:
+            raise BadInput("ModelSource.source is empty; give a model file, "
+                           "package.module:attr or a Hugging Face config.json.")
+        require_type(self.entry, str, "ModelSource.entry")
+        if not self.entry.isidentifier():
+            raise BadInput(f"ModelSource.entry {self.entry!r} is not a Python function name.")
+        require_type(self.args, dict, "ModelSource.args")
+        for key in self.args:
+            if not isinstance(key, str) or not key.isidentifier():
+                raise BadInput(f"ModelSource.args key {key!r} is not a Python identifier (the "
+                               "args are the factory's keyword arguments).")
+        require_type(self.kind, str, "ModelSource.kind")
         check_count(self.batch_size, "--batch-size", MAX_BATCH_SIZE,
                     "samples in one micro-batch on one GPU")
         check_count(self.seq_len, "--seq-len", MAX_SEQ_LEN, "tokens per sample")

@@ -25,6 +25,8 @@ import os
 import signal
 from collections.abc import Iterator
 
+from fsdp_plan.common.errors import Stop
+
 _real_exit = os._exit
 _real_fork = os.fork
 _depth = 0
@@ -35,7 +37,7 @@ _forked: list[int] = []
 """Children forked by user code, ended by ``end_forked_children``."""
 
 
-class UserExit(BaseException):
+class UserExit(Stop):
     """``os._exit(code)`` called by user code (a ``BaseException``, like ``SystemExit``, so
     the user's ``except Exception`` does not swallow it)."""
 

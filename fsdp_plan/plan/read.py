@@ -1,6 +1,7 @@
 """Read a plan file as untrusted data, and find the files a plan names.
 
-``read_plan_document`` refuses files over ``MAX_PLAN_BYTES``, then parses with the guarded
+``read_plan_document`` reads regular files only, refuses files over ``MAX_PLAN_BYTES``
+(common/reading.py [Note: reading input files]), then parses with the guarded
 loader shared with hardware files (``fsdp_plan.common.safe_yaml``: no tags, no alias bombs or
 recursive aliases, at most ``MAX_DEPTH`` deep and ``MAX_NODES`` values, no duplicate keys).
 Every refusal is one ``BadInput`` paragraph (exit 2). The fields are
@@ -13,6 +14,7 @@ import os
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.reading import read_input_bytes
 from fsdp_plan.common.safe_yaml import DocumentKind, load_yaml
 
 MAX_PLAN_BYTES = 16 * 2**20
@@ -28,19 +30,10 @@ PLAN_DOCUMENT = DocumentKind(
 def read_plan_document(path: str) -> Any:
     """The plan file's YAML as plain data; every way a file can fail to be a plan is a ``BadInput``."""
     where = f"plan file {path!r}"
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_PLAN_BYTES + 1)
-    except FileNotFoundError as e:
-        raise BadInput(f"{where} does not exist; give the path of a plan written by "
-                       "fsdp-plan --plan.") from e
-    except IsADirectoryError as e:
-        raise BadInput(f"{where} is a folder; give the path of a plan file.") from e
-    except OSError as e:
-        raise BadInput(f"{where} cannot be read ({e.strerror or e}).") from e
-    if len(data) > MAX_PLAN_BYTES:
-        raise BadInput(f"{where} is larger than {MAX_PLAN_BYTES // 2**20} MiB; a plan for a 405B "
-                       "model is about 25 kB, so this is not a plan file (it was not parsed).")
+    data = read_input_bytes(path, where, MAX_PLAN_BYTES, limit_text=f"{MAX_PLAN_BYTES // 2**20} MiB",
+                            hint="Give the path of a plan file written by fsdp-plan --plan.",
+                            too_large="a plan for a 405B model is about 25 kB, so this is not "
+                                      "a plan file")
     return parse_plan_text(data, where)
 
 

@@ -7,17 +7,25 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_plan.common.arguments import require_choice, require_type, require_whole
 from fsdp_plan.common.autocast import AUTOCAST_DTYPES
 from fsdp_plan.common.dtypes import DTYPE_BYTES, canonical_dtype
 from fsdp_plan.common.errors import BadInput
-from fsdp_plan.common.limits import budget_limit
+from fsdp_plan.common.limits import (
+    MAX_BATCH_SIZE,
+    MAX_BYTES,
+    MAX_GPUS_PER_NODE,
+    MAX_GRAD_ACCUM_STEPS,
+    MAX_WORLD_SIZE,
+    budget_limit,
+)
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for
 from fsdp_plan.cost.offload import pcie_bandwidth
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision
 from fsdp_plan.facts.checkpointing import TORCHTITAN_MM_STRIDE
 from fsdp_plan.model.source import ModelSource
-from fsdp_plan.search.candidate import SearchSettings
+from fsdp_plan.search.candidate import STRATEGY_CHOICES, SearchSettings
 from fsdp_plan.search.framework import FrameworkLimits, limits_for
 
 
@@ -82,6 +90,7 @@ class PlanRequest:
     """``reduce_dtype`` as given, before a framework settled it (``unrestricted``)."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
         if self.autocast_dtype is not None:
             self.autocast_dtype = canonical_dtype(self.autocast_dtype, "autocast dtype")
@@ -141,6 +150,36 @@ class PlanRequest:
                            "compiled blocks is not modelled. Drop --compile or --strategy ddp.")
         if self.allow_offload:  # before any work: h2d_bandwidth 0 cannot price the copies
             pcie_bandwidth(self.hardware)
+
+    def _check_types(self) -> None:
+        """Every field of the right type and the counts in range, before anything divides by
+        them ([Note: API arguments] in common/arguments.py)."""
+        require_type(self.source, ModelSource, "PlanRequest.source")
+        require_whole(self.budget_bytes, "PlanRequest.budget_bytes", 1, MAX_BYTES)
+        if self.headroom_bytes is not None:
+            require_whole(self.headroom_bytes, "PlanRequest.headroom_bytes", 0, MAX_BYTES)
+        require_whole(self.world_size, "PlanRequest.world_size", 1, MAX_WORLD_SIZE)
+        require_whole(self.gpus_per_node, "PlanRequest.gpus_per_node", 1, MAX_GPUS_PER_NODE)
+        require_choice(self.strategy, "PlanRequest.strategy", STRATEGY_CHOICES)
+        require_type(self.param_dtype, str, "PlanRequest.param_dtype")
+        require_type(self.reduce_dtype, (str, type(None)), "PlanRequest.reduce_dtype")
+        require_type(self.autocast_dtype, (str, type(None)), "PlanRequest.autocast_dtype")
+        require_type(self.optimizer, str, "PlanRequest.optimizer")
+        require_type(self.hardware, Hardware, "PlanRequest.hardware")
+        require_type(self.hardware_origin, (dict, type(None)), "PlanRequest.hardware_origin")
+        for flag in ("exact_analysis", "allow_offload", "auto_batch", "compile_blocks",
+                     "compile_auto"):
+            require_type(getattr(self, flag), bool, f"PlanRequest.{flag}")
+        require_whole(self.grad_accum_steps, "PlanRequest.grad_accum_steps", 1,
+                      MAX_GRAD_ACCUM_STEPS)
+        require_choice(self.gradient_sync, "PlanRequest.gradient_sync", ("every", "last"))
+        if self.global_batch_size is not None:
+            require_whole(self.global_batch_size, "PlanRequest.global_batch_size", 1,
+                          MAX_BATCH_SIZE * MAX_GRAD_ACCUM_STEPS)
+        if self.activation_memory_budget is not None:
+            require_type(self.activation_memory_budget, (int, float),
+                         "PlanRequest.activation_memory_budget")
+        require_type(self.framework, (str, type(None)), "PlanRequest.framework")
 
     def analysis_options(self) -> dict[str, Any]:
         """How ``analyze_model`` traces for this request: FSDP mixed precision or autocast, the

@@ -50,7 +50,6 @@ Per-op fields (all optional):
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -59,6 +58,7 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.limits import MAX_BYTES, MAX_WORLD_SIZE
+from fsdp_plan.common.reading import read_input_bytes
 from fsdp_plan.common.safe_yaml import DocumentKind, clip, load_yaml
 from fsdp_plan.cost.hardware.derived import follow_base_figures
 from fsdp_plan.cost.precision import OPTIMIZERS
@@ -382,17 +382,10 @@ def read_hardware_file(path: str, flag: str = "--hardware") -> dict[str, object]
     aliases, depth and duplicate keys are checked before anything is built); its fields are
     checked by ``hardware_for``. ``flag`` names the file in messages."""
     where = f"{flag} {path!r}"
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise BadInput(f"{where} is not a regular file (a folder, pipe or device); give the path "
-                       "of a YAML file such as one fsdp-plan calibrate writes.")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_HARDWARE_FILE_BYTES + 1)
-    except OSError as e:
-        raise BadInput(f"{where} cannot be read: {e.strerror or e}.") from e
-    if len(data) > MAX_HARDWARE_FILE_BYTES:
-        raise BadInput(f"{where} is larger than {MAX_HARDWARE_FILE_BYTES:,} bytes; a hardware "
-                       "file is a few lines of field: value (it was not parsed).")
+    data = read_input_bytes(path, where, MAX_HARDWARE_FILE_BYTES,
+                            hint="Give the path of a YAML file such as one fsdp-plan calibrate "
+                                 "writes.",
+                            too_large="a hardware file is a few lines of field: value")
     raw = load_yaml(data, where, HARDWARE_DOCUMENT)
     if raw is None:
         return {}
