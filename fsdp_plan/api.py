@@ -295,15 +295,17 @@ class Prediction:
 
 
 def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
-            gpus_per_node: int = 8) -> Prediction:
+            gpus_per_node: int | None = None) -> Prediction:
     """Memory, collectives and step time of ``plan`` exactly as written (no search).
 
     A pure function over the model's facts: the plan's layout (plan/build.py ``layout_of``) is
-    evaluated with the same memory model, collective rule and step-time model the search uses."""
+    evaluated with the same memory model, collective rule and step-time model the search uses.
+    ``gpus_per_node`` None reads the plan's (``Plan.node_gpus``)."""
     layout = layout_of(plan, facts)
     settings = SearchSettings(
         budget_bytes=plan.budget_bytes, headroom_bytes=plan.headroom_bytes,
-        world_size=plan.world_size, gpus_per_node=gpus_per_node,
+        world_size=plan.world_size,
+        gpus_per_node=plan.node_gpus if gpus_per_node is None else gpus_per_node,
         hardware=hardware or plan_hardware(plan), strategy=plan.strategy,
         precision=Precision.of_plan(plan.mixed_precision), optimizer=plan.optimizer,
         grad_accum_steps=plan.grad_accum_steps, gradient_sync=plan.gradient_sync)

@@ -38,7 +38,7 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
         model={**request.source.to_plan_dict(), "params": facts.graph.total_numel,
                **({"digest": digest} if digest else {})},
         budget_bytes=request.budget_bytes, headroom_bytes=int(request.headroom_bytes or 0),
-        world_size=request.world_size, mesh=Mesh(replicate=best.replicate, shard=best.shard),
+        world_size=request.world_size, gpus_per_node=request.gpus_per_node, mesh=Mesh(replicate=best.replicate, shard=best.shard),
         strategy=best.strategy,
         units=[Unit(modules=u.modules, reshard_after_forward=u.reshard_after_forward,
                     mixed_precision=unit_mixed_precision(u, request.param_dtype))

@@ -450,7 +450,22 @@ def _check_budget(check: _Checker, raw: dict) -> dict[str, Any]:
                           f"world_size is the number of GPUs the plan is for: a whole number from "
                           f"1 to {MAX_WORLD_SIZE} (2**20); verify simulates that many ranks in "
                           "one process and no real cluster has more than a million GPUs")
-    return {"budget_bytes": budget, "headroom_bytes": headroom, "world_size": world}
+    return {"budget_bytes": budget, "headroom_bytes": headroom, "world_size": world,
+            "gpus_per_node": _check_gpus_per_node(check, raw.get("gpus_per_node"), world)}
+
+
+def _check_gpus_per_node(check: _Checker, value: Any, world: int) -> int | None:
+    """``gpus_per_node`` (SPEC 8): bounded as ``--gpus-per-node`` is, and nodes full at the
+    plan's world size; None when absent (a plan written before it was recorded)."""
+    if value is None:
+        return None
+    what = (f"gpus_per_node is the GPUs sharing one node's fast links: a whole number from 1 "
+            f"to {MAX_GPUS_PER_NODE}, e.g. 8")
+    gpus = check.integer(value, "gpus_per_node", 1, MAX_GPUS_PER_NODE, what)
+    if world > gpus and world % gpus:
+        raise check.fail("gpus_per_node", f"is {gpus}, which does not divide world_size {world}",
+                         "nodes are full: write a gpus_per_node that divides world_size")
+    return gpus
 
 
 def _check_mesh(check: _Checker, raw: dict) -> dict[str, Any]:

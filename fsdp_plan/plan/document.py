@@ -57,6 +57,10 @@ class Plan:
     budget_bytes: int
     world_size: int
     mesh: Mesh
+    gpus_per_node: int | None = None
+    """GPUs per node the plan was made for (``--gpus-per-node``, SPEC 8): which collectives
+    cross nodes, and how ``export`` lays out machines; None (a plan written before it was
+    recorded) reads as ``predicted.gpus_per_node``, else 8 (``node_gpus``)."""
     units: list[Unit]
     strategy: str = "full"
     ddp: dict[str, Any] | None = None
@@ -97,6 +101,14 @@ class Plan:
     fsdp_plan_version: int = PLAN_VERSION
 
     @property
+    def node_gpus(self) -> int:
+        """GPUs per node as the plan says: its ``gpus_per_node``, else (plans written before it
+        was recorded) ``predicted.gpus_per_node``, else 8."""
+        if self.gpus_per_node is not None:
+            return self.gpus_per_node
+        return int(self.predicted.get("gpus_per_node") or 8)
+
+    @property
     def limit_bytes(self) -> int:
         """The peak the plan may reach: budget minus headroom."""
         return budget_limit(self.budget_bytes, self.headroom_bytes)
@@ -123,6 +135,8 @@ class Plan:
             order.insert(order.index("predicted"), "compile")
         if raw["hardware"] is not None:  # SPEC 7: the figures it was predicted with
             order.insert(order.index("gpu") + 1, "hardware")
+        if raw["gpus_per_node"] is not None:  # SPEC 8: the nodes it was planned for
+            order.insert(order.index("world_size") + 1, "gpus_per_node")
         if raw["framework"] is not None:  # SPEC 7: made for a framework's configuration
             order.insert(order.index("strategy") + 1, "framework")
         if raw["ddp"] is not None:  # a DDP plan: its arguments right after its one unit
@@ -138,6 +152,7 @@ class Plan:
             budget_bytes=checked["budget_bytes"],
             headroom_bytes=checked["headroom_bytes"],
             world_size=checked["world_size"],
+            gpus_per_node=checked["gpus_per_node"],
             mesh=Mesh(replicate=checked["replicate"], shard=checked["shard"]),
             strategy=checked["strategy"],
             ddp=checked.get("ddp"),
