@@ -43,6 +43,7 @@ from fsdp_plan.plan.build import layout_of, predicted_block, throughput_fields, 
 from fsdp_plan.plan.document import Plan, plan_to_yaml
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 from fsdp_plan.plan.report import chrome_trace
+from fsdp_plan.plan.schema import needed_version
 from fsdp_plan.search.batching import BatchChoice, choose_batch
 from fsdp_plan.search.candidate import Candidate, SearchSettings
 from fsdp_plan.search.compile_choice import compare_compile
@@ -158,7 +159,7 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
     result = _result(choice, digest=analyzed.digest, notes=analyzed.notes)
     if request.framework is not None:  # the plan is made for it, restricted or not
         result.plan.framework = request.framework
-        result.plan.fsdp_plan_version = 2
+        result.plan.fsdp_plan_version = needed_version(result.plan.to_dict())
     result.framework = cost
     if batching:
         per_rank = (request.global_batch_size // request.world_size
