@@ -10,7 +10,13 @@ from typing import Any
 from fsdp_plan.common.autocast import AUTOCAST_DTYPES
 from fsdp_plan.common.dtypes import DTYPE_BYTES, canonical_dtype
 from fsdp_plan.common.errors import BadInput
-from fsdp_plan.common.limits import budget_limit
+from fsdp_plan.common.limits import (
+    MAX_BYTES,
+    MAX_GPUS_PER_NODE,
+    MAX_GRAD_ACCUM_STEPS,
+    MAX_WORLD_SIZE,
+    budget_limit,
+)
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for
 from fsdp_plan.cost.offload import pcie_bandwidth
@@ -79,6 +85,7 @@ class PlanRequest:
     """``reduce_dtype`` as given, before a framework settled it (``unrestricted``)."""
 
     def __post_init__(self) -> None:
+        self._check_counts()
         self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
         if self.autocast_dtype is not None:
             self.autocast_dtype = canonical_dtype(self.autocast_dtype, "autocast dtype")
@@ -138,6 +145,28 @@ class PlanRequest:
                            "compiled blocks is not modelled. Drop --compile or --strategy ddp.")
         if self.allow_offload:  # before any work: h2d_bandwidth 0 cannot price the copies
             pcie_bandwidth(self.hardware)
+
+    def _check_counts(self) -> None:
+        """The sizes and counts within the bounds the plan it writes is read with
+        (common/limits.py, plan/check.py), so what planning writes reads back (issue 31,
+        S4-16: ``budget_bytes=10**40`` wrote a plan ``read_plan`` refused)."""
+        for name, low, high in (("budget_bytes", 1, MAX_BYTES), ("world_size", 1, MAX_WORLD_SIZE),
+                                ("gpus_per_node", 1, MAX_GPUS_PER_NODE),
+                                ("grad_accum_steps", 1, MAX_GRAD_ACCUM_STEPS)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                shown = (f"a {value.bit_length()}-bit number" if isinstance(value, int)
+                         and value.bit_length() > 64 else repr(value)[:40])
+                raise BadInput(f"PlanRequest {name} is {shown}; it must be a whole number from "
+                               f"{low} to {high:,}, as in the plan it writes.")
+        if self.headroom_bytes is not None and (isinstance(self.headroom_bytes, bool)
+                                                or not isinstance(self.headroom_bytes, int)):
+            raise BadInput(f"PlanRequest headroom_bytes is {self.headroom_bytes!r:.40}; it must "
+                           "be a whole number of bytes (or None for 10% of budget_bytes).")
+        if self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node:
+            raise BadInput(f"PlanRequest world_size {self.world_size} is not a multiple of "
+                           f"gpus_per_node {self.gpus_per_node}; nodes must be full, as in the "
+                           "plan it writes.")
 
     def analysis_options(self) -> dict[str, Any]:
         """How ``analyze_model`` traces for this request: FSDP mixed precision or autocast, the
