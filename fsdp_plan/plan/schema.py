@@ -27,7 +27,7 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.plan import check as c
-from fsdp_plan.plan.check import Checker, closest, field, show
+from fsdp_plan.plan.checker import Checker, closest, field, show, walk_plain
 
 REQUIRED: Any = object()
 """The default of a field every plan must hold."""
@@ -152,7 +152,7 @@ def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise BadInput(f"{where} is not a fsdp-plan plan file (expected a YAML mapping of keys "
                        f"such as fsdp_plan_version, model and units, got {show(raw)}).")
-    c.walk_plain(check, raw)
+    walk_plain(check, raw)
     version = check_version(raw, where)
     missing = [f.name for f in FIELDS if f.default is REQUIRED and f.name not in raw]
     if missing:
