@@ -46,6 +46,7 @@ from fsdp_plan.plan.document import Plan, plan_to_yaml
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 from fsdp_plan.plan.read import plan_model_file
 from fsdp_plan.plan.report import chrome_trace
+from fsdp_plan.plan.schema import needed_version
 from fsdp_plan.search.batching import BatchChoice, choose_batch
 from fsdp_plan.search.candidate import Candidate, SearchSettings
 from fsdp_plan.search.compile_choice import compare_compile
@@ -172,7 +173,7 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
     result = _result(choice, digest=analyzed.digest, notes=analyzed.notes)
     if request.framework is not None:  # the plan is made for it, restricted or not
         result.plan.framework = request.framework
-        result.plan.fsdp_plan_version = 2
+        result.plan.fsdp_plan_version = needed_version(result.plan.to_dict())
     result.framework = cost
     if batching:
         per_rank = (request.global_batch_size // request.world_size
@@ -326,19 +327,22 @@ class Prediction:
 
 
 def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
-            gpus_per_node: int = 8) -> Prediction:
+            gpus_per_node: int | None = None) -> Prediction:
     """Memory, collectives and step time of ``plan`` exactly as written (no search).
 
     A pure function over the model's facts: the plan's layout (plan/build.py ``layout_of``) is
-    evaluated with the same memory model, collective rule and step-time model the search uses."""
+    evaluated with the same memory model, collective rule and step-time model the search uses.
+    ``gpus_per_node`` None reads the plan's (``Plan.node_gpus``)."""
     require_type(plan, Plan, "predict(plan)")  # [Note: API arguments]
     require_type(facts, ModelFacts, "predict(facts)")
     require_type(hardware, (Hardware, type(None)), "predict(hardware)")
-    require_whole(gpus_per_node, "predict(gpus_per_node)", 1, MAX_GPUS_PER_NODE)
+    if gpus_per_node is not None:
+        require_whole(gpus_per_node, "predict(gpus_per_node)", 1, MAX_GPUS_PER_NODE)
     layout = layout_of(plan, facts)
     settings = SearchSettings(
         budget_bytes=plan.budget_bytes, headroom_bytes=plan.headroom_bytes,
-        world_size=plan.world_size, gpus_per_node=gpus_per_node,
+        world_size=plan.world_size,
+        gpus_per_node=plan.node_gpus if gpus_per_node is None else gpus_per_node,
         hardware=hardware or plan_hardware(plan), strategy=plan.strategy,
         precision=Precision.of_plan(plan.mixed_precision), optimizer=plan.optimizer,
         grad_accum_steps=plan.grad_accum_steps, gradient_sync=plan.gradient_sync)

@@ -160,3 +160,28 @@ def test_readme_module_table_matches_the_tree():
                     if p.is_dir() and (p / "__init__.py").exists()}
         missing = sorted(present - named)
         assert not missing, f"README's {folder}/ row does not name {missing}"
+
+
+def test_the_plan_fields_are_declared_once():
+    """plan/schema.py ``FIELDS`` is the one list of a plan's top-level keys (DESIGN 0, issue
+    28): the ``Plan`` dataclass holds exactly those attributes in that order, and no module
+    writes the list out again: no other list or tuple of string literals names more than a
+    few of them (the writer's order and ``from_dict``'s arguments are derived from it)."""
+    from dataclasses import fields
+
+    from fsdp_plan.plan.document import Plan
+    from fsdp_plan.plan.schema import FIELDS
+
+    names = [f.name for f in FIELDS]
+    assert [f.name for f in fields(Plan)] == names
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "schema.py" and path.parent.name == "plan":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+                named = {e.value for e in node.elts if isinstance(e, ast.Constant)
+                         and isinstance(e.value, str)} & set(names)
+                if len(named) > 5:
+                    offenders.append((str(path.relative_to(PACKAGE)), node.lineno, len(named)))
+    assert not offenders, offenders

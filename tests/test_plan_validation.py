@@ -12,7 +12,6 @@ exception into a one-paragraph message.
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import tempfile
 import time
@@ -25,7 +24,7 @@ from fsdp_plan.cli import main as cli_main
 from fsdp_plan.cli.main import VERBS, main
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.measure.runtime import source_from_plan
-from fsdp_plan.plan.check import check_plan_document
+from fsdp_plan.plan.schema import check_plan_document
 from fsdp_plan.plan.document import Plan, read_plan
 from fsdp_plan.plan.read import MAX_PLAN_BYTES, parse_plan_text
 
@@ -43,15 +42,16 @@ def base_doc(tmp_path_factory) -> dict:
     checkpointing (at 2 MB it now fits without checkpointing, which costs a replay of each
     checkpointed block's ops), and forward prefetch: the first unit prefetches the next, by
     hand where the search chose none (on the h100 preset this step is the host's, so
-    prefetching buys it nothing), so that every field the table below breaks is there."""
+    prefetching buys it nothing; each unit the next, the uniform depth 1 every verb reads), so
+    that every field the table below breaks is there."""
     path = tmp_path_factory.mktemp("base") / "plan.yaml"
     assert main([LLAMA, *TINY, "--mem", "1.9MB", "--plan", str(path), "--format", "json"]) == 0
     doc = yaml.safe_load(path.read_text())
     doc["model"]["source"] = LLAMA  # absolute: the plans below live in other folders
     assert [u["modules"] for u in doc["units"]][-1] == [""] and len(doc["units"]) > 2
-    if not any(doc["forward_prefetch"].values()):
-        keys = [u["modules"][0] for u in doc["units"]]
-        doc["forward_prefetch"] = {keys[0]: [keys[1]]}
+    if not any(doc["forward_prefetch"].values()):  # each unit the next: a uniform depth
+        keys = [u["modules"][0] for u in doc["units"]][:-1]
+        doc["forward_prefetch"] = {a: [b] for a, b in zip(keys, keys[1:])}
     assert doc["activation_checkpointing"] and doc["forward_prefetch"]
     return doc
 
@@ -422,12 +422,13 @@ def test_version_2_simple_forms_are_read(base_doc):
     doc = edit(base_doc, lambda d: d.update(
         fsdp_plan_version=2, activation_checkpointing={"layers.0": "full", "layers.1": "full"},
         selective_ops=["aten.mm.default"], offload={"params": False, "optimizer": False},
-        grad_accum_steps=1, something_new={"added": "by another tool", 7: float("nan")},
-        created=datetime.date(2026, 11, 29)))
+        grad_accum_steps=1))
     plan = Plan.from_dict(doc)
     assert plan.fsdp_plan_version == 2
     assert plan.activation_checkpointing == ["layers.0", "layers.1"]
-    assert "something_new" not in plan.to_dict()  # unknown keys are dropped, never applied
+    # a key no fsdp-plan writes is refused, never dropped (issue 31, S4-10)
+    with pytest.raises(BadInput, match="something_new is not a key of a fsdp-plan plan"):
+        Plan.from_dict({**doc, "something_new": {"added": "by another tool"}})
 
 
 def test_a_unit_may_carry_its_own_precision(base_doc):

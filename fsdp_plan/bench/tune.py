@@ -31,7 +31,7 @@ from fsdp_plan.api import predict as predict_plan
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.facts.types import ModelFacts
-from fsdp_plan.plan.build import prefetch_depths, prefetch_maps
+from fsdp_plan.plan.prefetch import prefetch_depths, prefetch_maps
 from fsdp_plan.plan.document import Plan, Unit
 
 NOISE_FLOOR = 0.02

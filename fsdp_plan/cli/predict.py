@@ -88,13 +88,13 @@ def format_report(data: dict[str, Any]) -> str:
 
 
 def check_gpus_per_node(flag: int | None, plan: Plan) -> int:
-    """``--gpus-per-node``, else the plan's ``predicted.gpus_per_node`` (checked with the plan),
-    else 8: bounded as planning bounds it, and filling whole nodes at the plan's world size
+    """``--gpus-per-node``, else the plan's (``Plan.node_gpus``: ``gpus_per_node``, checked
+    with the plan, else 8 for a plan written before it was recorded): bounded as planning bounds it, and filling whole nodes at the plan's world size
     (issue 21, S3-04: 0 and -4 were taken, and a 70B step became 14 s)."""
     if flag is not None:
         check_count(flag, "--gpus-per-node", MAX_GPUS_PER_NODE,
                     "GPUs sharing one node's fast links: 8 on DGX/HGX, 72 in an NVL72 rack")
-    gpus_per_node = flag if flag is not None else int(plan.predicted.get("gpus_per_node") or 8)
+    gpus_per_node = flag if flag is not None else plan.node_gpus
     world = plan.world_size
     if world > gpus_per_node and world % gpus_per_node:
         raise BadInput(f"the plan's world_size {world} is not a multiple of "

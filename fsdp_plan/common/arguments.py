@@ -45,7 +45,9 @@ def require_whole(value: Any, what: str, low: int, high: int) -> int:
     ``BadInput`` naming ``what`` and the range for a value outside it."""
     require_type(value, int, what)
     if not low <= value <= high:
-        raise BadInput(f"{what} is {value}, outside {low:,}..{high:,}.")
+        shown = f"a {value.bit_length()}-bit number" if value.bit_length() > 64 else str(value)
+        raise BadInput(f"{what} is {shown}; it must be a whole number from {low:,} to "
+                       f"{high:,}.")
     return value
 
 

@@ -72,7 +72,7 @@ def config_gaps(shape: PlanShape) -> list[Gap]:
 def config(plan: Plan, shape: PlanShape, hook: bool) -> dict[str, Any]:
     """The ``accelerate launch --config_file`` document. With the hook, accelerate's own
     checkpointing and mixed precision are off (the policy applies them)."""
-    gpus_per_node = int(plan.predicted.get("gpus_per_node") or 8)
+    gpus_per_node = plan.node_gpus
     document: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "debug": False}
     if shape.strategy == "ddp":
         document["distributed_type"] = "MULTI_GPU"

@@ -53,7 +53,7 @@ def trainer_config(plan: Plan, shape: PlanShape) -> dict[str, Any]:
     """LightningCLI's ``trainer:`` section for the plan."""
     from fsdp_plan.policy_runtime import ddp_kwargs
 
-    gpus_per_node = min(shape.world_size, int(plan.predicted.get("gpus_per_node") or 8))
+    gpus_per_node = min(shape.world_size, plan.node_gpus)
     if shape.strategy == "ddp":
         strategy = {"class_path": "lightning.pytorch.strategies.DDPStrategy",
                     "init_args": ddp_kwargs(shape.ddp or {})}

@@ -21,6 +21,8 @@ from fsdp_plan.cost.units import unit_mixed_precision
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS, modes_mapping
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.plan.document import Mesh, Plan, Unit
+from fsdp_plan.plan.prefetch import prefetch_depths, prefetch_maps
+from fsdp_plan.plan.schema import needed_version
 from fsdp_plan.search.batching import throughput
 from fsdp_plan.search.candidate import Candidate, DDPDetail, Layout, OffloadDetail
 from fsdp_plan.search.request import PlanRequest
@@ -38,7 +40,7 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
         model={**request.source.to_plan_dict(), "params": facts.graph.total_numel,
                **({"digest": digest} if digest else {})},
         budget_bytes=request.budget_bytes, headroom_bytes=int(request.headroom_bytes or 0),
-        world_size=request.world_size, mesh=Mesh(replicate=best.replicate, shard=best.shard),
+        world_size=request.world_size, gpus_per_node=request.gpus_per_node, mesh=Mesh(replicate=best.replicate, shard=best.shard),
         strategy=best.strategy,
         units=[Unit(modules=u.modules, reshard_after_forward=u.reshard_after_forward,
                     mixed_precision=unit_mixed_precision(u, request.param_dtype))
@@ -49,9 +51,6 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
             if best.selective else best.checkpointed),
         selective_ops=list(selective_ops or DEFAULT_SELECTIVE_OPS) if best.selective else [],
         selective_mm_stride=best.layout.selective_mm_stride if best.selective else 1,
-        fsdp_plan_version=2 if (best.selective or best.strategy == "ddp" or offload
-                                or request.grad_accum_steps > 1 or request.compile_blocks
-                                or request.framework or request.autocast_dtype) else 1,
         framework=request.framework,
         forward_prefetch=forward, backward_prefetch=backward,
         mixed_precision={"param_dtype": request.param_dtype,
@@ -70,6 +69,7 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
     )
     if notes:
         plan.model["notes"] = list(notes)
+    plan.fsdp_plan_version = needed_version(plan.to_dict())  # plan/schema.py: one version rule
     plan.predicted.update(throughput_fields(best, facts, plan, request.hardware))
     if global_batch_size:
         plan.predicted["global_batch_size"] = global_batch_size
@@ -188,38 +188,6 @@ def layout_of(plan: Plan, facts: ModelFacts) -> Layout:
                   backward_prefetch=backward_depth,
                   offload=any((plan.offload or {}).values()),
                   selective_mm_stride=plan.selective_mm_stride if selective else 1)
-
-
-def prefetch_maps(unit_keys: list[str], forward_depth: int, backward_depth: int
-                  ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """The plan's explicit prefetch lists for prefetch depths over the non-root units.
-
-    Forward depth 1 makes each unit prefetch the next; backward depth 1 is FSDP2's implicit
-    prefetch (no lists); depth ``d > 1`` lists the ``d`` units before it in backward order."""
-    keys = [k for k in unit_keys if k]
-    forward = {}
-    if forward_depth:
-        forward = {a: keys[i + 1: i + 1 + forward_depth] for i, a in enumerate(keys)
-                   if keys[i + 1: i + 1 + forward_depth]}
-    backward = {}
-    if backward_depth > 1:
-        rev = list(reversed(keys))
-        backward = {a: rev[i + 1: i + 1 + backward_depth] for i, a in enumerate(rev)
-                    if rev[i + 1: i + 1 + backward_depth]}
-    return forward, backward
-
-
-def prefetch_depths(plan: Plan) -> tuple[int, int]:
-    """The prefetch depths whose lists (``prefetch_maps``) equal the plan's, or ``BadInput``."""
-    keys = [u.key for u in plan.units]
-    for fwd in range(4):
-        for bwd in range(1, 5):
-            if prefetch_maps(keys, fwd, bwd) == (plan.forward_prefetch, plan.backward_prefetch):
-                return fwd, bwd
-    raise BadInput("the plan's forward_prefetch/backward_prefetch lists are not a uniform depth "
-                   "(each unit prefetching the next d units in forward, or the d before it in "
-                   "backward); fsdp-plan predicts such uniform prefetch only. Write the lists as "
-                   "fsdp-plan does, or leave them empty.")
 
 
 def _block_example(blocks: list[str]) -> str:

@@ -1,32 +1,31 @@
-"""Validate a plan document (SPEC sections 3 and 6) in one place, before anything runs.
+"""Validate a plan document (SPEC sections 3 and 6-8): the checkers of its fields.
 
 A plan file is data that may come from anyone: ``fsdp_plan.plan.read`` reads it (size,
-encoding, tags, aliases), then ``check_plan_document`` checks every field the tools use:
-types (a bool is not an int; int fields refuse ``1.5``, ``.nan``, ``.inf`` and strings),
-ranges, the unit structure (children first, root last, each module in one unit), prefetch
-targets, the mesh against the world size and strategy, dtypes, the optimizer and the model
-recipe. It returns the normalised values ``Plan.from_dict`` builds its dataclasses from.
+encoding, tags, aliases), then plan/schema.py ``check_plan_document`` walks the fields it
+declares, each with its checker here: types (a bool is not an int; int fields refuse ``1.5``,
+``.nan``, ``.inf`` and strings), ranges, the unit structure (children first, root last, each
+module in one unit), prefetch targets and their uniform depth, the mesh against the world
+size and strategy, dtypes, the optimizer, the GPU and the model recipe. Each returns the
+normalised value ``Plan.from_dict`` stores.
 
 Every refusal is a ``BadInput`` (exit 2) naming the field path (``units[3].modules[0]``) and
-the fix, written for someone editing the plan file. Whether the named modules exist is
-checked later, once the model is built (``fsdp_plan.measure.runtime.check_model_matches``).
+the fix, written for someone editing the plan file, never a command-line flag. Whether the
+named modules exist is checked later, once the model is built
+(``fsdp_plan.measure.runtime.check_model_matches``).
 
-Unknown top-level keys are accepted (SPEC 3: others may add keys) and dropped: nothing reads
-them, so they cannot change what is applied. Version-2 fields that no part of fsdp-plan
-applies yet (DDP) are refused rather
-than silently ignored.
+Unknown keys are refused at every level with the closest known key named (issue 31, S4-10);
+only ``predicted``, the planner's report, keeps keys it does not know (other fsdp-plan
+versions wrote them), unless one is a near miss of a key readers look for.
 """
 
 from __future__ import annotations
 
 import copy
-import datetime
+import difflib
 import math
-import re
 from typing import Any
 
 from fsdp_plan.common.dtypes import PLAN_DTYPE_NAMES
-from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.limits import (
     MAX_BATCH_SIZE,
     MAX_BYTES,
@@ -36,26 +35,22 @@ from fsdp_plan.common.limits import (
     MAX_TOKENS,
     MAX_WORLD_SIZE,
 )
-from fsdp_plan.common.safe_yaml import MAX_DEPTH, MAX_NODES, clip
+from fsdp_plan.common.safe_yaml import clip
 from fsdp_plan.cost.comm_hooks import COMM_HOOKS, POWERSGD_DEFAULT_START_ITER
+from fsdp_plan.cost.hardware.hardware import GPUS
 from fsdp_plan.cost.hardware.stored import check_stored_block
 from fsdp_plan.cost.precision import OPTIMIZERS
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
+from fsdp_plan.plan.checker import Checker, closest, field, name_of, show
+from fsdp_plan.plan.prefetch import uniform_depths
 from fsdp_plan.search.candidate import GRADIENT_SYNCS, STRATEGIES
 from fsdp_plan.search.framework import FRAMEWORKS
 
-PLAN_VERSIONS = (1, 2)
 FSDP_STRATEGIES = tuple(s for s in STRATEGIES if s != "ddp")
 """Strategies of a sharded plan's ``strategy`` field (``ddp`` is checked on its own)."""
 MODEL_KINDS = ("file", "import", "hf-config")
 CHECKPOINT_MODES = ("full", "selective")
 
-MAX_NAME_CHARS = 4096
-
-KEPT_AS_WRITTEN = ("model", "predicted", "hardware")
-"""Sections the plan keeps beyond the fields checked one by one (the model's extra keys, the
-planner's report); they reach the policy module's ``PLAN`` literal, so they must be exact
-Python literals too. Unknown top-level keys are accepted (SPEC 3) and dropped."""
 _MESH_KEYS = ("replicate", "shard")
 _UNIT_KEYS = ("modules", "reshard_after_forward", "mixed_precision")
 _PRECISION_KEYS = ("param_dtype", "reduce_dtype")
@@ -65,188 +60,12 @@ MAX_MM_STRIDE = 1024
 _UNIT_PRECISION_KEYS = ("param_dtype", "reduce_dtype", "output_dtype")
 
 
-# --- describing values in messages ------------------------------------------------------------
-
-def show(value: Any) -> str:
-    """A short, safe description of a value read from the plan (never a huge repr)."""
-    if value is None:
-        return "null (empty)"
-    if isinstance(value, bool):
-        return f"{str(value).lower()} (a boolean)"
-    if isinstance(value, int):
-        if value.bit_length() > 128:
-            return f"a {value.bit_length()}-bit number"
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return ".nan (not a number)"
-        if math.isinf(value):
-            return ("" if value > 0 else "-") + ".inf (infinity)"
-        return f"{value!r} (a decimal number)"
-    if isinstance(value, str):
-        return f"{clip(value)!r} (a string)"
-    if isinstance(value, dict):
-        return "a mapping"
-    if isinstance(value, list):
-        return "a list"
-    return f"a value of type {type(value).__name__}"
-
-
-def name_of(value: Any) -> str:
-    """A module or key name as it appears in messages: quoted, clipped."""
-    return repr(clip(value)) if isinstance(value, str) else show(value)
-
-
-class _Checker:
-    """Raises ``BadInput("<where>: <path> <problem>; <fix>.")`` for one plan document."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def fail(self, path: str, problem: str, fix: str) -> BadInput:
-        return BadInput(f"{self.where}: {path} {problem}; {fix}.")
-
-    def mapping(self, value: Any, path: str, fix: str, *, optional: bool = False) -> dict:
-        if value is None and optional:
-            return {}
-        if not isinstance(value, dict):
-            raise self.fail(path, f"must be a mapping (key: value), got {show(value)}", fix)
-        for key in value:
-            if not isinstance(key, str):
-                raise self.fail(path, f"has the key {show(key)}; keys are names (strings)", fix)
-        return value
-
-    def sequence(self, value: Any, path: str, fix: str, *, optional: bool = False) -> list:
-        if value is None and optional:
-            return []
-        if not isinstance(value, list):
-            raise self.fail(path, f"must be a list, got {show(value)}", fix)
-        return value
-
-    def keys(self, value: dict, path: str, allowed: tuple[str, ...]) -> None:
-        unknown = [k for k in value if k not in allowed]
-        if unknown:
-            raise self.fail(field(path, unknown[0]), "is not a key fsdp-plan knows here",
-                            f"{path} takes only {', '.join(allowed)} (check the spelling)")
-
-    def integer(self, value: Any, path: str, low: int, high: int, what: str) -> int:
-        """A whole number in ``[low, high]``; ``what`` says what it counts and why the bounds."""
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(path, f"must be a whole number, got {show(value)}", what)
-        if not low <= value <= high:
-            raise self.fail(path, f"is {show(value)}, outside {low}..{high}", what)
-        return value
-
-    def number(self, value: Any, path: str, what: str) -> float | int:
-        """A finite, non-negative int or float."""
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
-                or isinstance(value, float) and not math.isfinite(value) or value < 0):
-            raise self.fail(path, f"must be a finite number >= 0, got {show(value)}", what)
-        return value
-
-    def string(self, value: Any, path: str, fix: str, *, allow_empty: bool = False) -> str:
-        if not isinstance(value, str):
-            raise self.fail(path, f"must be a string, got {show(value)}", fix)
-        if not value and not allow_empty:
-            raise self.fail(path, "is empty", fix)
-        if len(value) > MAX_NAME_CHARS or "\0" in value:
-            raise self.fail(path, f"is not a name (longer than {MAX_NAME_CHARS} characters or "
-                            "holding a NUL)", fix)
-        return value
-
-    def choice(self, value: Any, path: str, choices: tuple[str, ...], fix: str) -> str:
-        if not isinstance(value, str) or value not in choices:
-            raise self.fail(path, f"is {show(value)}, not one of {', '.join(choices)}", fix)
-        return value
-
-    def fqn(self, value: Any, path: str, *, root: bool) -> str:
-        """A module FQN as ``named_modules()`` spells it (``""`` only where the root may be)."""
-        fix = ("name a module by its dotted path as model.named_modules() spells it, e.g. "
-               "'layers.0'" + ("; the root is ''" if root else ""))
-        name = self.string(value, path, fix, allow_empty=True)
-        if name == "" and not root:
-            raise self.fail(path, "names the root module ''", "the root cannot be listed here; "
-                            "name submodules only")
-        if name and (name.startswith(".") or name.endswith(".") or ".." in name):
-            raise self.fail(path, f"is {name_of(name)}, not a dotted module path", fix)
-        return name
-
-
-def field(path: str, key: Any) -> str:
-    """``path.key`` for a plain key; ``path['odd key']`` (quoted, clipped) for any other, so a
-    key from the plan never puts control characters or line breaks into a message."""
-    if isinstance(key, str) and re.fullmatch(r"[A-Za-z_][\w-]{0,59}", key):
-        return f"{path}.{key}" if path else key
-    return f"{path}[{clip(key)!r}]" if isinstance(key, str) else f"{path}[{show(key)}]"
-
-
 def _ancestors(fqn: str) -> list[str]:
     parts = fqn.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts))] if fqn else []
 
 
-def _is_unicode(text: str) -> bool:
-    """False for strings holding lone surrogates (YAML's "\\ud800" escapes): they cannot be
-    printed or written as UTF-8."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _walk_plain(check: _Checker, raw: Any) -> None:
-    """Refuse values that are not YAML plain data: cycles, too deep, too many, odd types.
-
-    In ``KEPT_AS_WRITTEN`` numbers must also be finite, dates are refused and mapping keys
-    are strings; the other sections have their own checks, and unknown keys, which are
-    dropped, only need to be plain. Shared sub-values are visited each
-    time they appear (as every consumer would), so the count bounds the work of anything that
-    walks the document."""
-    count = 0
-    stack: list[tuple[Any, str, int, tuple[int, ...], bool]] = [(raw, "", 0, (), False)]
-    while stack:
-        value, path, depth, parents, kept = stack.pop()
-        count += 1
-        if count > MAX_NODES:
-            raise check.fail("the document", f"holds more than {MAX_NODES:,} values",
-                             "a plan holds a few thousand; write it again with fsdp-plan --plan")
-        if depth > MAX_DEPTH:
-            raise check.fail(path or "the document", f"nests more than {MAX_DEPTH} levels deep",
-                             "a plan nests 4 deep; flatten it")
-        if isinstance(value, (dict, list)):
-            if id(value) in parents:
-                raise check.fail(path or "the document", "contains itself (a recursive alias)",
-                                 "a plan is a tree of plain values; remove the alias")
-            inner = (*parents, id(value))
-            if isinstance(value, list):
-                stack.extend((v, f"{path}[{i}]", depth + 1, inner, kept)
-                             for i, v in enumerate(value))
-                continue
-            for key, item in value.items():
-                if isinstance(key, str) and not _is_unicode(key):
-                    raise check.fail(path or "the document",
-                                     f"has a key that is not valid Unicode ({clip(key)!a})",
-                                     "remove the \\ud800-style escape")
-                if not isinstance(key, str) and kept:
-                    raise check.fail(path or "the document", f"has the key {show(key)}",
-                                     "keys in a plan are names (strings); quote it")
-                item_path = field(path, key)
-                stack.append((item, item_path, depth + 1, inner,
-                              kept or (depth == 0 and key in KEPT_AS_WRITTEN)))
-        elif isinstance(value, str) and not _is_unicode(value):
-            raise check.fail(path, f"is not valid Unicode text ({clip(value)!a})",
-                             "remove the \\ud800-style escape (a lone surrogate)")
-        elif isinstance(value, float) and kept and not math.isfinite(value):
-            raise check.fail(path, f"is {show(value)}", "a plan holds finite numbers only")
-        elif isinstance(value, (datetime.date, datetime.datetime)) and not kept:
-            continue
-        elif not isinstance(value, (str, int, float, bool)) and value is not None:
-            raise check.fail(path, f"is {show(value)}", "a plan holds only mappings, lists, "
-                             "strings, numbers, booleans and null (quote dates)")
-
-
-def _plain_arg(check: _Checker, value: Any, path: str) -> Any:
+def _plain_arg(check: Checker, value: Any, path: str) -> Any:
     """A model argument: a scalar, or a list/mapping of them (as ``--model-arg`` and YAML give)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise check.fail(path, f"is {show(value)}", "a model argument is a finite number; quote "
@@ -263,58 +82,11 @@ def _plain_arg(check: _Checker, value: Any, path: str) -> Any:
 
 
 # --- the checks, section by section -----------------------------------------------------------
+# Each field's checker takes (check, value as written or the field's default, the fields
+# checked so far) and returns the value ``Plan`` stores; plan/schema.py ``FIELDS`` says which
+# checker reads which field, in what order, and from which plan version.
 
-def check_plan_document(raw: Any, where: str = "plan") -> dict[str, Any]:
-    """Validate a plan document; returns the values ``Plan.from_dict`` stores (plain data)."""
-    check = _Checker(where)
-    if not isinstance(raw, dict):
-        raise BadInput(f"{where} is not a fsdp-plan plan file (expected a YAML mapping of keys "
-                       f"such as fsdp_plan_version, model and units, got {show(raw)}).")
-    _walk_plain(check, raw)
-    version = raw.get("fsdp_plan_version")
-    if isinstance(version, bool) or version not in PLAN_VERSIONS:
-        if version is None:
-            raise BadInput(f"{where} has no fsdp_plan_version key; it is not a fsdp-plan plan "
-                           "file. Write one with fsdp-plan MODEL ... --plan PLAN.yaml.")
-        raise BadInput(f"{where} has fsdp_plan_version {show(version)}; this fsdp-plan reads "
-                       "version 1 and version 2 plans. Re-run fsdp-plan to write a current plan.")
-    missing = [k for k in ("model", "budget_bytes", "world_size", "mesh", "units") if k not in raw]
-    if missing:
-        raise BadInput(f"{where} lacks the keys {', '.join(missing)}; it is not a complete plan "
-                       "(SPEC 3 lists them). Re-run fsdp-plan --plan to write one.")
-    out: dict[str, Any] = {"fsdp_plan_version": version}
-    out["model"] = _check_model(check, raw["model"])
-    out.update(_check_budget(check, raw))
-    out.update(_check_mesh(check, raw))
-    out["units"] = _check_units(check, raw["units"])
-    out["strategy"] = _check_strategy(check, raw, out["replicate"], out["shard"], out["units"])
-    out["activation_checkpointing"], out["selective_ops"] = _check_checkpointing(check, raw,
-                                                                                version)
-    keys = {unit[0][0] for unit in out["units"]}
-    for kind in ("forward_prefetch", "backward_prefetch"):
-        out[kind] = _check_prefetch(check, raw.get(kind), kind, keys)
-    out["mixed_precision"] = _check_precision(check, raw.get("mixed_precision"),
-                                              keys=_PLAN_PRECISION_KEYS)
-    _check_autocast(check, out["mixed_precision"], version)
-    out["selective_mm_stride"] = _check_mm_stride(check, raw.get("selective_mm_stride", 1),
-                                                  version)
-    out["optimizer"] = check.choice(raw.get("optimizer", "adamw"), "optimizer", OPTIMIZERS,
-                                    "set optimizer to the one the training script uses")
-    gpu = raw.get("gpu", "h100")
-    out["gpu"] = check.string(gpu, "gpu", "name the GPU the plan was made for, e.g. h100")
-    out["hardware"] = (check_stored_block(raw["hardware"], where)
-                       if raw.get("hardware") is not None else None)
-    out["predicted"] = _check_predicted(check, raw.get("predicted"))
-    out["ddp"] = _check_ddp(check, raw.get("ddp"), out["strategy"])
-    out["grad_accum_steps"], out["gradient_sync"] = _check_accumulation(check, raw)
-    out["offload"] = _check_offload(check, raw.get("offload"), version)
-    out["compile"] = _check_compile(check, raw.get("compile"), version)
-    out["framework"] = _check_framework(check, raw.get("framework"), version)
-    _refuse_unapplied(check, raw)
-    return out
-
-
-def _check_compile(check: _Checker, value: Any, version: int) -> dict[str, Any] | None:
+def check_compile(check: Checker, value: Any, out: dict) -> dict[str, Any] | None:
     """``compile: {blocks: true, activation_memory_budget: B | null, modules: [FQN, ...]}``
     (SPEC 7, version 2); None when absent or ``blocks: false``."""
     if value is None:
@@ -329,8 +101,6 @@ def _check_compile(check: _Checker, value: Any, version: int) -> dict[str, Any] 
                          "write true or false")
     if not blocks:
         return None
-    if version < 2:
-        raise check.fail("compile", "needs fsdp_plan_version: 2", "set fsdp_plan_version: 2")
     budget = mapping.get("activation_memory_budget")
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not 0 <= budget <= 1):
@@ -348,29 +118,22 @@ def _check_compile(check: _Checker, value: Any, version: int) -> dict[str, Any] 
             "modules": list(modules)}
 
 
-def _check_framework(check: _Checker, framework: Any, version: int) -> str | None:
+def check_framework(check: Checker, framework: Any, out: dict) -> str | None:
     """``framework: accelerate`` (SPEC 7, version 2): the framework the plan was made for
     (``--framework``); export writes its files by default. None when absent."""
     if framework is None:
         return None
     fix = (f"framework names the framework the plan was made for, one of {', '.join(FRAMEWORKS)}"
            "; remove it for a plan made for none")
-    check.choice(framework, "framework", FRAMEWORKS, fix)
-    if version < 2:
-        raise check.fail("framework", "needs fsdp_plan_version: 2", fix)
-    return framework
+    return check.choice(framework, "framework", FRAMEWORKS, fix)
 
 
-def _check_offload(check: _Checker, offload: Any, version: int) -> dict[str, bool] | None:
+def check_offload(check: Checker, offload: Any, out: dict) -> dict[str, bool] | None:
     """``offload: {params: bool, optimizer: bool}`` (SPEC 6); None when absent or all false.
     FSDP2's ``CPUOffloadPolicy`` moves parameters, gradients and optimizer states together.
-    A version-2 field, refused in a version-1 plan as the checkpointing mapping is (issue 21,
-    S3-28)."""
+    A version-2 field, refused in a version-1 plan even when all false (issue 21, S3-28)."""
     if offload is None:
         return None
-    if version < 2:
-        raise check.fail("offload", "is set in a version-1 plan", "offload needs "
-                         "fsdp_plan_version: 2; write that, or remove offload")
     mapping = check.mapping(offload, "offload", "offload is {params: bool, optimizer: bool}")
     check.keys(mapping, "offload", ("params", "optimizer"))
     for key, flag in mapping.items():
@@ -386,10 +149,17 @@ def _check_offload(check: _Checker, offload: Any, version: int) -> dict[str, boo
     return flags if flags["params"] else None
 
 
-def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
+MODEL_KEYS = ("source", "entry", "args", "batch_size", "seq_len", "kind", "params", "digest",
+              "notes", "grad_accum_steps")
+"""What ``model`` may hold: the recipe (model/source.py ``to_plan_dict``), what the planner
+adds (``params``, ``digest``, ``notes``), and the key plans before accumulation had."""
+
+
+def check_model(check: Checker, value: Any, out: dict) -> dict[str, Any]:
     fix = ("model records how to rebuild the planned model: {source: path/to/model.py, entry: "
            "build_model, args: {...}, batch_size: 1, seq_len: 4096}")
     model = check.mapping(value, "model", fix)
+    check.keys(model, "model", MODEL_KEYS)
     if "source" not in model:
         raise check.fail("model", "has no source", "add source: path/to/model.py (the model "
                          "file the plan was made for), or pass the model as MODEL")
@@ -440,25 +210,46 @@ def _check_model(check: _Checker, value: Any) -> dict[str, Any]:
     return checked
 
 
-def _check_budget(check: _Checker, raw: dict) -> dict[str, Any]:
-    budget = check.integer(raw["budget_bytes"], "budget_bytes", 1, MAX_BYTES,
-                           "budget_bytes is the per-GPU memory budget in bytes: a whole number "
-                           "from 1 to 2**60 (more than any GPU holds), e.g. 80000000000")
-    headroom = check.integer(raw.get("headroom_bytes", 0), "headroom_bytes", 0, budget - 1,
-                             "headroom_bytes is the part of budget_bytes kept free: a whole "
-                             "number of bytes from 0 to budget_bytes - 1")
-    world = check.integer(raw["world_size"], "world_size", 1, MAX_WORLD_SIZE,
-                          f"world_size is the number of GPUs the plan is for: a whole number from "
-                          f"1 to {MAX_WORLD_SIZE} (2**20); verify simulates that many ranks in "
-                          "one process and no real cluster has more than a million GPUs")
-    return {"budget_bytes": budget, "headroom_bytes": headroom, "world_size": world}
+def check_budget(check: Checker, value: Any, out: dict) -> int:
+    return check.integer(value, "budget_bytes", 1, MAX_BYTES,
+                         "budget_bytes is the per-GPU memory budget in bytes: a whole number "
+                         "from 1 to 2**60 (more than any GPU holds), e.g. 80000000000")
 
 
-def _check_mesh(check: _Checker, raw: dict) -> dict[str, Any]:
+def check_headroom(check: Checker, value: Any, out: dict) -> int:
+    return check.integer(value, "headroom_bytes", 0, out["budget_bytes"] - 1,
+                         "headroom_bytes is the part of budget_bytes kept free: a whole "
+                         "number of bytes from 0 to budget_bytes - 1")
+
+
+def check_world_size(check: Checker, value: Any, out: dict) -> int:
+    return check.integer(value, "world_size", 1, MAX_WORLD_SIZE,
+                         f"world_size is the number of GPUs the plan is for: a whole number from "
+                         f"1 to {MAX_WORLD_SIZE} (2**20); verify simulates that many ranks in "
+                         "one process and no real cluster has more than a million GPUs")
+
+
+def check_gpus_per_node(check: Checker, value: Any, out: dict,
+                        path: str = "gpus_per_node") -> int | None:
+    """``gpus_per_node`` (SPEC 8): bounded as ``--gpus-per-node`` is, and nodes full at the
+    plan's world size; None when absent (a plan written before it was recorded)."""
+    if value is None:
+        return None
+    what = (f"gpus_per_node is the GPUs sharing one node's fast links: a whole number from 1 "
+            f"to {MAX_GPUS_PER_NODE}, e.g. 8")
+    gpus = check.integer(value, path, 1, MAX_GPUS_PER_NODE, what)
+    world = out["world_size"]
+    if world > gpus and world % gpus:
+        raise check.fail(path, f"is {gpus}, which does not divide world_size {world}",
+                         "nodes are full: write a gpus_per_node that divides world_size")
+    return gpus
+
+
+def check_mesh(check: Checker, value: Any, out: dict) -> dict[str, int]:
     fix = "mesh is {replicate: R, shard: S} with R * S = world_size (replicate: 1 is plain FSDP)"
-    mesh = check.mapping(raw["mesh"], "mesh", fix)
+    mesh = check.mapping(value, "mesh", fix)
     check.keys(mesh, "mesh", _MESH_KEYS)
-    world = raw["world_size"]
+    world = out["world_size"]
     replicate = check.integer(mesh.get("replicate", 1), "mesh.replicate", 1, MAX_WORLD_SIZE, fix)
     shard = check.integer(mesh.get("shard", world), "mesh.shard", 1, MAX_WORLD_SIZE, fix)
     if replicate * shard != world:
@@ -467,8 +258,8 @@ def _check_mesh(check: _Checker, raw: dict) -> dict[str, Any]:
     return {"replicate": replicate, "shard": shard}
 
 
-def _check_units(check: _Checker, value: Any
-                 ) -> list[tuple[list[str], bool, dict[str, str | None] | None]]:
+def check_units(check: Checker, value: Any, out: dict
+                ) -> list[tuple[list[str], bool, dict[str, str | None] | None]]:
     fix = ("units is the list of fully_shard calls, children first and the root last, e.g. "
            "[{modules: [layers.0], reshard_after_forward: true}, {modules: [''], "
            "reshard_after_forward: false}]")
@@ -522,17 +313,17 @@ def _check_units(check: _Checker, value: Any
     return out
 
 
-def _check_strategy(check: _Checker, raw: dict, replicate: int, shard: int,
-                    units: list[tuple[list[str], bool, Any]]) -> str:
+def check_strategy(check: Checker, value: Any, out: dict) -> str:
     """``strategy`` against the mesh and resharding, accepting what the planner writes
     (``search/fsdp.meshes_for``: full and grad-op shard over all ranks, none replicates, hybrid
     may have one replica when the world fits in a node); absent, it follows from the mesh."""
-    if "strategy" not in raw or raw["strategy"] is None:
+    replicate, shard, units = out["mesh"]["replicate"], out["mesh"]["shard"], out["units"]
+    if value is None:
         return "hybrid" if replicate > 1 and shard > 1 else "none" if shard == 1 < replicate \
             else "full"
-    if raw["strategy"] == "ddp":
+    if value == "ddp":
         return _check_ddp_strategy(check, shard, units)
-    strategy = check.choice(raw["strategy"], "strategy", FSDP_STRATEGIES,
+    strategy = check.choice(value, "strategy", FSDP_STRATEGIES,
                             "full (FULL_SHARD), hybrid (HSDP), grad-op (SHARD_GRAD_OP) or none")
     if strategy in ("full", "grad-op") and replicate != 1:
         raise check.fail("strategy", f"is {strategy} but mesh.replicate is {replicate}",
@@ -552,16 +343,11 @@ def _check_strategy(check: _Checker, raw: dict, replicate: int, shard: int,
     return strategy
 
 
-def _check_checkpointing(check: _Checker, raw: dict, version: int
-                         ) -> tuple[list[str] | dict[str, str], list[str]]:
-    """The checkpointed FQNs as written (a list, or a mapping to full | selective) and the
-    ``selective_ops``; a selective module needs at least one op to save."""
-    value = raw.get("activation_checkpointing")
+def check_checkpointing(check: Checker, value: Any, out: dict) -> list[str] | dict[str, str]:
+    """The checkpointed FQNs as written: a list, or (version 2) a mapping to full | selective,
+    read as the list when no module is selective."""
     path = "activation_checkpointing"
     if isinstance(value, dict):
-        if version < 2:
-            raise check.fail(path, "is a mapping", "a mapping {FQN: full | selective} needs "
-                             "fsdp_plan_version: 2; in version 1 list the FQNs")
         check.mapping(value, path, "map module FQNs to full or selective")
         selective = []
         for name, mode in value.items():
@@ -582,7 +368,16 @@ def _check_checkpointing(check: _Checker, raw: dict, version: int
                                  "list each checkpointed module once")
             seen.add(name)
         selective = []
-    ops = raw.get("selective_ops")
+    if isinstance(names, dict) and selective:
+        return names
+    return list(names)  # every module full: the version-1 list, applied the same
+
+
+def check_selective_ops(check: Checker, ops: Any, out: dict) -> list[str]:
+    """The ops selective checkpointing saves; a selective module needs at least one."""
+    modes = out["activation_checkpointing"]
+    selective = [m for m, mode in modes.items() if mode == "selective"] if isinstance(
+        modes, dict) else []
     op_names = []
     for i, op in enumerate(check.sequence(ops, "selective_ops", "list op names such as "
                                           "aten.mm.default", optional=True)):
@@ -600,9 +395,7 @@ def _check_checkpointing(check: _Checker, raw: dict, version: int
         raise check.fail(f"activation_checkpointing[{clip(selective[0])!r}]", "is selective "
                          "but selective_ops lists no ops", "list the ops whose outputs are "
                          "saved, e.g. selective_ops: [aten.mm.default]")
-    if isinstance(names, dict) and selective:
-        return names, op_names
-    return list(names), op_names  # every module full: the version-1 list, applied the same
+    return op_names
 
 
 def _is_op(name: str) -> bool:
@@ -618,16 +411,14 @@ def _is_op(name: str) -> bool:
     return bool(resolve_ops([name]))
 
 
-def _check_autocast(check: _Checker, precision: dict[str, str | None], version: int) -> None:
-    """``mixed_precision.autocast_dtype`` (SPEC 7): version 2, a dtype autocast computes in,
-    with float32 parameters (FSDP keeps them; autocast casts per op)."""
+def check_plan_precision(check: Checker, value: Any, out: dict) -> dict[str, str | None]:
+    """The plan's ``mixed_precision``; its ``autocast_dtype`` (SPEC 7, version 2) is a dtype
+    autocast computes in, with float32 parameters (FSDP keeps them; autocast casts per op)."""
+    precision = _check_precision(check, value, keys=_PLAN_PRECISION_KEYS)
     dtype = precision.get("autocast_dtype")
     if dtype is None:
-        return
+        return precision
     path = "mixed_precision.autocast_dtype"
-    if version < 2:
-        raise check.fail(path, "needs fsdp_plan_version: 2", "write fsdp_plan_version: 2, or "
-                         "remove autocast_dtype to compute in param_dtype")
     check.choice(dtype, path, AUTOCAST_DTYPE_NAMES, "torch.autocast computes in bfloat16 or "
                  "float16; remove the key to compute in float32")
     param = precision.get("param_dtype")
@@ -635,21 +426,38 @@ def _check_autocast(check: _Checker, precision: dict[str, str | None], version: 
         raise check.fail("mixed_precision.param_dtype", f"is {param!r} beside "
                          f"autocast_dtype {dtype!r}", "under autocast FSDP keeps float32 "
                          "parameters: write param_dtype: float32 (autocast casts per op)")
+    return precision
 
 
-def _check_mm_stride(check: _Checker, value: Any, version: int) -> int:
+def check_mm_stride(check: Checker, value: Any, out: dict) -> int:
     """``selective_mm_stride`` (SPEC 7): save every k-th ``aten.mm`` of a selective block."""
-    stride = check.integer(value, "selective_mm_stride", 1, MAX_MM_STRIDE,
+    return check.integer(value, "selective_mm_stride", 1, MAX_MM_STRIDE,
                            "selective_mm_stride k saves the 1st, (k+1)th, ... aten.mm of a "
                            "selectively checkpointed block (1 saves every one; torchtitan's op "
                            "policy is 2)")
-    if stride != 1 and version < 2:
-        raise check.fail("selective_mm_stride", "needs fsdp_plan_version: 2",
-                         "write fsdp_plan_version: 2, or remove selective_mm_stride")
-    return stride
 
 
-def _check_prefetch(check: _Checker, value: Any, kind: str, keys: set[str]) -> dict[str, list[str]]:
+def check_forward_prefetch(check: Checker, value: Any, out: dict) -> dict[str, list[str]]:
+    return _check_prefetch(check, value, "forward_prefetch", {u[0][0] for u in out["units"]})
+
+
+def check_backward_prefetch(check: Checker, value: Any, out: dict) -> dict[str, list[str]]:
+    """The backward lists, and both kinds together a uniform depth (plan/prefetch.py): what
+    fsdp-plan plans, predicts and tunes; emit, predict, verify, bench, export and tune all
+    refuse the rest here, naming the field (issue 31, S4-20)."""
+    backward = _check_prefetch(check, value, "backward_prefetch",
+                               {u[0][0] for u in out["units"]})
+    keys = [u[0][0] for u in out["units"]]
+    if uniform_depths(keys, out["forward_prefetch"], backward) is None:
+        raise check.fail("forward_prefetch", "and backward_prefetch are not a uniform depth",
+                         "fsdp-plan plans, predicts and tunes uniform prefetch only: each unit "
+                         "prefetching the next d units in forward (forward_prefetch), or the d "
+                         "before it in backward (backward_prefetch, d > 1); write the lists as "
+                         "fsdp-plan does, or leave them empty")
+    return backward
+
+
+def _check_prefetch(check: Checker, value: Any, kind: str, keys: set[str]) -> dict[str, list[str]]:
     fix = (f"{kind} maps a unit key (a unit's first module) to the unit keys it prefetches, "
            "e.g. {layers.0: [layers.1]}")
     mapping = check.mapping(value, kind, fix, optional=True)
@@ -674,7 +482,7 @@ def _check_prefetch(check: _Checker, value: Any, kind: str, keys: set[str]) -> d
     return out
 
 
-def _check_precision(check: _Checker, value: Any, path: str = "mixed_precision",
+def _check_precision(check: Checker, value: Any, path: str = "mixed_precision",
                      keys: tuple[str, ...] = _PRECISION_KEYS) -> dict[str, str | None]:
     """The plan's ``mixed_precision`` (or a unit's own, which may also set ``output_dtype``)."""
     fix = "mixed_precision is {param_dtype: bfloat16, reduce_dtype: float32} (null keeps fp32)"
@@ -690,18 +498,33 @@ def _check_precision(check: _Checker, value: Any, path: str = "mixed_precision",
     return out
 
 
-def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
+PREDICTED_KEYS = ("peak_bytes", "collectives_per_step", "collectives_per_step_fsdp1",
+                  "step_time_s", "exposed_comm_s", "comm_tail_s", "hidden_comm_s", "phases_s",
+                  "compute_s", "total_comm_s", "peak_phase", "breakdown", "units",
+                  "activation_checkpointing", "buckets", "host_bytes", "tokens_per_s", "mfu",
+                  "global_batch_size", "measured_peak_bytes", "gpus_per_node")
+"""What fsdp-plan writes under ``predicted`` (plan/build.py, api.py) and read there before
+(``gpus_per_node``, now a top-level field)."""
+
+
+def check_predicted(check: Checker, value: Any, out: dict) -> dict[str, Any]:
     """The numbers predict, verify, bench and ``bench --refit`` read or compute with are checked
-    (issue 21, S3-21); the rest is the planner's report."""
+    (issue 21, S3-21); the rest is the planner's report. The report is read as written, keys of
+    other fsdp-plan versions included (SPEC: earlier plans stay readable), except a key one
+    letter or so from a known one (``peak_byte``): that is a misspelling whose figure every
+    reader would miss (issue 31, S4-10)."""
     fix = "predicted is what the planner wrote; re-plan to get it back, or remove the key"
     predicted = check.mapping(value, "predicted", fix, optional=True)
+    for key in predicted:
+        near = difflib.get_close_matches(key, PREDICTED_KEYS, n=1, cutoff=0.85)
+        if key not in PREDICTED_KEYS and near:
+            raise check.fail(field("predicted", key), "is not a key fsdp-plan writes",
+                             f"did you mean {near[0]}? Fix the spelling, or remove it")
     if predicted.get("peak_bytes") is not None:
         check.integer(predicted["peak_bytes"], "predicted.peak_bytes", 0, MAX_BYTES,
                       "peak_bytes is a whole number of bytes >= 0")
-    if predicted.get("gpus_per_node") is not None:  # predict reads it (issue 21, S3-04)
-        check.integer(predicted["gpus_per_node"], "predicted.gpus_per_node", 1,
-                      MAX_GPUS_PER_NODE, f"gpus_per_node is the GPUs sharing one node's fast "
-                      f"links: a whole number from 1 to {MAX_GPUS_PER_NODE}, e.g. 8")
+    # predict read it before plans recorded gpus_per_node (issue 21, S3-04)
+    check_gpus_per_node(check, predicted.get("gpus_per_node"), out, "predicted.gpus_per_node")
     for key in ("step_time_s", "exposed_comm_s", "hidden_comm_s", "comm_tail_s", "compute_s",
                 "total_comm_s"):
         if predicted.get(key) is not None:
@@ -730,23 +553,40 @@ def _check_predicted(check: _Checker, value: Any) -> dict[str, Any]:
     return copy.deepcopy(predicted)
 
 
+def check_accum_steps(check: Checker, value: Any, out: dict) -> int:
+    """``grad_accum_steps``: micro-batches per optimizer step."""
+    return check.integer(value, "grad_accum_steps", 1, MAX_GRAD_ACCUM_STEPS, "grad_accum_steps "
+                         "counts micro-batches per optimizer step: a whole number >= 1")
 
 
-def _check_accumulation(check: _Checker, raw: dict) -> tuple[int, str]:
-    """``grad_accum_steps`` (micro-batches per optimizer step) and ``gradient_sync``: reduce
-    gradients after ``every`` micro-batch, or only the ``last`` (``prepare_microbatch``)."""
-    steps = raw.get("grad_accum_steps", 1)
-    check.integer(steps, "grad_accum_steps", 1, MAX_GRAD_ACCUM_STEPS, "grad_accum_steps counts micro-batches "
-                  "per optimizer step: a whole number >= 1")
-    sync = check.choice(raw.get("gradient_sync", "every"), "gradient_sync", GRADIENT_SYNCS,
-                        "every reduces gradients after each micro-batch, last only after the "
-                        "last one")
-    return steps, sync
+def check_gradient_sync(check: Checker, value: Any, out: dict) -> str:
+    """``gradient_sync``: reduce gradients after ``every`` micro-batch, or only the ``last``
+    (``prepare_microbatch``)."""
+    return check.choice(value, "gradient_sync", GRADIENT_SYNCS, "every reduces gradients after "
+                        "each micro-batch, last only after the last one")
 
 
-def _refuse_unapplied(check: _Checker, raw: dict) -> None:
-    """Version-2 features nothing in this fsdp-plan applies: refused, never silently ignored."""
-    # grad_accum_steps and gradient_sync are read by _check_accumulation.
+def check_optimizer(check: Checker, value: Any, out: dict) -> str:
+    return check.choice(value, "optimizer", OPTIMIZERS,
+                        "set optimizer to the one the training script uses")
+
+
+def check_gpu(check: Checker, value: Any, out: dict) -> str:
+    """The GPU the plan was made for: a bundled preset, whose figures time the plan; any
+    other name (a calibrated machine's) only beside the ``hardware`` figures it names, which
+    time the plan instead (issue 31, S4-20: ``gpu: </script>`` was emitted, then predict
+    refused it as an unknown ``--gpu`` that nobody gave)."""
+    gpu = check.string(value, "gpu", "name the GPU the plan was made for, e.g. h100")
+    if out["hardware"] is None and gpu.lower() not in GPUS:
+        raise check.fail("gpu", f"is {name_of(gpu)}, which is no bundled GPU preset",
+                         f"{closest(gpu.lower(), list(GPUS))}name one of {', '.join(GPUS)}, or "
+                         "keep the hardware figures the plan was made with (plan with "
+                         "--hardware HW.yaml)")
+    return gpu
+
+
+def check_hardware(check: Checker, value: Any, out: dict) -> dict[str, Any] | None:
+    return None if value is None else check_stored_block(value, check.where)
 
 
 # --- DDP (SPEC 6) -----------------------------------------------------------------------------
@@ -759,7 +599,7 @@ MAX_POWERSGD_START_ITER = 1 << 40
 MAX_BUCKET_MB = 1 << 20
 
 
-def _check_ddp_strategy(check: _Checker, shard: int,
+def _check_ddp_strategy(check: Checker, shard: int,
                         units: list[tuple[list[str], bool, Any]]) -> str:
     """A DDP plan replicates everything: mesh ``{replicate: world_size, shard: 1}`` and the
     root as its one "unit"."""
@@ -772,12 +612,13 @@ def _check_ddp_strategy(check: _Checker, shard: int,
     return "ddp"
 
 
-def _check_ddp(check: _Checker, value: Any, strategy: str) -> dict[str, Any] | None:
+def check_ddp(check: Checker, value: Any, out: dict) -> dict[str, Any] | None:
     """The ``ddp`` mapping: bucket caps in MiB (as ``bucket_cap_mb``), booleans, the optional
     ``comm_hook`` (a kind of cost/comm_hooks.py) and, for ``powersgd``, its ``powersgd: {rank,
     start_iter}``; only with ``strategy: ddp`` (defaults filled in when it is absent)."""
     fix = ("ddp is {bucket_cap_mb: 25, first_bucket_mb: 1, gradient_as_bucket_view: true, "
            "static_graph: false, find_unused_parameters: false}")
+    strategy = out["strategy"]
     if strategy != "ddp":
         if value is not None:
             raise check.fail("ddp", f"is present but strategy is {strategy}",
@@ -819,7 +660,7 @@ def _check_ddp(check: _Checker, value: Any, strategy: str) -> dict[str, Any] | N
     return out
 
 
-def _check_powersgd(check: _Checker, value: Any) -> dict[str, int]:
+def _check_powersgd(check: Checker, value: Any) -> dict[str, int]:
     """PowerSGD's ``matrix_approximation_rank`` and ``start_powerSGD_iter``."""
     mapping = check.mapping(value, "ddp.powersgd", "ddp.powersgd is {rank: 1, start_iter: "
                             f"{POWERSGD_DEFAULT_START_ITER}}}", optional=True)

@@ -14,7 +14,7 @@ import yaml
 
 from fsdp_plan.common.files import atomic_write_all, atomic_write_text, check_writable  # noqa: F401
 from fsdp_plan.common.limits import budget_limit
-from fsdp_plan.plan.check import check_plan_document
+from fsdp_plan.plan.schema import FIELDS, check_plan_document, needed_version
 from fsdp_plan.plan.read import read_plan_document
 
 PLAN_VERSION = 1
@@ -53,16 +53,24 @@ class Mesh:
 class Plan:
     """Everything a training script needs to apply a plan, plus what the planner predicted."""
 
+    fsdp_plan_version: int = PLAN_VERSION
     model: dict[str, Any]
     budget_bytes: int
+    headroom_bytes: int = 0
     world_size: int
+    gpus_per_node: int | None = None
+    """GPUs per node the plan was made for (``--gpus-per-node``, SPEC 8): which collectives
+    cross nodes, and how ``export`` lays out machines; None (a plan written before it was
+    recorded) reads as ``predicted.gpus_per_node``, else 8 (``node_gpus``)."""
     mesh: Mesh
-    units: list[Unit]
     strategy: str = "full"
+    framework: str | None = None
+    """The framework the plan was made for (``--framework``, version 2): ``export`` writes its
+    files by default; None: none named."""
+    units: list[Unit]
     ddp: dict[str, Any] | None = None
     """``DistributedDataParallel`` arguments (SPEC 6) when ``strategy`` is ``ddp``: bucket_cap_mb,
     first_bucket_mb, gradient_as_bucket_view, static_graph, find_unused_parameters."""
-    headroom_bytes: int = 0
     activation_checkpointing: list[str] | dict[str, str] = field(default_factory=list)
     """FQNs fully checkpointed (a list, version 1), or ``{FQN: full | selective}`` (version 2)."""
     selective_ops: list[str] = field(default_factory=list)
@@ -79,7 +87,6 @@ class Plan:
     hardware: dict[str, Any] | None = None
     """The figures the plan was predicted with and where they came from, when they are not a
     bundled preset's (hardware/stored.py [Note: plans keep their hardware])."""
-    predicted: dict[str, Any] = field(default_factory=dict)
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step (``model.batch_size`` samples each, per rank)."""
     gradient_sync: str = "every"
@@ -91,10 +98,15 @@ class Plan:
     """``{blocks: true, activation_memory_budget: B | null, modules: [FQN, ...]}``: the listed
     repeated blocks run ``torch.compile(block.forward, fullgraph=True)`` (SPEC 7, version 2);
     None: eager."""
-    framework: str | None = None
-    """The framework the plan was made for (``--framework``, version 2): ``export`` writes its
-    files by default; None: none named."""
-    fsdp_plan_version: int = PLAN_VERSION
+    predicted: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def node_gpus(self) -> int:
+        """GPUs per node as the plan says: its ``gpus_per_node``, else (plans written before it
+        was recorded) ``predicted.gpus_per_node``, else 8."""
+        if self.gpus_per_node is not None:
+            return self.gpus_per_node
+        return int(self.predicted.get("gpus_per_node") or 8)
 
     @property
     def limit_bytes(self) -> int:
@@ -102,64 +114,25 @@ class Plan:
         return budget_limit(self.budget_bytes, self.headroom_bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML document, keys in SPEC order first."""
+        """The YAML document: the fields of plan/schema.py ``FIELDS`` in their order, those
+        left at their default omitted where the schema says, at the lowest plan version that
+        holds them (or the plan's own, if higher)."""
         raw = asdict(self)
         raw["units"] = [{k: v for k, v in unit.items() if k != "mixed_precision" or v is not None}
                         for unit in raw["units"]]
-        order = ["fsdp_plan_version", "model", "budget_bytes", "headroom_bytes", "world_size",
-                 "mesh", "strategy", "units", "activation_checkpointing", "selective_ops", "forward_prefetch",
-                 "backward_prefetch", "mixed_precision", "optimizer", "gpu", "predicted"]
-        if not raw["selective_ops"]:
-            order.remove("selective_ops")
-        if raw["selective_mm_stride"] != 1:
-            order.insert(order.index("activation_checkpointing") + 1 + bool(raw["selective_ops"]),
-                         "selective_mm_stride")
-        if raw["grad_accum_steps"] > 1:
-            order[order.index("predicted"):order.index("predicted")] = ["grad_accum_steps",
-                                                                          "gradient_sync"]
-        if raw["offload"]:
-            order.insert(order.index("predicted"), "offload")
-        if raw["compile"]:
-            order.insert(order.index("predicted"), "compile")
-        if raw["hardware"] is not None:  # SPEC 7: the figures it was predicted with
-            order.insert(order.index("gpu") + 1, "hardware")
-        if raw["framework"] is not None:  # SPEC 7: made for a framework's configuration
-            order.insert(order.index("strategy") + 1, "framework")
-        if raw["ddp"] is not None:  # a DDP plan: its arguments right after its one unit
-            order.insert(order.index("units") + 1, "ddp")
-        return {key: raw[key] for key in order}
+        doc = {f.name: raw[f.name] for f in FIELDS if f.written(raw)}
+        doc["fsdp_plan_version"] = max(self.fsdp_plan_version, needed_version(doc))
+        return doc
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "plan") -> Plan:
-        """Validate a plan document (see ``fsdp_plan.plan.check``) and build the dataclasses."""
+        """Validate a plan document (``fsdp_plan.plan.schema``) and build the dataclasses."""
         checked = check_plan_document(raw, where)
-        return cls(
-            model=checked["model"],
-            budget_bytes=checked["budget_bytes"],
-            headroom_bytes=checked["headroom_bytes"],
-            world_size=checked["world_size"],
-            mesh=Mesh(replicate=checked["replicate"], shard=checked["shard"]),
-            strategy=checked["strategy"],
-            ddp=checked.get("ddp"),
-            units=[Unit(modules=modules, reshard_after_forward=reshard, mixed_precision=precision)
-                   for modules, reshard, precision in checked["units"]],
-            activation_checkpointing=checked["activation_checkpointing"],
-            selective_ops=checked["selective_ops"],
-            selective_mm_stride=checked["selective_mm_stride"],
-            forward_prefetch=checked["forward_prefetch"],
-            backward_prefetch=checked["backward_prefetch"],
-            mixed_precision=checked["mixed_precision"],
-            optimizer=checked["optimizer"],
-            gpu=checked["gpu"],
-            hardware=checked["hardware"],
-            predicted=checked["predicted"],
-            grad_accum_steps=checked["grad_accum_steps"],
-            gradient_sync=checked["gradient_sync"],
-            offload=checked["offload"],
-            compile=checked["compile"],
-            framework=checked["framework"],
-            fsdp_plan_version=checked["fsdp_plan_version"],
-        )
+        checked["mesh"] = Mesh(**checked["mesh"])
+        checked["units"] = [Unit(modules=modules, reshard_after_forward=reshard,
+                                 mixed_precision=precision)
+                            for modules, reshard, precision in checked["units"]]
+        return cls(**checked)
 
 
 def plan_to_yaml(plan: Plan) -> str:

@@ -91,6 +91,7 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         self._check_types()
+        self._check_full_nodes()
         self.param_dtype = canonical_dtype(self.param_dtype, "param_dtype")
         if self.autocast_dtype is not None:
             self.autocast_dtype = canonical_dtype(self.autocast_dtype, "autocast dtype")

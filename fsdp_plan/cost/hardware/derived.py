@@ -78,6 +78,11 @@ _RULES = (
 )
 
 
+def base_figures_of(table: str) -> set[str]:
+    """The base figures ``table`` follows (``_RULES``)."""
+    return {base for rule in _RULES if rule.table == table for base in rule.bases}
+
+
 def _scaled(table: Any, factor: float | None, leaf: str | None) -> Any:
     """``table`` with every number (or only each curve's ``leaf`` entry) times ``factor``;
     ``factor`` None drops the ``leaf`` entries."""

@@ -49,6 +49,7 @@ Per-op fields (all optional):
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Mapping
@@ -60,7 +61,7 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.limits import MAX_BYTES, MAX_WORLD_SIZE
 from fsdp_plan.common.reading import read_input_bytes
 from fsdp_plan.common.safe_yaml import DocumentKind, clip, load_yaml
-from fsdp_plan.cost.hardware.derived import follow_base_figures
+from fsdp_plan.cost.hardware.derived import base_figures_of, follow_base_figures
 from fsdp_plan.cost.precision import OPTIMIZERS
 
 MM_CLASSES = ("small", "medium", "large")
@@ -332,8 +333,10 @@ def _apply(hw: Hardware, overrides: object, where: str) -> Hardware:
     values = {f.name: getattr(hw, f.name) for f in fields(hw)}
     unknown = sorted(clip(str(k)) for k in overrides if k not in values)
     if unknown:
-        raise BadInput(f"{where} sets unknown fields {', '.join(unknown[:5])}; known fields: "
-                       f"{', '.join(sorted(values))}.")
+        near = difflib.get_close_matches(unknown[0], list(values), n=1, cutoff=0.6)
+        raise BadInput(f"{where} sets unknown fields {', '.join(unknown[:5])}; "
+                       + (f"did you mean {near[0]}? " if near else "")
+                       + f"known fields: {', '.join(sorted(values))}.")
     for key, value in overrides.items():
         if key in ("name", "source"):
             values[key] = _text(key, value, where)
@@ -348,11 +351,36 @@ def _apply(hw: Hardware, overrides: object, where: str) -> Hardware:
             values[key] = _number(key, value, where)
     rescaled = follow_base_figures({f.name: getattr(hw, f.name) for f in fields(hw)}, values,
                                    set(overrides))
+    _check_rescaled(rescaled, values, overrides, where)
     if rescaled and "source" not in overrides:  # [Note: base figures and derived tables]
         values["source"] = (f"{hw.source or hw.name}; {where} sets "
                             f"{', '.join(sorted(k for k in overrides if k != 'name'))}, and the "
-                            f"tables it leaves out follow: {', '.join(rescaled)}")
+                            f"tables it leaves out follow: {', '.join(rescaled)}"
+                            )[:MAX_SOURCE_CHARS]
     return Hardware(**values)
+
+
+def _check_rescaled(rescaled: list[str], values: dict[str, Any], overrides: dict[str, Any],
+                    where: str) -> None:
+    """Refuse a file whose base figures rescale a table it leaves out beyond the bounds a
+    hardware file may hold (issue 31, S4-05): ``op_overhead_s: 0.5`` made the h100's
+    ``param_overhead_s`` 2 s and ``peak_flops: 1e6`` its matmul rates 7e5 FLOP/s, the plan
+    written with them stored those figures, and every verb then refused the plan."""
+    for phrase in rescaled:
+        table = phrase.split(" ")[0].split(".")[0]
+        try:
+            if table in _NESTED:
+                _nested(table, values[table], where)
+            else:
+                _number(table, values[table], where)
+        except BadInput as error:
+            given = sorted(k for k in overrides if k in base_figures_of(table))
+            detail = str(error).removeprefix(f"{where}: ").rstrip(".")
+            raise BadInput(
+                f"{where} sets {', '.join(given)}, which rescales the preset's {table} (a table "
+                f"fitted at the preset's figures follows them) to a figure no hardware file may "
+                f"hold: {detail}. Set {table} in the file as well, or give "
+                f"{' and '.join(given)} nearer the preset's.") from error
 
 
 GPUS: dict[str, Hardware] = _load_presets()

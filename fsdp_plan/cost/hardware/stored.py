@@ -24,6 +24,7 @@ writes them, and a hand-trimmed block reads as a hardware file over the preset i
 from __future__ import annotations
 
 import copy
+import difflib
 import hashlib
 import os
 import re
@@ -74,8 +75,10 @@ def check_stored_block(value: Any, where: str) -> dict[str, Any]:
                        "gpu preset.")
     unknown = [str(k)[:40] for k in value if k not in STORED_KEYS]
     if unknown:
-        raise BadInput(f"{here}.{unknown[0]} is not a key fsdp-plan knows here; hardware takes "
-                       f"only {', '.join(STORED_KEYS)}.")
+        near = difflib.get_close_matches(unknown[0], STORED_KEYS, n=1, cutoff=0.6)
+        raise BadInput(f"{here}.{unknown[0]} is not a key fsdp-plan knows here; "
+                       + (f"did you mean {near[0]}? " if near else "")
+                       + f"hardware takes only {', '.join(STORED_KEYS)}.")
     for key, limit in (("file", 4096), ("header", MAX_HEADER_CHARS)):
         text = value.get(key)
         if text is not None and (not isinstance(text, str) or len(text) > limit
