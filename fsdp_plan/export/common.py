@@ -105,6 +105,10 @@ class PlanShape:
     class fields above leave its unit out."""
     final_norm_reshard: bool | None = None
     """That unit's ``reshard_after_forward``; None: the plan gives it no unit of its own."""
+    wrap_classes: tuple[str, ...] = ()
+    """The block classes a class list names (``wrap_class_names``): ``block_classes`` without
+    torch's own layers (``Linear`` alone would wrap every linear layer), else the model's
+    ``_no_split_modules``."""
     titan_units: tuple[tuple[str, ...], ...] = ()
     """The units torchtitan's ``apply_fsdp_to_decoder`` makes of this model: ``tok_embeddings``,
     each child of ``layers``, ``[norm, lm_head]`` (search/framework.py [Note: framework
@@ -193,9 +197,22 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
         unit_modules=tuple(tuple(unit.modules) for unit in units),
         unit_reshard=tuple(bool(unit.reshard_after_forward) for unit in units),
         titan_units=_titan_units(modules),
+        wrap_classes=wrap_class_names(model, classes),
         final_norm=norm,
         final_norm_reshard=(bool(norm_unit[0].reshard_after_forward) if norm_unit else None),
     )
+
+
+def wrap_class_names(model: nn.Module, classes: list[str]) -> tuple[str, ...]:
+    """What ``transformer_layer_cls_to_wrap`` may name of ``classes`` (the units' classes):
+    block classes only. A plan for a Hugging Face model may give ``lm_head`` a unit, whose
+    class ``Linear`` in a class list wraps every linear layer of the model; torch's own
+    classes are left out, and with nothing left the model's ``_no_split_modules`` (its
+    decoder-layer classes) stand in."""
+    torch_classes = {type(module).__name__ for module in model.modules()
+                     if type(module).__module__.startswith("torch.")}
+    kept = tuple(name for name in classes if name not in torch_classes)
+    return kept or tuple(getattr(model, "_no_split_modules", None) or ())
 
 
 def _final_norm(model: nn.Module) -> str | None:
