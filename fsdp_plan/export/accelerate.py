@@ -144,7 +144,8 @@ def check(model, accelerator):
     if accelerator.num_processes == 1 and str(accelerator.distributed_type).endswith("NO"):
         fix.append("Under torchrun on a CPU accelerate sees one process unless "
                    "ACCELERATE_USE_CPU=true is set (or Accelerator(cpu=True)).")
-    if accelerator.device.type == "cpu" and policy.PLAN["strategy"] != "ddp":
+    sharded = any(type(m).__name__.startswith("FSDP") for m in model.modules())
+    if accelerator.device.type == "cpu" and policy.PLAN["strategy"] != "ddp" and not sharded:
         fix.append("accelerate applies no FSDP on a CPU: apply the plan with "
                    "fsdp_plan_accelerate.apply(model) before prepare (the export's README).")
     return policy.check_launch(model, world_size=accelerator.num_processes, who="accelerate",

@@ -92,7 +92,8 @@ def check(trainer):
     """Raise ``LaunchMismatch`` unless the strategy's model runs the plan and Lightning's
     world size is torch.distributed's."""
     policy.check_launch(trainer.strategy.model, world_size=trainer.world_size, who="Lightning",
-                        fix="Launch with the export README's command (devices x num_nodes "
+                        fix="Apply the plan in configure_model through plan.PlanMixin, and "
+                            "launch with the export README's command (devices x num_nodes "
                             "processes, accelerator auto).")
 
 
