@@ -980,10 +980,11 @@ def _fsdp2_units(network: nn.Module) -> dict:
         if isinstance(module, FSDPModule):
             state = module._get_fsdp_state()
             states.setdefault(id(state), (state, []))[1].append(plain_fqn(name))
-    units = {}
+    units: dict = {}
     for state, fqns in states.values():
         groups = getattr(state, "_fsdp_param_groups", None)
-        if groups == []:
+        key = tuple(sorted(set(fqns)))
+        if groups == [] and key in units:
             continue  # no parameters of its own (accelerate shards each checkpoint wrapper too)
         settings: tuple = (None, None, None)
         if groups:
@@ -995,7 +996,8 @@ def _fsdp2_units(network: nn.Module) -> dict:
             param = mp.param_dtype or torch.float32
             settings = (reshard, (param, mp.reduce_dtype or param),
                         tuple(group.mesh_info.mesh.shape))
-        units[tuple(sorted(set(fqns)))] = settings
+        if groups != [] or key not in units:
+            units[key] = settings  # a state holding parameters wins over an empty one
     return units
 
 

@@ -30,6 +30,15 @@ def fake_group():
     dist.destroy_process_group()
 
 
+def _load_file(path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_hf_llama_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def policy_of(plan: Plan):
     return load_policy_module(render_policy_module(plan))
 
@@ -130,3 +139,57 @@ def test_a_ddp_plan_checks_its_buckets() -> None:
     assert "DDP gradient_as_bucket_view is False, the plan's True" in differences
     assert policy.launch_differences(tiny_llama()) == [
         "the plan is DDP but the model is not wrapped in DistributedDataParallel"]
+
+
+@pytest.mark.frameworks
+def test_accelerates_own_fsdp2_of_a_restricted_hf_plan_passes(tmp_path, monkeypatch) -> None:
+    """accelerate's ``fsdp2_prepare_model`` from the exported config of a ``--framework
+    accelerate`` plan for a Hugging Face Llama (its units: each decoder layer, the input
+    embedding, ``[model.norm, lm_head]`` kept gathered, the root) is the plan; the same
+    preparation from a config naming ``Linear`` too is stopped."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("transformers")
+    import types
+
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+    from test_framework_plan import accelerate_env
+    from test_measure_helpers import ROOT, plan_file, run_cli
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_plan.plan.document import Mesh, Unit
+
+    source = str(ROOT / "tests" / "fixtures" / "hf_llama_file.py")
+    units = [Unit(modules=[name], reshard_after_forward=True)
+             for name in ("model.embed_tokens", "model.layers.0", "model.layers.1")]
+    units += [Unit(modules=["model.norm", "lm_head"], reshard_after_forward=False),
+              Unit(modules=[""], reshard_after_forward=False)]
+    plan = Plan(model={"source": source, "entry": "build_model", "args": {}, "batch_size": 2,
+                       "seq_len": 16, "kind": "file"}, budget_bytes=10**9, world_size=2,
+                mesh=Mesh(replicate=1, shard=2), strategy="full", units=units,
+                optimizer="adamw", activation_checkpointing=[], predicted={},
+                mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"})
+    code, out, err = run_cli(["export", plan_file(tmp_path, plan), "--to", "accelerate",
+                              "-o", str(tmp_path / "x")])
+    assert code == 0 and "no code hook needed" in out, (out, err)
+    policy = policy_of(plan)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+
+    def prepared(classes: str | None = None):
+        for key, value in accelerate_env(str(tmp_path / "x")).items():
+            monkeypatch.setenv(key, value)
+        if classes:
+            monkeypatch.setenv("FSDP_TRANSFORMER_CLS_TO_WRAP", classes)
+        plugin = FullyShardedDataParallelPlugin()
+        plugin.set_mixed_precision("bf16")
+        accelerator = types.SimpleNamespace(
+            state=types.SimpleNamespace(fsdp_plugin=plugin), mixed_precision="bf16",
+            is_main_process=False, device=torch.device("cpu"), torch_device_mesh={("fsdp",): mesh},
+            parallelism_config=types.SimpleNamespace(fsdp_dim_names=["fsdp"]))
+        torch.manual_seed(0)
+        return fsdp2_prepare_model(accelerator, _load_file(source).build_model())
+
+    assert policy.launch_differences(prepared()) == []
+    differences = policy.launch_differences(prepared("LlamaDecoderLayer,Linear"))
+    extra = [d for d in differences if d.startswith("FSDP units the plan does not have: ")]
+    assert extra and "'model.layers.0.mlp.down_proj'" in extra[0], differences
