@@ -395,3 +395,31 @@ def test_the_trainer_loses_no_gradient_sync_of_a_ddp_plan():
     fsdp = dataclasses.replace(shape_of(hook_plan()), gradient_sync="last", grad_accum_steps=4)
     assert [g.feature for g in trainer.lost_with_hook(fsdp)] == ["gradient_sync"]
     assert trainer.lost_with_hook(dataclasses.replace(fsdp, strategy="ddp")) == []
+
+
+@pytest.mark.hf
+def test_class_lists_name_block_classes_only(tmp_path: Path) -> None:
+    """A Hugging Face plan giving ``lm_head`` a unit of its own: ``Linear`` alone in a class
+    list would wrap every linear layer, so accelerate's and the Trainer's lists name the
+    decoder layer only (issue 30)."""
+    pytest.importorskip("transformers")
+    from test_measure_helpers import ROOT
+
+    from fsdp_plan.plan.document import Mesh
+
+    units = [Unit(modules=[m], reshard_after_forward=True)
+             for m in ("model.layers.0", "model.layers.1", "lm_head")]
+    units.append(Unit(modules=[""], reshard_after_forward=False))
+    plan = Plan(model={"source": str(ROOT / "tests" / "fixtures" / "hf_llama_file.py"),
+                       "entry": "build_model", "args": {}, "batch_size": 2, "seq_len": 16,
+                       "kind": "file"}, budget_bytes=10**9, world_size=2,
+                mesh=Mesh(replicate=1, shard=2), strategy="full", units=units,
+                optimizer="adamw", mixed_precision={}, activation_checkpointing=[],
+                predicted={})
+    assert shape_of(plan).block_classes == ("LlamaDecoderLayer", "Linear")
+    config = yaml.safe_load((export(tmp_path, plan, "accelerate") / "accelerate_config.yaml")
+                            .read_text())
+    assert config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    from fsdp_plan.export import trainer
+    fsdp = trainer.fsdp_config(shape_of(plan), hook=False)
+    assert fsdp["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
