@@ -711,6 +711,255 @@ def autocast() -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=local_device().type, dtype=AUTOCAST_DTYPE)
 
 
+class LaunchMismatch(RuntimeError):
+    """The run is not the plan: raised by ``check_launch``, its message one paragraph listing
+    every difference found."""
+
+
+# [Note: checking a launch]
+# A framework configured from an export may still not run the plan: accelerate and the Trainer
+# under torchrun on a CPU see world 1 without ACCELERATE_USE_CPU (no distributed sampler, every
+# rank trains the same data), accelerate applies no FSDP on a CPU at all, a class list wraps
+# other modules than the plan's units. ``check_launch`` reads the model after the framework
+# prepared it and compares what it finds with PLAN: the FSDP units (FSDP2 ``FSDPModule``s or
+# FSDP1 instances, by plain FQN) with their ``reshard_after_forward``, mixed precision and mesh;
+# the checkpointed modules and their mode; DDP and its settings; the process group's size
+# against the plan's and against the framework's own world size. FSDP2 keeps a unit's settings
+# only on its state (``_get_fsdp_state()._fsdp_param_groups``, no public getter), so those are
+# read there and a torch without that state skips the settings, never the units.
+
+_WRAPPER_ATTRIBUTES = ("module", "_orig_mod", "_forward_module", "_original_module")
+"""Attributes through which framework wrappers hold the network: DistributedDataParallel's and
+accelerate's ``module``, ``torch.compile``'s ``_orig_mod``, Lightning's ``_forward_module``."""
+
+
+def _planned_network(model: nn.Module) -> tuple[nn.Module, list]:
+    """The module the plan's FQNs are names in (``model``, or the network inside wrappers or in
+    a child such as a LightningModule's attribute), and the wrappers passed on the way."""
+    wanted = ({fqn for unit in PLAN["units"] for fqn in unit["modules"] if fqn}
+              | set(checkpoint_modes()))
+    queue = [(model, [], 0)]
+    seen = set()
+    while queue:
+        candidate, outer, depth = queue.pop(0)
+        if id(candidate) in seen:
+            continue
+        seen.add(id(candidate))
+        names = {plain_fqn(name) for name, _ in candidate.named_modules()} if wanted else set()
+        inner = [getattr(candidate, a) for a in _WRAPPER_ATTRIBUTES
+                 if isinstance(getattr(candidate, a, None), nn.Module)
+                 and type(candidate).__name__ != "FullyShardedDataParallel"]
+        if (wanted and wanted <= names) or (not wanted and not inner):
+            return candidate, outer
+        queue += [(module, [*outer, candidate], depth) for module in inner]
+        if depth < 2:
+            queue += [(child, outer, depth + 1) for child in candidate.children()]
+    return model, []
+
+
+def _fsdp2_units(network: nn.Module) -> dict:
+    """``{plain FQNs of a unit's modules: (reshard_after_forward, (param, reduce dtype), mesh
+    shape)}`` of the FSDP2 states holding parameters; a setting is None where unreadable."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    states: dict = {}  # id(state) -> (state, [plain FQNs])
+    for name, module in network.named_modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            states.setdefault(id(state), (state, []))[1].append(plain_fqn(name))
+    units: dict = {}
+    for state, fqns in states.values():
+        groups = getattr(state, "_fsdp_param_groups", None)
+        key = tuple(sorted(set(fqns)))
+        if groups == [] and key in units:
+            continue  # no parameters of its own (accelerate shards each checkpoint wrapper too)
+        settings: tuple = (None, None, None)
+        if groups:
+            group = groups[0]
+            root = "" in fqns
+            reshard = (group.post_forward_mesh_info is not None
+                       and not (root and getattr(state, "_auto_reshard_after_forward", False)))
+            mp = group.mp_policy
+            param = mp.param_dtype or torch.float32
+            settings = (reshard, (param, mp.reduce_dtype or param),
+                        tuple(group.mesh_info.mesh.shape))
+        if groups != [] or key not in units:
+            units[key] = settings  # a state holding parameters wins over an empty one
+    return units
+
+
+def _checkpointed(network: nn.Module) -> dict:
+    """``{plain FQN: full | selective}`` of the checkpointed modules: checkpoint wrappers (per-op
+    selective when given a ``context_fn``) and Hugging Face layers with their own gradient
+    checkpointing switched on (full)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    found = {}
+    for name, module in network.named_modules():
+        if isinstance(module, CheckpointWrapper):
+            keywords = getattr(module.checkpoint_fn, "keywords", {}) or {}
+            found[plain_fqn(name)] = "selective" if keywords.get("context_fn") else "full"
+        elif getattr(module, "gradient_checkpointing", False) is True and any(
+                cls.__name__ == "GradientCheckpointingLayer" for cls in type(module).__mro__):
+            found.setdefault(plain_fqn(name), "full")
+    return found
+
+
+def _names(fqns) -> str:
+    fqns = sorted(fqns)
+    shown = ", ".join(repr(f) for f in fqns[:6])
+    return shown + (f" and {len(fqns) - 6} more" if len(fqns) > 6 else "")
+
+
+def _unit_differences(network: nn.Module, ddp) -> list:
+    """How the model's FSDP units differ from the plan's (sharded plans)."""
+    differences = []
+    found = _fsdp2_units(network)
+    fsdp1 = {plain_fqn(name): module for name, module in network.named_modules()
+             if type(module).__name__ == "FullyShardedDataParallel"}
+    if not found and not fsdp1:
+        where = (" it is wrapped in DistributedDataParallel instead" if ddp is not None
+                 else " nothing shards it")
+        return [f"none of the plan's {len(PLAN['units'])} FSDP units is applied (no FSDPModule "
+                f"or FullyShardedDataParallel in the model):{where}"]
+    if fsdp1 and not found:
+        missing, extra = set(FSDP1_UNITS) - set(fsdp1), set(fsdp1) - set(FSDP1_UNITS)
+        if missing:
+            differences.append(f"no FSDP1 instance at the planned units {_names(missing)}")
+        if extra:
+            differences.append(f"FSDP1 instances the plan does not have at {_names(extra)}")
+        wrong = sorted(f for f, m in fsdp1.items()
+                       if f in FSDP1_UNITS and m.sharding_strategy != FSDP_KWARGS["sharding_strategy"])
+        if wrong:
+            differences.append(f"FSDP1 units {_names(wrong)} shard with another strategy than "
+                               f"{FSDP_KWARGS['sharding_strategy'].name}")
+        return differences
+    planned = {tuple(sorted(unit["modules"])): unit for unit in PLAN["units"]}
+    missing = [key for key in planned if key not in found]
+    extra = [key for key in found if key not in planned]
+    if missing:
+        differences.append(f"no FSDP unit for {_names(' + '.join(k) or 'the root' for k in missing)}")
+    if extra:
+        differences.append("FSDP units the plan does not have: "
+                           f"{_names(' + '.join(k) or 'the root' for k in extra)}")
+    replicate, shard = PLAN["mesh"]["replicate"], PLAN["mesh"]["shard"]
+    mesh = (replicate, shard) if replicate > 1 else (shard,)
+    reshard, precision, meshes = [], [], set()
+    for key, unit in planned.items():
+        if key not in found or found[key][0] is None:
+            continue
+        got_reshard, got_precision, got_mesh = found[key]
+        name = " + ".join(key) or "the root"
+        if got_reshard != bool(unit["reshard_after_forward"]):
+            reshard.append(f"{name} {'reshards' if got_reshard else 'does not reshard'}")
+        want = _unit_precision(unit)
+        param = want["param_dtype"] or torch.float32
+        if got_precision != (param, want["reduce_dtype"] or param):
+            precision.append(f"{name} computes in {str(got_precision[0])[6:]} and reduces in "
+                             f"{str(got_precision[1])[6:]} (planned {str(param)[6:]}, "
+                             f"{str(want['reduce_dtype'] or param)[6:]})")
+        if got_mesh != mesh:
+            meshes.add(got_mesh)
+    if reshard:
+        differences.append("reshard_after_forward differs from the plan: " + "; ".join(reshard[:4])
+                           + (f" and {len(reshard) - 4} more" if len(reshard) > 4 else ""))
+    if precision:
+        differences.append("mixed precision differs: " + "; ".join(precision[:3])
+                           + (f" and {len(precision) - 3} more" if len(precision) > 3 else ""))
+    if meshes:
+        differences.append(f"units shard over a mesh of shape {sorted(meshes)}, the plan's is "
+                           f"{mesh} (replicate x shard)")
+    if ddp is not None:
+        differences.append("the FSDP model is also wrapped in DistributedDataParallel")
+    return differences
+
+
+def _ddp_differences(ddp) -> list:
+    """How the model's DistributedDataParallel differs from the plan's (DDP plans)."""
+    if ddp is None:
+        return ["the plan is DDP but the model is not wrapped in DistributedDataParallel"]
+    differences = []
+    kwargs = DDP_KWARGS
+    cap_mb = (kwargs.get("bucket_cap_mb_list") or [None, kwargs.get("bucket_cap_mb")])[-1]
+    cap = int((25 if cap_mb is None else cap_mb) * 1024 * 1024)
+    if getattr(ddp, "bucket_bytes_cap", cap) != cap:
+        differences.append(f"DDP buckets are capped at {ddp.bucket_bytes_cap / 2**20:g} MB, the "
+                           f"plan's at {cap / 2**20:g} MB")
+    for key in ("gradient_as_bucket_view", "find_unused_parameters", "static_graph"):
+        if bool(getattr(ddp, key, kwargs[key])) != kwargs[key]:
+            differences.append(f"DDP {key} is {bool(getattr(ddp, key))}, the plan's "
+                               f"{kwargs[key]}")
+    hook = (PLAN.get("ddp") or {}).get("comm_hook")
+    hooks = getattr(ddp, "_comm_hooks", None)
+    if hooks is not None and bool(hooks) != bool(hook):
+        differences.append(f"the plan's DDP gradient hook is {hook or 'none'} but "
+                           f"{len(hooks)} hook(s) are registered")
+    return differences
+
+
+def launch_differences(model: nn.Module, *, world_size: int | None = None,
+                       who: str = "the framework") -> list:
+    """What ``check_launch`` would report, as a list of sentences (empty: the run is the plan)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    differences = []
+    if not dist.is_initialized():
+        differences.append("torch.distributed is not initialized, so this process trains alone")
+    else:
+        ranks = dist.get_world_size()
+        if ranks != PLAN["world_size"]:
+            differences.append(f"the process group has {ranks} ranks, the plan is for "
+                               f"{PLAN['world_size']}")
+        if world_size is not None and int(world_size) != ranks:
+            differences.append(f"{who} sees a world of {world_size} process(es) where "
+                               f"torch.distributed has {ranks}: it neither shards nor splits "
+                               "the data between ranks, so every rank trains the same batches")
+    network, wrappers = _planned_network(model)
+    ddp = next((w for w in wrappers if isinstance(w, DistributedDataParallel)), None)
+    if PLAN["strategy"] == "ddp":
+        differences += _ddp_differences(ddp)
+    else:
+        try:
+            differences += _unit_differences(network, ddp)
+        except ValueError as error:
+            differences.append(str(error))
+    planned, got = checkpoint_modes(), _checkpointed(network)
+    missing = set(planned) - set(got)
+    extra = set(got) - set(planned)
+    modes = sorted(f for f in set(planned) & set(got) if planned[f] != got[f])
+    if missing:
+        differences.append(f"{len(missing)} planned checkpointed module(s) are not checkpointed: "
+                           f"{_names(missing)}")
+    if extra:
+        differences.append(f"{len(extra)} module(s) the plan does not checkpoint are: "
+                           f"{_names(extra)}")
+    if modes:
+        differences.append("checkpointing modes differ: " + "; ".join(
+            f"{f} is {got[f]}, planned {planned[f]}" for f in modes[:4]))
+    return differences
+
+
+def check_launch(model: nn.Module, *, world_size: int | None = None,
+                 who: str = "the framework", fix: str = "") -> nn.Module:
+    """Check that ``model``, as the framework prepared it, runs the plan; return it.
+
+    Call it after the framework wrapped the model and before the first step (accelerate: after
+    ``prepare``; the Trainer: a callback's ``on_train_begin``; Lightning: ``on_fit_start``).
+    ``model`` may be the wrapper (DistributedDataParallel, accelerate's or Lightning's) or a
+    module holding the network: the network is found by the plan's module names. Pass the
+    framework's own ``world_size`` (accelerate's ``num_processes``, the Trainer's
+    ``args.world_size``, Lightning's ``trainer.world_size``) to catch a framework that does not
+    see the process group; ``who`` names the framework and ``fix`` is appended to the message.
+    Raises ``LaunchMismatch`` listing every difference (see [Note: checking a launch])."""
+    differences = launch_differences(model, world_size=world_size, who=who)
+    if differences:
+        raise LaunchMismatch("This run is not the plan (check_launch): " + "; ".join(differences)
+                             + "." + (f" {fix}" if fix else ""))
+    return model
+
+
 class _PlanWrapPolicy:
     """FSDP1 auto-wrap policy that wraps exactly the plan's unit modules, found by FQN.
 

@@ -80,12 +80,17 @@ def test_a_plan_the_config_can_say_needs_no_hook(tmp_path: Path) -> None:
     assert shape.block_classes == ("TransformerBlock",) and shape.class_units
     assert acc_export.config_gaps(shape) == []
     out = export(tmp_path, config_only_plan(), "accelerate")
+    # the hook module is written for the CPU (where accelerate applies no FSDP) and the check
     assert sorted(os.listdir(out)) == ["README.md", "accelerate_config.yaml",
-                                       "fsdp_plan_policy.py"]
+                                       "fsdp_plan_accelerate.py", "fsdp_plan_policy.py"]
     config = yaml.safe_load((out / "accelerate_config.yaml").read_text())
     assert config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "TransformerBlock"
     assert config["fsdp_config"]["fsdp_reshard_after_forward"] is True
-    assert "Nothing in the plan is beyond this configuration" in (out / "README.md").read_text()
+    readme = (out / "README.md").read_text()
+    assert "Nothing in the plan is beyond this configuration" in readme
+    assert "ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2 train.py" in readme
+    assert "accelerate applies no FSDP on a CPU" in readme
+    assert "plan.check(model, accelerator)" in readme
 
 
 def test_what_the_config_cannot_say_is_named_and_the_hook_keeps_it(tmp_path: Path) -> None:
@@ -110,13 +115,20 @@ def test_trainer_args_say_batch_accumulation_and_precision(tmp_path: Path) -> No
     out = export(tmp_path, plan, "trainer")
     args = json.loads((out / "training_args.json").read_text())
     assert args == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
-                    "fsdp": "full_shard auto_wrap",
+                    "fsdp": True,
                     "fsdp_config": {"version": 2,
                                     "transformer_layer_cls_to_wrap": ["TransformerBlock"],
                                     "reshard_after_forward": True,
-                                    "activation_checkpointing": False},
+                                    "activation_checkpointing": False,
+                                    "cpu_offload": False},
                     "bf16": True, "fp16": False}
     assert json.loads((out / "fsdp_config.json").read_text()) == args["fsdp_config"]
+    cpu = json.loads((out / "training_args_cpu.json").read_text())
+    assert cpu == {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
+                   "save_only_model": True, "bf16": False, "fp16": False, "use_cpu": True}
+    readme = (out / "README.md").read_text()
+    assert "applies no FSDP on a CPU" in readme and "use_cpu=True" in readme
+    assert "trainer.add_callback(plan.CheckLaunch(trainer))" in readme
 
 
 def test_torchtitan_needs_its_base_config_and_bad_input_writes_nothing(tmp_path: Path) -> None:
@@ -166,13 +178,14 @@ def test_accelerate_reads_the_config_as_fsdp2_with_the_block_class(tmp_path: Pat
 
 
 @pytest.mark.frameworks
-def test_trainingarguments_take_the_fsdp_config(tmp_path: Path) -> None:
+def test_trainingarguments_take_the_fsdp_config(tmp_path: Path, caplog) -> None:
     pytest.importorskip("accelerate")
     transformers = pytest.importorskip("transformers")
     plan = config_only_plan()
     plan.activation_checkpointing = [f"layers.{i}" for i in range(4)]  # all blocks: sayable
     args = json.loads((export(tmp_path, plan, "trainer") / "training_args.json").read_text())
     training = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), **args)
+    assert "deprecated" not in caplog.text  # fsdp=True with fsdp_config, transformers 5's form
     plugin = training.fsdp_plugin_args
     assert plugin["fsdp_version"] == 2 and plugin["reshard_after_forward"] is True
     assert plugin["transformer_cls_names_to_wrap"] == "TransformerBlock"
@@ -196,6 +209,7 @@ def test_lightning_builds_the_strategy_from_the_exported_arguments(tmp_path: Pat
     assert type(strategy).__name__ == "ModelParallelStrategy"
     assert strategy._data_parallel_size == 2 and strategy._tensor_parallel_size == 1
     assert config["precision"] == "32-true" and config["devices"] == 2
+    assert config["accelerator"] == "auto"  # the CPU (gloo) where there is no GPU
 
 
 @pytest.mark.frameworks
@@ -381,3 +395,31 @@ def test_the_trainer_loses_no_gradient_sync_of_a_ddp_plan():
     fsdp = dataclasses.replace(shape_of(hook_plan()), gradient_sync="last", grad_accum_steps=4)
     assert [g.feature for g in trainer.lost_with_hook(fsdp)] == ["gradient_sync"]
     assert trainer.lost_with_hook(dataclasses.replace(fsdp, strategy="ddp")) == []
+
+
+@pytest.mark.hf
+def test_class_lists_name_block_classes_only(tmp_path: Path) -> None:
+    """A Hugging Face plan giving ``lm_head`` a unit of its own: ``Linear`` alone in a class
+    list would wrap every linear layer, so accelerate's and the Trainer's lists name the
+    decoder layer only (issue 30)."""
+    pytest.importorskip("transformers")
+    from test_measure_helpers import ROOT
+
+    from fsdp_plan.plan.document import Mesh
+
+    units = [Unit(modules=[m], reshard_after_forward=True)
+             for m in ("model.layers.0", "model.layers.1", "lm_head")]
+    units.append(Unit(modules=[""], reshard_after_forward=False))
+    plan = Plan(model={"source": str(ROOT / "tests" / "fixtures" / "hf_llama_file.py"),
+                       "entry": "build_model", "args": {}, "batch_size": 2, "seq_len": 16,
+                       "kind": "file"}, budget_bytes=10**9, world_size=2,
+                mesh=Mesh(replicate=1, shard=2), strategy="full", units=units,
+                optimizer="adamw", mixed_precision={}, activation_checkpointing=[],
+                predicted={})
+    assert shape_of(plan).block_classes == ("LlamaDecoderLayer", "Linear")
+    config = yaml.safe_load((export(tmp_path, plan, "accelerate") / "accelerate_config.yaml")
+                            .read_text())
+    assert config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    from fsdp_plan.export import trainer
+    fsdp = trainer.fsdp_config(shape_of(plan), hook=False)
+    assert fsdp["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]

@@ -100,9 +100,11 @@ def test_the_accelerate_plan_is_what_its_config_says(accelerate_plan, tmp_path: 
     out = tmp_path / "export"
     code, stdout, err = run_cli(["export", str(path), "-o", str(out)])
     assert code == 0, err
+    # the hook module is there for CPUs (accelerate applies no FSDP there) and its check
     assert sorted(os.listdir(out)) == ["README.md", "accelerate_config.yaml",
-                                       "fsdp_plan_policy.py"]
+                                       "fsdp_plan_accelerate.py", "fsdp_plan_policy.py"]
     assert "no code hook needed" in stdout
+    assert "Nothing in the plan is beyond this configuration" in (out / "README.md").read_text()
     config = yaml.safe_load((out / "accelerate_config.yaml").read_text())
     assert config["mixed_precision"] == "bf16"
     assert config["fsdp_config"]["fsdp_activation_checkpointing"] is True
@@ -164,20 +166,68 @@ def test_lightning_report_names_the_hook(tmp_path: Path) -> None:
 
 
 @pytest.mark.hf
-def test_a_hugging_face_model_falls_back_to_the_hook_and_says_why(tmp_path: Path) -> None:
-    """accelerate gives a Hugging Face model's embeddings and head units the module graph
-    cannot show: the check on the model finds the gap, and the plan is the unrestricted one."""
+@pytest.mark.parametrize("framework", ["accelerate", "trainer"])
+def test_a_hugging_face_model_is_planned_as_the_framework_wraps_it(tmp_path: Path,
+                                                                  framework: str) -> None:
+    """accelerate (and the Trainer through it) gives a Hugging Face model's input embedding a
+    unit and its final norm with the output head another, kept gathered: the restricted search
+    plans exactly those units, one reshard flag, and the export needs no code hook (issue 30)."""
     pytest.importorskip("transformers")
     model = str(ROOT / "tests" / "fixtures" / "hf_llama_file.py")
     flags = ["--mem", "2GB", "--world-size", "2", "--gpus-per-node", "2", "--seq-len", "64"]
-    code, out, err = run_cli([model, *flags, "--framework", "accelerate",
+    code, out, err = run_cli([model, *flags, "--framework", framework,
                               "--plan", str(tmp_path / "p.yaml")])
     assert code == 0, err
-    assert "accelerate adds both for a Hugging Face model" in out
-    assert "planned without restriction" in out and "writes the code hook" in out
-    assert read_plan(str(tmp_path / "p.yaml")).framework == "accelerate"
+    assert f"restricted to {framework}'s configuration" in out, out
+    plan = read_plan(str(tmp_path / "p.yaml"))
+    assert plan.framework == framework
+    units = {tuple(u.modules): u.reshard_after_forward for u in plan.units}
+    blocks = {units.pop(("model.embed_tokens",)), units.pop(("model.layers.0",)),
+              units.pop(("model.layers.1",))}
+    assert len(blocks) == 1
+    assert units == {("model.norm", "lm_head"): False, ("",): False}
+    assert plan.activation_checkpointing in ([], ["model.layers.0", "model.layers.1"])
     code, out, err = run_cli(["export", str(tmp_path / "p.yaml"), "-o", str(tmp_path / "x")])
-    assert code == 0 and (tmp_path / "x" / acc_export.HOOK_FILE).exists(), err
+    assert code == 0 and "no code hook needed" in out, (out, err)
+    readme = (tmp_path / "x" / "README.md").read_text()
+    assert "Nothing in the plan is beyond this configuration" in readme
+    if framework == "accelerate":
+        config = yaml.safe_load((tmp_path / "x" / "accelerate_config.yaml").read_text())
+        assert config["fsdp_config"]["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"
+    else:
+        args = json.loads((tmp_path / "x" / "training_args.json").read_text())
+        assert args["fsdp"] is True
+        assert args["fsdp_config"]["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+
+
+@pytest.mark.frameworks
+def test_the_frameworks_read_the_hugging_face_exports(tmp_path: Path, monkeypatch) -> None:
+    """accelerate's own launcher and FSDP plugin, and ``TrainingArguments``, read the exported
+    configurations of a restricted Hugging Face plan: block class LlamaDecoderLayer only."""
+    pytest.importorskip("accelerate")
+    transformers = pytest.importorskip("transformers")
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    model = str(ROOT / "tests" / "fixtures" / "hf_llama_file.py")
+    flags = ["--mem", "2GB", "--world-size", "2", "--gpus-per-node", "2", "--seq-len", "64"]
+    for framework in ("accelerate", "trainer"):
+        assert run_cli([model, *flags, "--framework", framework,
+                        "--plan", str(tmp_path / f"{framework}.yaml")])[0] == 0
+        assert run_cli(["export", str(tmp_path / f"{framework}.yaml"),
+                        "-o", str(tmp_path / framework)])[0] == 0
+    for key, value in accelerate_env(str(tmp_path / "accelerate")).items():
+        monkeypatch.setenv(key, value)
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.transformer_cls_names_to_wrap == [
+        "LlamaDecoderLayer"]
+    args = json.loads((tmp_path / "trainer" / "training_args.json").read_text())
+    assert args["bf16"] is True  # the GPU form: on this CPU bf16 is refused without use_cpu
+    training = transformers.TrainingArguments(output_dir=str(tmp_path / "out"),
+                                              **{**args, "use_cpu": True})
+    assert training.fsdp_plugin_args["transformer_cls_names_to_wrap"] == "LlamaDecoderLayer"
+    cpu = json.loads((tmp_path / "trainer" / "training_args_cpu.json").read_text())
+    assert "fsdp" not in cpu and cpu["use_cpu"] is True
+    transformers.TrainingArguments(output_dir=str(tmp_path / "out2"), **cpu)
 
 
 @pytest.mark.parametrize("flags, words", [
@@ -381,7 +431,7 @@ def test_the_exported_accelerate_config_alone_trains_the_plan_on_gloo(accelerate
     out = tmp_path / "export"
     code, _, err = run_cli(["export", str(accelerate_plan[0]), "-o", str(out)])
     assert code == 0, err
-    assert not (out / acc_export.HOOK_FILE).exists()
+    assert "Nothing in the plan is beyond" in (out / "README.md").read_text()
     run_ranks(_config_only_worker, 2, str(out), timeout_s=300)
 
 

@@ -81,10 +81,10 @@ def config(plan: Plan, shape: PlanShape, hook: bool) -> dict[str, Any]:
         document["fsdp_config"] = {
             "fsdp_version": 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            # with the hook accelerate wraps nothing (the model arrives prepared): only the
-            # names its comma-separated list can carry are written (S4-09)
+            # block classes only (wrap_classes); with the hook accelerate wraps nothing (the
+            # model arrives prepared): only the names its comma-separated list can carry (S4-09)
             "fsdp_transformer_layer_cls_to_wrap": ",".join(
-                name for name in shape.block_classes if carriable_class_name(name)),
+                name for name in shape.wrap_classes if carriable_class_name(name)),
             "fsdp_reshard_after_forward": bool(shape.block_reshard and shape.block_reshard[-1]),
             "fsdp_activation_checkpointing": bool(shape.checkpointed) and not hook,
             "fsdp_offload_params": shape.offload,
@@ -109,25 +109,29 @@ def config(plan: Plan, shape: PlanShape, hook: bool) -> dict[str, Any]:
     return document
 
 
-_HOOK = '''"""fsdp-plan's hook for accelerate: apply the plan before ``Accelerator.prepare``.
+_HOOK = '''"""fsdp-plan's hook for accelerate: apply the plan before ``Accelerator.prepare``,
+check the run after it.
 
     import fsdp_plan_accelerate as plan
     model = plan.apply(model)               # before prepare, before the optimizer
     optimizer = torch.optim.AdamW(model.parameters())
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    plan.check(model, accelerator)          # before the first step
     with plan.autocast():
         loss = loss_fn(model(batch))
     accelerator.backward(loss)
 
 ``prepare`` would wrap a sharded model in DistributedDataParallel (it fails on FSDP2's
 DTensors) or shard it again; a model marked ``_is_accelerate_prepared`` is taken as it is.
-Written by ``fsdp-plan export``.
+On a CPU accelerate applies no FSDP from its config (it wraps in DDP), so there ``apply`` is
+what applies the plan. Written by ``fsdp-plan export``.
 """
 
 import fsdp_plan_policy as policy
 
 autocast = policy.autocast
 prepare_microbatch = policy.prepare_microbatch
+LaunchMismatch = policy.LaunchMismatch
 
 
 def apply(model):
@@ -136,6 +140,22 @@ def apply(model):
     model = policy.apply(model)
     model._is_accelerate_prepared = True
     return model
+
+
+def check(model, accelerator):
+    """Raise ``LaunchMismatch`` unless ``model`` as ``accelerator.prepare`` returned it runs
+    the plan: its units, checkpointing, precision and mesh, and accelerate's world (its
+    ``num_processes``) equal to torch.distributed's. Call it after ``prepare``."""
+    fix = []
+    if accelerator.num_processes == 1 and str(accelerator.distributed_type).endswith("NO"):
+        fix.append("Under torchrun on a CPU accelerate sees one process unless "
+                   "ACCELERATE_USE_CPU=true is set (or Accelerator(cpu=True)).")
+    sharded = any(type(m).__name__.startswith("FSDP") for m in model.modules())
+    if accelerator.device.type == "cpu" and policy.PLAN["strategy"] != "ddp" and not sharded:
+        fix.append("accelerate applies no FSDP on a CPU: apply the plan with "
+                   "fsdp_plan_accelerate.apply(model) before prepare (the export's README).")
+    return policy.check_launch(model, world_size=accelerator.num_processes, who="accelerate",
+                               fix=" ".join(fix))
 '''
 
 
@@ -146,29 +166,65 @@ def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
     files = {CONFIG_FILE: "`accelerate launch --config_file` configuration (FSDP version 2)"
                           if shape.strategy != "ddp" else "`accelerate launch` configuration",
              POLICY_FILE: "the plan's policy module (imports only torch)"}
-    if hook:
-        result.files[HOOK_FILE] = _HOOK
-        files[HOOK_FILE] = "the code hook: `apply(model)` before `accelerator.prepare`"
+    result.files[HOOK_FILE] = _HOOK
+    files[HOOK_FILE] = ("the code hook: `apply(model)` before `accelerator.prepare`"
+                        + ("" if hook else " (needed on a CPU only)")
+                        + ", and `check(model, accelerator)` after it")
+    result.files["README.md"] = readme(f"accelerate export of {shape.model_source or 'a plan'}",
+                                       result, launch_text(plan, shape, hook),
+                                       hook_text(plan), files)
+    return result
+
+
+def _loop(accum: int, apply: bool) -> str:
+    """The training script's lines around ``prepare``, with or without the hook's apply."""
+    return ("```python\nimport fsdp_plan_accelerate as plan\n"
+            + ("model = plan.apply(model)                 # before prepare and the optimizer\n"
+               if apply else "")
+            + "optimizer = torch.optim.AdamW(model.parameters(), lr=...)\n"
+            "model, optimizer, loader = accelerator.prepare(model, optimizer, loader)\n"
+            "plan.check(model, accelerator)            # stops a run that is not the plan\n"
+            "for index, batch in enumerate(loader):\n"
+            + (f"    plan.prepare_microbatch(model, index % {accum}, {accum})\n"
+               if accum > 1 and apply else "")
+            + ("    with plan.autocast():\n        loss = loss_fn(model(batch))\n" if apply
+               else "    loss = loss_fn(model(batch))\n")
+            + "    accelerator.backward(loss)\n```")
+
+
+def launch_text(plan: Plan, shape: PlanShape, hook: bool) -> str:
+    """How to launch on GPUs and on a CPU, and what the configuration alone does on each
+    (see [Note: accelerate and a model sharded before prepare])."""
     accum = plan.grad_accum_steps
     batch = (f"Per process: micro-batch {shape.micro_batch}"
              + (f", sequence length {shape.seq_len}" if shape.seq_len else "")
              + (f", {accum} micro-batches per optimizer step (`Accelerator("
                 f"gradient_accumulation_steps={accum})`)" if accum > 1 else "") + ".")
-    launch = (f"```bash\naccelerate launch --config_file {CONFIG_FILE} train.py\n```\n\n"
-              f"{batch} On a CPU (gloo), start the processes with `torchrun --nproc_per_node N "
-              "train.py`: `accelerate launch --cpu` may start one process.")
-    hook_text = ("Put this folder on `PYTHONPATH` and, in `train.py`:\n\n```python\n"
-                 "import fsdp_plan_accelerate as plan\n"
-                 "model = plan.apply(model)                 # before prepare and the optimizer\n"
-                 "optimizer = torch.optim.AdamW(model.parameters(), lr=...)\n"
-                 "model, optimizer, loader = accelerator.prepare(model, optimizer, loader)\n"
-                 "for index, batch in enumerate(loader):\n"
-                 + (f"    plan.prepare_microbatch(model, index % {accum}, {accum})\n"
-                    if accum > 1 else "")
-                 + "    with plan.autocast():\n        loss = loss_fn(model(batch))\n"
-                 "    accelerator.backward(loss)\n```\n\n"
-                 "The policy applies the units, checkpointing, prefetch and mixed precision, so "
-                 f"`{CONFIG_FILE}` turns accelerate's own checkpointing and mixed precision off.")
-    result.files["README.md"] = readme(f"accelerate export of {shape.model_source or 'a plan'}",
-                                       result, launch, hook_text, files)
-    return result
+    gpu = (f"On GPUs:\n\n```bash\naccelerate launch --config_file {CONFIG_FILE} train.py\n```\n\n"
+           + ("There the configuration alone applies the whole plan; check the run after "
+              "`prepare`:\n\n" + _loop(accum, False) if not hook
+              else "with the code hook below in `train.py`.") + f"\n\n{batch}")
+    cpu = ("On a CPU (gloo), start the processes with torchrun and tell accelerate it runs on "
+           "the CPU: without `ACCELERATE_USE_CPU=true` (or `Accelerator(cpu=True)`) accelerate "
+           "sees one process while torch.distributed has N, so there is no distributed "
+           "sampler and every rank trains the same data (`accelerate launch --cpu` may start "
+           "one process):\n\n```bash\nACCELERATE_USE_CPU=true torchrun --nproc_per_node "
+           f"{shape.world_size} train.py\n```\n\n")
+    if shape.strategy != "ddp":
+        cpu += ("accelerate applies no FSDP on a CPU whatever its configuration says (it wraps "
+                f"the model in DistributedDataParallel, and no `accelerate launch` reads "
+                f"`{CONFIG_FILE}` there): on a CPU the code hook is what applies the plan, "
+                "`plan.apply(model)` before `prepare`:\n\n" + _loop(accum, True))
+    else:
+        cpu += "accelerate's DDP on a CPU is the plan's DDP; check the run after `prepare`."
+    return (gpu + "\n\n" + cpu + "\n\n`plan.check` raises `LaunchMismatch`, naming each "
+            "difference, when the prepared model is not the plan (no FSDP, other units, a "
+            "missing checkpoint, accelerate's world size not torch.distributed's).")
+
+
+def hook_text(plan: Plan) -> str:
+    """The README's code-hook section: the hook is needed on GPUs too."""
+    return ("Put this folder on `PYTHONPATH` and, in `train.py` (on GPUs as on a CPU):\n\n"
+            + _loop(plan.grad_accum_steps, True) + "\n\n"
+            "The policy applies the units, checkpointing, prefetch and mixed precision, so "
+            f"`{CONFIG_FILE}` turns accelerate's own checkpointing and mixed precision off.")

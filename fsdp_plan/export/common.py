@@ -45,6 +45,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.facts.graph import hf_embeddings
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.search.framework import FRAMEWORKS, TITAN_EMBEDDINGS, TITAN_TAIL
 
@@ -121,6 +122,13 @@ class PlanShape:
     class fields above leave its unit out."""
     final_norm_reshard: bool | None = None
     """That unit's ``reshard_after_forward``; None: the plan gives it no unit of its own."""
+    wrap_classes: tuple[str, ...] = ()
+    """The block classes a class list names (``wrap_class_names``): ``block_classes`` without
+    torch's own layers (``Linear`` alone would wrap every linear layer), else the model's
+    ``_no_split_modules``."""
+    hf_layout: bool = False
+    """A Hugging Face model's plan has accelerate's units for it: the untied input embedding
+    alone, the final norm with the output embedding (``search.framework.class_tail``)."""
     titan_units: tuple[tuple[str, ...], ...] = ()
     """The units torchtitan's ``apply_fsdp_to_decoder`` makes of this model: ``tok_embeddings``,
     each child of ``layers``, ``[norm, lm_head]`` (search/framework.py [Note: framework
@@ -163,8 +171,13 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
         raise BadInput(f"the plan's units name {missing[:5]!r}, which the model does not have; "
                        "give the model the plan was made for.")
     norm = _final_norm(model)
-    norm_unit = [unit for unit in units if norm is not None and unit.modules == [norm]]
-    inner = [unit for unit in units if unit not in norm_unit]  # what the class list wraps
+    hf = hf_embeddings(model)
+    tail = _class_tail(norm, hf)
+    norm_unit = [unit for unit in units if tail and sorted(unit.modules) == sorted(tail)]
+    embedding = (hf or {}).get("input") if not (hf or {}).get("tied") else None
+    embedding_unit = [unit for unit in units if embedding and unit.modules == [embedding]]
+    # what the class list wraps
+    inner = [unit for unit in units if unit not in norm_unit and unit not in embedding_unit]
     classes: list[str] = []
     for unit in inner:
         for fqn in unit.modules:
@@ -184,9 +197,10 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
         class_units=(all(len(unit.modules) == 1 for unit in inner)
                      and sorted(unit_fqns) == sorted(class_fqns)),
         class_modules=len(class_fqns),
-        grouped_units=sum(len(unit.modules) > 1 for unit in plan.units),
+        grouped_units=sum(len(unit.modules) > 1 for unit in plan.units if unit not in norm_unit),
         units=len(plan.units),
-        block_reshard=tuple(sorted({bool(unit.reshard_after_forward) for unit in inner})),
+        block_reshard=tuple(sorted({bool(unit.reshard_after_forward)
+                                    for unit in inner + embedding_unit})),
         root_reshard=bool(root[0].reshard_after_forward) if root else False,
         checkpointed=checkpointed,
         checkpoint_all_class_modules=(set(checkpointed) == class_fqns
@@ -209,9 +223,33 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
         unit_modules=tuple(tuple(unit.modules) for unit in units),
         unit_reshard=tuple(bool(unit.reshard_after_forward) for unit in units),
         titan_units=_titan_units(modules),
+        wrap_classes=wrap_class_names(model, classes),
+        hf_layout=hf is not None and bool(norm_unit) and (bool(embedding_unit) or not embedding),
         final_norm=norm,
         final_norm_reshard=(bool(norm_unit[0].reshard_after_forward) if norm_unit else None),
     )
+
+
+def wrap_class_names(model: nn.Module, classes: list[str]) -> tuple[str, ...]:
+    """What ``transformer_layer_cls_to_wrap`` may name of ``classes`` (the units' classes):
+    block classes only. A plan for a Hugging Face model may give ``lm_head`` a unit, whose
+    class ``Linear`` in a class list wraps every linear layer of the model; torch's own
+    classes are left out, and with nothing left the model's ``_no_split_modules`` (its
+    decoder-layer classes) stand in."""
+    torch_classes = {type(module).__name__ for module in model.modules()
+                     if type(module).__module__.startswith("torch.")}
+    kept = tuple(name for name in classes if name not in torch_classes)
+    return kept or tuple(getattr(model, "_no_split_modules", None) or ())
+
+
+def _class_tail(norm: str | None, hf: dict | None) -> list[str]:
+    """The unit accelerate keeps gathered: the final norm, with a Hugging Face model's output
+    embedding (and the input one when tied); the model-side twin of
+    ``search.framework.class_tail``."""
+    tail = [norm] if norm is not None else []
+    if hf and hf.get("output"):
+        tail += ([hf["input"]] if hf.get("tied") and hf.get("input") else []) + [hf["output"]]
+    return list(dict.fromkeys(tail))
 
 
 def _final_norm(model: nn.Module) -> str | None:
@@ -287,7 +325,7 @@ def class_wrap_gaps(shape: PlanShape, who: str) -> list[Gap]:
         gaps.append(Gap("units", f"{shape.units - 1} unit(s) besides the root",
                         f"{who} would wrap all {shape.class_modules} modules of class "
                         f"{', '.join(shape.block_classes) or '(none)'}"))
-    if shape.hf_model:
+    if shape.hf_model and not shape.hf_layout:
         gaps.append(Gap("units", "no unit of its own for the input embedding or for the final "
                         "norm with the output head", f"{who} adds both for a Hugging Face model"))
     elif shape.final_norm is not None and shape.final_norm_reshard is not False:

@@ -62,7 +62,7 @@ def trainer_config(plan: Plan, shape: PlanShape) -> dict[str, Any]:
                     "init_args": {"data_parallel_size": shape.world_size,
                                   "tensor_parallel_size": 1}}
     return {"trainer": {
-        "accelerator": "gpu",
+        "accelerator": "auto",  # the GPUs where there are, else the CPU (gloo)
         "devices": gpus_per_node,
         "num_nodes": max(1, shape.world_size // gpus_per_node),
         "strategy": strategy,
@@ -71,24 +71,47 @@ def trainer_config(plan: Plan, shape: PlanShape) -> dict[str, Any]:
     }}
 
 
-_HOOK = '''"""fsdp-plan's hook for Lightning: ``configure_model`` applies the plan.
+_HOOK = '''"""fsdp-plan's hook for Lightning: ``configure_model`` applies the plan, ``on_fit_start``
+checks the run.
 
     import fsdp_plan_lightning as plan
 
     class MyModule(plan.PlanMixin, L.LightningModule):   # the mixin first
         plan_attribute = "model"                         # the attribute holding the network
 
+For a configuration-only launch (a DDP plan), ``callbacks=[plan.CheckLaunch()]`` checks it.
 Written by ``fsdp-plan export``.
 """
 
+import lightning.pytorch as pl
+
 import fsdp_plan_policy as policy
+
+LaunchMismatch = policy.LaunchMismatch
+
+
+def check(trainer):
+    """Raise ``LaunchMismatch`` unless the strategy's model runs the plan and Lightning's
+    world size is torch.distributed's."""
+    policy.check_launch(trainer.strategy.model, world_size=trainer.world_size, who="Lightning",
+                        fix="Apply the plan in configure_model through plan.PlanMixin, and "
+                            "launch with the export README's command (devices x num_nodes "
+                            "processes, accelerator auto).")
+
+
+class CheckLaunch(pl.Callback):
+    """``on_fit_start`` (the model configured and wrapped, before the first step): ``check``."""
+
+    def on_fit_start(self, trainer, pl_module):
+        check(trainer)
 
 
 class PlanMixin:
     """``configure_model`` applies the plan to ``getattr(self, plan_attribute)`` (sharded
-    plans: ``policy.apply``, FSDP2 units on the plan's mesh; DDP plans: the checkpointing, as
-    DDPStrategy wraps the module itself); before each training batch the micro-batch's gradient
-    sync is set as planned (``policy.prepare_microbatch``)."""
+    plans: ``policy.apply`` on the strategy's ``device_mesh``, FSDP2 units; DDP plans: the
+    checkpointing, as DDPStrategy wraps the module itself); ``on_fit_start`` checks the run
+    (``check``); before each training batch the micro-batch's gradient sync is set as planned
+    (``policy.prepare_microbatch``)."""
 
     plan_attribute = "model"
 
@@ -99,8 +122,19 @@ class PlanMixin:
         if policy.PLAN["strategy"] == "ddp":
             policy.apply_activation_checkpointing(network)
         else:
-            setattr(self, self.plan_attribute, policy.apply(network))
+            setattr(self, self.plan_attribute, policy.apply(network, mesh=self._plan_mesh()))
         self._fsdp_plan_applied = True
+
+    def _plan_mesh(self):
+        """The strategy's data-parallel mesh (ModelParallelStrategy's ``device_mesh``) for a
+        1-D plan; None (the policy builds its own) for an HSDP plan, which needs two axes."""
+        mesh = getattr(self, "device_mesh", None)
+        if mesh is None or policy.PLAN["mesh"]["replicate"] > 1:
+            return None
+        return mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+
+    def on_fit_start(self):
+        check(self.trainer)
 
     def on_train_batch_start(self, batch, batch_idx):
         count = self.trainer.accumulate_grad_batches
@@ -117,13 +151,11 @@ def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
     result.files[CONFIG_FILE] = yaml.safe_dump(trainer_config(plan, shape), sort_keys=False)
     files = {CONFIG_FILE: "Lightning Trainer arguments (LightningCLI `--config`)",
              POLICY_FILE: "the plan's policy module (imports only torch)"}
-    if result.needs_hook:
-        result.files[HOOK_FILE] = _HOOK
-        files[HOOK_FILE] = "the code hook: `PlanMixin.configure_model` applies the plan"
-    launch = (f"```bash\npython train.py fit --config {CONFIG_FILE}   # LightningCLI\n```\n\n"
-              "or pass the same values to `lightning.Trainer(...)`. Per process: micro-batch "
-              f"{shape.micro_batch}" + (f", sequence length {shape.seq_len}" if shape.seq_len
-                                        else "") + " (your DataLoader's batch size).")
+    result.files[HOOK_FILE] = _HOOK
+    files[HOOK_FILE] = ("the code hook: `PlanMixin.configure_model` applies the plan, its "
+                        "`on_fit_start` checks the run (`CheckLaunch` for configuration-only "
+                        "launches)")
+    launch = launch_text(shape)
     hook_text = ("Put this folder on `PYTHONPATH` and mix the hook into your module:\n\n"
                  "```python\nimport fsdp_plan_lightning as plan\n\n"
                  "class MyModule(plan.PlanMixin, L.LightningModule):\n"
@@ -133,3 +165,21 @@ def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
     result.files["README.md"] = readme(f"Lightning export of {shape.model_source or 'a plan'}",
                                        result, launch, hook_text, files)
     return result
+
+
+def launch_text(shape: PlanShape) -> str:
+    """How to launch on GPUs and on a CPU: ``accelerator: auto`` picks the device."""
+    batch = (f"Per process: micro-batch {shape.micro_batch}"
+             + (f", sequence length {shape.seq_len}" if shape.seq_len else "")
+             + " (your DataLoader's batch size).")
+    return (f"```bash\npython train.py fit --config {CONFIG_FILE}   # LightningCLI\n```\n\n"
+            "or pass the same values to `lightning.Trainer(...)`. `accelerator: auto` takes the "
+            "GPUs where there are and the CPU (gloo) otherwise, with the same command on both; "
+            "Lightning starts `devices` processes per node itself (or run it under `torchrun "
+            "--nproc_per_node DEVICES`). On GPUs and on a CPU alike the plan is applied by the "
+            "hook (FSDP2 on the strategy's device mesh)"
+            + (" for a sharded plan" if shape.strategy != "ddp" else "")
+            + f". {batch} The hook's `on_fit_start` raises `LaunchMismatch`, naming each "
+            "difference, when the run is not the plan"
+            + ("; a configuration-only launch adds `callbacks=[plan.CheckLaunch()]`."
+               if shape.strategy == "ddp" else "."))

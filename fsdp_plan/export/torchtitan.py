@@ -132,9 +132,11 @@ def _module_text(plan: Plan, shape: PlanShape, base: str, hook: bool) -> str:
 
 def parallelize(model, *, parallel_dims, **_options):
     """torchtitan's parallelize_fn: the plan's units, checkpointing, prefetch and mixed
-    precision on torchtitan's data-parallel mesh (dp_replicate x fsdp)."""
+    precision on torchtitan's data-parallel mesh (dp_replicate x fsdp), checked against the
+    plan (``check_launch``) before torchtitan's first step."""
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-    return policy.apply(model, mesh=parallel_dims.get_mesh(names))
+    model = policy.apply(model, mesh=parallel_dims.get_mesh(names))
+    return policy.check_launch(model, world_size=parallel_dims.world_size, who="torchtitan")
 ''' if hook else ""
     source = doc_safe(shape.model_source or "a model", 60)  # S4-01: never pasted raw
     return f'''"""torchtitan config made by fsdp-plan from the plan for {source}.

@@ -69,7 +69,37 @@ def build_module_graph(model: nn.Module) -> ModuleGraph:
         total_numel=sum(m.direct_numel for m in modules.values()),
         total_param_bytes=sum(sum(m.direct_bytes_by_dtype.values()) for m in modules.values()),
         total_buffer_bytes=sum(m.buffer_bytes for m in modules.values()),
+        hf_embeddings=hf_embeddings(model),
     )
+
+
+def hf_embeddings(model: nn.Module) -> dict | None:
+    """The modules accelerate 1.15's ``fsdp2_prepare_model`` gives units of their own in a model
+    with ``get_input_embeddings`` (Hugging Face): the input embedding, and the final norm (the
+    last direct child of the base model whose class name contains "Norm") with the output
+    embedding, as FQNs; ``tied`` when the two embeddings share their weight. None for other
+    models, or when an embedding is not a submodule."""
+    get_input = getattr(model, "get_input_embeddings", None)
+    if not callable(get_input):
+        return None
+    try:
+        inputs = get_input()
+        outputs = getattr(model, "get_output_embeddings", lambda: None)()
+    except (AttributeError, NotImplementedError):
+        return None
+    names = {id(module): fqn for fqn, module in model.named_modules()}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else model
+    norm = None
+    if isinstance(base, nn.Module):
+        for child in base.children():
+            if "Norm" in type(child).__name__:
+                norm = names.get(id(child))
+    weight_in = getattr(inputs, "weight", None)
+    return {"input": names.get(id(inputs)) if inputs is not None else None,
+            "output": names.get(id(outputs)) if outputs is not None else None,
+            "final_norm": norm,
+            "tied": weight_in is not None and weight_in is getattr(outputs, "weight", None)}
 
 
 def _nearest_known(fqn: str, modules: dict[str, ModuleInfo]) -> str:

@@ -79,6 +79,10 @@ class ModuleGraph:
     total_numel: int
     total_param_bytes: int
     total_buffer_bytes: int
+    hf_embeddings: dict[str, Any] | None = None
+    """For a model with ``get_input_embeddings`` (Hugging Face): ``{input, output, final_norm,
+    tied}``, the FQNs of its input and output embeddings and of the final norm
+    (``facts/graph.hf_embeddings``), which accelerate gives units of their own; None otherwise."""
 
 
 AUTOCAST_EXIT = "autocast_exit"
@@ -288,7 +292,7 @@ class ModelFacts:
             modules={k: ModuleInfo(**v) for k, v in g["modules"].items()},
             tied_groups=[list(t) for t in g["tied_groups"]], blocks=list(g["blocks"]),
             total_numel=g["total_numel"], total_param_bytes=g["total_param_bytes"],
-            total_buffer_bytes=g["total_buffer_bytes"])
+            total_buffer_bytes=g["total_buffer_bytes"], hf_embeddings=g.get("hf_embeddings"))
         return cls(graph=graph, analysis=_analysis(raw["analysis"]))
 
     @classmethod

@@ -12,9 +12,11 @@ torchtitan 0.3:
   one ``fsdp_reshard_after_forward``; then the final norm (``_find_final_norm``: the last
   direct child of the base model whose class name contains "Norm", for any model) as a unit
   of its own kept gathered after forward; then the root with FSDP2's default (not resharded
-  after forward). A model with ``get_input_embeddings`` (Hugging Face) also gets its input
-  embedding as a unit and its output embedding beside the final norm: the module graph cannot
-  show that, so the check after the search (export/common ``framework_gaps``) finds it.
+  after forward). A model with ``get_input_embeddings`` (Hugging Face) also gets its untied
+  input embedding as a unit (with the blocks' reshard flag) and its output embedding in the
+  final norm's unit (``[model.norm, lm_head]``, kept gathered); the graph records those
+  modules (``ModuleGraph.hf_embeddings``), so the restricted search plans them
+  (``class_tail``), and the check after the search (export/common ``framework_gaps``) agrees.
   ``fsdp_activation_checkpointing`` wraps every module of those classes in
   ``checkpoint_wrapper`` (full) or none; ``fully_shard`` then also lands on each wrapper,
   whose parameters its block's unit already holds (an empty unit: no collective, no memory). No explicit prefetch (FSDP2's implicit one unit in
@@ -130,9 +132,9 @@ class FrameworkLimits:
         if strategy == "grad-op":
             return [tuple(False for _ in groups)]
         every = tuple(True for _ in groups)
-        if self.units != "torchtitan":  # the final norm is kept gathered
-            norm = final_norm(graph)
-            return [tuple(g != [norm] for g in groups)]
+        if self.units != "torchtitan":  # the final norm (with a Hugging Face head) is kept gathered
+            tail = sorted(class_tail(graph))
+            return [tuple(sorted(g) != tail for g in groups)]
         default = tuple(list(g) != list(TITAN_TAIL) for g in groups)
         return [every] if default == every else [every, default]
 
@@ -144,6 +146,7 @@ class FrameworkLimits:
         if n_blocks == 0 or not set(graph.blocks) <= wrapped:
             return [[(0, 0)]]
         wrapped.discard(final_norm(graph) or "")
+        wrapped.discard((graph.hf_embeddings or {}).get("input") or "")
         if self.units == "class" and len(wrapped) != n_blocks:
             return [[(0, 0)]]  # accelerate would checkpoint every wrapped module, not blocks
         return [[(0, 0), (n_blocks, 0)]]
@@ -224,8 +227,10 @@ def limits_for(framework: str | None) -> FrameworkLimits | None:
 
 def final_norm(graph: ModuleGraph) -> str | None:
     """The module accelerate's ``_find_final_norm`` gives a unit of its own: the last direct
-    child of the root whose class name contains "Norm" (a Hugging Face model's base model is
-    not visible here; its gap is found on the model, see the Note)."""
+    child of the base model (a Hugging Face model's, recorded in ``graph.hf_embeddings``;
+    else the root) whose class name contains "Norm"."""
+    if graph.hf_embeddings is not None:
+        return graph.hf_embeddings.get("final_norm")
     found = None
     for child in graph.modules[""].children:
         if "Norm" in graph.modules[child].class_name:
@@ -233,19 +238,35 @@ def final_norm(graph: ModuleGraph) -> str | None:
     return found
 
 
+def class_tail(graph: ModuleGraph) -> list[str]:
+    """The unit accelerate keeps gathered after forward: the final norm, for a Hugging Face
+    model grouped with the output embedding (and the input one when they are tied)."""
+    norm = final_norm(graph)
+    hf = graph.hf_embeddings or {}
+    tail = [norm] if norm is not None else []
+    if hf.get("output"):
+        tail += ([hf["input"]] if hf.get("tied") and hf.get("input") else []) + [hf["output"]]
+    return [fqn for fqn in dict.fromkeys(tail) if fqn in graph.modules]
+
+
 def _class_units(graph: ModuleGraph) -> list[list[str]]:
-    """Every module of the blocks' classes, one unit each, and the final norm, in module
-    order; none when one of them holds another (the search's layouts never nest units)."""
+    """Every module of the blocks' classes, one unit each, the final norm (a Hugging Face
+    model's with its output embedding, and its untied input embedding a unit of its own:
+    ``fsdp2_prepare_model``), in module order; none when one of them holds another (the
+    search's layouts never nest units)."""
     classes = {graph.modules[b].class_name for b in graph.blocks}
     fqns = [fqn for fqn, info in graph.modules.items() if fqn and info.class_name in classes]
-    norm = final_norm(graph)
-    if norm is not None and norm not in fqns:
-        fqns.append(norm)
-    prefixes = tuple(f + "." for f in fqns)
-    if any(f.startswith(prefixes) for f in fqns):
+    tail = [f for f in class_tail(graph) if f not in fqns]
+    hf = graph.hf_embeddings or {}
+    embedding = ([hf["input"]] if hf.get("input") and not hf.get("tied")
+                 and hf["input"] in graph.modules and hf["input"] not in fqns else [])
+    groups = [[f] for f in fqns + embedding] + ([tail] if tail else [])
+    flat = [f for g in groups for f in g]
+    prefixes = tuple(f + "." for f in flat)
+    if not fqns or any(f.startswith(prefixes) for f in flat):
         return []
     order = {fqn: i for i, fqn in enumerate(graph.modules)}
-    return [[f] for f in sorted(fqns, key=order.__getitem__)]
+    return sorted(groups, key=lambda g: order[g[0]])
 
 
 def _titan_units(graph: ModuleGraph) -> list[list[str]]:
