@@ -40,13 +40,19 @@ gap before event k when start < k <= end.
 
 All figures are bytes per rank; the search calls ``estimate_peak`` thousands of times, so it
 walks only the unit boundaries and reads activation maxima between them from a sparse table.
+
+[Note: numpy on first use]
+The sweep runs on numpy arrays, imported inside the functions that use them: this module is
+on the import path of ``fsdp-plan --help`` and ``emit`` (about 0.3 s of numpy they never use).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
 from fsdp_plan.cost.units import UnitSpec
@@ -99,6 +105,8 @@ class ActivationProfile:
     """One (composite) activation timeline with O(1) range maxima of its event peaks."""
 
     def __init__(self, events: list[Event]) -> None:
+        import numpy as np  # see [Note: numpy on first use]
+
         self.events = events
         self.levels = [e.level for e in events]
         self._levels = np.array(self.levels, dtype=np.int64)
@@ -141,6 +149,8 @@ class ActivationProfile:
 
     def _range_max(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
         """``max_peak(lo[i], hi[i])`` for every ``i`` at once (each range non-empty)."""
+        import numpy as np  # see [Note: numpy on first use]
+
         level = np.frexp((hi - lo + 1).astype(np.float64))[1] - 1  # exact floor(log2)
         out = np.zeros(len(lo), dtype=np.int64)
         for j in np.unique(level).tolist():
@@ -375,6 +385,8 @@ class _Skeleton:
 
 def _unit_rates(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
     """Bytes per unit of each kind of rate (rows ``_UNSHARDED`` .. ``_SHARD_ORIG``)."""
+    import numpy as np  # see [Note: numpy on first use]
+
     rows = [[0] * len(units) for _ in range(7)]
     for i, u in enumerate(units):
         pb = p.unit_param_bytes(u)
@@ -471,6 +483,7 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     """The skeleton's buffers as coded int64 arrays (``_encode``) and the fixed part of its
     sweep: the points ``_points`` visits, their activations, and where each point reads the
     running totals of buffers and instants."""
+    import numpy as np  # see [Note: numpy on first use]
     a = skeleton.arrays
     if a:
         return a
@@ -532,6 +545,7 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     each point is a prefix sum. It visits ``_points``'s points (``memory_timeline``;
     tests/test_pictures.py checks both agree for every candidate).
     """
+    import numpy as np  # see [Note: numpy on first use]
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton(profile, units, offload=ctx.offload,
                          sharded_grads="sharded_grads" not in held,
@@ -569,6 +583,7 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
               grad_bytes: np.ndarray, rates: np.ndarray, static: dict[str, int]
               ) -> dict[str, int]:
     """``_parts_at`` of the coded ``point`` from the skeleton's arrays (same order of keys)."""
+    import numpy as np  # see [Note: numpy on first use]
     parts = dict(static)
     live = a["live"]
     held = (live[:, 0] <= point).astype(np.int64) - (live[:, 1] <= point)
