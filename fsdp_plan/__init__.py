@@ -22,23 +22,56 @@ Importing this package does not import torch: planning from saved ``ModelFacts``
 See README.md and SPEC.md.
 """
 
-from fsdp_plan.api import (
-    PlanResult,
-    Prediction,
-    analyze_for_plan,
-    make_plan,
-    plan_from_facts,
-    plan_hardware,
-    predict,
-    verify_by_measurement,
-)
-from fsdp_plan.common.errors import BadInput, CheckFailed, FsdpPlanError, NoFeasiblePlan
-from fsdp_plan.cost.hardware import Hardware, hardware_for, read_hardware_file
-from fsdp_plan.facts.analyze import Analyzed, analyze_loaded, analyze_model
-from fsdp_plan.facts.types import ModelFacts
-from fsdp_plan.model.source import ModelSource
-from fsdp_plan.plan.document import Plan, read_plan
-from fsdp_plan.search.request import PlanRequest
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below, for type checkers; at run time ``__getattr__`` below
+    from fsdp_plan.api import (
+        PlanResult,
+        Prediction,
+        analyze_for_plan,
+        make_plan,
+        plan_from_facts,
+        plan_hardware,
+        predict,
+        verify_by_measurement,
+    )
+    from fsdp_plan.common.errors import BadInput, CheckFailed, FsdpPlanError, NoFeasiblePlan
+    from fsdp_plan.cost.hardware import Hardware, hardware_for, read_hardware_file
+    from fsdp_plan.facts.analyze import Analyzed, analyze_loaded, analyze_model
+    from fsdp_plan.facts.types import ModelFacts
+    from fsdp_plan.model.source import ModelSource
+    from fsdp_plan.plan.document import Plan, read_plan
+    from fsdp_plan.search.request import PlanRequest
+
+_HOMES = {
+    "fsdp_plan.api": ("PlanResult", "Prediction", "analyze_for_plan", "make_plan",
+                      "plan_from_facts", "plan_hardware", "predict", "verify_by_measurement"),
+    "fsdp_plan.common.errors": ("BadInput", "CheckFailed", "FsdpPlanError", "NoFeasiblePlan"),
+    "fsdp_plan.cost.hardware": ("Hardware", "hardware_for", "read_hardware_file"),
+    "fsdp_plan.facts.analyze": ("Analyzed", "analyze_loaded", "analyze_model"),
+    "fsdp_plan.facts.types": ("ModelFacts",),
+    "fsdp_plan.model.source": ("ModelSource",),
+    "fsdp_plan.plan.document": ("Plan", "read_plan"),
+    "fsdp_plan.search.request": ("PlanRequest",),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    """The public names, imported on first use (PEP 562): ``fsdp-plan --help``, ``emit`` and
+    every ``fsdp_plan.cli`` start-up import this package, and need none of the search."""
+    module = _HOME_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdp_plan' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME_OF])
+
 
 __version__ = "0.1.0"
 

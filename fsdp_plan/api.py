@@ -40,6 +40,7 @@ from fsdp_plan.cost.hardware import Hardware, hardware_for, read_hardware_file
 from fsdp_plan.cost.hardware.stored import hardware_of
 from fsdp_plan.cost.precision import Precision
 from fsdp_plan.facts.analyze import Analyzed, analyze_loaded, analyze_model
+from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.plan.build import layout_of, predicted_block, throughput_fields, to_plan
 from fsdp_plan.plan.document import Plan, plan_to_yaml
@@ -88,6 +89,9 @@ class PlanResult:
     """With ``--compile auto``: per micro-batch analysed, the facts with the compiled
     partitions, whichever plan was kept (the frontier weighs eager and compiled at every
     budget, as the plan did)."""
+    evaluator: Evaluator | None = None
+    """The winning search's evaluator: its caches and evaluated plans serve the frontier
+    (search/frontier.py)."""
     request: PlanRequest | None = None
     """The request as the plan chose it (micro-batch, accumulation, gradient sync, reduce
     dtype): the frontier searches other budgets with it."""
@@ -134,9 +138,12 @@ class PlanResult:
         return [path for path, _ in outputs]
 
 
-def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanResult:
+def make_plan(request: PlanRequest, progress: Progress | None = None, *,
+              facts_cache: FactsCache | None = None) -> PlanResult:
     """Analyse the model, search, and return the fastest plan that fits (``NoFeasiblePlan`` if
-    none does)."""
+    none does). ``facts_cache``: facts kept on disk are read instead of tracing, and new ones
+    written ([Note: the facts cache] in facts/cache.py); the result then has no ``loaded``
+    model when every analysis came from it."""
     require_type(request, PlanRequest, "make_plan(request)")  # [Note: API arguments]
     _check_progress(progress, "make_plan")
     started = time.perf_counter()
@@ -151,8 +158,23 @@ def make_plan(request: PlanRequest, progress: Progress | None = None) -> PlanRes
             steps = (request.global_batch_size // request.world_size // batch
                      if request.global_batch_size else 1)
             progress(f"micro-batch {batch} x {steps} accumulation step(s)")
-        analyzed = analyze_model(source, progress=None if batching else progress,
-                                 **request.analysis_options())
+        options = request.analysis_options()
+        cached = facts_cache.load(source, options) if facts_cache is not None else None
+        if cached is not None:
+            analyzed = Analyzed(loaded=None, facts=cached.facts, digest=cached.digest,
+                                notes=cached.notes)
+            if progress and not batching:
+                for note in cached.notes:
+                    progress(f"note: {note}")
+                progress(f"{cached.facts.graph.total_numel:,} parameters, batch {batch} x "
+                         f"sequence {source.seq_len}: facts from the cache ({cached.path}), "
+                         "no tracing")
+        else:
+            analyzed = analyze_model(source, progress=None if batching else progress,
+                                     **options)
+            if facts_cache is not None:
+                facts_cache.store(source, options, analyzed.facts, analyzed.digest,
+                                  analyzed.notes)
         analyses[batch] = analyzed
         if progress and not batching:
             graph = analyzed.facts.graph
@@ -274,7 +296,8 @@ def _result(choice: BatchChoice, *, digest: str, notes: list[str] | None) -> Pla
                       ranked=search.ranked, recipes=search.recipes, facts=choice.facts,
                       seconds=search.seconds, search_seconds=search.seconds,
                       reasons=list(choice.reasons),
-                      batch_options=[o.row() for o in choice.options], request=choice.request)
+                      batch_options=[o.row() for o in choice.options], request=choice.request,
+                      evaluator=search.evaluator)
 
 
 def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:

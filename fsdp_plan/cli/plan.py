@@ -25,6 +25,7 @@ from fsdp_plan.common.sizes import format_bytes, parse_bytes, parse_share_of
 from fsdp_plan.cost.hardware import GPUS, hardware_for, read_hardware_file
 from fsdp_plan.cost.hardware.stored import file_origin
 from fsdp_plan.cost.precision import OPTIMIZERS
+from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.model.source import (
     MAX_BATCH_SIZE,
     MAX_SEQ_LEN,
@@ -123,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the chosen plan with FSDPMemTracker before writing")
     parser.add_argument("--exact-analysis", action="store_true",
                         help="analyse every block instead of three per stack")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="trace the model afresh instead of reading its facts from the "
+                        "cache (~/.cache/fsdp-plan, $XDG_CACHE_HOME or $FSDP_PLAN_CACHE_DIR), "
+                        "and write none; FSDP_PLAN_NO_CACHE=1 does the same")
     parser.add_argument("--compile", nargs="?", const="on", default=None, metavar="auto",
                         help="plan each repeated block compiled as torchtitan does "
                         "(torch.compile(block.forward, fullgraph=True) after checkpointing, "
@@ -303,11 +308,9 @@ def run(args: argparse.Namespace) -> int:
         grad_accum_steps=fixed_steps or 1, compile_blocks=args.compile is not None,
         compile_auto=args.compile == "auto",
         activation_memory_budget=args.activation_memory_budget, framework=args.framework)
-    # Imported here, not above: model.load imports torch (about 6 s), and every flag was to be
-    # checked before that wait (see the note under the imports).
-    from fsdp_plan.model.load import user_code_output_to_stderr
-    with _imports_frozen(), user_code_output_to_stderr():  # the model's print()s stay off stdout
-        result = make_plan(request, progress)
+    cache = facts_cache_for(args)
+    with _imports_frozen(), _user_code_guard(request, cache):
+        result = make_plan(request, progress, facts_cache=cache)
         if args.verify and result.loaded is not None and result.plan.offload:
             if progress:  # [Note: offload as the last resort]: one memory on a CPU
                 progress("verify: skipped, an offloaded plan's device peak can be measured on "
@@ -350,6 +353,27 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def facts_cache_for(args: argparse.Namespace) -> FactsCache | None:
+    """The facts cache ([Note: the facts cache] in facts/cache.py), unless ``--no-cache`` or
+    ``FSDP_PLAN_NO_CACHE``, or the command needs the live model: ``--verify`` measures it and
+    ``--framework`` reads its modules to check the export."""
+    if args.no_cache or args.verify or args.framework:
+        return None
+    return FactsCache.default()
+
+
+def _user_code_guard(request: PlanRequest, cache: FactsCache | None):
+    """The model's print()s kept off stdout while it is built and traced. Imported only when
+    it is (model.load imports torch, about 6 s, and every flag was to be checked before that
+    wait: see the note under the imports); facts from the cache run no model code."""
+    one_batch = request.global_batch_size is None and not request.auto_batch
+    if cache is not None and one_batch and not request.compile_auto and cache.has(
+            request.source, request.analysis_options()):
+        return contextlib.nullcontext()
+    from fsdp_plan.model.load import user_code_output_to_stderr
+    return user_code_output_to_stderr()
+
+
 @contextlib.contextmanager
 def _imports_frozen():
     """Keep the objects alive now (torch's modules, just imported) out of the cycle
@@ -380,7 +404,8 @@ def plan_frontier(result, request: PlanRequest, *, above_only: bool):
                     for f in _eager_and_compiled(result.compiled_facts.get(v.micro_batch,
                                                                            v.facts))]
     return compute_frontier(variants, chosen.settings(), seq_len=int(plan.model["seq_len"]),
-                            count=10 if not above_only else 3, above_only=above_only)
+                            count=10 if not above_only else 3, above_only=above_only,
+                            evaluator=result.evaluator)
 
 
 def _eager_and_compiled(facts):

@@ -40,13 +40,19 @@ gap before event k when start < k <= end.
 
 All figures are bytes per rank; the search calls ``estimate_peak`` thousands of times, so it
 walks only the unit boundaries and reads activation maxima between them from a sparse table.
+
+[Note: numpy on first use]
+The sweep runs on numpy arrays, imported inside the functions that use them: this module is
+on the import path of ``fsdp-plan --help`` and ``emit`` (about 0.3 s of numpy they never use).
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
 from fsdp_plan.cost.units import UnitSpec
@@ -99,14 +105,19 @@ class ActivationProfile:
     """One (composite) activation timeline with O(1) range maxima of its event peaks."""
 
     def __init__(self, events: list[Event]) -> None:
+        import numpy as np  # see [Note: numpy on first use]
+
         self.events = events
         self.levels = [e.level for e in events]
-        peaks = [e.peak for e in events]
+        self._levels = np.array(self.levels, dtype=np.int64)
+        # a sparse table of event peaks (row j: the max over 2**j events from each index),
+        # as int64 arrays: the sweep reads all its range maxima at once (``_range_max``)
+        peaks = np.array([e.peak for e in events], dtype=np.int64)
         self._table = [peaks]
         span = 1
         while 2 * span <= len(peaks):
             prev = self._table[-1]
-            self._table.append(list(map(max, prev[:len(prev) - span], prev[span:])))
+            self._table.append(np.maximum(prev[:len(prev) - span], prev[span:]))
             span *= 2
         self.backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
                                    len(events) - 1)
@@ -116,6 +127,8 @@ class ActivationProfile:
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._last: dict[tuple[str, str, bool], int] = {}
         self._windows: dict[tuple[str, ...], UnitWindows] = {}
+        self._skeletons: dict[tuple, _Skeleton] = {}
+        """The step's buffers by units and prefetch (``_skeleton``)."""
         for i, e in enumerate(events):
             key = (e.kind, e.module, i >= self.backward_start)
             self._first.setdefault(key, i)
@@ -132,7 +145,19 @@ class ActivationProfile:
             return 0
         level = (hi - lo + 1).bit_length() - 1
         row = self._table[level]
-        return max(row[lo], row[hi - (1 << level) + 1])
+        return int(max(row[lo], row[hi - (1 << level) + 1]))
+
+    def _range_max(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``max_peak(lo[i], hi[i])`` for every ``i`` at once (each range non-empty)."""
+        import numpy as np  # see [Note: numpy on first use]
+
+        level = np.frexp((hi - lo + 1).astype(np.float64))[1] - 1  # exact floor(log2)
+        out = np.zeros(len(lo), dtype=np.int64)
+        for j in np.unique(level).tolist():
+            at = level == j
+            row = self._table[j]
+            out[at] = np.maximum(row[lo[at]], row[hi[at] - (1 << j) + 1])
+        return out
 
     def first_event(self, kind: str, module: str, default: int) -> int:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
@@ -287,40 +312,6 @@ def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int], grads
     return ordered, activations
 
 
-def _sweep(profile: ActivationProfile, live, instants, grads_at, static: dict[str, int]
-           ) -> MemoryEstimate:
-    """Highest total over the gaps between boundary events and the sub-step instants.
-
-    Points are ordered as (event, sub) with ``(k, -1)`` the gap before event ``k``; every
-    buffer is present on the half-open range ``start <= point < end``, so one sweep suffices.
-    The search calls this for every candidate, with tens of thousands of points for models of
-    thousands of units, so points are coded as one integer ``4 * event + sub + 1`` (ordered as
-    the tuples are) and the running total at each point is read from prefix sums.
-    """
-    live, instants, grads_at = _encode(live, instants, grads_at)
-    deltas = [(start, nbytes) for start, _, nbytes, _ in live]
-    deltas += [(end, -nbytes) for _, end, nbytes, _ in live]
-    deltas += grads_at
-    deltas.sort()
-    delta_keys = [k for k, _ in deltas]
-    running = list(itertools.accumulate((v for _, v in deltas), initial=0))
-    extra_bytes: dict[int, int] = {}
-    for key, nbytes, _ in instants:
-        extra_bytes[key] = extra_bytes.get(key, 0) + nbytes
-    ordered, activations = _points(profile, live, extra_bytes, grads_at)
-    base = sum(static.values())
-    totals = [base + act + running[bisect.bisect_right(delta_keys, pt)]
-              + (extra_bytes.get(pt, 0) if pt & 3 else 0)
-              for pt, act in zip(ordered, activations)]
-    best_at = max(range(len(totals)), key=totals.__getitem__)  # the first highest point
-    best_total, point = totals[best_at], ordered[best_at]
-    parts = _parts_at(point, live, instants, grads_at, static)
-    parts.update(profile.split_loss(_gap_start(ordered, best_at), point >> 2,
-                                    activations[best_at]))
-    return MemoryEstimate(peak_bytes=best_total, breakdown=parts,
-                          phase=_phase_name(profile, point >> 2))
-
-
 def _parts_at(point: int, live, instants, grads_at, static: dict[str, int]) -> dict[str, int]:
     """What holds memory at one coded ``point`` (activations left out), from coded buffers."""
     parts = dict(static)
@@ -370,24 +361,251 @@ class StepBuffers:
     """What the optimizer step holds (None with offload: it runs on the host)."""
 
 
+# What a buffer of the step holds, per unit (``_Skeleton``): its bytes are ``rate * mult`` with
+# the unit's rate of that kind (``_unit_rates``).
+_UNSHARDED, _GATHER_COPY, _OFFLOAD_COPY, _RS_INPUT, _PARAM_BYTES, _ALL_GRADS, _SHARD_ORIG = range(7)
+
+
+@dataclass(kw_only=True)
+class _Skeleton:
+    """Every buffer of one steady step as ``step_buffers`` places it, without its bytes: each
+    is (start, end or instant, category, unit, kind of rate, multiplier). It depends on the
+    profile, the units' modules and reshard choices, the prefetch depths, offload and whether
+    sharded gradients appear, not on the shard size or dtypes, so the search reuses it across
+    meshes; the sweep's points and their activations are fixed by it too (``_sweep_of``)."""
+
+    live: list[tuple[tuple[int, int], tuple[int, int], str, int, int, int]]
+    instants: list[tuple[tuple[int, int], str, int, int, int]]
+    grads_at: list[tuple[int, int]]
+    """(event, unit): the unit's sharded gradient appears after its reduce-scatter."""
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    rates: dict[tuple, np.ndarray] = field(default_factory=dict)
+    """Per-unit rates by (shard size, dtype sizes, shard numels): ``_unit_rates``."""
+
+
+def _unit_rates(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
+    """Bytes per unit of each kind of rate (rows ``_UNSHARDED`` .. ``_SHARD_ORIG``)."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    rows = [[0] * len(units) for _ in range(7)]
+    for i, u in enumerate(units):
+        pb = p.unit_param_bytes(u)
+        unsharded = u.unsharded_numel(shard) * pb
+        rows[_UNSHARDED][i] = unsharded
+        rows[_GATHER_COPY][i] = unsharded + u.shard_numel * pb
+        rows[_OFFLOAD_COPY][i] = _offload_copy_bytes(u, p)
+        rows[_RS_INPUT][i] = u.unsharded_numel(shard) * p.reduce_bytes
+        rows[_PARAM_BYTES][i] = pb
+        rows[_ALL_GRADS][i] = u.numel * pb
+        rows[_SHARD_ORIG][i] = u.shard_numel * p.orig_bytes
+    return np.array(rows, dtype=np.int64).reshape(7, len(units))
+
+
+def _skeleton(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
+              sharded_grads: bool, forward_prefetch: int, backward_prefetch: int) -> _Skeleton:
+    """The buffers of ``step_buffers`` ([Note: FSDP2 memory timeline]), cached on the profile."""
+    key = (tuple((tuple(u.modules), u.reshard_after_forward, u.numel > 0, len(u.param_modules))
+                 for u in units), offload, sharded_grads, forward_prefetch, backward_prefetch)
+    found = profile._skeletons.get(key)
+    if found is None:
+        found = profile._skeletons[key] = _place_buffers(
+            profile, units, offload=offload, sharded_grads=sharded_grads,
+            forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+    return found
+
+
+def _place_buffers(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
+                   sharded_grads: bool, forward_prefetch: int, backward_prefetch: int
+                   ) -> _Skeleton:
+    windows = [profile.windows(u) for u in units]
+    ran = [i for i, w in enumerate(windows) if w.ran and units[i].numel > 0]
+    fw_order = sorted(ran, key=lambda i: windows[i].fw_start)
+
+    # live buffers and instants at (event, sub-step) points: [Note: sub-steps]
+    bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
+    # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
+    # module hooks may report them the other way round: end each unit where the next begins.
+    for here, nxt in zip(bw_sequence, bw_sequence[1:]):
+        if units[here].modules != [""] and windows[nxt].bw_start > windows[here].bw_start:
+            windows[here].bw_end = min(windows[here].bw_end, windows[nxt].bw_start)
+    live: list[tuple[tuple[int, int], tuple[int, int], str, int, int, int]] = []
+    instants: list[tuple[tuple[int, int], str, int, int, int]] = []
+    for pos, i in enumerate(fw_order):
+        u, w = units[i], windows[i]
+        gather_at = windows[fw_order[max(0, pos - forward_prefetch)]].fw_start
+        start = (gather_at, 2 if gather_at < w.fw_start else 1)
+        end = (w.fw_end, 0) if u.reshard_after_forward else (w.bw_end, 0)
+        live.append((start, end, "unsharded_params", i, _UNSHARDED, 1))
+        instants.append(((w.fw_start, 1), "comm_buffers", i, _GATHER_COPY, 1))
+        if offload:
+            instants.append(((w.fw_start, 1), "offload_copies", i, _OFFLOAD_COPY, 1))
+        # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
+        # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
+        # next all-gather); with one root unit that is the whole forward.
+        if pos + 1 < len(fw_order):
+            freed = (windows[fw_order[pos + 1]].fw_start, 1)
+        else:
+            root = [j for j in ran if units[j].modules == [""]]
+            freed = (windows[root[0]].fw_end if root else w.fw_end, 0)
+        live.append(((w.fw_start, 2), freed, "comm_buffers", i, _UNSHARDED, 1))
+    for pos, i in enumerate(bw_sequence):
+        u, w = units[i], windows[i]
+        if u.reshard_after_forward:
+            gather_at = min(windows[bw_sequence[max(0, pos - backward_prefetch)]].bw_start, w.bw_start)
+            start = (gather_at, 2 if gather_at < w.bw_start else 1)
+            live.append((start, (w.bw_end, 0), "unsharded_params", i, _UNSHARDED, 1))
+            instants.append(((w.bw_start, 1), "comm_buffers", i, _GATHER_COPY, 1))
+            if offload:
+                instants.append(((w.bw_start, 1), "offload_copies", i, _OFFLOAD_COPY, 1))
+        for fqn, numel in u.param_modules:
+            # Until the module's backward ends, the analysis timeline already holds its weight
+            # gradients (they stay activation-side until their post-accumulate-grad hook), so
+            # counting them from pre-backward counted them twice: a tied embedding +9% on BERT.
+            made_at = min(max(profile.first_event("post_bw", fqn, w.bw_start), w.bw_start), w.bw_end)
+            live.append(((made_at, 1), (w.bw_end, 0), "unsharded_grads", i, _PARAM_BYTES, numel))
+    last = len(profile.events) - 1
+    bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
+    grads_at: list[tuple[int, int]] = []
+    for pos, i in enumerate(bw_order):
+        w = windows[i]
+        nxt = windows[bw_order[pos + 1]].bw_end if pos + 1 < len(bw_order) else last + 1
+        live.append(((w.bw_end, 0), (nxt, 0), "comm_buffers", i, _RS_INPUT, 1))
+        # The reduce-scatter input is filled while the unsharded gradients still exist.
+        instants.append(((w.bw_end, 0), "unsharded_grads", i, _ALL_GRADS, 1))
+        if offload:  # the reduced shard is copied to the host and freed on the device
+            instants.append(((w.bw_end, 0), "offload_copies", i, _SHARD_ORIG, 1))
+        elif sharded_grads:  # held from the start when accumulating
+            grads_at.append((w.bw_end, i))
+    return _Skeleton(live=live, instants=instants, grads_at=grads_at)
+
+
+def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.ndarray]:
+    """The skeleton's buffers as coded int64 arrays (``_encode``) and the fixed part of its
+    sweep: the points ``_points`` visits, their activations, and where each point reads the
+    running totals of buffers and instants."""
+    import numpy as np  # see [Note: numpy on first use]
+    a = skeleton.arrays
+    if a:
+        return a
+    n = len(profile.events)
+
+    def code(at: tuple[int, int]) -> int:
+        return 4 * at[0] + at[1] + 1
+    live = np.array([(code(s), code(e), u, k, m) for s, e, _, u, k, m in skeleton.live],
+                    dtype=np.int64).reshape(-1, 5)
+    inst = np.array([(code(at), u, k, m) for at, _, u, k, m in skeleton.instants],
+                    dtype=np.int64).reshape(-1, 4)
+    grads = np.array([(4 * at + 2, u) for at, u in skeleton.grads_at],
+                     dtype=np.int64).reshape(-1, 2)
+    starts, ends = live[:, 0], live[:, 1]
+    keys = np.concatenate((starts, ends, grads[:, 0]))
+    order = np.argsort(keys, kind="stable")
+    extra_order = np.argsort(inst[:, 0], kind="stable")
+    extra_keys = inst[extra_order, 0]
+    # the points of ``_points``: every buffer's start (and the gap before it), every end's
+    # gap, the instants (and the gaps before them), the sharded gradients, the loss's region
+    span = [4 * k for k in profile.loss_span] if profile.loss_span is not None else []
+    points = np.unique(np.concatenate((
+        np.array([0, 4 * (n - 1), *span], dtype=np.int64), starts, starts & ~3, ends & ~3,
+        extra_keys, extra_keys & ~3, grads[:, 0])))
+    points = points[points < 4 * n]
+    event = points >> 2
+    gap = (points & 3) == 0
+    activations = profile._levels[event]
+    if gap.any():
+        previous = np.concatenate(([-1], event[:-1]))
+        activations[gap] = profile._range_max(previous[gap] + 1, event[gap])
+    a.update(live=live, inst=inst, grads=grads, order=order, extra_order=extra_order,
+             points=points, gap=gap, activations=activations,
+             running_at=np.searchsorted(keys[order], points, side="right"),
+             extra_hi=np.where(gap, 0, np.searchsorted(extra_keys, points, side="right")),
+             extra_lo=np.where(gap, 0, np.searchsorted(extra_keys, points, side="left")))
+    return a
+
+
+def _rates_of(skeleton: _Skeleton, units: list[UnitSpec], p: Precision, shard: int
+              ) -> np.ndarray:
+    key = (shard, p.param_bytes, p.orig_bytes, p.reduce_bytes,
+           tuple(u.shard_numel for u in units), tuple(u.full_precision for u in units))
+    rates = skeleton.rates.get(key)
+    if rates is None:
+        rates = skeleton.rates[key] = _unit_rates(units, p, shard)
+    return rates
+
+
 def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
                   forward_prefetch: int = 0, backward_prefetch: int = 1) -> MemoryEstimate:
-    """Peak bytes per rank of one steady step for ``units`` (children first, root last)."""
-    b = step_buffers(profile, units, ctx, forward_prefetch=forward_prefetch,
-                     backward_prefetch=backward_prefetch)
-    best = _sweep(profile, b.live, b.instants, b.grads_at, {**b.static, **b.held})
-    if b.optimizer_step is not None and sum(b.optimizer_step.values()) > best.peak_bytes:
-        best = MemoryEstimate(peak_bytes=sum(b.optimizer_step.values()), phase="optimizer step",
-                              breakdown=dict(b.optimizer_step))
+    """Peak bytes per rank of one steady step for ``units`` (children first, root last).
+
+    The highest total over the gaps between boundary events and the sub-step instants
+    ([Note: sub-steps]): every buffer is present on the half-open range ``start <= point <
+    end`` of coded points ``4 * event + sub + 1``, so one sweep suffices. The search calls this
+    for every candidate, so the sweep runs on int64 arrays whose points, order and activations
+    the skeleton fixes (``_sweep_of``); per call only the bytes change: the running total at
+    each point is a prefix sum. It visits ``_points``'s points (``memory_timeline``;
+    tests/test_pictures.py checks both agree for every candidate).
+    """
+    import numpy as np  # see [Note: numpy on first use]
+    static, held = _static_and_held(units, ctx)
+    skeleton = _skeleton(profile, units, offload=ctx.offload,
+                         sharded_grads="sharded_grads" not in held,
+                         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+    a = _sweep_of(profile, skeleton)
+    rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size)
+    live, inst, grads = a["live"], a["inst"], a["grads"]
+    nbytes = rates[live[:, 3], live[:, 2]] * live[:, 4]
+    grad_bytes = rates[_SHARD_ORIG, grads[:, 1]]
+    running = np.concatenate(([0], np.cumsum(
+        np.concatenate((nbytes, -nbytes, grad_bytes))[a["order"]])))
+    extra_sums = np.concatenate(([0], np.cumsum(
+        (rates[inst[:, 2], inst[:, 1]] * inst[:, 3])[a["extra_order"]])))
+    base = {**static, **held}
+    totals = (a["activations"] + running[a["running_at"]]
+              + (extra_sums[a["extra_hi"]] - extra_sums[a["extra_lo"]]))
+    best_at = int(np.argmax(totals))  # the first highest point
+    point = int(a["points"][best_at])
+    best = MemoryEstimate(peak_bytes=sum(base.values()) + int(totals[best_at]),
+                          breakdown=_parts_of(point, skeleton, a, nbytes, grad_bytes, rates,
+                                              base),
+                          phase=_phase_name(profile, point >> 2))
+    points = a["points"]
+    gap_start = point >> 2 if point & 3 else (int(points[best_at - 1]) >> 2) + 1 if best_at else 0
+    best.breakdown.update(profile.split_loss(gap_start, point >> 2,
+                                             int(a["activations"][best_at])))
+    optimizer_step = _optimizer_step(units, ctx, static)
+    if optimizer_step is not None and sum(optimizer_step.values()) > best.peak_bytes:
+        best = MemoryEstimate(peak_bytes=sum(optimizer_step.values()), phase="optimizer step",
+                              breakdown=dict(optimizer_step))
     return best
 
 
-def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
-                 forward_prefetch: int = 0, backward_prefetch: int = 1) -> StepBuffers:
-    """Every buffer of one steady step for ``units`` ([Note: FSDP2 memory timeline]), before
-    the sweep: ``estimate_peak`` takes their highest total, ``memory_timeline`` all of them."""
+def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes: np.ndarray,
+              grad_bytes: np.ndarray, rates: np.ndarray, static: dict[str, int]
+              ) -> dict[str, int]:
+    """``_parts_at`` of the coded ``point`` from the skeleton's arrays (same order of keys)."""
+    import numpy as np  # see [Note: numpy on first use]
+    parts = dict(static)
+    live = a["live"]
+    held = (live[:, 0] <= point).astype(np.int64) - (live[:, 1] <= point)
+    for j in np.flatnonzero(held).tolist():
+        cat = skeleton.live[j][2]
+        parts[cat] = parts.get(cat, 0) + int(held[j]) * int(nbytes[j])
+    made = a["grads"][:, 0] <= point
+    if made.any():
+        parts["sharded_grads"] = parts.get("sharded_grads", 0) + int(grad_bytes[made].sum())
+    parts = {k: v for k, v in parts.items() if v or k in static}
+    if point & 3:
+        inst = a["inst"]
+        for j in np.flatnonzero(inst[:, 0] == point).tolist():
+            _, cat, u, kind, mult = skeleton.instants[j]
+            parts[cat] = parts.get(cat, 0) + int(rates[kind, u]) * mult
+    return parts
+
+
+def _static_and_held(units: list[UnitSpec], ctx: StepContext
+                     ) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes resident for the whole step, and those held during the micro-batch only."""
     p = ctx.precision
-    shard = ctx.shard_size
     total_shard = sum(u.shard_numel for u in units)
     static = {
         "sharded_params": total_shard * p.orig_bytes,
@@ -405,77 +623,34 @@ def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
     if ctx.grad_accum_steps > 1 and ctx.gradient_sync == "last":
         accum_bytes = p.reduce_bytes if p.reduce_bytes != p.param_bytes else p.param_bytes
         held["accumulated_grads"] = sum(u.numel for u in units) * accum_bytes
-    windows = [profile.windows(u) for u in units]
-    ran = [i for i, w in enumerate(windows) if w.ran and units[i].numel > 0]
-    fw_order = sorted(ran, key=lambda i: windows[i].fw_start)
-    bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
+    return static, held
 
-    # live buffers and instants at (event, sub-step) points: [Note: sub-steps]
-    bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
-    # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
-    # module hooks may report them the other way round: end each unit where the next begins.
-    for here, nxt in zip(bw_sequence, bw_sequence[1:]):
-        if units[here].modules != [""] and windows[nxt].bw_start > windows[here].bw_start:
-            windows[here].bw_end = min(windows[here].bw_end, windows[nxt].bw_start)
-    live: list[tuple[tuple[int, int], tuple[int, int], int, str]] = []
-    instants: list[tuple[tuple[int, int], int, str]] = []
-    for pos, i in enumerate(fw_order):
-        u, w = units[i], windows[i]
-        unsharded = u.unsharded_numel(shard) * p.unit_param_bytes(u)
-        gather_at = windows[fw_order[max(0, pos - forward_prefetch)]].fw_start
-        start = (gather_at, 2 if gather_at < w.fw_start else 1)
-        end = (w.fw_end, 0) if u.reshard_after_forward else (w.bw_end, 0)
-        live.append((start, end, unsharded, "unsharded_params"))
-        instants.append(((w.fw_start, 1), unsharded + u.shard_numel * p.unit_param_bytes(u), "comm_buffers"))
-        if ctx.offload:
-            instants.append(((w.fw_start, 1), _offload_copy_bytes(u, p), "offload_copies"))
-        # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
-        # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
-        # next all-gather); with one root unit that is the whole forward.
-        if pos + 1 < len(fw_order):
-            freed = (windows[fw_order[pos + 1]].fw_start, 1)
-        else:
-            root = [j for j in ran if units[j].modules == [""]]
-            freed = (windows[root[0]].fw_end if root else w.fw_end, 0)
-        live.append(((w.fw_start, 2), freed, unsharded, "comm_buffers"))
-    for pos, i in enumerate(bw_sequence):
-        u, w = units[i], windows[i]
-        unsharded = u.unsharded_numel(shard) * p.unit_param_bytes(u)
-        if u.reshard_after_forward:
-            gather_at = min(windows[bw_sequence[max(0, pos - backward_prefetch)]].bw_start, w.bw_start)
-            start = (gather_at, 2 if gather_at < w.bw_start else 1)
-            live.append((start, (w.bw_end, 0), unsharded, "unsharded_params"))
-            instants.append(((w.bw_start, 1), unsharded + u.shard_numel * p.unit_param_bytes(u),
-                             "comm_buffers"))
-            if ctx.offload:
-                instants.append(((w.bw_start, 1), _offload_copy_bytes(u, p), "offload_copies"))
-        for fqn, numel in u.param_modules:
-            # Until the module's backward ends, the analysis timeline already holds its weight
-            # gradients (they stay activation-side until their post-accumulate-grad hook), so
-            # counting them from pre-backward counted them twice: a tied embedding +9% on BERT.
-            made_at = min(max(profile.first_event("post_bw", fqn, w.bw_start), w.bw_start), w.bw_end)
-            live.append(((made_at, 1), (w.bw_end, 0), numel * p.unit_param_bytes(u), "unsharded_grads"))
-    last = len(profile.events) - 1
-    bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
-    grads_at: list[tuple[int, int]] = []
-    for pos, i in enumerate(bw_order):
-        u, w = units[i], windows[i]
-        rs_input = u.unsharded_numel(shard) * p.reduce_bytes
-        nxt = windows[bw_order[pos + 1]].bw_end if pos + 1 < len(bw_order) else last + 1
-        live.append(((w.bw_end, 0), (nxt, 0), rs_input, "comm_buffers"))
-        # The reduce-scatter input is filled while the unsharded gradients still exist.
-        instants.append(((w.bw_end, 0), u.numel * p.unit_param_bytes(u), "unsharded_grads"))
-        if ctx.offload:  # the reduced shard is copied to the host and freed on the device
-            instants.append(((w.bw_end, 0), u.shard_numel * p.orig_bytes, "offload_copies"))
-        elif "sharded_grads" not in held:  # held from the start when accumulating
-            grads_at.append((w.bw_end, u.shard_numel * p.orig_bytes))
-    optimizer_step = None
-    if not ctx.offload:  # with offload the optimizer step runs on the host
-        grads = total_shard * p.orig_bytes
-        temporaries = grads if OPTIMIZER_STATES.get(ctx.optimizer, 0) else 0
-        optimizer_step = {**static, "sharded_grads": grads, "optimizer_temporaries": temporaries}
-    return StepBuffers(static=static, held=held, live=live, instants=instants,
-                       grads_at=grads_at, optimizer_step=optimizer_step)
+
+def _optimizer_step(units: list[UnitSpec], ctx: StepContext, static: dict[str, int]
+                    ) -> dict[str, int] | None:
+    """What the optimizer step holds (None with offload: it runs on the host)."""
+    if ctx.offload:
+        return None
+    grads = sum(u.shard_numel for u in units) * ctx.precision.orig_bytes
+    temporaries = grads if OPTIMIZER_STATES.get(ctx.optimizer, 0) else 0
+    return {**static, "sharded_grads": grads, "optimizer_temporaries": temporaries}
+
+
+def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
+                 forward_prefetch: int = 0, backward_prefetch: int = 1) -> StepBuffers:
+    """Every buffer of one steady step for ``units`` ([Note: FSDP2 memory timeline]), before
+    the sweep: ``estimate_peak`` takes their highest total, ``memory_timeline`` all of them."""
+    static, held = _static_and_held(units, ctx)
+    skeleton = _skeleton(profile, units, offload=ctx.offload,
+                         sharded_grads="sharded_grads" not in held,
+                         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+    rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size).tolist()
+    return StepBuffers(
+        static=static, held=held,
+        live=[(s, e, rates[k][u] * m, cat) for s, e, cat, u, k, m in skeleton.live],
+        instants=[(at, rates[k][u] * m, cat) for at, cat, u, k, m in skeleton.instants],
+        grads_at=[(at, rates[_SHARD_ORIG][u]) for at, u in skeleton.grads_at],
+        optimizer_step=_optimizer_step(units, ctx, static))
 
 
 @dataclass(kw_only=True)

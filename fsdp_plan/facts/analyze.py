@@ -20,9 +20,10 @@ if TYPE_CHECKING:  # loading imports torch: named here for the annotations only
 
 @dataclass(kw_only=True)
 class Analyzed:
-    """A model built on ``meta`` and its facts (the one step that needs torch)."""
+    """A model built on ``meta`` and its facts (the one step that needs torch); ``loaded`` is
+    None for facts read from the cache (facts/cache.py)."""
 
-    loaded: LoadedModel
+    loaded: LoadedModel | None
     facts: ModelFacts
     digest: str
     notes: list[str] = field(default_factory=list)

@@ -87,10 +87,39 @@ class Evaluator:
         configuration."""
         self._strided: dict[int, Evaluator | None] = {}
         """Evaluators at other selective ``aten.mm`` strides (``with_mm_stride``)."""
+        self._seen: dict[tuple[Layout, str], tuple[Candidate, bool]] = {}
+        """Every layout evaluated, with whether it can run at all: see [Note: evaluations
+        across budgets]."""
+        self.serves_seen = False
+        """Whether ``evaluate`` answers a layout met before from ``_seen`` (``with_budget``)."""
         self.block_cost = self._block_costs()
 
     def evaluate(self, layout: Layout, name: str) -> Candidate:
-        """Memory, collectives and step time of ``layout``, named ``name``."""
+        """Memory, collectives and step time of ``layout``, named ``name``.
+
+        [Note: evaluations across budgets]
+        A plan's peak and time do not depend on the budget, only whether it fits (``fits`` is
+        ``runnable and peak <= limit`` for every kind of layout). So every evaluation is kept
+        with whether it can run at all, and an evaluator at another budget (``with_budget``,
+        the frontier's) answers a layout met before, by this search or another budget's, with
+        the same candidate and ``fits`` for its own limit, computing nothing.
+        """
+        key = (layout, name)
+        if self.serves_seen and key in self._seen:
+            seen, runs = self._seen[key]
+            return dataclasses.replace(
+                seen, fits=runs and seen.memory.peak_bytes <= self.settings.limit_bytes)
+        candidate = self._evaluate(layout, name)
+        self._seen.setdefault(key, (candidate, candidate.fits or candidate.memory.peak_bytes
+                                    > self.settings.limit_bytes))
+        return candidate
+
+    @property
+    def evaluations(self) -> int:
+        """How many distinct layouts this evaluator (and its budget copies) computed."""
+        return len(self._seen)
+
+    def _evaluate(self, layout: Layout, name: str) -> Candidate:
         if layout.selective and layout.selective_mm_stride != self.analysis.selective_mm_stride:
             strided = self.with_mm_stride(layout.selective_mm_stride)
             if strided is None:
@@ -111,7 +140,12 @@ class Evaluator:
             self._strided[stride] = (None if analysis is None else self
                                      if analysis is self.analysis
                                      else Evaluator(self.graph, analysis, self.settings))
-        return self._strided[stride]
+        found = self._strided[stride]  # shared by budget copies, which judge fits at theirs
+        if found is None or found.analysis is self.analysis:
+            return None if found is None else self
+        if found.settings != self.settings:
+            return found.with_budget(self.settings.budget_bytes, self.settings.headroom_bytes)
+        return found
 
     def _sharded(self, layout: Layout, name: str) -> Candidate:
         """FSDP or HSDP units with their checkpointed blocks and prefetch."""
@@ -170,6 +204,7 @@ class Evaluator:
         other = copy.copy(self)
         other.settings = dataclasses.replace(self.settings, budget_bytes=budget_bytes,
                                              headroom_bytes=headroom_bytes)
+        other.serves_seen = True  # [Note: evaluations across budgets]
         return other
 
     def units_of(self, layout: Layout) -> list[UnitSpec]:

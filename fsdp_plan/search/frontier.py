@@ -11,7 +11,9 @@ checkpointed blocks, mesh, micro-batch). Every budget keeps the user's headroom 
 the budget by default, else the same share), so a point of the frontier is what re-planning
 with ``--mem`` at that budget chooses. The budgets are round numbers (1, 2 or 5 times a power
 of ten bytes) and include the user's own. One evaluator's caches (activation profiles, unit
-costs) serve every budget (``Evaluator.with_budget``): only what fits changes. With several
+costs, and every plan evaluated, the planner's search's included) serve every budget
+(``Evaluator.with_budget``, [Note: evaluations across budgets]): only what fits changes, so a
+budget's search computes only the layouts no search before it met. With several
 micro-batch sizes (``--global-batch-size``, ``--batch-size auto``) each budget takes the one
 with the most tokens/s, as planning does.
 
@@ -166,42 +168,35 @@ class _Searcher:
     """The search at any budget for each micro-batch variant, on shared evaluators."""
 
     def __init__(self, variants: list[Variant], settings: SearchSettings,
-                 headroom: Callable[[int], int], seq_len: int) -> None:
+                 headroom: Callable[[int], int], seq_len: int,
+                 evaluator: Evaluator | None = None) -> None:
         self.variants = variants
         self.headroom = headroom
         self.seq_len = seq_len
         self.searches = 0
-        self.evaluations = 0
         self.strategy = settings.strategy
         self.generators, _ = plug_ins_for(settings.strategy, allow_offload=False)
         self.smallest = UNLIMITED
         """The smallest peak of a search where nothing fitted (its ``NoFeasiblePlan``)."""
-        self.evaluators = [Evaluator(v.facts.graph, v.facts.analysis, settings) for v in variants]
-        self._known: list[dict[tuple, tuple[Candidate, bool]]] = [{} for _ in variants]
-        """Per variant: every plan evaluated so far, and whether it can run at all."""
+        self.evaluators = [evaluator if _serves(evaluator, v.facts, settings)
+                           else Evaluator(v.facts.graph, v.facts.analysis, settings)
+                           for v in variants]
+        """Per variant: the planner's own evaluator when it searched these facts with these
+        settings (its caches and every plan it evaluated serve every budget: [Note:
+        evaluations across budgets] in search/evaluator.py), else a new one."""
+        self._already = sum(e.evaluations for e in {id(e): e for e in self.evaluators}.values())
+
+    @property
+    def evaluations(self) -> int:
+        """Plans evaluated for the frontier (not those the planner's search had evaluated)."""
+        unique = {id(e): e for e in self.evaluators}.values()
+        return sum(e.evaluations for e in unique) - self._already
 
     def ranked_at(self, budget: int) -> list[tuple[Variant, Candidate]]:
         """Every variant's ranking at ``budget`` (best first within each)."""
         out = []
-        limit = budget - self.headroom(budget)
-        for variant, base, known in zip(self.variants, self.evaluators, self._known):
+        for variant, base in zip(self.variants, self.evaluators):
             evaluator = base.with_budget(budget, self.headroom(budget))
-            evaluate = evaluator.evaluate
-
-            def remembered(layout: Any, name: str, *, _evaluate=evaluate, _known=known
-                           ) -> Candidate:
-                # A plan's peak and time do not depend on the budget, only whether it fits:
-                # the same layout met again at another budget is not evaluated again.
-                key = (layout, name)
-                if key in _known:
-                    seen, runnable = _known[key]
-                    return dataclasses.replace(
-                        seen, fits=runnable and seen.memory.peak_bytes <= limit)
-                self.evaluations += 1
-                c = _evaluate(layout, name)
-                _known[key] = (c, c.fits or c.memory.peak_bytes > limit)
-                return c
-            evaluator.evaluate = remembered  # type: ignore[method-assign]
             self.searches += 1
             try:  # the planner's own search, on the shared evaluator
                 ranked = run_search(variant.facts, evaluator.settings, self.generators,
@@ -218,7 +213,13 @@ class _Searcher:
         that budget, when given)."""
         limit = budget - self.headroom(budget)
         ranked = self.ranked_at(budget) if ranked is None else ranked
-        fitting = [(self._tokens(v, c), v, c) for v, c in ranked if c.fits]
+        # each variant's plan is its search's first that fits (the planner's choice, ties in
+        # step time within rank()'s rounding included), then the variant with most tokens/s
+        firsts: dict[int, tuple[Variant, Candidate]] = {}
+        for v, c in ranked:
+            if c.fits and id(v) not in firsts:
+                firsts[id(v)] = (v, c)
+        fitting = [(self._tokens(v, c), v, c) for v, c in firsts.values()]
         if not fitting:
             return FrontierPoint(budget_bytes=budget, limit_bytes=limit, fits=False)
         tokens, variant, best = max(fitting, key=lambda t: (t[0], -t[2].memory.peak_bytes))
@@ -236,16 +237,28 @@ class _Searcher:
             c.time.step_s, 1e-12)
 
 
+def _serves(evaluator: Evaluator | None, facts: ModelFacts, settings: SearchSettings) -> bool:
+    """Whether ``evaluator`` evaluates ``facts`` under ``settings`` (budgets aside)."""
+    if evaluator is None or evaluator.graph is not facts.graph or (
+            evaluator.analysis is not facts.analysis):
+        return False
+    s = evaluator.settings
+    return dataclasses.replace(s, budget_bytes=settings.budget_bytes,
+                               headroom_bytes=settings.headroom_bytes) == settings
+
+
 def compute_frontier(variants: list[Variant], settings: SearchSettings, *, seq_len: int,
-                     count: int = 10, above_only: bool = False) -> Frontier:
+                     count: int = 10, above_only: bool = False,
+                     evaluator: Evaluator | None = None) -> Frontier:
     """The frontier around ``settings.budget_bytes`` ([Note: the frontier]): about ``count``
     round budgets over the whole range, or (``above_only``) from the user's budget up, which
-    is all the report's "more memory" line needs."""
+    is all the report's "more memory" line needs. ``evaluator``: the planner's, whose caches
+    and evaluated plans the frontier reuses for the variant it searched."""
     started, cpu_started = clock.perf_counter(), clock.process_time()
     user = settings.budget_bytes
     headroom = headroom_rule(user, settings.headroom_bytes)
     with cycle_collector_paused():
-        searcher = _Searcher(variants, settings, headroom, seq_len)
+        searcher = _Searcher(variants, settings, headroom, seq_len, evaluator)
         points = {user: searcher.point(user)}
         unlimited = searcher.ranked_at(UNLIMITED)
         plain = [c.memory.peak_bytes for _, c in unlimited if not c.checkpointed]

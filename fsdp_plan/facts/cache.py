@@ -1,0 +1,206 @@
+"""Facts kept on disk, so a second plan of the same model (another budget, world size, GPU)
+runs no tracing.
+
+[Note: the facts cache]
+``ModelFacts`` (facts/types.py) are plain data and depend only on the model and how it was
+traced, never on the budget, the world size or the GPU. So the plan verb stores them, one JSON
+file per key, under ``$FSDP_PLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/fsdp-plan/facts``, else
+``~/.cache/fsdp-plan/facts``. The key is a SHA-256 over everything the facts are made from:
+the model's kind, path, entry and arguments, the micro-batch shape, the analysis options
+(dtypes, autocast, compiled blocks, strides, ``--exact-analysis``; whether DDP's autocast step
+was traced is recorded in the entry and must match, since it depends on the budget), the
+bytes of the model's file and of every ``.py`` file beside it (local imports), the versions of
+torch and transformers, and the code of fsdp-plan's stages that build and trace a model
+(``facts/``, ``model/``, ``common/``). An entry is read only when its format and stored key
+match and it parses into ``ModelFacts``; anything else (a truncated, corrupt or foreign file)
+is ignored and replaced, never trusted. Entries are written to a temporary file and renamed
+over the old one, so a reader never sees half an entry; a cache that cannot be written (a
+read-only home) only costs the tracing next time.
+
+Known limitations: code the model imports from outside its own folder (an installed package
+other than torch and transformers) is not part of the key; ``--no-cache`` (or
+``FSDP_PLAN_NO_CACHE=1``) traces afresh. ``package.module:attr`` models are keyed by their
+module file's folder when it is found on ``sys.path``, and are not cached otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.model.source import ModelSource, _module_file
+
+FORMAT = 1
+"""The entry layout; an entry of another format is ignored."""
+DIR_ENV = "FSDP_PLAN_CACHE_DIR"
+OFF_ENV = "FSDP_PLAN_NO_CACHE"
+"""Set to anything but ``""``/``0`` to plan without the cache (tests/conftest.py does)."""
+_OWN_CODE = ("facts", "model", "common")
+"""fsdp-plan's folders whose code decides what the facts hold."""
+
+
+def cache_dir() -> str | None:
+    """Where entries live, or None when the cache is switched off (``FSDP_PLAN_NO_CACHE``)."""
+    if os.environ.get(OFF_ENV, "") not in ("", "0"):
+        return None
+    if os.environ.get(DIR_ENV):
+        return os.environ[DIR_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "fsdp-plan", "facts")
+
+
+@dataclass(kw_only=True)
+class CachedFacts:
+    """What an entry gives back: the facts and what planning records of the model."""
+
+    facts: ModelFacts
+    digest: str
+    notes: list[str]
+    path: str
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def _hash_files(h: Any, paths: list[str]) -> None:
+    for path in sorted(paths):
+        h.update(path.encode())
+        with open(path, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+
+
+def _python_files(folder: str) -> list[str]:
+    return [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".py")]
+
+
+_OWN_DIGEST: list[str] = []
+
+
+def _own_code_digest() -> str:
+    """SHA-256 of fsdp-plan's model-building and tracing code (computed once per process)."""
+    if not _OWN_DIGEST:
+        h = hashlib.sha256()
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for folder in _OWN_CODE:
+            for here, _, names in sorted(os.walk(os.path.join(root, folder))):
+                _hash_files(h, [os.path.join(here, n) for n in names if n.endswith(".py")])
+        _OWN_DIGEST.append(h.hexdigest())
+    return _OWN_DIGEST[0]
+
+
+def facts_key(source: ModelSource, options: dict[str, Any]) -> str | None:
+    """The entry's key ([Note: the facts cache]); None when the model's code cannot be read."""
+    try:
+        if source.kind == "import":
+            found = _module_file(source.source.partition(":")[0])
+            if found is None:
+                return None
+            model_file = found
+        else:
+            model_file = source.source
+        if not os.path.isfile(model_file):
+            return None
+        h = hashlib.sha256()
+        h.update(json.dumps({"format": FORMAT, "kind": source.kind,
+                             "source": os.path.abspath(source.source), "entry": source.entry,
+                             "args": source.args, "batch_size": source.batch_size,
+                             "seq_len": source.seq_len, "options": _key_options(options),
+                             "torch": _version("torch"),
+                             "transformers": _version("transformers"),
+                             "fsdp_plan": _own_code_digest()},
+                            sort_keys=True, default=str).encode())
+        folder = os.path.dirname(os.path.abspath(model_file))
+        _hash_files(h, sorted({os.path.abspath(model_file), *_python_files(folder)}))
+        return h.hexdigest()
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _key_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The analysis options as the key holds them: DDP's limit only decides whether the step
+    is also traced under autocast (``analyze_loaded``), which the entry records instead, so
+    another budget finds the same entry."""
+    out = dict(options)
+    out["ddp_limit_bytes"] = out.get("ddp_limit_bytes") is not None
+    return out
+
+
+def _ddp_autocast(options: dict[str, Any], facts: ModelFacts) -> bool:
+    """Whether ``analyze_loaded`` traces DDP's autocast step for these options (its rule)."""
+    limit = options.get("ddp_limit_bytes")
+    return limit is not None and 2 * facts.graph.total_param_bytes <= limit
+
+
+class FactsCache:
+    """Read and write entries in ``folder`` (``cache_dir()``)."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    @classmethod
+    def default(cls) -> FactsCache | None:
+        """The cache at ``cache_dir()``, or None when switched off."""
+        folder = cache_dir()
+        return cls(folder) if folder else None
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.folder, f"{key}.json")
+
+    def has(self, source: ModelSource, options: dict[str, Any]) -> bool:
+        """Whether a readable entry exists for the model (without parsing it)."""
+        key = facts_key(source, options)
+        return key is not None and os.path.isfile(self._path(key))
+
+    def load(self, source: ModelSource, options: dict[str, Any]) -> CachedFacts | None:
+        """The entry for ``source`` traced with ``options``; None when there is none or it
+        cannot be trusted (wrong format or key, unreadable, not facts)."""
+        key = facts_key(source, options)
+        if key is None:
+            return None
+        path = self._path(key)
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+            if raw.get("format") != FORMAT or raw.get("key") != key:
+                return None
+            digest, notes = raw["digest"], raw["notes"]
+            if not isinstance(digest, str) or not all(isinstance(n, str) for n in notes):
+                return None
+            facts = ModelFacts.from_dict(raw["facts"])
+            if raw.get("ddp_autocast") is not _ddp_autocast(options, facts):
+                return None  # traced with or without DDP's step where this budget differs
+            return CachedFacts(facts=facts, digest=digest, notes=list(notes), path=path)
+        except Exception:  # noqa: BLE001 - a corrupt or foreign entry is ignored, never trusted
+            return None
+
+    def store(self, source: ModelSource, options: dict[str, Any], facts: ModelFacts,
+              digest: str, notes: list[str]) -> str | None:
+        """Write the entry atomically; returns its path (None when it could not be written)."""
+        key = facts_key(source, options)
+        if key is None:
+            return None
+        text = json.dumps({"format": FORMAT, "key": key, "digest": digest, "notes": notes,
+                           "ddp_autocast": _ddp_autocast(options, facts),
+                           "facts": facts.to_dict()})
+        tmp = None
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".facts-", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, self._path(key))
+            return self._path(key)
+        except OSError:
+            if tmp is not None and os.path.exists(tmp):
+                os.unlink(tmp)
+            return None

@@ -1,0 +1,117 @@
+"""Model facts cached on disk (issue 29, [Note: the facts cache] in facts/cache.py): a second
+plan of the same model at another budget or world size runs no tracing, gives the same plan,
+and a corrupt, stale or foreign entry is never trusted. Every test uses its own folder; the
+suite has the cache off (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdp_plan.cli.main import main
+from fsdp_plan.facts import analyze
+from fsdp_plan.facts.cache import FactsCache, cache_dir, facts_key
+from fsdp_plan.model.source import ModelSource
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA = str(ROOT / "examples" / "llama.py")
+ARGS = [LLAMA, "--model-arg", "size=tiny", "--seq-len", "64", "--batch-size", "2",
+        "--world-size", "4", "--format", "json"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "facts"
+    monkeypatch.delenv("FSDP_PLAN_NO_CACHE", raising=False)
+    monkeypatch.setenv("FSDP_PLAN_CACHE_DIR", str(folder))
+    return folder
+
+
+def _plan(capsys, *extra: str) -> dict:
+    assert main([*ARGS, *extra]) == 0
+    out = json.loads(capsys.readouterr().out)
+    out.pop("planning_seconds")
+    return out
+
+
+def _no_tracing(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("traced although the facts were cached")
+    monkeypatch.setattr(analyze, "analyze_loaded", refuse)
+
+
+def test_the_suite_runs_with_the_cache_off():
+    assert os.environ.get("FSDP_PLAN_NO_CACHE") == "1" and cache_dir() is None
+
+
+def test_a_second_plan_reads_the_facts_and_plans_the_same(cache, capsys, monkeypatch):
+    first = _plan(capsys, "--mem", "3MB")
+    entries = list(cache.iterdir())
+    assert len(entries) == 1 and entries[0].suffix == ".json"
+    _no_tracing(monkeypatch)
+    assert _plan(capsys, "--mem", "3MB") == first
+    # another budget and world size: the same facts, no tracing
+    other = _plan(capsys, "--mem", "50MB", "--world-size", "8")
+    assert other["plan"]["world_size"] == 8
+    assert list(cache.iterdir()) == entries
+
+
+def test_no_cache_traces_and_writes_nothing(cache, capsys):
+    _plan(capsys, "--mem", "3MB", "--no-cache")
+    assert not cache.exists()
+
+
+def test_a_corrupt_or_foreign_entry_is_ignored_and_replaced(cache, capsys, monkeypatch):
+    first = _plan(capsys, "--mem", "3MB")
+    (entry,) = cache.iterdir()
+    for bad in ("{not json", json.dumps({"format": 1, "key": "another", "facts": {}}),
+                json.dumps({"format": 1, "key": entry.stem, "digest": "x", "notes": [],
+                            "facts": {"facts_version": -1}})):
+        entry.write_text(bad)
+        assert _plan(capsys, "--mem", "3MB") == first  # traced again
+        assert json.loads(entry.read_text())["key"] == entry.stem  # and replaced
+    assert [p.name for p in cache.iterdir()] == [entry.name]  # no temporary file left
+
+
+def test_the_key_covers_the_model_its_shape_and_the_options(tmp_path):
+    model = tmp_path / "model.py"
+    model.write_text("def build_model():\n    pass\n")
+    source = ModelSource(source=str(model), batch_size=1, seq_len=8)
+    options = {"param_dtype": "bfloat16"}
+    key = facts_key(source, options)
+    assert key is not None and key == facts_key(source, dict(options))
+    assert key != facts_key(ModelSource(source=str(model), batch_size=2, seq_len=8), options)
+    assert key != facts_key(ModelSource(source=str(model), batch_size=1, seq_len=8,
+                                        args={"n": 1}), options)
+    assert key != facts_key(source, {"param_dtype": "float32"})
+    (tmp_path / "helper.py").write_text("X = 1\n")  # a local import beside the model
+    assert facts_key(source, options) != key
+    model.write_text("def build_model():\n    return None\n")
+    assert facts_key(source, options) != key
+    assert facts_key(ModelSource(source=str(tmp_path / "missing.py")), options) is None
+
+
+def test_an_unwritable_cache_costs_only_the_tracing(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.delenv("FSDP_PLAN_NO_CACHE", raising=False)
+    monkeypatch.setenv("FSDP_PLAN_CACHE_DIR", str(blocker / "facts"))  # under a file
+    assert FactsCache.default() is not None
+    _plan(capsys, "--mem", "3MB")
+
+
+def test_a_plan_from_cached_facts_imports_no_torch(cache, capsys):
+    _plan(capsys, "--mem", "3MB")
+    code = ("import sys; from fsdp_plan.cli.main import main; "
+            f"code = main({[*ARGS, '--mem', '5MB']!r}); "
+            "sys.stderr.write('TORCH ' + str('torch' in sys.modules) + '\\n'); sys.exit(code)")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=ROOT, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TORCH False" in out.stderr
