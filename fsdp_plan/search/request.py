@@ -168,8 +168,8 @@ class PlanRequest:
         require_type(self.optimizer, str, "PlanRequest.optimizer")
         require_type(self.hardware, Hardware, "PlanRequest.hardware")
         require_type(self.hardware_origin, (dict, type(None)), "PlanRequest.hardware_origin")
-        for flag in ("exact_analysis", "allow_offload", "auto_batch", "compile_blocks",
-                     "compile_auto"):
+        for flag in ("exact_analysis", "allow_offload", "allow_lossy_hooks", "auto_batch",
+                     "compile_blocks", "compile_auto"):
             require_type(getattr(self, flag), bool, f"PlanRequest.{flag}")
         require_whole(self.grad_accum_steps, "PlanRequest.grad_accum_steps", 1,
                       MAX_GRAD_ACCUM_STEPS)
@@ -181,6 +181,14 @@ class PlanRequest:
             require_type(self.activation_memory_budget, (int, float),
                          "PlanRequest.activation_memory_budget")
         require_type(self.framework, (str, type(None)), "PlanRequest.framework")
+
+    def _check_full_nodes(self) -> None:
+        """Nodes are full, as in the plan the request writes (issue 31, S4-16: what planning
+        writes reads back)."""
+        if self.world_size > self.gpus_per_node and self.world_size % self.gpus_per_node:
+            raise BadInput(f"PlanRequest world_size {self.world_size} is not a multiple of "
+                           f"gpus_per_node {self.gpus_per_node}; nodes must be full, as in the "
+                           "plan it writes.")
 
     def analysis_options(self) -> dict[str, Any]:
         """How ``analyze_model`` traces for this request: FSDP mixed precision or autocast, the
