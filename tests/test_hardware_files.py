@@ -324,8 +324,14 @@ def test_predict_wants_whole_nodes(planned, tmp_path, capsys):
     refused(capsys, ["predict", plan, "--gpus-per-node", "4"],
             "world_size 6 is not a multiple of --gpus-per-node 4", "nodes must be full",
             "(e.g. 3)")
-    plan = edited(planned, tmp_path, lambda d: (six(d), d["predicted"].update(gpus_per_node=4)))
-    refused(capsys, ["predict", plan], "world_size 6 is not a multiple of gpus_per_node 4")
+    # the plan's own gpus_per_node (SPEC 8), or where plans before it kept one, is checked
+    # with the plan, naming the field (issue 31, S4-06)
+    plan = edited(planned, tmp_path, lambda d: (six(d), d.update(gpus_per_node=4)))
+    refused(capsys, ["predict", plan], "gpus_per_node is 4, which does not divide world_size 6")
+    plan = edited(planned, tmp_path, lambda d: (six(d), d.pop("gpus_per_node", None),
+                                                d["predicted"].update(gpus_per_node=4)))
+    refused(capsys, ["predict", plan],
+            "predicted.gpus_per_node is 4, which does not divide world_size 6")
 
 
 # --- issue 19 item 5: plans keep their hardware (SPEC 7) ------------------------------------
