@@ -1,0 +1,107 @@
+"""torchtitan's own models planned by name (issue 30 item 4): ``torchtitan:NAME:FLAVOR`` builds
+torchtitan 0.3's model from its registry on ``meta``, FlexAttention analysed as causal SDPA
+([Note: torchtitan attention under analysis] in fsdp_plan/model/torchtitan_models.py).
+
+The plans name torchtitan's modules and, under ``--framework torchtitan``, have the units its
+``apply_fsdp_to_decoder`` makes; ``verify`` measures the debug model's plan with FSDPMemTracker
+on the fake process group (on the same SDPA-swapped model: FlexAttention has no backward on a
+CPU, fake tensors included).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_measure_helpers import run_cli
+
+from fsdp_plan.common.errors import BadInput
+from fsdp_plan.export import torchtitan as titan_export
+from fsdp_plan.export.common import plan_shape
+from fsdp_plan.model.source import TORCHTITAN_ENTRY, torchtitan_shorthand
+from fsdp_plan.plan.document import read_plan
+
+pytestmark = pytest.mark.frameworks
+pytest.importorskip("torchtitan")
+
+from fsdp_plan.model import torchtitan_models
+
+DEBUG = ["torchtitan:llama3:debugmodel", "--mem", "80GB", "--world-size", "8",
+         "--seq-len", "512", "--batch-size", "2"]
+
+
+def _units(plan_path: Path) -> list[list[str]]:
+    return [u["modules"] for u in yaml.safe_load(plan_path.read_text())["units"]]
+
+
+def test_the_shorthand_names_the_factory_and_refuses_a_bad_name() -> None:
+    assert torchtitan_shorthand("torchtitan:llama3:8B") == {"name": "llama3", "flavor": "8B"}
+    assert torchtitan_shorthand("examples/llama.py") is None
+    with pytest.raises(BadInput, match="torchtitan:NAME:FLAVOR"):
+        torchtitan_shorthand("torchtitan:llama3")
+
+
+def test_build_model_is_torchtitans_model_with_sdpa_in_place_of_flex() -> None:
+    """Same parameters and FQNs as torchtitan's registry builds; only the parameterless
+    inner attention changes; ``seq_len`` sizes the RoPE caches as torchtitan's trainer does."""
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    with torch.device("meta"):
+        theirs = model_registry("debugmodel").model.build()
+        ours = torchtitan_models.build_model("llama3", "debugmodel", seq_len=512)
+    assert ([(n, p.shape) for n, p in ours.named_parameters()]
+            == [(n, p.shape) for n, p in theirs.named_parameters()])
+    assert [n for n, _ in ours.named_children()] == ["tok_embeddings", "layers", "norm", "lm_head"]
+    assert not any(isinstance(m, FlexAttention) for m in ours.modules())
+    assert sum(isinstance(m, ScaledDotProductAttention) for m in ours.modules()) == 6
+    assert sum(isinstance(m, FlexAttention) for m in theirs.modules()) == 6
+    # torchtitan's flavour keeps 131,072 RoPE positions; its trainer cuts them to seq_len
+    assert theirs.layers["0"].attention.rope.cache.shape[0] == 131072
+    assert ours.layers["0"].attention.rope.cache.shape[0] == 512
+
+
+def test_unknown_flavor_and_model_are_bad_input() -> None:
+    with pytest.raises(BadInput, match="flavors are .*debugmodel"):
+        torchtitan_models.build_model("llama3", "9B")
+    with pytest.raises(BadInput, match="torchtitan has no model 'llama9'"):
+        torchtitan_models.build_model("llama9", "debugmodel")
+    code, _, err = run_cli(["torchtitan:llama3:9B", "--mem", "80GB"])
+    assert code == 2 and "flavors are" in err and "Traceback" not in err
+
+
+def test_debugmodel_plans_with_torchtitans_units_and_verifies(tmp_path: Path) -> None:
+    """The restricted plan is exactly torchtitan's layout ([norm, lm_head] one unit, root
+    last), export needs no hook, and FSDPMemTracker on the fake process group measures the
+    predicted peak."""
+    plan_path = tmp_path / "plan.yaml"
+    code, out, err = run_cli([*DEBUG, "--framework", "torchtitan", "--plan", str(plan_path)])
+    assert code == 0, err
+    assert "FlexAttention is analysed as its causal ScaledDotProductAttention" in err
+    raw = yaml.safe_load(plan_path.read_text())
+    assert raw["model"]["source"] == TORCHTITAN_ENTRY
+    assert raw["model"]["args"] == {"name": "llama3", "flavor": "debugmodel", "seq_len": 512}
+    assert _units(plan_path) == ([["tok_embeddings"]] + [[f"layers.{i}"] for i in range(6)]
+                                 + [["norm", "lm_head"], [""]])
+    plan = read_plan(str(plan_path))
+    model = torchtitan_models.build_model(**raw["model"]["args"])
+    shape = plan_shape(plan, model)
+    assert titan_export.config_gaps(shape) == []
+    assert titan_export.reshard_policy(shape) in ("always", "default")
+
+    code, out, err = run_cli(["verify", str(plan_path), TORCHTITAN_ENTRY, "--format", "json"])
+    assert code == 0, err
+    data = json.loads(out)
+    predicted, measured = raw["predicted"]["peak_bytes"], data["measured_peak_bytes"]
+    assert data["ok"]
+    assert abs(measured - predicted) <= 0.01 * measured, (predicted, measured)
+
+
+def test_debugmodel_unrestricted_plan_names_torchtitans_modules(tmp_path: Path) -> None:
+    plan_path = tmp_path / "plan.yaml"
+    code, _, err = run_cli([*DEBUG, "--plan", str(plan_path)])
+    assert code == 0, err
+    names = {"", "tok_embeddings", "norm", "lm_head", *(f"layers.{i}" for i in range(6))}
+    assert {m for unit in _units(plan_path) for m in unit} <= names
