@@ -365,6 +365,9 @@ def export_plan(plan: Plan, shape: PlanShape, framework: str, policy_source: str
     return result
 
 
+NOTHING_LOST = "Nothing: launched as above, the run is the planned run."
+
+
 def readme(title: str, export: Export, launch: str, hook_text: str, files: dict[str, str]
            ) -> str:
     """The export folder's README.md: the files, how to launch, what (if anything) is lost."""
@@ -385,5 +388,5 @@ def readme(title: str, export: Export, launch: str, hook_text: str, files: dict[
     if export.lost:
         lines += [f"- {gap.line()}" for gap in export.lost]
     else:
-        lines.append("Nothing: launched as above, the run is the planned run.")
+        lines.append(NOTHING_LOST)
     return "\n".join(lines) + "\n"

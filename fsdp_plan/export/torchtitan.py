@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput
-from fsdp_plan.export.common import POLICY_FILE, Export, Gap, PlanShape, readme
+from fsdp_plan.export.common import NOTHING_LOST, POLICY_FILE, Export, Gap, PlanShape, readme
+from fsdp_plan.model.source import TORCHTITAN_ENTRY
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.search.framework import TITAN_TAIL
 
@@ -161,8 +162,24 @@ def {CONFIG_FUNCTION}():
 '''
 
 
+def _titan_model(plan: Plan) -> dict[str, Any] | None:
+    """The factory arguments when the plan is of torchtitan's own model
+    (model/torchtitan_models.py), else None."""
+    model = plan.model or {}
+    args = model.get("args") or {}
+    if model.get("source") != TORCHTITAN_ENTRY or not args.get("name") or not args.get("flavor"):
+        return None
+    return {"name": str(args["name"]), "flavor": str(args["flavor"]),
+            "batch_size": int(model.get("batch_size", 1)), "seq_len": int(model.get("seq_len", 1)),
+            "rope_sized": args.get("seq_len") == model.get("seq_len")}
+
+
 def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
+    titan = _titan_model(plan)
     base = options.get("torchtitan_config")
+    if not base and titan is not None:  # torchtitan's own config of the planned flavour
+        from fsdp_plan.model.torchtitan_models import base_config
+        base = base_config(titan["name"], titan["flavor"])
     if not base or ":" not in base:
         raise BadInput("--to torchtitan needs --torchtitan-config MODULE:FUNCTION, the torchtitan "
                        "config of the model this plan is for (torchtitan trains its own model "
@@ -181,6 +198,16 @@ def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
     hook_text = ("`parallelize` replaces BASE's parallelize_fn: it applies the plan through "
                  "the policy on torchtitan's data-parallel mesh, and torchtitan's own activation "
                  "checkpointing is off (the policy applies the plan's).")
-    result.files["README.md"] = readme(f"torchtitan export of {shape.model_source or 'a plan'}",
-                                       result, launch, hook_text, files)
+    text = readme(f"torchtitan export of {shape.model_source or 'a plan'}", result, launch,
+                  hook_text, files)
+    if titan is not None:
+        from fsdp_plan.model.torchtitan_models import flex_differences
+        differences = flex_differences(titan["name"], titan["flavor"], titan["batch_size"],
+                                       titan["seq_len"], titan["rope_sized"])
+        if differences:
+            text = text.replace(NOTHING_LOST, "Nothing the configuration loses; the analysed "
+                                "step differs from torchtitan's as below.")
+            text += ("\n## How the planned step differs from torchtitan's\n\n"
+                     + "".join(f"- {line}\n" for line in differences))
+    result.files["README.md"] = text
     return result

@@ -127,3 +127,58 @@ def example_inputs(batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
     vocabulary does not change the step's memory, so ids 0 stand for any token."""
     return (torch.zeros(batch_size, seq_len, dtype=torch.long),)
 
+
+
+def base_config(name: str, flavor: str) -> str | None:
+    """torchtitan's own training config for ``name`` at ``flavor``
+    (``torchtitan.models.NAME.config_registry:NAME_FLAVOR``, e.g. ``llama3_8b``), when its
+    config registry defines one; the export starts from it."""
+    module = f"torchtitan.models.{name}.config_registry"
+    function = f"{name}_{flavor.lower()}"
+    try:
+        registry = importlib.import_module(module)
+    except ImportError:
+        return None
+    return f"{module}:{function}" if callable(getattr(registry, function, None)) else None
+
+
+def flex_differences(name: str, flavor: str, batch_size: int, seq_len: int,
+                     rope_sized: bool = True) -> list[str]:
+    """What torchtitan's FlexAttention run keeps beyond the plan's SDPA analysis ([Note:
+    torchtitan attention under analysis]), in bytes for this model and micro-batch;
+    ``rope_sized``: the plan's RoPE caches were sized to ``seq_len`` as the trainer sizes them."""
+    _, registry = _registry(name)
+    config = registry(flavor).model
+    layers = list(getattr(config, "layers", []) or [])
+    attention = [getattr(layer, "attention", None) for layer in layers]
+    heads = [a.n_heads for a in attention if a is not None and hasattr(a, "n_heads")]
+    if not heads:
+        return []
+    per_block = batch_size * heads[0] * seq_len * 4  # max_scores: float32 [batch, heads, seq]
+    blocks = -(-seq_len // 128)
+    tables = batch_size * blocks * blocks * 4  # an int32 [batch, 1, seq/128, seq/128] table
+    lines = []
+    ropes = [getattr(a, "rope", None) for a in attention if a is not None]
+    ropes = [r for r in ropes if r is not None and hasattr(r, "max_seq_len") and hasattr(r, "dim")]
+    if not rope_sized and ropes and ropes[0].max_seq_len != seq_len:
+        width = ropes[0].dim // 2 * 8  # complex64 [max_seq_len, dim / 2]
+        extra = (ropes[0].max_seq_len - seq_len) * width * len(ropes)
+        lines.append(f"Buffers: the plan kept the flavour's RoPE caches of "
+                     f"{ropes[0].max_seq_len:,} positions; torchtitan's trainer sizes them to "
+                     f"training.seq_len {seq_len:,}, {extra:,} bytes fewer in all (plan with "
+                     f"torchtitan:{name}:{flavor}, or --model-arg seq_len={seq_len}, to match).")
+    return lines + [
+        (f"Attention: the plan was analysed with torchtitan's causal ScaledDotProductAttention "
+        f"in place of its FlexAttention (FlexAttention has no backward on a CPU, where "
+        f"fsdp-plan analyses). Both save q, k, v, the output and a float32 logsumexp per "
+        f"block; FlexAttention also saves max_scores, {per_block:,} bytes a block at batch "
+        f"{batch_size} x {seq_len} ({len(heads)} blocks: up to {per_block * len(heads):,} bytes "
+        f"more at the end of forward without checkpointing), and the BlockMask's block tables "
+        f"(up to {tables:,} bytes each, made once per step). The predicted peak leaves these "
+        "out."),
+        ("Compute: the plan counts dense attention FLOPs; FlexAttention's causal BlockMask "
+        "skips the blocks above the diagonal (about half the attention FLOPs), so the "
+        "predicted step time overstates attention."),
+        ("Mask: the plan's attention is causal; torchtitan's trainer also masks packed "
+        "documents, which saves the same tensors."),
+    ]
