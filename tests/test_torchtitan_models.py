@@ -145,3 +145,51 @@ def test_llama3_8b_plans_with_torchtitans_35_units(tmp_path: Path) -> None:
     assert units == ([["tok_embeddings"]] + [[f"layers.{i}"] for i in range(32)]
                      + [["norm", "lm_head"], [""]])
     assert raw["predicted"]["peak_bytes"] <= 72 * 10**9
+
+
+def _saved(fn) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of every tensor autograd saves while ``fn()`` runs."""
+    saved: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return saved
+
+
+def test_flex_saves_what_the_sdpa_analysis_saves_plus_max_scores_and_block_tables() -> None:
+    """The Note's claim, on fake CPU tensors at a GQA shape (32 query, 8 key/value heads):
+    flex's higher-order op (called below flex_attention's CPU-backward refusal) and torchtitan's
+    causal SDPA both save q, k, v at their head counts, the output and a float32 logsumexp;
+    flex adds max_scores (float32 [batch, heads, seq]) and the BlockMask's int32 tables."""
+    from torch._higher_order_ops.flex_attention import flex_attention as flex_hop
+    from torch.nn.attention.flex_attention import _identity, create_block_mask
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    from fsdp_plan.model.fake import new_fake_mode
+    batch, heads, kv_heads, seq, dim = 1, 32, 8, 512, 128
+    with new_fake_mode():
+        q = torch.randn(batch, heads, seq, dim, dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(batch, kv_heads, seq, dim, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(batch, kv_heads, seq, dim, dtype=torch.bfloat16, requires_grad=True)
+        mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, batch, None, seq, seq,
+                                 device="cpu")
+        flex = _saved(lambda: flex_hop(q, k, v, _identity, mask.as_tuple(), dim ** -0.5,
+                                       {"BACKEND": "AUTO"}))
+        sdpa_module = ScaledDotProductAttention(ScaledDotProductAttention.Config())
+        # torchtitan's modules take (batch, seq, heads, head_dim)
+        sdpa = _saved(lambda: sdpa_module(q.transpose(1, 2), k.transpose(1, 2),
+                                          v.transpose(1, 2), enable_gqa=True))
+    lse = ((batch, heads, seq), torch.float32)
+    common = [((batch, heads, seq, dim), torch.bfloat16), ((batch, kv_heads, seq, dim),
+              torch.bfloat16), ((batch, kv_heads, seq, dim), torch.bfloat16),
+              ((batch, heads, seq, dim), torch.bfloat16), lse]
+    assert sorted(sdpa, key=str) == sorted(common, key=str)
+    tables = [s for s in flex if s[1] == torch.int32]
+    assert sorted([s for s in flex if s[1] != torch.int32], key=str) == sorted(common + [lse],
+                                                                              key=str)
+    blocks = seq // 128
+    assert tables and all(s in (((batch, 1, blocks), torch.int32),
+                                ((batch, 1, blocks, blocks), torch.int32)) for s in tables)

@@ -8,7 +8,9 @@ torchtitan's language models attend with FlexAttention (``attn_backend="flex"``,
 backend its configs allow besides varlen), and ``flex_attention`` refuses a backward on a CPU
 tensor before dispatching anything (``_validate_device``: "FlexAttention does not support
 backward on CPU"), fake CPU tensors included, so neither the analysis nor an FSDPMemTracker
-measurement can run it. ``build_model`` therefore replaces each block's ``FlexAttention``
+measurement can run torchtitan's call (``torch.compile(flex_attention)``). Its higher-order
+op alone does run forward and backward on fake CPU tensors; tests/test_torchtitan_models.py
+compares the two saved sets with it. ``build_model`` therefore replaces each block's ``FlexAttention``
 (no parameters, no buffers) with torchtitan's own ``ScaledDotProductAttention`` (causal,
 ``enable_gqa`` as the block passes it). No parameter, buffer or FQN changes, so units,
 parameter bytes, collectives and the exported configuration are torchtitan's. What changes:
