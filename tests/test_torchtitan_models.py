@@ -193,3 +193,24 @@ def test_flex_saves_what_the_sdpa_analysis_saves_plus_max_scores_and_block_table
     blocks = seq // 128
     assert tables and all(s in (((batch, 1, blocks), torch.int32),
                                 ((batch, 1, blocks, blocks), torch.int32)) for s in tables)
+
+
+@pytest.mark.slow
+def test_tied_llama3_1b_has_torchtitans_one_unit_for_embedding_norm_and_head(
+        tmp_path: Path) -> None:
+    """The 1B flavour ties tok_embeddings to lm_head (enable_weight_tying); torchtitan then
+    shards [tok_embeddings, norm, lm_head] as one unit kept gathered under its default
+    policy. Before, the tied weight split torchtitan's two units and nothing was restricted."""
+    plan_path = tmp_path / "plan.yaml"
+    code, out, err = run_cli(["torchtitan:llama3:1B", "--mem", "80GB", "--world-size", "8",
+                              "--seq-len", "512", "--batch-size", "2", "--framework",
+                              "torchtitan", "--plan", str(plan_path)])
+    assert code == 0, err
+    assert "restricted to torchtitan's configuration" in out
+    assert _units(plan_path) == ([["tok_embeddings", "norm", "lm_head"]]
+                                 + [[f"layers.{i}"] for i in range(16)] + [[""]])
+    raw = yaml.safe_load(plan_path.read_text())
+    model = torchtitan_models.build_model(**raw["model"]["args"])
+    shape = plan_shape(read_plan(str(plan_path)), model)
+    assert titan_export.config_gaps(shape) == []
+    assert titan_export.reshard_policy(shape) in ("always", "default", "never")

@@ -24,7 +24,7 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.export.common import NOTHING_LOST, POLICY_FILE, Export, Gap, PlanShape, readme
 from fsdp_plan.model.source import TORCHTITAN_ENTRY
 from fsdp_plan.plan.document import Plan
-from fsdp_plan.search.framework import TITAN_TAIL
+from fsdp_plan.search.framework import TITAN_TAIL, TITAN_TIED_TAIL
 
 MODULE_FILE = "fsdp_plan_torchtitan.py"
 CONFIG_FUNCTION = "fsdp_plan"
@@ -34,10 +34,11 @@ WHO = "torchtitan"
 def reshard_policy(shape: PlanShape) -> str | None:
     """torchtitan's ``fsdp_reshard_after_forward`` that gives the plan's flags: ``always``
     (every unit), ``default`` (all but [norm, lm_head]), ``never``; None: no policy does."""
+    tails = (TITAN_TAIL, TITAN_TIED_TAIL)  # [tok_embeddings, norm, lm_head] when tied
     tail = {flag for unit, flag in zip(shape.unit_modules, shape.unit_reshard, strict=True)
-            if unit == TITAN_TAIL}
+            if unit in tails}
     rest = {flag for unit, flag in zip(shape.unit_modules, shape.unit_reshard, strict=True)
-            if unit != TITAN_TAIL}
+            if unit not in tails}
     policies = {(True, True): "always", (True, False): "default", (False, False): "never"}
     if len(rest) > 1 or len(tail) > 1:
         return None
