@@ -65,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
             raise BadInput(f"give --to {'|'.join(FRAMEWORKS)}: the plan {args.plan!r} was not "
                            "made for a framework (fsdp-plan --framework NAME records one).")
         args.framework = plan.framework
-    if args.framework == "torchtitan":
-        torchtitan.check_config_name(args.torchtitan_config)
+    if args.framework == "torchtitan":  # torchtitan's own model names its config itself
+        if args.torchtitan_config is not None or torchtitan.titan_model(plan) is None:
+            torchtitan.check_config_name(args.torchtitan_config)
     elif args.torchtitan_config is not None:  # S4-12: an option that does nothing is refused
         raise BadInput(f"--torchtitan-config applies to --to torchtitan only, not to --to "
                        f"{args.framework}; leave it out (or export --to torchtitan).")

@@ -29,11 +29,13 @@ from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.model.source import (
     MAX_BATCH_SIZE,
     MAX_SEQ_LEN,
+    TORCHTITAN_ENTRY,
     ModelSource,
     check_count,
     model_input_files,
     parse_model_args,
     source_kind,
+    torchtitan_shorthand,
 )
 from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.report import (
@@ -55,7 +57,8 @@ MAX_TOP = 1000
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help="model file (.py) defining "
-                        "build_model(**kwargs), or package.module:attr; omit with --hf-config")
+                        "build_model(**kwargs), package.module:attr, or torchtitan:NAME:FLAVOR (a model of "
+                        "torchtitan's registry, e.g. torchtitan:llama3:8B); omit with --hf-config")
     parser.add_argument("--mem", required=True, help="per-GPU memory budget: 70GB (10^9 bytes), "
                         "70GiB (2^30 bytes), 70000MB or plain bytes (required)")
     parser.add_argument("--headroom", default=None,
@@ -267,6 +270,11 @@ def model_source(args: argparse.Namespace) -> ModelSource:
         return ModelSource(source=args.hf_config, entry="from_config", kind="hf-config",
                            args=parse_model_args(args.model_arg), batch_size=batch,
                            seq_len=args.seq_len)
+    titan = torchtitan_shorthand(args.model)
+    if titan is not None:  # torchtitan's RoPE caches are sized to training.seq_len
+        return ModelSource(source=TORCHTITAN_ENTRY, kind="import", batch_size=batch,
+                           seq_len=args.seq_len, args={**titan, "seq_len": args.seq_len,
+                                                       **parse_model_args(args.model_arg)})
     return ModelSource(source=args.model, entry=args.entry, kind=source_kind(args.model),
                        args=parse_model_args(args.model_arg), batch_size=batch,
                        seq_len=args.seq_len)

@@ -47,7 +47,7 @@ from torch import nn
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.graph import hf_embeddings
 from fsdp_plan.plan.document import Plan
-from fsdp_plan.search.framework import FRAMEWORKS, TITAN_EMBEDDINGS, TITAN_TAIL
+from fsdp_plan.search.framework import FRAMEWORKS, TITAN_EMBEDDINGS, TITAN_TAIL, TITAN_TIED_TAIL
 
 POLICY_FILE = "fsdp_plan_policy.py"
 """Name of the policy module inside an export folder (hooks import it as ``fsdp_plan_policy``)."""
@@ -272,8 +272,14 @@ def _titan_units(modules: dict[str, nn.Module]) -> tuple[tuple[str, ...], ...]:
     layers = modules.get("layers")
     if layers is None:
         return ()
+    blocks = [(f"layers.{name}",) for name, _ in layers.named_children()]
+    if all(m in modules for m in TITAN_TIED_TAIL) and (
+            getattr(modules[TITAN_EMBEDDINGS], "weight", None) is not None
+            and getattr(modules[TITAN_EMBEDDINGS], "weight", None)
+            is getattr(modules[TITAN_TAIL[1]], "weight", None)):  # enable_weight_tying
+        return (TITAN_TIED_TAIL, *blocks)
     units = [(TITAN_EMBEDDINGS,)] if TITAN_EMBEDDINGS in modules else []
-    units += [(f"layers.{name}",) for name, _ in layers.named_children()]
+    units += blocks
     if all(m in modules for m in TITAN_TAIL):
         units.append(TITAN_TAIL)
     return tuple(units)
@@ -422,6 +428,9 @@ def md_text(value: object) -> str:
     return _MARKDOWN_SPECIAL.sub(lambda m: "\\" + m.group(0), plain_text(value))
 
 
+NOTHING_LOST = "Nothing: launched as above, the run is the planned run."
+
+
 def readme(title: str, export: Export, launch: str, hook_text: str, files: dict[str, str]
            ) -> str:
     """The export folder's README.md: the files, how to launch, what (if anything) is lost.
@@ -449,5 +458,5 @@ def readme(title: str, export: Export, launch: str, hook_text: str, files: dict[
     if export.lost:
         lines += [f"- {md_text(gap.line())}" for gap in export.lost]
     else:
-        lines.append("Nothing: launched as above, the run is the planned run.")
+        lines.append(NOTHING_LOST)
     return "\n".join(lines) + "\n"

@@ -21,10 +21,20 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput
-from fsdp_plan.export.common import POLICY_FILE, Export, Gap, PlanShape, plain_text, readme
+from fsdp_plan.export.common import (
+    NOTHING_LOST,
+    POLICY_FILE,
+    Export,
+    Gap,
+    PlanShape,
+    md_text,
+    plain_text,
+    readme,
+)
+from fsdp_plan.model.source import TORCHTITAN_ENTRY
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.plan.emit import doc_safe
-from fsdp_plan.search.framework import TITAN_TAIL
+from fsdp_plan.search.framework import TITAN_TAIL, TITAN_TIED_TAIL
 
 MODULE_FILE = "fsdp_plan_torchtitan.py"
 FILE_NAMES = (MODULE_FILE,)
@@ -36,10 +46,11 @@ WHO = "torchtitan"
 def reshard_policy(shape: PlanShape) -> str | None:
     """torchtitan's ``fsdp_reshard_after_forward`` that gives the plan's flags: ``always``
     (every unit), ``default`` (all but [norm, lm_head]), ``never``; None: no policy does."""
+    tails = (TITAN_TAIL, TITAN_TIED_TAIL)  # [tok_embeddings, norm, lm_head] when tied
     tail = {flag for unit, flag in zip(shape.unit_modules, shape.unit_reshard, strict=True)
-            if unit == TITAN_TAIL}
+            if unit in tails}
     rest = {flag for unit, flag in zip(shape.unit_modules, shape.unit_reshard, strict=True)
-            if unit != TITAN_TAIL}
+            if unit not in tails}
     policies = {(True, True): "always", (True, False): "default", (False, False): "never"}
     if len(rest) > 1 or len(tail) > 1:
         return None
@@ -181,8 +192,25 @@ def check_config_name(base: str | None) -> str:
     return base
 
 
+def titan_model(plan: Plan) -> dict[str, Any] | None:
+    """The factory arguments when the plan is of torchtitan's own model
+    (model/torchtitan_models.py), else None."""
+    model = plan.model or {}
+    args = model.get("args") or {}
+    if model.get("source") != TORCHTITAN_ENTRY or not args.get("name") or not args.get("flavor"):
+        return None
+    return {"name": str(args["name"]), "flavor": str(args["flavor"]),
+            "batch_size": int(model.get("batch_size", 1)), "seq_len": int(model.get("seq_len", 1)),
+            "rope_sized": args.get("seq_len") == model.get("seq_len")}
+
+
 def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
-    base = check_config_name(options.get("torchtitan_config"))
+    titan = titan_model(plan)
+    base = options.get("torchtitan_config")
+    if not base and titan is not None:  # torchtitan's own config of the planned flavour
+        from fsdp_plan.model.torchtitan_models import base_config
+        base = base_config(titan["name"], titan["flavor"])
+    base = check_config_name(base)
     result = Export("torchtitan", config_gaps=config_gaps(shape))
     result.lost = lost_with_hook(shape)
     result.files[MODULE_FILE] = _module_text(plan, shape, base, result.needs_hook)
@@ -197,6 +225,16 @@ def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
     hook_text = ("`parallelize` replaces BASE's parallelize_fn: it applies the plan through "
                  "the policy on torchtitan's data-parallel mesh, and torchtitan's own activation "
                  "checkpointing is off (the policy applies the plan's).")
-    result.files["README.md"] = readme(f"torchtitan export of {shape.model_source or 'a plan'}",
-                                       result, launch, hook_text, files)
+    text = readme(f"torchtitan export of {shape.model_source or 'a plan'}", result, launch,
+                  hook_text, files)
+    if titan is not None:
+        from fsdp_plan.model.torchtitan_models import flex_differences
+        differences = flex_differences(titan["name"], titan["flavor"], titan["batch_size"],
+                                       titan["seq_len"], titan["rope_sized"])
+        if differences:
+            text = text.replace(NOTHING_LOST, "Nothing the configuration loses; the analysed "
+                                "step differs from torchtitan's as below.")
+            text += ("\n## How the planned step differs from torchtitan's\n\n"
+                     + "".join(f"- {md_text(line)}\n" for line in differences))
+    result.files["README.md"] = text
     return result

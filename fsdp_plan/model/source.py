@@ -214,6 +214,25 @@ def source_kind(source: str) -> str:
     return "import"
 
 
+TORCHTITAN_SHORTHAND = "torchtitan:"
+TORCHTITAN_ENTRY = "fsdp_plan.model.torchtitan_models:build_model"
+"""``torchtitan:NAME:FLAVOR`` names ``TORCHTITAN_ENTRY`` with ``name=NAME, flavor=FLAVOR``
+(model/torchtitan_models.py); the plan file records the entry and its arguments."""
+
+
+def torchtitan_shorthand(model: str | None) -> dict[str, str] | None:
+    """``torchtitan:NAME:FLAVOR`` as ``{"name": NAME, "flavor": FLAVOR}``; None for any other
+    MODEL."""
+    if not model or not model.startswith(TORCHTITAN_SHORTHAND):
+        return None
+    name, _, flavor = model[len(TORCHTITAN_SHORTHAND):].partition(":")
+    if not name.isidentifier() or not flavor or ":" in flavor:
+        raise BadInput(f"MODEL {model!r}: write torchtitan:NAME:FLAVOR, e.g. "
+                       "torchtitan:llama3:debugmodel (NAME and FLAVOR as torchtitan's model "
+                       "registry names them).")
+    return {"name": name, "flavor": flavor}
+
+
 def model_input_files(model: str | None, hf_config: str | None) -> list[tuple[str, str]]:
     """``(flag, path)`` of the files the model is read from, for ``outputs.check_outputs``.
 
@@ -222,6 +241,8 @@ def model_input_files(model: str | None, hf_config: str | None) -> list[tuple[st
     files: list[tuple[str, str]] = []
     if hf_config:
         files.append(("--hf-config", hf_config))
+    if torchtitan_shorthand(model):
+        model = TORCHTITAN_ENTRY
     if model:
         if source_kind(model) == "import":
             found = _module_file(model.partition(":")[0])

@@ -33,7 +33,8 @@ torchtitan 0.3:
   ``configure_model``; its configuration names no unit, so every sharded plan needs the hook.
   ``--framework lightning`` plans without restriction and records the framework.
 - torchtitan (``apply_fsdp_to_decoder``): ``tok_embeddings``, each block of ``layers``,
-  ``[norm, lm_head]`` together, then the root; ``fsdp_reshard_after_forward`` ``always`` (all
+  ``[norm, lm_head]`` together (``[tok_embeddings, norm, lm_head]`` one unit when
+  ``enable_weight_tying`` ties them, kept gathered too), then the root; ``fsdp_reshard_after_forward`` ``always`` (all
   resharded), ``default`` (all but [norm, lm_head]) or ``never``; FullAC on every block or
   none (its SelectiveAC "op" policy saves every other matmul, which fsdp-plan's selective
   mode does not model); ``mixed_precision_param`` bfloat16 or float32 with float32
@@ -61,6 +62,9 @@ FRAMEWORKS = ("accelerate", "trainer", "lightning", "torchtitan")
 TITAN_EMBEDDINGS = "tok_embeddings"
 TITAN_TAIL = ("norm", "lm_head")
 """torchtitan 0.3's names of the modules it gives units besides the blocks."""
+TITAN_TIED_TAIL = (TITAN_EMBEDDINGS, *TITAN_TAIL)
+"""torchtitan's one unit for all three when ``enable_weight_tying`` ties the embedding and
+the head (its 1B and 3B Llama flavours), kept gathered as ``[norm, lm_head]`` is."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +139,7 @@ class FrameworkLimits:
         if self.units != "torchtitan":  # the final norm (with a Hugging Face head) is kept gathered
             tail = sorted(class_tail(graph))
             return [tuple(sorted(g) != tail for g in groups)]
-        default = tuple(list(g) != list(TITAN_TAIL) for g in groups)
+        default = tuple(tuple(g) not in (TITAN_TAIL, TITAN_TIED_TAIL) for g in groups)
         return [every] if default == every else [every, default]
 
     def checkpoint_paths(self, graph: ModuleGraph, groups: list[list[str]], n_blocks: int
@@ -271,14 +275,20 @@ def _class_units(graph: ModuleGraph) -> list[list[str]]:
 
 def _titan_units(graph: ModuleGraph) -> list[list[str]]:
     """torchtitan's units: ``tok_embeddings``, each block, ``[norm, lm_head]`` (when the
-    model has both), in module order."""
+    model has both), in module order; ``[tok_embeddings, norm, lm_head]`` one unit when the
+    embedding and the head share their weight."""
     if not graph.blocks:
         return []
     groups = [[b] for b in graph.blocks]
-    if TITAN_EMBEDDINGS in graph.modules:
-        groups.append([TITAN_EMBEDDINGS])
-    if all(m in graph.modules for m in TITAN_TAIL):
-        groups.append(list(TITAN_TAIL))
+    tied = (any(TITAN_EMBEDDINGS in t and TITAN_TAIL[1] in t for t in graph.tied_groups)
+            and all(m in graph.modules for m in TITAN_TIED_TAIL))
+    if tied:  # enable_weight_tying
+        groups.append(list(TITAN_TIED_TAIL))
+    else:
+        if TITAN_EMBEDDINGS in graph.modules:
+            groups.append([TITAN_EMBEDDINGS])
+        if all(m in graph.modules for m in TITAN_TAIL):
+            groups.append(list(TITAN_TAIL))
     order = {fqn: i for i, fqn in enumerate(graph.modules)}
     return sorted(groups, key=lambda g: order[g[0]])
 
