@@ -1,6 +1,7 @@
 """``fsdp-plan trace`` on the trace ``fsdp-plan bench`` wrote: one definition of every figure
-(bench's comm and phase figures are the trace verb's, to the last digit). A real planned tiny
-Llama on two gloo ranks."""
+(bench's comm and phase figures are the trace verb's, to the last digit), and ``trace
+--refit HW.yaml --plan P.yaml`` then ``predict --hardware HW.yaml`` predicts the measured
+step closer than the plan did. A real planned tiny Llama on two gloo ranks."""
 
 from __future__ import annotations
 
@@ -74,3 +75,55 @@ def test_bench_and_trace_report_the_same_figures(benched, capsys):
     assert sum(measured.values()) == pytest.approx(result["step_time"]["median_s"], rel=1e-6)
     # the plan's 1 all-gather and 1 reduce-scatter per step, counted in the trace's median step
     assert comm["num_comm_events"] == 2 == sum(result["collectives"]["measured"].values())
+
+
+def _predicted(capsys, plan: str, *hardware: str) -> dict:
+    code = main(["predict", plan, *hardware, "--format", "json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return json.loads(out)["predicted"]
+
+
+@pytest.mark.slow
+def test_refit_then_hardware_moves_the_prediction_to_the_measurement(benched, capsys,
+                                                                     tmp_path):
+    """[Note: compute refit from a trace] (bench/trace_refit.py): the plan was predicted for
+    an H100; the CPU run's trace refits its compute, optimizer and collectives."""
+    plan, result, trace = benched
+    rank = _trace_doc(capsys, trace)["ranks"][0]
+    measured = rank["step_s_p50"]
+    median = next(s for s in rank["steps"] if s["step"] == result["comm"]["rank0"]["step"])
+    before = _predicted(capsys, plan)
+    hw = tmp_path / "hw.yaml"
+    code = main(["trace", trace, "--refit", str(hw), "--plan", plan])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert f"wrote {hw}" in out
+    after = _predicted(capsys, plan, "--hardware", str(hw))
+    compute = median["step_s"] - median["exposed_comm_s"] - median["optimizer_s"]
+    print(f"measured stable-step median {measured * 1e3:.2f} ms (bench's unprofiled median "
+          f"{result['step_time']['median_s'] * 1e3:.2f} ms), compute {compute * 1e3:.2f} ms, "
+          f"comm {median['comm_s'] * 1e3:.2f} ms, optimizer {median['optimizer_s'] * 1e3:.2f} "
+          f"ms; predicted step {before['step_time_s'] * 1e3:.3f} ms before the refit, "
+          f"{after['step_time_s'] * 1e3:.3f} ms after; compute {before['compute_s'] * 1e3:.3f}"
+          f" -> {after['compute_s'] * 1e3:.3f} ms; comm {before['total_comm_s'] * 1e3:.3f} -> "
+          f"{after['total_comm_s'] * 1e3:.3f} ms; optimizer "
+          f"{before['phases_s']['optimizer'] * 1e3:.3f} -> "
+          f"{after['phases_s']['optimizer'] * 1e3:.3f} ms")
+    def error(p: dict) -> float:
+        return abs(p["step_time_s"] - measured)
+    assert error(after) < error(before) and error(after) < 0.5 * measured
+    # each figure the refit changes moved toward its measurement
+    for name, target in (("compute_s", compute), ("total_comm_s", median["comm_s"]),
+                         ("optimizer", median["optimizer_s"])):
+        was, now = ((p["phases_s"][name] if name == "optimizer" else p[name])
+                    for p in (before, after))
+        assert abs(now - target) < abs(was - target), name
+    # the compute side is matched: rescaled until the plan predicted on the file computes as
+    # long as the trace did
+    assert after["compute_s"] == pytest.approx(compute, rel=0.03)
+    assert after["phases_s"]["optimizer"] == pytest.approx(median["optimizer_s"], rel=0.03)
+    from fsdp_plan.cost.hardware import hardware_for, read_hardware_file
+    refit = hardware_for("h100", read_hardware_file(str(hw)))
+    assert "compute x" in refit.source and "all_gather over 2 ranks" in refit.source
+    assert "round(s) of predicting the plan" in refit.source
