@@ -5,10 +5,12 @@ uses what this cluster really does.
 The run measured, per phase, what the plan predicted (``predicted.phases_s``; the planner
 writes it). Two factors come out of it, each the measured over the predicted time, clipped to
 1/20..20:
-- forward + backward: the measured forward and backward phases (their shares of the profiled
-  step times the median step) over the predicted ones; every compute rate and bus bandwidth of
-  the file is divided by it, every overhead and latency multiplied. One factor for compute and
-  communication together: the profiler's communication time includes the wait for the slowest
+- forward + backward: the measured step less its optimizer (the shares of the profiled step
+  times the median step of forward, backward, the communication tail and the idle time,
+  measure/profile.py ``PHASE_FIGURES``; the predicted backward runs to the tail's end and both
+  predicted phases hold the host's time) over the predicted forward and backward; every
+  compute rate and bus bandwidth of the file is divided by it, every overhead and latency
+  multiplied. One factor for compute and communication together: the profiler's communication time includes the wait for the slowest
   peer (on a loaded CPU, most of it), so splitting them by the profile fitted noise;
 - optimizer: the measured over the predicted optimizer phase; its per-parameter and
   per-tensor seconds are multiplied.
@@ -46,7 +48,7 @@ def factors(result: dict[str, Any]) -> dict[str, float]:
                        "(predicted.phases_s), which this plan lacks: write it again with "
                        "fsdp-plan predict PLAN.yaml --hardware HW.yaml --format json, or re-plan.")
     step_ratio = _ratio(st["median_s"], st["predicted_s"]) or 1.0
-    fw_bw = _ratio(measured.get("forward", 0.0) + measured.get("backward", 0.0),
+    fw_bw = _ratio(sum(v for k, v in measured.items() if k != "optimizer"),
                    predicted.get("forward", 0.0) + predicted.get("backward", 0.0))
     optimizer = _ratio(measured.get("optimizer"), predicted.get("optimizer"))
     return {"compute": fw_bw or step_ratio, "communication": fw_bw or step_ratio,

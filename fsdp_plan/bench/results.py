@@ -81,31 +81,19 @@ def _step_times(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "slowest_rank_median_s": slowest["median_s"], "per_rank": per_rank}
 
 
-def phase_seconds(trace_path: str) -> dict[str, float]:
-    """Seconds of the profiled step's ``fsdp_plan.forward`` / ``backward`` / ``optimizer``
-    regions (the bench worker's ``record_function`` marks) in a Chrome trace."""
-    with open(trace_path, encoding="utf-8") as f:
-        events = json.load(f).get("traceEvents", [])
-    out: dict[str, float] = {}
-    for e in events:
-        name = e.get("name", "") if isinstance(e, dict) else ""
-        if e.get("ph") == "X" and name in ("fsdp_plan.forward", "fsdp_plan.backward",
-                                           "fsdp_plan.optimizer"):
-            key = name.removeprefix("fsdp_plan.")
-            out[key] = max(out.get(key, 0.0), float(e.get("dur", 0.0)) * 1e-6)
-    return out
-
-
 def _phases(ranks: list[dict[str, Any]], median_s: float,
             predicted: dict[str, float] | None) -> dict[str, Any]:
-    """Measured seconds per phase: each phase's share of the profiled step (the profiler
-    slows every op, so shares, not its seconds) times the median step; beside the plan's
-    ``predicted.phases_s``."""
-    measured = ranks[0].get("phases_s") or {}
-    total = sum(measured.values())
-    if not total:
+    """Rank 0's profiled step per phase (``profiled``: seconds as ``fsdp-plan trace`` reports
+    them, measure/profile.py ``PHASE_FIGURES``) and ``measured``: each phase's share of the
+    profiled step (the profiler slows every op, so shares, not its seconds) times the median
+    step; beside the plan's ``predicted.phases_s``."""
+    profiled = ranks[0].get("phases_s") or {}
+    step_s = (ranks[0].get("comm") or {}).get("step_s") or sum(profiled.values())
+    if not step_s:
         return {"measured": None, "predicted": predicted}
-    return {"measured": {k: v / total * median_s for k, v in measured.items()},
+    return {"measured": {k: v / step_s * median_s for k, v in profiled.items()},
+            "profiled": {"step": (ranks[0].get("comm") or {}).get("step"), "step_s": step_s,
+                         **profiled},
             "predicted": predicted}
 
 
@@ -192,7 +180,8 @@ def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None
         files.append((name + ".trace.json", measured_text))
         result["trace"] = os.path.basename(name + ".trace.json")
         if predicted_trace is not None:
-            merged = side_by_side_trace(predicted_trace, json.loads(measured_text))
+            merged = side_by_side_trace(predicted_trace, json.loads(measured_text),
+                                        step=result["comm"]["rank0"].get("step"))
             files.append((name + ".side-by-side.trace.json", json.dumps(merged)))
             result["side_by_side_trace"] = os.path.basename(name + ".side-by-side.trace.json")
     files.append((name + ".json", json.dumps(result, indent=2, default=str) + "\n"))
@@ -200,14 +189,19 @@ def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None
     return name + ".json"
 
 
-def side_by_side_trace(predicted: dict[str, Any], measured: dict[str, Any]) -> dict[str, Any]:
+def side_by_side_trace(predicted: dict[str, Any], measured: dict[str, Any],
+                       step: int | None = None) -> dict[str, Any]:
     """One Chrome/Perfetto trace holding the planner's predicted timeline (``--trace``) and the
-    measured step of rank 0, both starting at 0, as two named processes."""
+    measured steps of rank 0, both starting at 0 (the measured at ``ProfilerStep#<step>``,
+    the step bench's figures are of, else its first ``fsdp_plan.step``), as two named
+    processes."""
     def events(trace: dict[str, Any]) -> list[dict[str, Any]]:
         return [e for e in trace.get("traceEvents", []) if isinstance(e, dict)]
     measured_events = events(measured)
-    step = [e for e in measured_events if e.get("name") == "fsdp_plan.step" and "ts" in e]
-    origin = float(step[0]["ts"]) if step else min(
+    named = f"ProfilerStep#{step}" if step is not None else None
+    marks = [e for e in measured_events if "ts" in e and e.get("name") == named] or [
+        e for e in measured_events if "ts" in e and e.get("name") == "fsdp_plan.step"]
+    origin = float(marks[0]["ts"]) if marks else min(
         (float(e["ts"]) for e in measured_events if "ts" in e), default=0.0)
     merged = []
     for e in events(predicted):
@@ -274,7 +268,7 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
         *[[f"  {phase} (share of the profiled step)",
            _secs(((st.get("phases") or {}).get("measured") or {}).get(phase)),
            _secs(((st.get("phases") or {}).get("predicted") or {}).get(phase))]
-          for phase in ("forward", "backward", "optimizer")
+          for phase in ("forward", "backward", "optimizer", "tail", "idle")
           if ((st.get("phases") or {}).get("measured") or {}).get(phase) is not None],
         ["step time P99", _secs(st["p99_s"]), ""],
         [f"slowest rank (rank {st['slowest_rank']}) median", _secs(st["slowest_rank_median_s"]), ""],

@@ -8,8 +8,10 @@ any number of machines (each rank reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``):
 
 Steps, in order: ``warmup`` steps (lazy initialisation, optimizer states, allocator warm-up)
 that nothing measures; one step counted with ``CollectiveCounter`` (forward + backward, SPEC
-5); ``steps`` timed steps (peak memory too on GPU); one step under ``torch.profiler``. The
-counting and profiling steps are kept out of the timings: both slow every op down.
+5); ``steps`` timed steps (peak memory too on GPU); ``PROFILED_STEPS`` steps under
+``torch.profiler``, read as ``fsdp-plan trace`` reads any run (measure/profile.py [Note:
+bench's figures are the trace verb's]). The counting and profiling steps are kept out of the
+timings: both slow every op down.
 Each rank's figures are gathered to rank 0, which returns (or, under torchrun, writes) them.
 """
 
@@ -26,15 +28,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from fsdp_plan.bench.results import phase_seconds
 from fsdp_plan.common.autocast import autocast_context
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.collectives import CollectiveCounter
 from fsdp_plan.measure.ddp import buckets_in_use, peak_of_step
 from fsdp_plan.measure.launch import WorkerContext, maybe_inject_fault
-from fsdp_plan.measure.profile import analyze_trace
+from fsdp_plan.measure.profile import bench_figures
 from fsdp_plan.measure.worker_setup import (
     PlannedWorker,
     build_planned_worker,
@@ -119,25 +120,33 @@ def _timed_steps(steps: _Steps, count: int) -> tuple[list[float], int | None]:
     return times, torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
-def _profiled_step(worker: PlannedWorker, folder: str, rank: int) -> str:
-    """One step under ``torch.profiler`` with the phases the trace analysis reads
-    (``fsdp_plan.forward``/``backward``/``optimizer``); the Chrome trace's path."""
+PROFILED_STEPS = 3
+"""Steps recorded under the profiler (after one the profiler runs unrecorded, its own warm-up):
+the trace analysis drops the first as warm-up, the median of the others is bench's profiled
+step."""
+
+
+def _profiled_steps(worker: PlannedWorker, folder: str, rank: int) -> str:
+    """``PROFILED_STEPS`` steps under ``torch.profiler``, each closed by ``prof.step()`` (its
+    ``ProfilerStep#N``, what the trace analysis cuts steps by); the Chrome trace's path.
+    ``fsdp_plan.step`` marks each step for the side-by-side trace."""
     device = worker.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with (_without_profiler_chatter(folder, rank),
-          profile(activities=activities) as prof, record_function("fsdp_plan.step")):
-        args, kwargs = worker.inputs
-        with record_function("fsdp_plan.forward"), autocast_context(
-                runtime.policy_autocast_dtype(worker.policy), device.type):
-            loss = worker.loaded.compute_loss(worker.model(*args, **kwargs))
-        with record_function("fsdp_plan.backward"):
-            loss.backward()
-            _sync(device)
-        with record_function("fsdp_plan.optimizer"):
-            runtime.finish_step(worker.model, worker.optimizer)
-        _sync(device)
     trace_path = os.path.join(folder, f"rank{rank}.trace.json")
-    prof.export_chrome_trace(trace_path)
+    with (_without_profiler_chatter(folder, rank),
+          profile(activities=activities, record_shapes=True,
+                  schedule=schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1),
+                  on_trace_ready=lambda p: p.export_chrome_trace(trace_path)) as prof):
+        for _ in range(1 + PROFILED_STEPS):
+            with record_function("fsdp_plan.step"):
+                args, kwargs = worker.inputs
+                with autocast_context(runtime.policy_autocast_dtype(worker.policy),
+                                      device.type):
+                    loss = worker.loaded.compute_loss(worker.model(*args, **kwargs))
+                loss.backward()
+                runtime.finish_step(worker.model, worker.optimizer)
+                _sync(device)
+            prof.step()
     return trace_path
 
 
@@ -213,10 +222,11 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     snapshot = (_snapshot_step(steps, payload["trace_dir"], ctx.rank) if snapshot_step
                 else None)
     steps.begin("profile")
-    trace_path = _profiled_step(worker, payload["trace_dir"], ctx.rank)
+    trace_path = _profiled_steps(worker, payload["trace_dir"], ctx.rank)
+    comm, phases = bench_figures(trace_path)
     mine = {"rank": ctx.rank, "counts": counts, "step_times_s": times,
-            "peak_bytes": peak, "comm": analyze_trace(trace_path).to_dict(),
-            "phases_s": phase_seconds(trace_path), "trace": trace_path, "device": str(device),
+            "peak_bytes": peak, "comm": comm.to_dict(),
+            "phases_s": phases, "trace": trace_path, "device": str(device),
             "peak_source": peak_source, "ddp_buckets": ddp_buckets, "snapshot": snapshot,
             "compiled_graphs": _compiled_graphs(worker)}
     ctx.report(phase="done", step=steps.total, steps=steps.total)

@@ -31,7 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--html", default=None, metavar="R.html",
                         help="write a page with one stable step's measured timeline")
     parser.add_argument("--refit", default=None, metavar="HW.yaml",
-                        help="write a hardware file fitted from the trace (read by --hardware)")
+                        help="write a hardware file fitted from the trace (read by --hardware); "
+                        "with --plan, its compute and optimizer rates too")
     parser.add_argument("--format", choices=("table", "json"), default="table",
                         help="table (default): a summary per rank; json: SPEC 8's document")
     # TRACES... --plan P.yaml MODEL: positionals on both sides of a flag (SPEC 8's order),

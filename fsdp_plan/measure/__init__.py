@@ -19,6 +19,7 @@ Its modules, from the ground up:
   traces read (streamed), cut into steps and phases, split as the clock splits a step, with
   DDP buckets and stragglers across ranks (``fsdp-plan trace``); ``intervals``: the sweeps
   they rest on; ``bucket_cap``: the ``bucket_cap_mb`` that built traced buckets;
-- ``profile``: bench's profiled step by the same definitions (comm, hidden, exposed, tail);
+- ``profile``: bench's profiled steps read by ``trace_ranks`` (its comm and phase figures are
+  the trace verb's), and older single annotated steps by the same definitions;
 - ``calibrate``: micro-benchmarks of this machine, written as a hardware file.
 """

@@ -1,13 +1,23 @@
-"""Communication time from a ``torch.profiler`` trace of one bench step: total, hidden behind
-compute, and exposed (left on the critical path).
+"""Communication time and phases from a ``torch.profiler`` trace of bench's profiled steps:
+total, hidden behind compute, exposed (left on the critical path), the tail, and the step's
+forward / backward / optimizer split.
 
-The bench worker profiles one step with ``record_function`` regions ``fsdp_plan.step``,
-``fsdp_plan.forward``, ``fsdp_plan.backward`` and ``fsdp_plan.optimizer``; each activity gets
-the phase its (CPU-side launch) time falls in. What is communication and compute, how GPU
-work is tied to its launch, the interval sweeps and the overlap slowdown are those of
-``fsdp-plan trace`` (trace_read.py, trace_steps.py [Note: steps, phases and activities],
-intervals.py, trace_figures.py [Note: the measured step split]): one definition of every
-figure, here over the annotated step instead of ``ProfilerStep`` windows.
+[Note: bench's figures are the trace verb's]
+The bench worker profiles a few steps with ``prof.step()`` (``ProfilerStep#N``), as any
+training loop would, and ``bench_figures`` reads them with ``fsdp-plan trace``'s own analysis
+(trace_ranks.py ``analyze_rank``): the first step dropped, the median stable step's
+``StepFigures`` (trace_figures.py [Note: the measured step split]) are bench's comm and phase
+figures, unchanged, so ``fsdp-plan trace`` of the trace bench wrote reports the same numbers.
+The few figures the trace document has no field for (compute time, exposed time per phase,
+the backward's overlap slowdown, the count of collectives) are computed here from the same
+step's activities with the same interval sweeps and medians.
+
+``analyze_trace`` reads one step annotated with ``record_function`` regions
+``fsdp_plan.step`` / ``forward`` / ``backward`` / ``optimizer`` (traces of older bench runs,
+and hand-made ones): each activity gets the phase its (CPU-side launch) time falls in; what
+is communication and compute, how GPU work is tied to its launch, the interval sweeps and the
+overlap slowdown are those of ``fsdp-plan trace`` (trace_read.py, trace_steps.py [Note:
+steps, phases and activities], intervals.py).
 
 [Note: what counts as communication and compute]
 - GPU: NCCL kernels are communication, every other kernel compute (copies and memsets are
@@ -26,8 +36,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fsdp_plan.measure.intervals import length, minus, union
+from fsdp_plan.measure.intervals import clip, length, minus, union
 from fsdp_plan.measure.trace_figures import alone_medians, overlap_slowdown
+from fsdp_plan.measure.trace_ranks import RankFigures, analyze_rank
 from fsdp_plan.measure.trace_read import TraceEvent, raw_from_dict, read_trace
 from fsdp_plan.measure.trace_steps import Activity, cpu_activities, gpu_activities
 
@@ -53,6 +64,9 @@ class CommTiming:
     num_comm_events: int = 0
     source: str = "cpu"
     """``gpu`` (kernels) or ``cpu`` (gloo threads and aten ops)."""
+    step: int | None = None
+    """The ``ProfilerStep`` number these figures are of (None: a single annotated step)."""
+    exposed_delaying_compute_s: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -113,14 +127,55 @@ def analyze_trace(trace: dict[str, Any] | str) -> CommTiming:
                       backward_overlap_slowdown_s=slow_bw, num_comm_events=len(comm), source=source)
 
 
-def stream_intervals(trace: dict[str, Any] | str) -> dict[str, list[tuple[float, float]]]:
-    """The profiled step's compute, communication and exposed communication (communication
-    with no compute beside it) as merged intervals in seconds from the step's start, by the
-    same rules as ``analyze_trace``: the measured rows of a page's timeline."""
-    acts, events, _ = _activities(trace)
-    step = [e for e in events if e.name == "fsdp_plan.step"]
-    origin = step[0].ts if step else min((e.ts for e in events), default=0.0)
-    comm_u, compute_u = _spans(acts, lambda a: a.comm), _spans(acts, lambda a: a.compute)
+PHASE_FIGURES = {"forward": "forward_s", "backward": "backward_s", "optimizer": "optimizer_s",
+                 "tail": "comm_tail_s", "idle": "idle_s"}
+"""Bench's phases and the ``StepFigures`` field each is: they sum to the step."""
+
+
+def bench_figures(path: str) -> tuple[CommTiming, dict[str, float]]:
+    """The communication timing and the phases (``PHASE_FIGURES``, seconds) of the median
+    stable step of a bench trace ([Note: bench's figures are the trace verb's])."""
+    rank = analyze_rank(path)
+    return _timing(rank), phases_of(rank)
+
+
+def phases_of(rank: RankFigures) -> dict[str, float]:
+    """The median step's seconds per phase, rounded as the trace document rounds them."""
+    figures = rank.median().to_dict()
+    return {phase: figures[name] for phase, name in PHASE_FIGURES.items()}
+
+
+def _timing(rank: RankFigures) -> CommTiming:
+    m = rank.median()
+    acts = rank.activities_by_step[m.step]
+    lo, hi = next(s.window for s in rank.timeline.stable if s.number == m.step)
+    comm = [a for a in acts if a.comm]
+    compute_u = clip(_spans(acts, lambda a: a.compute), lo, hi)
+    by_phase = {phase: length(minus(clip(_spans(comm, lambda a, p=phase: a.phase == p), lo, hi),
+                                    compute_u)) * _US for phase in PHASES}
+    medians = alone_medians(list(rank.activities_by_step.values()))
+    slow_bw = overlap_slowdown([a for a in acts if a.comm or a.phase == "backward"],
+                               medians) * _US
+    return CommTiming(comm_s=m.comm_s, hidden_s=m.hidden_comm_s, exposed_s=m.exposed_comm_s,
+                      tail_exposed_s=m.comm_tail_s, compute_s=length(compute_u) * _US,
+                      step_s=m.step_s, exposed_by_phase_s=by_phase,
+                      overlap_slowdown_s=m.overlap_slowdown_s,
+                      backward_overlap_slowdown_s=slow_bw,
+                      num_comm_events=sum(rank.collectives_per_step.values()),
+                      source=rank.source, step=m.step,
+                      exposed_delaying_compute_s=m.exposed_delaying_compute_s)
+
+
+def stream_intervals(path: str) -> dict[str, list[tuple[float, float]]]:
+    """The median stable step's compute, communication and exposed communication
+    (communication with no compute beside it) of a bench trace as merged intervals in seconds
+    from the start of the step's window, by the trace verb's rules: the measured rows of a
+    page's timeline."""
+    rank = analyze_rank(path)
+    acts = rank.activities_by_step[rank.median_step]
+    origin, end = next(s.window for s in rank.timeline.stable if s.number == rank.median_step)
+    comm_u = clip(_spans(acts, lambda a: a.comm), origin, end)
+    compute_u = clip(_spans(acts, lambda a: a.compute), origin, end)
 
     def rel(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         return [((a - origin) * _US, (b - origin) * _US) for a, b in intervals]

@@ -68,6 +68,8 @@ class RankFigures:
     """The median step's collectives per FSDP unit, where FSDP2's annotations name them."""
     timeline: Timeline = field(repr=False)
     median_step: int = 0
+    activities_by_step: dict[int, list[Activity]] = field(default_factory=dict, repr=False)
+    """The activities in each stable step's window (trace_figures.py ``rank_steps``)."""
 
     @property
     def step_s_p50(self) -> float:
@@ -159,8 +161,8 @@ def analyze_rank(path: str, *, position: int = 0, count: int = 1,
                        world_size=raw.world_size if raw.world_size is not None else count,
                        device=timeline.device, source=timeline.source, steps=steps,
                        ddp_buckets=_buckets(acts, window, index), collectives_per_step=kinds,
-                       collectives_by_unit=units,
-                       timeline=timeline, median_step=median.step)
+                       collectives_by_unit=units, timeline=timeline,
+                       median_step=median.step, activities_by_step=by_step)
 
 
 def stragglers(ranks: list[RankFigures]) -> list[dict[str, Any]]:
