@@ -136,16 +136,24 @@ def mutated(base: dict, edits) -> dict:
 
 
 class _Launched(BaseException):
-    """Raised by the launch stub: bench got past every check (not an Exception, so main
-    cannot turn it into an exit code)."""
+    """Raised by the launch stub: bench got past every check. ``main`` turns even a
+    ``BaseException`` into an exit code now (issue 31, S4-07), so the stub also records that
+    it was reached, in ``_LAUNCHES``."""
+
+
+_LAUNCHES: list[bool] = []
 
 
 def run_verb(argv: list[str], capsys) -> tuple[int | str, str]:
+    _LAUNCHES.clear()
     try:
         code = main(argv)
     except _Launched:
         code = "launched"
-    return code, capsys.readouterr().err
+    err = capsys.readouterr().err
+    if _LAUNCHES:  # what main said of the stub's exception is the stub's, not the plan's
+        return "launched", ""
+    return code, err
 
 
 def check_outcome(doc: dict, verb_argv, capsys, cwd: str,
@@ -208,6 +216,7 @@ def test_edited_plans_never_crash_verify(base_doc, empty_cwd, capsys):
 
 def test_edited_plans_never_crash_bench(base_doc, empty_cwd, capsys, monkeypatch):
     def stub(*args, **kwargs):
+        _LAUNCHES.append(True)
         raise _Launched()
     monkeypatch.setattr(bench_cli, "launch", stub)
     outcomes: list[tuple[bool, int | str]] = []
