@@ -40,6 +40,8 @@ gradient-sized temporary, which the model predicts), a CPU's loops per tensor, s
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from typing import Any
 
@@ -92,7 +94,7 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
         runtime.finish_step(ddp, optimizer)
     step()
     step()  # its forward rebuilds the buckets: see [Note: DDP's bucket rebuild]
-    with CollectiveCounter() as counter:
+    with CollectiveCounter() as counter, _python_all_reduces() as hook_calls:
         forward_backward()
     runtime.finish_step(ddp, optimizer)
     first = _bucket_sizes(ddp, "bucket_sizes")
@@ -107,7 +109,27 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
                        else (None, {}))
     return {"rebuilt_bucket_sizes": rebuilt, "bucket_sizes": first, "counts": counter.counts(),
             "step_times_s": times, "peak_bytes": peak, "peak_breakdown": breakdown,
-            "comm_hook": registered_hook(ddp)}
+            "comm_hook": registered_hook(ddp), "hook_all_reduces": len(hook_calls)}
+
+
+@contextlib.contextmanager
+def _python_all_reduces() -> Any:
+    """Every ``torch.distributed.all_reduce`` called from Python while the block runs, from any
+    thread. A communication hook's all-reduces go through it, and on gloo PowerSGD issues its P
+    and Q all-reduces from the callbacks gloo runs on its own thread, where ``CommDebugMode``
+    (a thread-local dispatch mode) does not see them: whether it counted 1 or 3 per bucket
+    depended on whether the first all-reduce had finished before its callback was attached."""
+    calls: list[int] = []
+    original = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+    dist.all_reduce = counted
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = original
 
 
 def registered_hook(ddp: Any) -> dict[str, Any] | None:
