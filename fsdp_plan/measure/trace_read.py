@@ -44,10 +44,8 @@ _BOUNDARY = re.compile(r"\}[ \t]*,[ \t]*\r?\n\s*\{")
 where JSON allows no raw new line."""
 _CHUNK_CHARS = 4 << 20
 
-try:  # an optional faster decoder of the same JSON; the stdlib one otherwise
-    from orjson import loads as _fast_loads
-except ImportError:  # pragma: no cover - depends on the environment
-    _fast_loads = json.loads
+_fast_loads = json.loads
+"""The decoder of each event's JSON (the standard library's: no dependency to read traces)."""
 
 
 @dataclass(slots=True)
