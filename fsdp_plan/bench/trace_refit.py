@@ -49,9 +49,11 @@ import statistics
 from typing import Any
 
 from fsdp_plan.bench.refit import check_refit_path, scaled
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import GPUS, Hardware, hardware_for, hardware_yaml
 from fsdp_plan.measure.trace_figures import US
 from fsdp_plan.measure.trace_ranks import TraceAnalysis, median_of
+from fsdp_plan.plan.document import read_plan
 
 _FITTED_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 _BANDWIDTH = (1e6, 1e15)
@@ -63,7 +65,6 @@ _ROUNDS = 4
 def _start(analysis: TraceAnalysis, plan_path: str | None) -> Hardware:
     if plan_path is not None:
         from fsdp_plan.api import plan_hardware
-        from fsdp_plan.plan.document import read_plan
         return plan_hardware(read_plan(plan_path))
     device = analysis.ranks[0].device.lower()
     return hardware_for(next((name for name in GPUS if name in device), "h100"))
@@ -157,7 +158,6 @@ def _matched_compute(hw: Hardware, plan: Any, plan_path: str, target_s: float,
     ``target_s`` (within 1%, at most ``_ROUNDS`` predictions; [Note: compute refit from a
     trace]); the rounds run, 0 when the plan's model cannot be loaded."""
     from fsdp_plan.api import analyze_for_plan, predict
-    from fsdp_plan.common.errors import BadInput
     from fsdp_plan.measure import runtime
     try:
         facts = analyze_for_plan(plan, runtime.load_planned_model(plan, None, plan_path))
@@ -181,7 +181,6 @@ def refitted(analysis: TraceAnalysis, plan_path: str | None) -> tuple[Hardware, 
     changed = []
     factors: dict[str, float] = {}
     if plan_path is not None:
-        from fsdp_plan.plan.document import read_plan
         plan = read_plan(plan_path)
         factors = compute_factors(analysis, plan.predicted or {})
         if factors:

@@ -16,6 +16,7 @@ import json
 import os
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.files import atomic_write_all, check_writable
 from fsdp_plan.measure.trace_ranks import TraceAnalysis, analyze_traces, median_of
 
 _MS = 1e3
@@ -162,7 +163,6 @@ def run(args: argparse.Namespace) -> int:
         from fsdp_plan.pictures.trace_page import trace_page
         outputs.append((args.html, trace_page(analysis)))
     if outputs:
-        from fsdp_plan.common.files import atomic_write_all, check_writable
         for path, _ in outputs:
             check_writable(path, "--html" if path == args.html else "--refit")
         atomic_write_all(outputs)

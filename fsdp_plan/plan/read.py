@@ -16,6 +16,7 @@ from typing import Any
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.reading import read_input_bytes
 from fsdp_plan.common.safe_yaml import DocumentKind, load_yaml
+from fsdp_plan.model.source import model_input_files
 
 MAX_PLAN_BYTES = 16 * 2**20
 """A plan for a 405B model is about 25 kB; a file this large is not a plan and parsing it
@@ -81,7 +82,6 @@ def plan_input_files(plan: Any, plan_path: str | None, model_path: str | None = 
     ``package.module:attr``), and the model file or config the plan's ``model.source`` names
     where it exists. The plan's model counts even when MODEL overrides it: it is still the
     user's code."""
-    from fsdp_plan.model.source import model_input_files
 
     files: list[tuple[str, str]] = [("PLAN.yaml", plan_path)] if plan_path else []
     files += model_input_files(model_path, None)
