@@ -160,6 +160,8 @@ def benign(tmp_path_factory):
     return hostile_export(tmp_path_factory.mktemp("benign"), "benign")
 
 
+@pytest.mark.frameworks  # the generated modules import accelerate, lightning, transformers
+@pytest.mark.hf
 @pytest.mark.parametrize("payload", list(PAYLOADS), ids=list(PAYLOADS))
 def test_every_plan_string_is_encoded_for_where_it_lands_in_every_export(tmp_path, benign,
                                                                          payload):

@@ -6,7 +6,7 @@ A launch as written passes the export's check, its ranks are fed different sampl
 loss falls over 10 steps; a launch as users get it wrong (accelerate without
 ``ACCELERATE_USE_CPU``, a configuration-only accelerate run on a CPU, the Trainer without
 ``use_cpu``, a Lightning model sharded otherwise) is stopped by the check with its message
-before the first step. Marked ``frameworks`` and ``slow``: each launch takes 60-90 s here.
+before the first step. Marked ``frameworks``, ``hf`` (the model is a Hugging Face Llama) and ``slow``: each launch takes 60-90 s here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from test_measure_helpers import ROOT, plan_file, run_cli
 
 from fsdp_plan.plan.document import Mesh, Plan, Unit
 
-pytestmark = [pytest.mark.frameworks, pytest.mark.slow]
+pytestmark = [pytest.mark.frameworks, pytest.mark.hf, pytest.mark.slow]
 SCRIPT = str(ROOT / "tests" / "fixtures" / "launch_train.py")
 
 

@@ -174,6 +174,7 @@ def test_larger_real_traces_from_the_mirror(tmp_path, capsys, name):
         assert "nothing to gain from overlap here: the GPU waits for the host" in out
 
 
+@pytest.mark.html
 def test_html_draws_each_ranks_median_step(capsys, tmp_path):
     page = tmp_path / "r.html"
     code, out, err = run_cli([*RANKS, "--html", page], capsys)

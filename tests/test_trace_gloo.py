@@ -135,16 +135,20 @@ def test_plan_names_the_cap_that_built_them(recorded, capsys, tmp_path):
 
 
 def _shortest_all_reduce_us(traces: Path) -> dict[int, float]:
-    """{bytes: shortest gloo:all_reduce} over both ranks' steps after the first, by hand."""
+    """{bytes: shortest gloo:all_reduce} over both ranks' steps after the first, by hand; a
+    record that ends after the next ProfilerStep began ends there (the host had moved on)."""
+    import bisect
     import gzip
     shortest: dict[int, float] = {}
     for path in traces.glob("*.json.gz"):
         events = json.load(gzip.open(path))["traceEvents"]
-        second = min(e["ts"] for e in events if e.get("name") == "ProfilerStep#2")
+        starts = sorted(e["ts"] for e in events if e.get("name", "").startswith("ProfilerStep#"))
         for e in events:
-            if e.get("name") == "gloo:all_reduce" and e["ts"] >= second:
+            if e.get("name") == "gloo:all_reduce" and e["ts"] >= starts[1]:
                 nbytes = e["args"]["Input Dims"][0][0] * 4  # float32
-                shortest[nbytes] = min(shortest.get(nbytes, float("inf")), e["dur"])
+                later = starts[bisect.bisect_right(starts, e["ts"]):]
+                end = min([e["ts"] + e["dur"], *later[:1]])
+                shortest[nbytes] = min(shortest.get(nbytes, float("inf")), end - e["ts"])
     return shortest
 
 
