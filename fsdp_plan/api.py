@@ -38,7 +38,6 @@ from fsdp_plan.common.progress import Progress
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for, read_hardware_file
 from fsdp_plan.cost.hardware.stored import hardware_of
-from fsdp_plan.cost.precision import Precision
 from fsdp_plan.facts.analyze import Analyzed, analyze_loaded, analyze_model
 from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.facts.types import ModelFacts
@@ -111,9 +110,9 @@ class PlanResult:
         """Record a relative model path relative to ``folder`` (the plan file's), so the plan
         finds its model from any working folder; absolute paths and imports stay as given."""
         model = self.plan.model
-        source = str(model.get("source", ""))
-        if model.get("kind") in ("file", "hf-config") and source and not os.path.isabs(source):
-            model["source"] = os.path.relpath(os.path.abspath(source), os.path.abspath(folder))
+        if model.kind in ("file", "hf-config") and model.source and not os.path.isabs(model.source):
+            self.plan.model = dataclasses.replace(model, source=os.path.relpath(
+                os.path.abspath(model.source), os.path.abspath(folder)))
 
     def write(self, *, policy: str | None = None, plan: str | None = None,
               trace: str | None = None,
@@ -309,13 +308,14 @@ def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:
     if loaded is None or not hasattr(loaded, "model"):
         raise TypeError(f"analyze_for_plan(loaded) must be a LoadedModel (model/load.py), got "
                         f"{type(loaded).__name__}.")
-    compiled = plan.compile or {}
+    compiled = plan.compile
     autocast = plan_autocast_dtype(plan)
-    param = "float32" if autocast else plan.mixed_precision.get("param_dtype") or "float32"
+    param = "float32" if autocast else plan.mixed_precision.param_dtype or "float32"
     return analyze_loaded(loaded, param_dtype=param, autocast_dtype=autocast,
                           selective_mm_stride=plan.selective_mm_stride,
-                          compile_blocks=bool(compiled),
-                          activation_memory_budget=compiled.get("activation_memory_budget")).facts
+                          compile_blocks=compiled is not None,
+                          activation_memory_budget=compiled.activation_memory_budget
+                          if compiled else None).facts
 
 
 def plan_hardware(plan: Plan, *, gpu: str | None = None, hardware_file: str | None = None
@@ -367,7 +367,7 @@ def predict(plan: Plan, facts: ModelFacts, *, hardware: Hardware | None = None,
         world_size=plan.world_size,
         gpus_per_node=plan.node_gpus if gpus_per_node is None else gpus_per_node,
         hardware=hardware or plan_hardware(plan), strategy=plan.strategy,
-        precision=Precision.of_plan(plan.mixed_precision), optimizer=plan.optimizer,
+        precision=plan.mixed_precision.precision, optimizer=plan.optimizer,
         grad_accum_steps=plan.grad_accum_steps, gradient_sync=plan.gradient_sync)
     evaluator = Evaluator(facts.graph, facts.analysis, settings)
     candidate = evaluator.evaluate(layout, "plan as written" + (" offload" if layout.offload

@@ -60,7 +60,7 @@ def test_whole_step_peak_matches_fsdp_mem_tracker(per_block_plan, tmp_path, caps
     assert main(["verify", one, "--format", "json"]) == 0
     single = json.loads(capsys.readouterr().out)
     held = report["measured_peak_bytes"] - single["measured_peak_bytes"]
-    numel = read_plan(one).model["params"]
+    numel = read_plan(one).model.params
     shard = read_plan(one).mesh.shard
     if sync == "every":  # fp32 sharded gradients held from the second micro-batch on
         assert held == pytest.approx(numel * 4 / shard, rel=0.02)
@@ -96,7 +96,7 @@ def test_global_batch_picks_the_fastest_micro_batch_and_says_why(tmp_path, capsy
     assert {o["micro_batch"] * o["grad_accum_steps"] for o in options} == {8}  # 16 over 2 ranks
     best = max(options, key=lambda o: o["tokens_per_s"])
     plan = read_plan(path)
-    assert plan.model["batch_size"] == best["micro_batch"]
+    assert plan.model.batch_size == best["micro_batch"]
     assert plan.grad_accum_steps == best["grad_accum_steps"]
     assert plan.predicted["tokens_per_s"] == pytest.approx(best["tokens_per_s"])
     assert any(r.startswith(f"micro-batch {best['micro_batch']} x") for r in out["reasons"])

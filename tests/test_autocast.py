@@ -89,7 +89,7 @@ def test_autocast_plans_are_within_3_percent_of_pytorchs_trackers(name):
 
 def test_autocast_and_ddp_plans_count_exactly_on_gloo():
     plans = [_planned(name)[0].plan for name in ("llama-accum", "resnet-ddp")]
-    source_of = {id(p): ModelSource(**{k: v for k, v in p.model.items()
+    source_of = {id(p): ModelSource(**{k: v for k, v in p.model.to_dict().items()
                                        if k in ("source", "entry", "args", "batch_size",
                                                 "seq_len", "kind")}) for p in plans}
     jobs = [{"plan": p.to_dict(), "fsdp_version": 2, "source": source_of[id(p)]}

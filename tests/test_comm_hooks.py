@@ -163,7 +163,7 @@ def test_a_starved_network_plans_powersgd_and_the_plan_says_so(facts):
                for line in ddp_lines(result.best, result.ranked))
     # without the flag the same network keeps DDP's own all-reduce
     plain = plan_from_facts(facts, _request(starved()))
-    assert "comm_hook" not in plain.plan.ddp
+    assert plain.plan.ddp.comm_hook is None
 
 
 def _plan_file(facts, ddp: dict, folder) -> str:
@@ -210,7 +210,7 @@ def test_policy_registers_each_hook_as_planned_and_gloo_counts_what_was_predicte
     jobs, expected = [], []
     for name, ddp in cases.items():
         plan = read_plan(_plan_file(facts, ddp, tmp_path))
-        e = evaluate_ddp(facts.graph, facts.analysis, DDPConfig.from_dict(plan.ddp),
+        e = evaluate_ddp(facts.graph, facts.analysis, plan.ddp,
                          hw=hardware_for("h100"), world_size=2, gpus_per_node=8,
                          precision=Precision.of("float32", "float32"), optimizer="adamw",
                          dtype="float32")

@@ -177,7 +177,7 @@ def test_the_policy_module_exports_ddp_kwargs_and_apply_ddp(tmp_path):
     path = tmp_path / "policy.py"
     path.write_text(render_policy_module(plan))
     policy = load_policy_module(str(path))
-    assert policy.DDP_KWARGS == ddp_api_kwargs(DDPConfig.from_dict(plan.ddp))
+    assert policy.DDP_KWARGS == ddp_api_kwargs(plan.ddp)
     assert callable(policy.apply_ddp)
 
 

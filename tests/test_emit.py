@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -229,8 +230,7 @@ def test_untrusted_strings_stay_data(tmp_path: Path, monkeypatch: pytest.MonkeyP
                   if not _is_plan_assignment(n)]
     for payload in payloads:
         plan = make_plan()
-        plan.model["source"] = payload
-        plan.model["args"] = {payload: payload}
+        plan.model = replace(plan.model, source=payload, args={payload: payload})
         plan.units[0].modules = [payload]
         plan.activation_checkpointing = [payload]
         plan.forward_prefetch = {payload: ["layers.1"]}

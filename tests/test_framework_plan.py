@@ -91,7 +91,8 @@ def test_the_accelerate_plan_is_what_its_config_says(accelerate_plan, tmp_path: 
     assert len(blocks) == 1
     assert not plan.units[4].reshard_after_forward and not plan.units[5].reshard_after_forward
     assert plan.activation_checkpointing == [f"layers.{i}" for i in range(4)]
-    assert plan.mixed_precision == {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}
+    assert plan.mixed_precision.to_dict() == {"param_dtype": "bfloat16",
+                                              "reduce_dtype": "bfloat16"}
     assert not any(plan.forward_prefetch.values())
     assert all(len(t) <= 1 for t in plan.backward_prefetch.values())
     assert "restricted to accelerate's configuration: +" in report
@@ -128,7 +129,8 @@ def test_each_restricted_plan_has_no_gap_for_its_framework(tiny_facts) -> None:
     assert [u.modules for u in plan.units] == ([["tok_embeddings"]]
                                                + [[f"layers.{i}"] for i in range(4)]
                                                + [["norm", "lm_head"], [""]])
-    assert plan.mixed_precision == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert plan.mixed_precision.to_dict() == {"param_dtype": "bfloat16",
+                                              "reduce_dtype": "float32"}
     shape = plan_shape(plan, titan.loaded.model)
     assert titan_export.config_gaps(shape) == []
     assert titan_export.reshard_policy(shape) in ("always", "default", "never")

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import cli_checks
@@ -316,7 +317,7 @@ def planned(tmp_path, monkeypatch):
     model = tmp_path / "lm.py"
     model.write_text(Path(LLAMA).read_text())
     plan = tiny_llama_plan(world=2, batch_size=2, seq_len=16)
-    plan.model["source"] = "lm.py"
+    plan.model = replace(plan.model, source="lm.py")
     write_plan(plan, str(tmp_path / "pf.yaml"))
     monkeypatch.chdir(tmp_path)
     return tmp_path

@@ -198,7 +198,7 @@ def test_edited_plans_never_crash_verify(base_doc, empty_cwd, capsys):
     def run_valid(plan) -> bool:
         """Measure at most 6 edited plans, and only small ones (a bigger batch or sequence is
         the same code path, slower)."""
-        small = plan.model.get("batch_size", 1) * plan.model.get("seq_len", 4096) <= 64
+        small = plan.model.batch_size * plan.model.seq_len <= 64
         return small and plan.world_size <= 64 and sum(
             1 for _, code in outcomes if code not in ("not run", 2)) < 6
 

@@ -9,6 +9,7 @@ each naming the right call.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def ddp_plan(param_dtype: str | None = "bfloat16") -> Plan:
 def autocast_fsdp_plan() -> Plan:
     """FSDP2 over 2 ranks keeping float32 parameters, computing under bf16 autocast (SPEC 7)."""
     plan = make_plan(shard=2, param_dtype="float32", reduce_dtype="float32")
-    plan.mixed_precision["autocast_dtype"] = "bfloat16"
+    plan.mixed_precision = replace(plan.mixed_precision, autocast_dtype="bfloat16")
     return plan
 
 

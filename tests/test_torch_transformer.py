@@ -49,7 +49,7 @@ def test_torch_transformers_plan_and_verify_within_3_percent(name):
     predicted = result.plan.predicted["peak_bytes"]
     assert abs(predicted - measured.peak_bytes) <= 0.03 * measured.peak_bytes, (
         name, predicted, measured.peak_bytes)
-    assert UNKNOWN_MASK_NOTE not in (result.plan.model.get("notes") or [])
+    assert UNKNOWN_MASK_NOTE not in (result.plan.model.notes or ())
 
 
 def test_torch_transformers_count_exactly_on_gloo():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,7 +45,7 @@ def facts() -> ModelFacts:
 
 def test_neighbours_change_one_knob(tmp_path, facts, capsys):
     plan = read_plan(bad_baseline(tmp_path))
-    plan.model["batch_size"] = 2
+    plan.model = replace(plan.model, batch_size=2)
     found = {(knob, change) for knob, change, _ in neighbours(plan, facts)}
     assert ("unit layout", "root only -> one unit per block") in found
     assert ("checkpointing", "4 -> 3 blocks") in found

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from test_measure_helpers import plan_file, run_cli, tiny_llama_plan
@@ -24,7 +25,7 @@ def test_prediction_equal_to_the_measurement_passes(tmp_path, measured_peak):
         "peak_bytes": measured_peak,
         "breakdown": {"sharded_params": 262_720, "activations": 1},
         "units": [{"key": "layers.0", "param_bytes": 197_120}]})
-    plan.model["params"] = 262_720
+    plan.model = replace(plan.model, params=262_720)
     code, out, err = run_cli(["verify", plan_file(tmp_path, plan), "--format", "json"])
     assert code == 0, err
     data = json.loads(out)
@@ -57,7 +58,7 @@ def test_measured_peak_over_budget_fails(tmp_path, measured_peak):
 
 def test_a_different_model_is_refused_before_measuring(tmp_path):
     plan = tiny_llama_plan(world=4)
-    plan.model["params"] = 12345
+    plan.model = replace(plan.model, params=12345)
     code, _, err = run_cli(["verify", plan_file(tmp_path, plan)])
     assert code == 2 and "262,720 parameters" in err and "12,345" in err
 

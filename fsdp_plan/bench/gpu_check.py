@@ -48,21 +48,21 @@ def check_plan(path: str) -> dict[str, Any]:
     gpu = allocator_peak(loaded, plan, policy)
     # An offloaded plan's device peak has no CPU measurement (host and device are one memory
     # there): the allocator's figure is the only check of its prediction.
-    offloaded = any((getattr(plan, "offload", None) or {}).values())
+    offloaded = plan.offload is not None
     tracker = None if offloaded else measured_peak(loaded, plan, policy)
     tracker_peak = tracker.peak_bytes if tracker else None
     predicted = (plan.predicted or {}).get("peak_bytes")
 
     def rel(a: int | None, b: int) -> float | None:
         return None if a is None else round((a - b) / b, 4)
-    return {"plan": path, "plan_hash": plan_hash(plan.to_dict()), "model": plan.model,
+    return {"plan": path, "plan_hash": plan_hash(plan.to_dict()), "model": plan.model.to_dict(),
             "world_size": plan.world_size, "mesh": [plan.mesh.replicate, plan.mesh.shard],
             "allocator_peak_bytes": gpu.peak_bytes, "allocator_reserved_peak_bytes":
             gpu.reserved_peak_bytes, "allocator_step_start_bytes": gpu.step_start_bytes,
             "tracker_peak_bytes": tracker_peak, "predicted_peak_bytes": predicted,
             "tracker_vs_allocator": rel(tracker_peak, gpu.peak_bytes),
             "predicted_vs_allocator": rel(predicted, gpu.peak_bytes),
-            "offload": getattr(plan, "offload", None),
+            "offload": plan.offload.to_dict() if plan.offload else None,
             "seconds": round(gpu.seconds + (tracker.seconds if tracker else 0.0), 2)}
 
 

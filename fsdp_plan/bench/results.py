@@ -114,7 +114,7 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
                  "hash": plan_hash(plan.to_dict()),
                  "world_size": plan.world_size, "gpu": plan.gpu, "strategy": plan.strategy,
                  "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard}},
-        "model": dict(plan.model),
+        "model": plan.model.to_dict(),
         "run": {"nproc": prepared.nproc, "mesh": {"replicate": prepared.mesh[0],
                                                   "shard": prepared.mesh[1]},
                 "fsdp_version": fsdp_version, "steps": prepared.payload["steps"],

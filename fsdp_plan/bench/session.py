@@ -91,7 +91,7 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
     pictures.check(request)
     if request.refit:  # checked before the run: a bad file fails fast
         check_refit_path(request.refit)
-    if request.fsdp_version == 1 and (plan.compile or {}).get("blocks"):
+    if request.fsdp_version == 1 and plan.compile is not None:
         raise BadInput(compiled_fsdp1_refusal(request.plan_path))
     loaded = runtime.load_planned_model(plan, request.model_path, request.plan_path)
     mesh, notes = run_mesh(plan, nproc)
@@ -223,7 +223,7 @@ def _write_pictures(prepared: Prepared, rank0: dict[str, Any], record: Any) -> l
                      "snapshot is the prediction's.")
     streams = stream_intervals(rank0["trace"]) if rank0.get("trace") else None
     files = pictures.files(
-        request, title=f"fsdp-plan bench: {plan.model.get('source')} on {prepared.nproc} "
+        request, title=f"fsdp-plan bench: {plan.model.source} on {prepared.nproc} "
         "rank(s)", plan=plan, facts=facts, prediction=prediction, hardware=plan_hardware(plan),
         frontier=frontier, record=record, measured_label=label, measured_snapshot=snapshot,
         measured_streams=streams, notes=notes + prepared.notes)

@@ -405,13 +405,13 @@ def plan_frontier(result, request: PlanRequest, *, above_only: bool):
     chosen = dataclasses.replace(chosen, global_batch_size=None, auto_batch=False)
     variants = [Variant(micro_batch=b, grad_accum_steps=k, facts=facts)
                 for b, (k, facts) in sorted(result.facts_by_micro_batch.items())] or [
-        Variant(micro_batch=int(plan.model["batch_size"]), grad_accum_steps=plan.grad_accum_steps,
+        Variant(micro_batch=plan.model.batch_size, grad_accum_steps=plan.grad_accum_steps,
                 facts=result.facts)]
     if result.compiled_facts:  # --compile auto: every budget weighs eager and compiled blocks
         variants = [dataclasses.replace(v, facts=f) for v in variants
                     for f in _eager_and_compiled(result.compiled_facts.get(v.micro_batch,
                                                                            v.facts))]
-    return compute_frontier(variants, chosen.settings(), seq_len=int(plan.model["seq_len"]),
+    return compute_frontier(variants, chosen.settings(), seq_len=plan.model.seq_len,
                             count=10 if not above_only else 3, above_only=above_only,
                             evaluator=result.evaluator)
 

@@ -125,7 +125,7 @@ def gather_data(plan: Plan, measured: MeasuredMemory, tolerance: float,
         notes.append(f"the plan file's stored peak {format_bytes(stored_peak)} is not what the "
                      f"plan predicts now ({format_bytes(fresh_peak)}): it was edited, or "
                      "fsdp-plan's model changed since; re-plan or run fsdp-plan predict.")
-    return {"model": plan.model.get("source"), "world_size": plan.world_size,
+    return {"model": plan.model.source, "world_size": plan.world_size,
             "mesh": {"replicate": plan.mesh.replicate, "shard": plan.mesh.shard},
             "budget_bytes": plan.budget_bytes, "headroom_bytes": plan.headroom_bytes,
             "limit_bytes": limit, "predicted_peak_bytes": predicted_peak,
@@ -234,7 +234,7 @@ def _write_pictures(args: argparse.Namespace, plan: Plan, facts, prediction, mea
     record = measured.record
     snapshot = measured_snapshot(record) if record is not None else None
     files = pictures.files(
-        args, title=f"fsdp-plan verify: {plan.model.get('source')} at world size "
+        args, title=f"fsdp-plan verify: {plan.model.source} at world size "
         f"{plan.world_size}", plan=plan, facts=facts, prediction=prediction,
         hardware=plan_hardware(plan), frontier=frontier, record=record,
         measured_label="measured (FSDPMemTracker, highest between module boundaries)",

@@ -47,8 +47,9 @@ def plan_autocast_dtype(plan: Any) -> str | None:
     ``plan`` is a ``Plan`` or its dict form (the policy module's ``PLAN``):
     ``mixed_precision.autocast_dtype`` when set, else for a DDP plan its ``param_dtype`` when
     that is below float32 (see [Note: autocast precision])."""
+    precision = getattr(plan, "mixed_precision", None)
     raw = plan if isinstance(plan, Mapping) else {
-        "mixed_precision": getattr(plan, "mixed_precision", None),
+        "mixed_precision": precision.to_dict() if hasattr(precision, "to_dict") else precision,
         "strategy": getattr(plan, "strategy", None)}
     precision = raw.get("mixed_precision") or {}
     named = precision.get("autocast_dtype")

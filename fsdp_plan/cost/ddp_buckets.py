@@ -126,6 +126,12 @@ class DDPConfig:
     """PowerSGD's ``start_powerSGD_iter``: plain all-reduces before that iteration."""
 
     @property
+    def default_buckets(self) -> bool:
+        """Whether the buckets are DDP's own (first 1 MiB, then 25 MiB)."""
+        return ((self.first_bucket_mb, self.bucket_cap_mb)
+                == (DEFAULT_FIRST_BUCKET_MB, DEFAULT_BUCKET_CAP_MB))
+
+    @property
     def limits(self) -> list[int]:
         """The reducer's bucket size limits at the rebuild, bytes."""
         return [self.first_bucket_mb * MIB, self.bucket_cap_mb * MIB]

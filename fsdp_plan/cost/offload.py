@@ -31,8 +31,6 @@ from fsdp_plan.cost.precision import OPTIMIZER_STATES, step_bytes
 from fsdp_plan.cost.step_time import StepTime
 from fsdp_plan.cost.units import UnitSpec
 
-OFFLOAD_ALL = {"params": True, "optimizer": True}
-"""The plan's ``offload`` key (SPEC 6): ``CPUOffloadPolicy`` moves both."""
 HOST_OPTIMIZER_BANDWIDTH = 25e9
 """Bytes/s per GPU that PyTorch's CPU AdamW (``foreach``) moves: an estimate. A dual-socket
 DGX H100 host (2 x Xeon 8480C, 16 channels DDR5-4800, 614 GB/s peak, ~400 GB/s STREAM triad)

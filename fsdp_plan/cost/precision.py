@@ -53,14 +53,6 @@ class Precision:
                    reduce_bytes=DTYPE_BYTES[canonical_dtype(reduce_dtype)],
                    reduce_dtype=canonical_dtype(reduce_dtype))
 
-    @classmethod
-    def of_plan(cls, mixed_precision: dict | None) -> Precision:
-        """``of`` for a plan's ``mixed_precision`` mapping: absent dtypes are float32, an absent
-        reduce dtype is the param dtype (as FSDP2's ``MixedPrecisionPolicy`` reads them)."""
-        mp = mixed_precision or {}
-        return cls.of(mp.get("param_dtype") or "float32",
-                      mp.get("reduce_dtype") or mp.get("param_dtype") or "float32")
-
     @property
     def lowers_precision(self) -> bool:
         """Whether the plan computes in a dtype smaller than the stored parameters."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from fsdp_plan.cost.ddp_buckets import DDPConfig
 from fsdp_plan.export.common import (
     POLICY_FILE,
     Export,
@@ -41,17 +42,17 @@ WHO = "accelerate"
 def ddp_gaps(shape: PlanShape, who: str = WHO) -> list[Gap]:
     """What an accelerate config cannot say about a DDP plan (its DDP arguments live in code,
     ``DistributedDataParallelKwargs``, and it has no first-bucket size)."""
-    ddp = shape.ddp or {}
+    ddp = shape.ddp or DDPConfig()
     gaps = []
-    if (ddp.get("first_bucket_mb"), ddp.get("bucket_cap_mb")) != (1, 25):
-        gaps.append(Gap("ddp buckets", f"buckets of {ddp.get('bucket_cap_mb')} MB, the first "
-                        f"{ddp.get('first_bucket_mb')} MB", f"{who} keeps DDP's 25 MB (first 1 MB)"))
+    if not ddp.default_buckets:
+        gaps.append(Gap("ddp buckets", f"buckets of {ddp.bucket_cap_mb} MB, the first "
+                        f"{ddp.first_bucket_mb} MB", f"{who} keeps DDP's 25 MB (first 1 MB)"))
     flags = [k for k in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
-             if ddp.get(k)]
+             if getattr(ddp, k)]
     if flags:
         gaps.append(Gap("ddp", ", ".join(flags), f"{who}'s config leaves them off"))
-    if ddp.get("comm_hook"):
-        gaps.append(Gap("ddp", f"the {ddp['comm_hook']} gradient hook", f"{who} registers none"))
+    if ddp.comm_hook:
+        gaps.append(Gap("ddp", f"the {ddp.comm_hook} gradient hook", f"{who} registers none"))
     if shape.checkpointed:
         gaps.append(Gap("activation_checkpointing", f"{len(shape.checkpointed)} checkpointed "
                         "module(s)", f"{who} checkpoints nothing under DDP"))

@@ -45,6 +45,7 @@ from typing import Any
 from torch import nn
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.cost.ddp_buckets import DDPConfig
 from fsdp_plan.facts.graph import hf_embeddings
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.search.framework import FRAMEWORKS, TITAN_EMBEDDINGS, TITAN_TAIL, TITAN_TIED_TAIL
@@ -108,7 +109,7 @@ class PlanShape:
     grad_accum_steps: int
     gradient_sync: str
     offload: bool
-    ddp: dict[str, Any] | None
+    ddp: DDPConfig | None
     hf_model: bool
     """The model has ``get_input_embeddings`` (accelerate gives HF models extra units)."""
     model_source: str = ""
@@ -155,10 +156,10 @@ class Export:
 def _autocast_dtype(plan: Plan) -> str | None:
     """The policy module's ``AUTOCAST_DTYPE`` rule (``policy_runtime._configure``), on names."""
     mp = plan.mixed_precision
-    if mp.get("autocast_dtype"):
-        return mp["autocast_dtype"]
-    if plan.strategy == "ddp" and mp.get("param_dtype") in ("bfloat16", "float16"):
-        return mp["param_dtype"]
+    if mp.autocast_dtype:
+        return mp.autocast_dtype
+    if plan.strategy == "ddp" and mp.param_dtype in ("bfloat16", "float16"):
+        return mp.param_dtype
     return None
 
 
@@ -207,18 +208,18 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
                                       and set(checkpointed.values()) <= {"full"}),
         forward_prefetch=any(plan.forward_prefetch.values()),
         deep_backward_prefetch=any(len(t) > 1 for t in plan.backward_prefetch.values()),
-        param_dtype=plan.mixed_precision.get("param_dtype"),
-        reduce_dtype=plan.mixed_precision.get("reduce_dtype"),
+        param_dtype=plan.mixed_precision.param_dtype,
+        reduce_dtype=plan.mixed_precision.reduce_dtype,
         autocast_dtype=_autocast_dtype(plan),
         unit_precision=sum(bool(unit.mixed_precision) for unit in plan.units),
-        micro_batch=int(plan.model.get("batch_size") or 1),
-        seq_len=plan.model.get("seq_len"),
+        micro_batch=plan.model.batch_size,
+        seq_len=plan.model.seq_len,
         grad_accum_steps=plan.grad_accum_steps,
         gradient_sync=plan.gradient_sync,
-        offload=bool((plan.offload or {}).get("params")),
+        offload=plan.offload is not None,
         ddp=plan.ddp,
         hf_model=callable(getattr(model, "get_input_embeddings", None)),
-        model_source=str(plan.model.get("source", "")),
+        model_source=plan.model.source,
         model_class=type(model).__name__,
         unit_modules=tuple(tuple(unit.modules) for unit in units),
         unit_reshard=tuple(bool(unit.reshard_after_forward) for unit in units),

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from fsdp_plan.cost.ddp_buckets import DDPConfig
 from fsdp_plan.export.common import POLICY_FILE, Export, Gap, PlanShape, readme
 from fsdp_plan.plan.document import Plan
 
@@ -33,8 +34,8 @@ def config_gaps(shape: PlanShape) -> list[Gap]:
     elif shape.checkpointed:
         gaps.append(Gap("activation_checkpointing", f"{len(shape.checkpointed)} checkpointed "
                         "module(s)", "DDPStrategy checkpoints nothing"))
-    if shape.strategy == "ddp" and (shape.ddp or {}).get("comm_hook"):
-        gaps.append(Gap("ddp", f"the {shape.ddp['comm_hook']} gradient hook",
+    if shape.strategy == "ddp" and shape.ddp and shape.ddp.comm_hook:
+        gaps.append(Gap("ddp", f"the {shape.ddp.comm_hook} gradient hook",
                         "DDPStrategy's YAML cannot name a hook function"))
     if shape.gradient_sync == "last" and shape.grad_accum_steps > 1 and shape.strategy != "ddp":
         gaps.append(Gap("gradient_sync", "gradients reduced on the last micro-batch only",
@@ -43,8 +44,8 @@ def config_gaps(shape: PlanShape) -> list[Gap]:
 
 
 def lost_with_hook(shape: PlanShape) -> list[Gap]:
-    if shape.strategy == "ddp" and (shape.ddp or {}).get("comm_hook"):
-        return [Gap("ddp", f"the {shape.ddp['comm_hook']} gradient hook", "register it in "
+    if shape.strategy == "ddp" and shape.ddp and shape.ddp.comm_hook:
+        return [Gap("ddp", f"the {shape.ddp.comm_hook} gradient hook", "register it in "
                     "your script: DDPStrategy(ddp_comm_hook=...)")]
     return []
 
@@ -56,7 +57,7 @@ def trainer_config(plan: Plan, shape: PlanShape) -> dict[str, Any]:
     gpus_per_node = min(shape.world_size, plan.node_gpus)
     if shape.strategy == "ddp":
         strategy = {"class_path": "lightning.pytorch.strategies.DDPStrategy",
-                    "init_args": ddp_kwargs(shape.ddp or {})}
+                    "init_args": ddp_kwargs((shape.ddp or DDPConfig()).to_dict())}
     else:
         strategy = {"class_path": "lightning.pytorch.strategies.ModelParallelStrategy",
                     "init_args": {"data_parallel_size": shape.world_size,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.cost.ddp_buckets import DDPConfig
 from fsdp_plan.export.common import (
     NOTHING_LOST,
     POLICY_FILE,
@@ -93,9 +94,9 @@ def lost_with_hook(shape: PlanShape) -> list[Gap]:
     """What torchtitan's training loop loses even with the plan's parallelize."""
     lost = []
     if shape.strategy == "ddp":
-        ddp = shape.ddp or {}
-        lost.append(Gap("ddp", f"DDP buckets of {ddp.get('bucket_cap_mb')} MB (first "
-                        f"{ddp.get('first_bucket_mb')} MB)"
+        ddp = shape.ddp or DDPConfig()
+        lost.append(Gap("ddp", f"DDP buckets of {ddp.bucket_cap_mb} MB (first "
+                        f"{ddp.first_bucket_mb} MB)"
                         + (", checkpointed modules" if shape.checkpointed else ""),
                         f"{WHO} replicates with its own data parallelism "
                         "(data_parallel_replicate_degree) and its own settings"))
@@ -195,13 +196,13 @@ def check_config_name(base: str | None) -> str:
 def titan_model(plan: Plan) -> dict[str, Any] | None:
     """The factory arguments when the plan is of torchtitan's own model
     (model/torchtitan_models.py), else None."""
-    model = plan.model or {}
-    args = model.get("args") or {}
-    if model.get("source") != TORCHTITAN_ENTRY or not args.get("name") or not args.get("flavor"):
+    model = plan.model
+    args = model.args or {}
+    if model.source != TORCHTITAN_ENTRY or not args.get("name") or not args.get("flavor"):
         return None
     return {"name": str(args["name"]), "flavor": str(args["flavor"]),
-            "batch_size": int(model.get("batch_size", 1)), "seq_len": int(model.get("seq_len", 1)),
-            "rope_sized": args.get("seq_len") == model.get("seq_len")}
+            "batch_size": model.batch_size, "seq_len": model.seq_len,
+            "rope_sized": args.get("seq_len") == model.seq_len}
 
 
 def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:

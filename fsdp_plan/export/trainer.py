@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fsdp_plan.cost.ddp_buckets import DDPConfig
 from fsdp_plan.export.common import (
     POLICY_FILE,
     Export,
@@ -38,16 +39,16 @@ WHO = "the Trainer"
 def config_gaps(shape: PlanShape) -> list[Gap]:
     """What ``TrainingArguments`` alone cannot say (see [Note: configuration reach])."""
     if shape.strategy == "ddp":
-        ddp = shape.ddp or {}
+        ddp = shape.ddp or DDPConfig()
         gaps = []
-        first, cap = ddp.get("first_bucket_mb"), ddp.get("bucket_cap_mb")
-        if (first, cap) != (1, 25) and first != cap:
+        first, cap = ddp.first_bucket_mb, ddp.bucket_cap_mb
+        if not ddp.default_buckets and first != cap:
             gaps.append(Gap("ddp buckets", f"a first bucket of {first} MB and {cap} MB after it",
                             f"{WHO}'s ddp_bucket_cap_mb sizes every bucket alike"))
-        flags = [k for k in ("gradient_as_bucket_view", "static_graph") if ddp.get(k)]
-        if flags or ddp.get("comm_hook"):
-            gaps.append(Gap("ddp", ", ".join(flags + ([ddp["comm_hook"]] if ddp.get("comm_hook")
-                                                      else [])), f"{WHO} leaves them off"))
+        flags = [k for k in ("gradient_as_bucket_view", "static_graph") if getattr(ddp, k)]
+        if flags or ddp.comm_hook:
+            gaps.append(Gap("ddp", ", ".join(flags + ([ddp.comm_hook] if ddp.comm_hook else [])),
+                            f"{WHO} leaves them off"))
         if shape.checkpointed:
             gaps.append(Gap("activation_checkpointing", f"{len(shape.checkpointed)} checkpointed "
                             "module(s)", f"{WHO} has no checkpointing for a plain DDP module"))
@@ -94,10 +95,10 @@ def training_args(shape: PlanShape, hook: bool, cpu: bool = False) -> dict[str, 
         args["save_only_model"] = True
     elif shape.strategy == "ddp":
         precision = {"bfloat16": "bf16", "float16": "fp16"}.get(shape.autocast_dtype or "")
-        ddp = shape.ddp or {}
-        if (ddp.get("first_bucket_mb"), ddp.get("bucket_cap_mb")) != (1, 25):
-            args["ddp_bucket_cap_mb"] = ddp.get("bucket_cap_mb")
-        args["ddp_find_unused_parameters"] = bool(ddp.get("find_unused_parameters"))
+        ddp = shape.ddp or DDPConfig()
+        if not ddp.default_buckets:
+            args["ddp_bucket_cap_mb"] = ddp.bucket_cap_mb
+        args["ddp_find_unused_parameters"] = ddp.find_unused_parameters
     else:
         precision = precision_name(shape)
         args["fsdp"] = True

@@ -56,6 +56,7 @@ from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import LoadedModel, rebuild_meta
 from fsdp_plan.model.transformer_masks import transformer_masks_traceable
 from fsdp_plan.plan.document import Plan
+from fsdp_plan.plan.sections import CompiledBlocks
 
 _TOTAL = "Total"
 
@@ -119,16 +120,16 @@ def _fresh_dynamo(compiled: bool) -> Iterator[None]:
         torch._dynamo.reset()
 
 
-def _check_compiled_ran(calls: int, compiled: dict[str, Any], plan: Plan) -> str:
+def _check_compiled_ran(calls: int, compiled: CompiledBlocks, plan: Plan) -> str:
     """Refuse a compiled measurement in which the compiled graphs did not run: each block's
     forward and backward graph once per micro-batch of the steady step."""
-    expected = 2 * len(compiled["modules"]) * max(1, int(getattr(plan, "grad_accum_steps", 1)))
+    expected = 2 * len(compiled.modules) * max(1, plan.grad_accum_steps)
     if calls != expected:
         raise RuntimeError(f"the compiled blocks' graphs ran {calls} times in the measured step, "
-                           f"not {expected} (forward and backward of {len(compiled['modules'])} "
+                           f"not {expected} (forward and backward of {len(compiled.modules)} "
                            "blocks): Dynamo skipped or fell back to eager, so this would not "
                            "measure the compiled step.")
-    return (f"compiled blocks: {len(compiled['modules'])} blocks ran their compiled forward and "
+    return (f"compiled blocks: {len(compiled.modules)} blocks ran their compiled forward and "
             f"backward graphs ({calls} graph calls), executed op by op (inductor's kernels cannot "
             "run on fake tensors), so transients inside a block are the unfused graph's.")
 
@@ -162,7 +163,7 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     if fsdp_version != 2:
         raise BadInput("verify measures FSDP2 (fully_shard) plans only: PyTorch's FSDPMemTracker "
                        "does not track FSDP1 modules. Use bench --fsdp1 on GPUs for FSDP1 memory.")
-    if any((getattr(plan, "offload", None) or {}).values()):
+    if plan.offload is not None:
         raise BadInput("the plan offloads to the CPU (offload: params/optimizer true); on a CPU "
                        "host and device memory are the same, so its device peak cannot be "
                        "measured here. Measure it on a GPU: python -m fsdp_plan.bench.gpu_check "
@@ -171,11 +172,11 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
     started = time.perf_counter()
     replicate, shard = runtime.mesh_shape(plan.mesh)
     source = loaded.source
-    compiled = getattr(plan, "compile", None) or {}
+    compiled = plan.compile
     ran: dict[str, Any] = {}  # [Note: measuring compiled blocks]
     tracker_class = CompiledStepMemTracker if compiled else GroupAwareMemTracker
     # one_empty_shard: FSDP2's padding in one step, so any world size is fast
-    with fake_process_group(plan.world_size), _fresh_dynamo(bool(compiled)), one_empty_shard():
+    with fake_process_group(plan.world_size), _fresh_dynamo(compiled is not None), one_empty_shard():
         fake_mode = new_fake_mode()
         model = materialize_fake(rebuild_meta(loaded), fake_mode)
         notes = cpu_gpu_differences(model)

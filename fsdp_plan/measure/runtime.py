@@ -39,15 +39,14 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
     would run whatever the plan names). A relative path is looked up next to the plan file
     first, then in the working folder, and nowhere else (``plan/read.resolve_candidates``).
     """
-    raw = plan.model
-    entry = str(raw.get("entry") or "build_model")
-    common: dict[str, Any] = {"entry": entry, "args": dict(raw.get("args") or {}),
-                              "batch_size": int(raw.get("batch_size", 1)),
-                              "seq_len": int(raw.get("seq_len", 4096))}
+    recipe = plan.model
+    common: dict[str, Any] = {"entry": recipe.entry or "build_model",
+                              "args": dict(recipe.args or {}), "batch_size": recipe.batch_size,
+                              "seq_len": recipe.seq_len}
     if model_path is not None:
         return ModelSource(source=model_path, kind=source_kind(model_path), **common)
-    source = str(raw["source"])
-    kind = str(raw.get("kind") or source_kind(source))
+    source = recipe.source
+    kind = recipe.kind or source_kind(source)
     if kind == "import":
         raise BadInput(f"the plan names the model {source!r} as a module to import (kind: "
                        "import); fsdp-plan does not import what a plan file names, since that "
@@ -83,14 +82,14 @@ def count_params(model: nn.Module) -> int:
 def check_model_matches(plan: Plan, loaded: LoadedModel) -> None:
     """Refuse to measure a model other than the planned one: parameter count, the module names
     the plan shards and checkpoints, then the code digest (all before anything is applied)."""
-    expected = plan.model.get("params")
+    expected = plan.model.params
     actual = count_params(loaded.model)
     if expected is not None and int(expected) != actual:
         raise BadInput(f"the model has {actual:,} parameters but the plan was made for "
                        f"{int(expected):,}; re-plan it (fsdp-plan {loaded.source.source} ...) or "
                        "pass the model file the plan was made for.")
     check_module_names(plan, loaded.model)
-    digest = plan.model.get("digest")
+    digest = plan.model.digest
     if digest and digest != source_digest(loaded.source):
         raise BadInput(f"the model code or arguments changed since the plan was made (digest "
                        f"{source_digest(loaded.source)} != {digest} in the plan); re-plan it so "

@@ -66,20 +66,20 @@ def frontier_of(plan: Plan, facts: ModelFacts, prediction: Prediction) -> tuple[
     if prediction.evaluator is None:
         return None, ["no frontier: the plan's prediction kept no evaluator."]
     settings = dataclasses.replace(prediction.evaluator.settings, strategy="auto")
-    variant = Variant(micro_batch=int(plan.model.get("batch_size", 1)),
+    variant = Variant(micro_batch=plan.model.batch_size,
                       grad_accum_steps=plan.grad_accum_steps, facts=facts)
     return compute_frontier([variant], settings,
-                            seq_len=int(plan.model.get("seq_len", 1))), []
+                            seq_len=plan.model.seq_len), []
 
 
 def header_lines(plan: Plan, hardware: Any, hardware_file: str | None, name: str,
                  frontier: Frontier | None) -> list[str]:
     """The first lines of a page: the GPU assumed, the plan, what more memory buys."""
     model = plan.model
-    args = " ".join(f"{k}={v}" for k, v in (model.get("args") or {}).items())
+    args = " ".join(f"{k}={v}" for k, v in (model.args or {}).items())
     lines = [hardware_line(hardware, hardware_file),
-             (f"model {model.get('source')} {args}: micro-batch {model.get('batch_size')} x "
-              f"sequence {model.get('seq_len')}; {plan.world_size} GPUs, mesh "
+             (f"model {model.source} {args}: micro-batch {model.batch_size} x "
+              f"sequence {model.seq_len}; {plan.world_size} GPUs, mesh "
               f"{plan.mesh.replicate}x{plan.mesh.shard} ({plan.strategy}); budget "
               f"{format_bytes(plan.budget_bytes)}, headroom "
               f"{format_bytes(plan.headroom_bytes)}"),

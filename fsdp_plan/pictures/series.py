@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING
 
 from fsdp_plan.cost.ddp_buckets import ddp_memory_timeline
 from fsdp_plan.cost.memory import MemoryTimeline, memory_timeline
-from fsdp_plan.cost.precision import Precision
 from fsdp_plan.cost.step_time import StepTime
 
 if TYPE_CHECKING:
@@ -98,7 +97,7 @@ def plan_timeline(plan: Plan, facts: ModelFacts, prediction: Prediction) -> Memo
         assert config is not None, "a DDP plan's layout carries its bucket configuration"
         # below float32 a DDP plan computes under autocast: the pass the search evaluated it on
         return ddp_memory_timeline(facts.graph, facts.analysis.for_ddp(),
-                                   Precision.of_plan(plan.mixed_precision), plan.optimizer,
+                                   plan.mixed_precision.precision, plan.optimizer,
                                    config, sync_last=plan.grad_accum_steps > 1
                                    and plan.gradient_sync == "last")
     evaluator = prediction.evaluator

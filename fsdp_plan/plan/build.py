@@ -15,7 +15,6 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.ddp_buckets import DDPConfig
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.hardware.stored import stored_block
-from fsdp_plan.cost.offload import OFFLOAD_ALL
 from fsdp_plan.cost.step_time import step_phases
 from fsdp_plan.cost.units import unit_mixed_precision
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS, modes_mapping
@@ -23,6 +22,7 @@ from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.plan.document import Mesh, Plan, Unit
 from fsdp_plan.plan.prefetch import prefetch_depths, prefetch_maps
 from fsdp_plan.plan.schema import needed_version
+from fsdp_plan.plan.sections import CompiledBlocks, ModelRecipe, Offload, PlanPrecision
 from fsdp_plan.search.batching import throughput
 from fsdp_plan.search.candidate import Candidate, DDPDetail, Layout, OffloadDetail
 from fsdp_plan.search.request import PlanRequest
@@ -37,8 +37,9 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
                                       best.backward_prefetch)
     offload = isinstance(best.detail, OffloadDetail)
     plan = Plan(
-        model={**request.source.to_plan_dict(), "params": facts.graph.total_numel,
-               **({"digest": digest} if digest else {})},
+        model=ModelRecipe.from_dict({**request.source.to_plan_dict(),
+                                     "params": facts.graph.total_numel, "digest": digest or None,
+                                     "notes": list(notes) if notes else None}),
         budget_bytes=request.budget_bytes, headroom_bytes=int(request.headroom_bytes or 0),
         world_size=request.world_size, gpus_per_node=request.gpus_per_node, mesh=Mesh(replicate=best.replicate, shard=best.shard),
         strategy=best.strategy,
@@ -53,22 +54,20 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
         selective_mm_stride=best.layout.selective_mm_stride if best.selective else 1,
         framework=request.framework,
         forward_prefetch=forward, backward_prefetch=backward,
-        mixed_precision={"param_dtype": request.param_dtype,
-                         "reduce_dtype": request.reduce_dtype,
-                         **({"autocast_dtype": request.autocast_dtype}
-                            if request.autocast_dtype else {})},
+        mixed_precision=PlanPrecision(param_dtype=request.param_dtype,
+                                      reduce_dtype=request.reduce_dtype,
+                                      autocast_dtype=request.autocast_dtype or None),
         optimizer=request.optimizer, gpu=request.hardware.name,
         hardware=stored_block(request.hardware, request.hardware_origin),
         predicted=predicted_block(best),
-        ddp=best.detail.config.to_dict() if isinstance(best.detail, DDPDetail) else None,
+        ddp=best.detail.config if isinstance(best.detail, DDPDetail) else None,
         grad_accum_steps=request.grad_accum_steps,
         gradient_sync=request.gradient_sync if request.grad_accum_steps > 1 else "every",
-        offload=dict(OFFLOAD_ALL) if offload else None,
-        compile={"blocks": True, "activation_memory_budget": request.activation_memory_budget,
-                 "modules": list(facts.graph.blocks)} if request.compile_blocks else None,
+        offload=Offload() if offload else None,
+        compile=CompiledBlocks(modules=tuple(facts.graph.blocks),
+                               activation_memory_budget=request.activation_memory_budget)
+        if request.compile_blocks else None,
     )
-    if notes:
-        plan.model["notes"] = list(notes)
     plan.fsdp_plan_version = needed_version(plan.to_dict())  # plan/schema.py: one version rule
     plan.predicted.update(throughput_fields(best, facts, plan, request.hardware))
     if global_batch_size:
@@ -81,8 +80,8 @@ def throughput_fields(candidate: Candidate, facts: ModelFacts, plan: Plan,
     """``predicted.tokens_per_s`` (per GPU) and ``predicted.mfu`` of ``candidate`` run as
     ``plan`` says (its micro-batch, sequence and accumulation; search/batching.py
     ``throughput``) on ``hardware``."""
-    rate = throughput(candidate, facts, micro_batch=int(plan.model["batch_size"]),
-                      seq_len=int(plan.model["seq_len"]), grad_accum_steps=plan.grad_accum_steps,
+    rate = throughput(candidate, facts, micro_batch=plan.model.batch_size,
+                      seq_len=plan.model.seq_len, grad_accum_steps=plan.grad_accum_steps,
                       peak_flops=hardware.peak_flops)
     return {"tokens_per_s": round(rate.tokens_per_s, 3), "mfu": round(rate.mfu, 4)}
 
@@ -141,7 +140,7 @@ def layout_of(plan: Plan, facts: ModelFacts) -> Layout:
                            "without activation checkpointing only: remove "
                            "activation_checkpointing.")
         return Layout(strategy="ddp", mesh=(plan.world_size, 1),
-                      ddp=DDPConfig.from_dict(plan.ddp))
+                      ddp=plan.ddp or DDPConfig())
     units = list(plan.units)
     if not units or units[-1].modules != [""]:
         raise BadInput("the plan's last unit must be the root (modules: [\"\"]); FSDP2 needs the "
@@ -186,7 +185,7 @@ def layout_of(plan: Plan, facts: ModelFacts) -> Layout:
                   root_reshard=units[-1].reshard_after_forward, full=checkpoint,
                   selective=selective - checkpoint, forward_prefetch=forward_depth,
                   backward_prefetch=backward_depth,
-                  offload=any((plan.offload or {}).values()),
+                  offload=plan.offload is not None,
                   selective_mm_stride=plan.selective_mm_stride if selective else 1)
 
 

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -14,8 +15,16 @@ import yaml
 
 from fsdp_plan.common.files import atomic_write_all, atomic_write_text, check_writable  # noqa: F401
 from fsdp_plan.common.limits import budget_limit
-from fsdp_plan.plan.schema import FIELDS, check_plan_document, needed_version
+from fsdp_plan.cost.ddp_buckets import DDPConfig
 from fsdp_plan.plan.read import read_plan_document
+from fsdp_plan.plan.schema import FIELDS, check_plan_document, needed_version
+from fsdp_plan.plan.sections import (
+    DEFAULT_GPUS_PER_NODE,
+    CompiledBlocks,
+    ModelRecipe,
+    Offload,
+    PlanPrecision,
+)
 
 PLAN_VERSION = 1
 
@@ -49,12 +58,22 @@ class Mesh:
         return self.replicate * self.shard
 
 
+_SECTION_TYPES: dict[str, Any] = {
+    "model": ModelRecipe.from_dict,
+    "mixed_precision": PlanPrecision.from_dict,
+    "ddp": DDPConfig.from_dict,
+    "offload": lambda raw: Offload(**raw) if any(raw.values()) else None,
+    "compile": lambda raw: CompiledBlocks.from_dict(raw) if raw.get("blocks") else None,
+}
+"""The typed sections of a plan (plan/sections/), by field, from their plain mappings."""
+
+
 @dataclass(kw_only=True)
 class Plan:
     """Everything a training script needs to apply a plan, plus what the planner predicted."""
 
     fsdp_plan_version: int = PLAN_VERSION
-    model: dict[str, Any]
+    model: ModelRecipe
     budget_bytes: int
     headroom_bytes: int = 0
     world_size: int
@@ -68,9 +87,9 @@ class Plan:
     """The framework the plan was made for (``--framework``, version 2): ``export`` writes its
     files by default; None: none named."""
     units: list[Unit]
-    ddp: dict[str, Any] | None = None
+    ddp: DDPConfig | None = None
     """``DistributedDataParallel`` arguments (SPEC 6) when ``strategy`` is ``ddp``: bucket_cap_mb,
-    first_bucket_mb, gradient_as_bucket_view, static_graph, find_unused_parameters."""
+    first_bucket_mb, gradient_as_bucket_view, static_graph, find_unused_parameters, comm_hook."""
     activation_checkpointing: list[str] | dict[str, str] = field(default_factory=list)
     """FQNs fully checkpointed (a list, version 1), or ``{FQN: full | selective}`` (version 2)."""
     selective_ops: list[str] = field(default_factory=list)
@@ -81,7 +100,7 @@ class Plan:
     SPEC 7; torchtitan's op policy is 2); written only when not 1."""
     forward_prefetch: dict[str, list[str]] = field(default_factory=dict)
     backward_prefetch: dict[str, list[str]] = field(default_factory=dict)
-    mixed_precision: dict[str, str | None] = field(default_factory=dict)
+    mixed_precision: PlanPrecision = field(default_factory=PlanPrecision)
     optimizer: str = "adamw"
     gpu: str = "h100"
     hardware: dict[str, Any] | None = None
@@ -92,13 +111,20 @@ class Plan:
     gradient_sync: str = "every"
     """``every``: reduce-scatter after each micro-batch; ``last``: only after the last, with
     gradients accumulated unsharded in between (``prepare_microbatch`` in the policy)."""
-    offload: dict[str, bool] | None = None
+    offload: Offload | None = None
     """``{params: true, optimizer: true}``: FSDP2 ``CPUOffloadPolicy`` (version 2); None: none."""
-    compile: dict[str, Any] | None = None
+    compile: CompiledBlocks | None = None
     """``{blocks: true, activation_memory_budget: B | null, modules: [FQN, ...]}``: the listed
     repeated blocks run ``torch.compile(block.forward, fullgraph=True)`` (SPEC 7, version 2);
     None: eager."""
     predicted: dict[str, Any] = field(default_factory=dict)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A section given as the plain mapping of a plan document (built by hand, or set on a
+        plan) becomes its type; ``from_dict`` hands them over already checked."""
+        if isinstance(value, dict) and name in _SECTION_TYPES:
+            value = _SECTION_TYPES[name](value)
+        super().__setattr__(name, value)
 
     @property
     def node_gpus(self) -> int:
@@ -106,7 +132,7 @@ class Plan:
         was recorded) ``predicted.gpus_per_node``, else 8."""
         if self.gpus_per_node is not None:
             return self.gpus_per_node
-        return int(self.predicted.get("gpus_per_node") or 8)
+        return int(self.predicted.get("gpus_per_node") or DEFAULT_GPUS_PER_NODE)
 
     @property
     def limit_bytes(self) -> int:
@@ -117,10 +143,14 @@ class Plan:
         """The YAML document: the fields of plan/schema.py ``FIELDS`` in their order, those
         left at their default omitted where the schema says, at the lowest plan version that
         holds them (or the plan's own, if higher)."""
-        raw = asdict(self)
-        raw["units"] = [{k: v for k, v in unit.items() if k != "mixed_precision" or v is not None}
-                        for unit in raw["units"]]
-        doc = {f.name: raw[f.name] for f in FIELDS if f.written(raw)}
+        raw = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        for name, section in raw.items():
+            if hasattr(section, "to_dict"):
+                raw[name] = section.to_dict()
+        raw["mesh"] = asdict(self.mesh)
+        raw["units"] = [{k: v for k, v in asdict(unit).items()
+                         if k != "mixed_precision" or v is not None} for unit in self.units]
+        doc = copy.deepcopy({f.name: raw[f.name] for f in FIELDS if f.written(raw)})
         doc["fsdp_plan_version"] = max(self.fsdp_plan_version, needed_version(doc))
         return doc
 

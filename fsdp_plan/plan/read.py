@@ -66,7 +66,7 @@ def resolve_candidates(source: str, plan_path: str | None) -> list[str]:
 def plan_model_file(model: Any, plan_path: str | None) -> str | None:
     """The existing file the plan's ``model.source`` names (looked up as
     ``resolve_candidates`` does; nothing is imported), or None."""
-    source = model.get("source") if isinstance(model, dict) else None
+    source = model.get("source") if isinstance(model, dict) else getattr(model, "source", None)
     if not isinstance(source, str) or not source or "\0" in source:
         return None
     for candidate in resolve_candidates(source, plan_path):

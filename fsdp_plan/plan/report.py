@@ -248,8 +248,8 @@ def format_report(result: PlannedResult, rows: list[dict[str, Any]], *, model_na
     plan = result.plan
     lines = [hardware_line(hardware, hardware_file)] if hardware is not None else []
     lines += [f"model: {model_name}  parameters: {total:,} "
-             f"({format_bytes(fp32_bytes(total))} fp32)  micro-batch {plan.model['batch_size']} x "
-             f"seq {plan.model['seq_len']}" + (f" x {plan.grad_accum_steps} accumulation steps"
+             f"({format_bytes(fp32_bytes(total))} fp32)  micro-batch {plan.model.batch_size} x "
+             f"seq {plan.model.seq_len}" + (f" x {plan.grad_accum_steps} accumulation steps"
                                                 if plan.grad_accum_steps > 1 else "")]
     shard_states = (fp32_bytes(total) * (1 + OPTIMIZER_STATES.get(plan.optimizer, 0))
                     / plan.world_size)
@@ -292,7 +292,7 @@ def format_throughput(result: PlannedResult) -> list[str]:
         lines.append(f"throughput: {predicted['tokens_per_s']:,.0f} tokens/s per GPU, MFU "
                      f"{predicted['mfu']:.1%} (step {result.best.time.step_s:.4g} s for "
                      f"{result.plan.grad_accum_steps} micro-batch(es) of "
-                     f"{result.plan.model['batch_size']})")
+                     f"{result.plan.model.batch_size})")
     if result.batch_options:
         lines.append(tabulate([[o["micro_batch"], o["grad_accum_steps"], o["gradient_sync"],
                                 "yes" if o["fits"] else "NO", f"{o['step_s']:.4g}",

@@ -27,6 +27,7 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.plan import check as c
+from fsdp_plan.plan import sections
 from fsdp_plan.plan.checker import Checker, closest, field, show, walk_plain
 
 REQUIRED: Any = object()
@@ -66,7 +67,8 @@ class Field:
 
     name: str
     check: Callable[[Checker, Any, dict[str, Any]], Any]
-    """``(checker, value as written or the default, fields checked so far) -> value kept``."""
+    """``(checker, value as written or the default, fields checked so far) -> value kept``:
+    plan/check.py's, or a typed section's (plan/sections/)."""
     default: Any = REQUIRED
     since: int = 1
     """The plan version that introduced the field (or the form ``needs`` spots)."""
@@ -93,17 +95,17 @@ class Field:
 
 FIELDS: tuple[Field, ...] = (
     Field("fsdp_plan_version", lambda check, value, out: value),  # read first: check_version
-    Field("model", c.check_model),
+    Field("model", sections.check_model),
     Field("budget_bytes", c.check_budget),
     Field("headroom_bytes", c.check_headroom, default=0, after=("budget_bytes",)),
-    Field("world_size", c.check_world_size),
-    Field("gpus_per_node", c.check_gpus_per_node, default=None, optional=True,
+    Field("world_size", sections.check_world_size),
+    Field("gpus_per_node", sections.check_gpus_per_node, default=None, optional=True,
           after=("world_size",)),
     Field("mesh", c.check_mesh, after=("world_size",)),
     Field("strategy", c.check_strategy, default=None, after=("mesh", "units")),
     Field("framework", c.check_framework, default=None, since=2, optional=True),
     Field("units", c.check_units),
-    Field("ddp", c.check_ddp, default=None, since=2, optional=True, after=("strategy",)),
+    Field("ddp", sections.check_ddp, default=None, since=2, optional=True, after=("strategy",)),
     Field("activation_checkpointing", c.check_checkpointing, default=[], since=2,
           needs=_mapping_form),
     Field("selective_ops", c.check_selective_ops, default=[], optional=True,
@@ -112,17 +114,18 @@ FIELDS: tuple[Field, ...] = (
     Field("forward_prefetch", c.check_forward_prefetch, default={}, after=("units",)),
     Field("backward_prefetch", c.check_backward_prefetch, default={},
           after=("units", "forward_prefetch")),
-    Field("mixed_precision", c.check_plan_precision, default={}, since=2, needs=_autocast_form),
+    Field("mixed_precision", sections.check_plan_precision, default={}, since=2,
+          needs=_autocast_form),
     Field("optimizer", c.check_optimizer, default="adamw"),
     Field("gpu", c.check_gpu, default="h100", after=("hardware",)),
     Field("hardware", c.check_hardware, default=None, optional=True),
     Field("grad_accum_steps", c.check_accum_steps, default=1, since=2, optional=True),
     Field("gradient_sync", c.check_gradient_sync, default="every",
           written_if=lambda doc: doc["grad_accum_steps"] > 1),
-    Field("offload", c.check_offload, default=None, since=2, optional=True),
-    Field("compile", c.check_compile, default=None, since=2, needs=_compiled_form,
+    Field("offload", sections.check_offload, default=None, since=2, optional=True),
+    Field("compile", sections.check_compile, default=None, since=2, needs=_compiled_form,
           optional=True),
-    Field("predicted", c.check_predicted, default={}, after=("world_size",)),
+    Field("predicted", sections.check_predicted, default={}, after=("world_size",)),
 )
 NAMES = tuple(f.name for f in FIELDS)
 _BY_NAME = {f.name: f for f in FIELDS}
