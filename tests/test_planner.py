@@ -38,8 +38,8 @@ def plan_for(tmp_path, model: str, *extra: str) -> str:
 def measured_peak(plan_path: str) -> tuple[int, int, int]:
     plan = read_plan(plan_path)
     m = plan.model
-    source = ModelSource(source=m["source"], entry=m["entry"], args=m["args"],
-                         batch_size=m["batch_size"], seq_len=m["seq_len"], kind=source_kind(m["source"]))
+    source = ModelSource(source=m.source, entry=m.entry, args=m.args, batch_size=m.batch_size,
+                         seq_len=m.seq_len, kind=source_kind(m.source))
     loaded = load_model(source)
     # a small model at 8 MB may come out DDP under auto: measure.peak dispatches on the strategy
     measured = measure_any_peak(loaded, plan, load_policy_module(render_policy_module(plan)))
