@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time ``__getattr
     from fsdp_plan.facts.types import ModelFacts
     from fsdp_plan.model.source import ModelSource
     from fsdp_plan.plan.document import Plan, read_plan
-    from fsdp_plan.search.request import PlanRequest
+    from fsdp_plan.search.request import PlanRequest, SearchOptions
 
 _HOMES = {
     "fsdp_plan.api": ("PlanResult", "Prediction", "analyze_for_plan", "make_plan",
@@ -53,7 +53,7 @@ _HOMES = {
     "fsdp_plan.facts.types": ("ModelFacts",),
     "fsdp_plan.model.source": ("ModelSource",),
     "fsdp_plan.plan.document": ("Plan", "read_plan"),
-    "fsdp_plan.search.request": ("PlanRequest",),
+    "fsdp_plan.search.request": ("PlanRequest", "SearchOptions"),
 }
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
@@ -88,6 +88,7 @@ __all__ = [
     "PlanRequest",
     "PlanResult",
     "Prediction",
+    "SearchOptions",
     "analyze_for_plan",
     "analyze_loaded",
     "analyze_model",

@@ -146,7 +146,7 @@ def make_plan(request: PlanRequest, progress: Progress | None = None, *,
     require_type(request, PlanRequest, "make_plan(request)")  # [Note: API arguments]
     _check_progress(progress, "make_plan")
     started = time.perf_counter()
-    batching = request.global_batch_size is not None or request.auto_batch
+    batching = request.global_batch_size is not None or request.search.auto_batch
     analyses: dict[int, Analyzed] = {}
 
     def facts_at(batch: int) -> ModelFacts:
@@ -181,7 +181,7 @@ def make_plan(request: PlanRequest, progress: Progress | None = None, *,
                      f"{len(graph.modules):,} modules ({len(graph.blocks)} repeated blocks)")
         return analyzed.facts
 
-    if request.framework is None and request.compile_auto:
+    if request.framework is None and request.search.compile_auto:
         choice = compare_compile(request, facts_at, _search_for)
         cost = None
     elif request.framework is None:
@@ -201,7 +201,7 @@ def make_plan(request: PlanRequest, progress: Progress | None = None, *,
                     if request.global_batch_size else None)
         result.facts_by_micro_batch = {b: (per_rank // b if per_rank else 1, a.facts)
                                        for b, a in analyses.items()}
-    if request.compile_auto:
+    if request.search.compile_auto:
         result.compiled_facts = {b: a.facts for b, a in analyses.items()}
     result.seconds = time.perf_counter() - started
     result.loaded = analyzed.loaded
@@ -224,7 +224,7 @@ def _framework_choice(request: PlanRequest, facts_at, loaded_model
     name = request.framework or ""
     limits = request.limits
     if limits is None:  # Lightning: its configuration says no unit (the policy applies the plan)
-        choice = (compare_compile(request, facts_at, _search_for) if request.compile_auto
+        choice = (compare_compile(request, facts_at, _search_for) if request.search.compile_auto
                   else choose_batch(request, facts_at=facts_at, search=_search_for(request)))
         return choice, FrameworkCost(framework=name, restricted=False, why=LIGHTNING_WHY)
     free_request = request.unrestricted()
@@ -271,7 +271,7 @@ def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = ""
     require_type(request, PlanRequest, "plan_from_facts(request)")
     require_type(digest, str, "plan_from_facts(digest)")
     require_type(notes, (list, type(None)), "plan_from_facts(notes)")
-    single = dataclasses.replace(request, global_batch_size=None, auto_batch=False)
+    single = request.at_its_micro_batch()
     choice = choose_batch(single, facts_at=lambda _: facts, search=_search_for(single))
     return _result(choice, digest=digest, notes=notes)
 

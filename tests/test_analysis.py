@@ -126,8 +126,8 @@ def _unit_flops_add_up(lm) -> None:
         cand = evaluate(ev, name=name, strategy="full", replicate=1, shard=2, groups=groups,
                            reshard=[True] * len(groups), root_reshard=False,
                            forward_prefetch=0, backward_prefetch=1)
-        fw = sum(ev._unit_flops(u)[0] for u in cand.units)
-        bw = sum(ev._unit_flops(u)[1] for u in cand.units)
+        fw = sum(ev.clock.flops(u)[0] for u in cand.units)
+        bw = sum(ev.clock.flops(u)[1] for u in cand.units)
         assert fw == pytest.approx(analysis.total_fw_flops, rel=1e-9), name
         assert bw == pytest.approx(analysis.total_bw_flops, rel=1e-9), name
 
@@ -156,7 +156,7 @@ def test_unit_flops_add_up_on_hugging_face_models(name):
 def test_initialisers_are_skipped_only_while_building_on_meta(tmp_path):
     """The meta build skips torch.nn.init's writes (there are no values to write) and puts
     them back afterwards, also when the factory raises."""
-    import torch.nn.init as init
+    from torch.nn import init
 
     from fsdp_plan.common.errors import BadInput
     before = init.kaiming_uniform_

@@ -30,8 +30,9 @@ def imports(path: Path, *, module_level_only: bool) -> set[str]:
     or ``fsdp_plan.x.y`` when that is a module).
 
     An ``if __name__ == "__main__":`` block is left out: it runs only when the file is started
-    as a program (``python -m fsdp_plan.bench.worker``), as the top of its own import chain,
-    so it is a command-line entry and takes part in no cycle."""
+    as a program (``python -m fsdp_plan.bench.gpu_check``), as the top of its own import chain,
+    so it takes part in no cycle; it must still not reach up into the command line
+    (``test_no_main_block_outside_the_command_line_imports_it``)."""
     tree = ast.parse(path.read_text())
     body = [node for node in tree.body if not _is_main_guard(node)]
     nodes = body if module_level_only else [n for top in body for n in ast.walk(top)]
@@ -109,6 +110,52 @@ def test_no_module_outside_the_command_line_imports_it():
     offenders = [(a, b) for a, b in g.edges
                  if b.startswith("fsdp_plan.cli") and not a.startswith("fsdp_plan.cli")]
     assert not offenders, offenders
+
+
+def _names_the_command_line(node: ast.AST) -> bool:
+    """An import of ``fsdp_plan.cli`` or one of its modules, in any spelling: ``import
+    fsdp_plan.cli.x``, ``from fsdp_plan.cli.x import y``, ``from fsdp_plan import cli``, or the
+    module's name as a string (``importlib.import_module``, ``runpy.run_module``)."""
+    def is_cli(name: str) -> bool:
+        return name == "fsdp_plan.cli" or name.startswith("fsdp_plan.cli.")
+    if isinstance(node, ast.Import):
+        return any(is_cli(a.name) for a in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return is_cli(node.module or "") or (node.module == "fsdp_plan"
+                                             and any(a.name == "cli" for a in node.names))
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and is_cli(
+        node.value.split(":")[0])
+
+
+def test_no_main_block_outside_the_command_line_imports_it():
+    """The exemption of ``if __name__ == "__main__":`` blocks from the cycle checks hides no
+    upward arrow: a library module started as a program (``python -m fsdp_plan.bench.gpu_check``)
+    does not hand over to the command line. The torchrun bench entry is a command-line module
+    (cli/bench_worker.py); it was ``bench/worker.py``'s main block importing ``cli/bench.py``
+    (issue 28 item 4)."""
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "cli":
+            continue
+        for top in ast.parse(path.read_text()).body:
+            if _is_main_guard(top):
+                offenders += [(module_name(path), node.lineno) for node in ast.walk(top)
+                              if _names_the_command_line(node)]
+    assert not offenders, offenders
+
+
+def test_the_main_block_check_sees_the_old_circle():
+    """The check above fails on the block it was written against (a test that can fail)."""
+    old = ast.parse('if __name__ == "__main__":\n'
+                    '    from fsdp_plan.cli.bench import torchrun_main\n'
+                    '    sys.exit(torchrun_main())\n').body[0]
+    assert _is_main_guard(old)
+    assert any(_names_the_command_line(node) for node in ast.walk(old))
+    for spelling in ("import fsdp_plan.cli.bench", "from fsdp_plan import cli",
+                     "runpy.run_module('fsdp_plan.cli.bench_worker')"):
+        assert any(_names_the_command_line(n) for n in ast.walk(ast.parse(spelling))), spelling
+    assert not any(_names_the_command_line(n)
+                   for n in ast.walk(ast.parse("from fsdp_plan.client import x")))
 
 
 def test_the_plan_command_uses_the_library_api():

@@ -51,7 +51,7 @@ def test_compile_auto_frontier_weighs_eager_and_compiled_at_every_budget():
     from fsdp_plan.api import make_plan
     from fsdp_plan.cli.plan import plan_frontier
     from fsdp_plan.model.source import ModelSource
-    from fsdp_plan.search.request import PlanRequest
+    from fsdp_plan.search.request import PlanRequest, SearchOptions
 
     def planned(**compile_args):
         request = PlanRequest(source=ModelSource(source=LLAMA, args={"size": "tiny"},
@@ -60,7 +60,7 @@ def test_compile_auto_frontier_weighs_eager_and_compiled_at_every_budget():
         result = make_plan(request)
         return result, plan_frontier(result, request, above_only=False)
 
-    auto, auto_frontier = planned(compile_blocks=True, compile_auto=True)
+    auto, auto_frontier = planned(compile_blocks=True, search=SearchOptions(compile_auto=True))
     _, eager = planned()
     _, compiled = planned(compile_blocks=True)
     here = auto_frontier.at_user_budget

@@ -1,7 +1,7 @@
 """Hostile input, round 3 (issue 21): tune, the torchrun worker entry, plans and predict.
 
 Each case runs through a real entry point (``fsdp_plan.cli.main.main`` in-process, or a
-subprocess of ``python -m fsdp_plan.cli.main`` / ``python -m fsdp_plan.bench.worker``) and
+subprocess of ``python -m fsdp_plan.cli.main`` / ``python -m fsdp_plan.cli.bench_worker``) and
 checks the SPEC 2 contract for it: the exit code, the message's words, no Python traceback,
 and no file written, changed or left behind (no worker left running either). Where a check
 must come "before any measuring", the one function that starts workers (``time_plans`` for
@@ -352,12 +352,12 @@ def test_s3_17_the_worker_refuses_a_broken_torchrun_environment(plan, tmp_path, 
     private.mkdir()
     out = tmp_path / "results"
     env = {**_torchrun_env(**changes), "TMPDIR": str(private)}
-    done = subprocess.run([sys.executable, "-m", "fsdp_plan.bench.worker", plan, "--out",
+    done = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.bench_worker", plan, "--out",
                            str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240, check=False)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
-    assert done.stderr.startswith("python -m fsdp_plan.bench.worker: ")
+    assert done.stderr.startswith("python -m fsdp_plan.cli.bench_worker: ")
     assert len(done.stderr.strip().splitlines()) == 1
     for needle in [*needles, "torchrun --nproc-per-node"]:
         assert needle in done.stderr, done.stderr

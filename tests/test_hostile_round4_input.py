@@ -361,11 +361,34 @@ def _source() -> fsdp_plan.ModelSource:
      TypeError, "PlanRequest.world_size"),
     (lambda: fsdp_plan.PlanRequest(source=_source(), budget_bytes=10**9, strategy="fast"),
      BadInput, "PlanRequest.strategy"),
+    (lambda: fsdp_plan.SearchOptions(exact_analysis="yes"), TypeError,
+     "SearchOptions.exact_analysis"),
+    (lambda: fsdp_plan.PlanRequest(source=_source(), budget_bytes=10**9, search={}), TypeError,
+     "PlanRequest.search"),
+    (lambda: fsdp_plan.PlanRequest(source=_source(), budget_bytes=10**9,
+                                   search=fsdp_plan.SearchOptions(compile_auto=True)),
+     BadInput, "set compile_blocks too"),
 ])
 def test_public_api_arguments_are_checked_naming_the_argument(call, error, needle):
     with pytest.raises(error) as caught:
         call()
     assert needle in str(caught.value)
+
+
+def test_the_search_settings_are_one_field_of_the_request():
+    """What the user asked and how widely the planner looks are apart (issue 28 item 4):
+    the search's settings are ``PlanRequest.search``, and a request at its own micro-batch
+    keeps every other search setting."""
+    search = fsdp_plan.SearchOptions(exact_analysis=True, auto_batch=True)
+    request = fsdp_plan.PlanRequest(source=_source(), budget_bytes=10**9, global_batch_size=64,
+                                    search=search)
+    assert request.analysis_options()["exact"] is True
+    one = request.at_its_micro_batch()
+    assert one.global_batch_size is None
+    assert one.search == fsdp_plan.SearchOptions(exact_analysis=True)
+    assert request.search is search  # the request it came from is unchanged
+    with pytest.raises(TypeError, match="exact_analysis"):
+        fsdp_plan.PlanRequest(source=_source(), budget_bytes=10**9, exact_analysis=True)
 
 
 def test_predict_checks_its_facts_and_gpus_per_node():

@@ -113,7 +113,8 @@ def test_the_models_and_search_import_no_torch():
             "fsdp_plan.facts.types, fsdp_plan.plan.report, fsdp_plan.plan.document; "
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]; "
             "assert not bad, bad[:5]")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False)
     assert run.returncode == 0, run.stderr
 
 
@@ -199,7 +200,7 @@ def test_unit_compute_adds_up_to_the_models_flops(facts_name, llama):
     for cand in (per_block(ev), evaluate(ev, name="root", strategy="full", replicate=1, shard=8,
                                             groups=[], reshard=[], root_reshard=False,
                                             forward_prefetch=0, backward_prefetch=1)):
-        flops = [ev._unit_flops(u) for u in cand.units]
+        flops = [ev.clock.flops(u) for u in cand.units]
         assert sum(f[0] for f in flops) == pytest.approx(facts.analysis.total_fw_flops, rel=1e-9)
         assert sum(f[1] for f in flops) == pytest.approx(facts.analysis.total_bw_flops, rel=1e-9)
         assert cand.time.forward_s == pytest.approx(facts.analysis.total_fw_flops / rate,

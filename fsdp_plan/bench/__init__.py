@@ -5,8 +5,8 @@ Its modules, in the order a run uses them:
 - ``inputs``: ``BenchRequest`` and every other input of a run, checked before a worker starts;
 - ``session``: one run's flow: ``prepare`` (read and check), then ``finish`` (result, report,
   exit code);
-- ``worker``: one benchmark rank (counts, timed steps, peak, a profiled step); also the torchrun
-  entry, ``python -m fsdp_plan.bench.worker``;
+- ``worker``: one benchmark rank (counts, timed steps, peak, a profiled step); started by
+  ``fsdp-plan bench`` or, under torchrun, by ``python -m fsdp_plan.cli.bench_worker``;
 - ``results``: the result files that let reruns be compared, the report, ``--compare``;
 - ``refit``: ``--refit``, a hardware file corrected from what a run measured;
 - ``timing``: several plans timed on one set of workers (what ``tune`` benches);

@@ -3,7 +3,7 @@
 Run by ``fsdp-plan bench`` on ``--nproc`` local workers, or directly under ``torchrun`` on
 any number of machines (each rank reads ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``)::
 
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m fsdp_plan.bench.worker PLAN.yaml [MODEL] \
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m fsdp_plan.cli.bench_worker PLAN.yaml [MODEL] \
         [--steps 20] [--warmup 3] [--fsdp1] [--out benchmarks/results]
 
 Steps, in order: ``warmup`` steps (lazy initialisation, optimizer states, allocator warm-up)
@@ -235,8 +235,3 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return {"ranks": gathered} if ctx.rank == 0 else {"rank": ctx.rank}
-
-
-if __name__ == "__main__":  # the torchrun entry; its options are the CLI's (cli/bench.py)
-    from fsdp_plan.cli.bench import torchrun_main
-    sys.exit(torchrun_main())

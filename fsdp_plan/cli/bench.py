@@ -4,7 +4,7 @@
                     [--compare OLD.json] [--threshold 0.10] [--timeout S] [--out benchmarks/results]
 
 Launches ``--nproc`` local workers (gloo on CPU, NCCL on GPUs); across machines run the same
-worker under torchrun (``python -m fsdp_plan.bench.worker``). Exit 0 when the counts match
+worker under torchrun (``python -m fsdp_plan.cli.bench_worker``, cli/bench_worker.py). Exit 0 when the counts match
 the plan (and ``--compare`` found no regression), 1 otherwise or when a worker crashed or hung,
 2 for bad input (every input is checked before a worker starts; ``fsdp_plan.bench.inputs``).
 Each run writes one JSON result and a profiler trace under ``--out``, created only then.
@@ -25,13 +25,11 @@ import torch
 from fsdp_plan.bench import session
 from fsdp_plan.bench.inputs import BenchRequest, check_nproc, check_timeout
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR
-from fsdp_plan.bench.worker import bench_rank
-from fsdp_plan.common.errors import BadInput, FsdpPlanError
+from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.progress import Steps
 from fsdp_plan.measure.launch import (
     Terminated,
     WorkersFailed,
-    context_from_env,
     launch,
     stop_on_signals,
 )
@@ -41,7 +39,7 @@ from fsdp_plan.plan.document import read_plan
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of one benchmark run, wherever it is launched from (``fsdp-plan bench`` and
-    the torchrun worker entry, ``torchrun_main``)."""
+    the torchrun worker entry, cli/bench_worker.py)."""
     parser.add_argument("plan", metavar="PLAN.yaml", help="a plan written by fsdp-plan --plan")
     parser.add_argument("model", metavar="MODEL", nargs="?", default=None,
                         help="the model file (default: the source recorded in the plan)")
@@ -166,33 +164,3 @@ def run(args: argparse.Namespace) -> int:
         if prepared is not None:
             shutil.rmtree(prepared.payload["trace_dir"], ignore_errors=True)
 
-
-def torchrun_main(argv: list[str] | None = None) -> int:
-    """``python -m fsdp_plan.bench.worker``: one rank under torchrun, with the run's options;
-    rank 0 writes the result. Errors are one paragraph on stderr and their exit code."""
-    parser = argparse.ArgumentParser(prog="python -m fsdp_plan.bench.worker",
-                                     description="One fsdp-plan benchmark rank (under torchrun).")
-    add_run_arguments(parser)
-    args = parser.parse_args(argv)
-    try:  # before anything else: a broken environment would fail or hang later
-        ctx = context_from_env()
-    except BadInput as e:
-        sys.stderr.write(f"python -m fsdp_plan.bench.worker: {e}\n")
-        return e.exit_code
-    prepared = None
-    try:
-        with stop_on_signals():  # torchrun ends its workers with SIGTERM
-            prepared = session.prepare(bench_request(args), nproc=ctx.world_size)
-            per_rank = bench_rank(ctx, prepared.payload)
-            if ctx.rank != 0:
-                return 0
-            return session.finish(prepared, per_rank["ranks"])
-    except FsdpPlanError as e:
-        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}\n")
-        return e.exit_code
-    except Terminated as e:
-        sys.stderr.write(f"fsdp-plan bench (rank {ctx.rank}): {e}.\n")
-        return e.exit_code
-    finally:
-        if prepared is not None:
-            shutil.rmtree(prepared.payload["trace_dir"], ignore_errors=True)

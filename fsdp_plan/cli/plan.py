@@ -48,6 +48,7 @@ from fsdp_plan.search.candidate import STRATEGY_CHOICES
 from fsdp_plan.search.compile_choice import eager_facts
 from fsdp_plan.search.framework import FRAMEWORKS
 from fsdp_plan.search.frontier import Variant, compute_frontier, more_memory_line
+from fsdp_plan.search.request import SearchOptions
 
 # Nothing above imports torch: every flag is checked before the ~6 s torch import (run()).
 
@@ -308,14 +309,15 @@ def run(args: argparse.Namespace) -> int:
         world_size=args.world_size, gpus_per_node=args.gpus_per_node, strategy=args.strategy,
         param_dtype=values["param_dtype"], reduce_dtype=values["reduce_dtype"],
         autocast_dtype=values["autocast"], optimizer=args.optimizer, hardware=values["hardware"],
-        hardware_origin=values["hardware_origin"], exact_analysis=args.exact_analysis,
+        hardware_origin=values["hardware_origin"],
         allow_offload=args.allow_offload, allow_lossy_hooks=args.allow_lossy_hooks,
-        auto_batch=args.batch_size == "auto",
         # --batch-size N with --global-batch-size: N is the micro-batch (fixed_accumulation)
         global_batch_size=None if fixed_steps else args.global_batch_size,
         grad_accum_steps=fixed_steps or 1, compile_blocks=args.compile is not None,
-        compile_auto=args.compile == "auto",
-        activation_memory_budget=args.activation_memory_budget, framework=args.framework)
+        activation_memory_budget=args.activation_memory_budget, framework=args.framework,
+        search=SearchOptions(exact_analysis=args.exact_analysis,
+                             auto_batch=args.batch_size == "auto",
+                             compile_auto=args.compile == "auto"))
     cache = facts_cache_for(args)
     with _imports_frozen(), _user_code_guard(request, cache):
         result = make_plan(request, progress, facts_cache=cache)
@@ -374,8 +376,8 @@ def _user_code_guard(request: PlanRequest, cache: FactsCache | None):
     """The model's print()s kept off stdout while it is built and traced. Imported only when
     it is (model.load imports torch, about 6 s, and every flag was to be checked before that
     wait: see the note under the imports); facts from the cache run no model code."""
-    one_batch = request.global_batch_size is None and not request.auto_batch
-    if cache is not None and one_batch and not request.compile_auto and cache.has(
+    one_batch = request.global_batch_size is None and not request.search.auto_batch
+    if cache is not None and one_batch and not request.search.compile_auto and cache.has(
             request.source, request.analysis_options()):
         return contextlib.nullcontext()
     from fsdp_plan.model.load import user_code_output_to_stderr
@@ -402,7 +404,7 @@ def plan_frontier(result, request: PlanRequest, *, above_only: bool):
 
     plan = result.plan
     chosen = result.request or request
-    chosen = dataclasses.replace(chosen, global_batch_size=None, auto_batch=False)
+    chosen = chosen.at_its_micro_batch()
     variants = [Variant(micro_batch=b, grad_accum_steps=k, facts=facts)
                 for b, (k, facts) in sorted(result.facts_by_micro_batch.items())] or [
         Variant(micro_batch=plan.model.batch_size, grad_accum_steps=plan.grad_accum_steps,

@@ -152,7 +152,7 @@ def stop_on_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[None]:
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What torchrun sets for each worker, and what ``init_process_group`` reads."""
 _TORCHRUN_HINT = ("start the worker under torchrun (torchrun --nproc-per-node 2 -m "
-                  "fsdp_plan.bench.worker PLAN.yaml), which sets "
+                  "fsdp_plan.cli.bench_worker PLAN.yaml), which sets "
                   + ", ".join(TORCHRUN_VARIABLES) + "; on one machine, fsdp-plan bench PLAN.yaml "
                   "starts the workers itself")
 

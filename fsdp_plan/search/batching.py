@@ -111,7 +111,7 @@ def choose_batch(request: PlanRequest, *, facts_at: FactsAt, search: Search) -> 
     """The micro-batch, accumulation, gradient sync and reduce dtype with the most tokens per
     second per GPU ([Note: choosing for throughput]); ``NoFeasiblePlan`` when nothing fits.
     Without ``global_batch_size`` or ``auto_batch`` the micro-batch is the request's."""
-    if request.global_batch_size is None and not request.auto_batch:
+    if request.global_batch_size is None and not request.search.auto_batch:
         return _choose_at(request, facts_at(request.source.batch_size), search)
     per_rank = (request.global_batch_size // request.world_size
                 if request.global_batch_size else None)
@@ -120,8 +120,9 @@ def choose_batch(request: PlanRequest, *, facts_at: FactsAt, search: Search) -> 
     failure: NoFeasiblePlan | None = None
     for b in micro_batch_sizes(request):
         k = per_rank // b if per_rank else 1
-        one = dataclasses.replace(request, source=dataclasses.replace(request.source, batch_size=b),
-                                  grad_accum_steps=k, global_batch_size=None, auto_batch=False)
+        one = dataclasses.replace(request.at_its_micro_batch(),
+                                  source=dataclasses.replace(request.source, batch_size=b),
+                                  grad_accum_steps=k)
         try:
             choice = _choose_at(one, facts_at(b), search)
         except NoFeasiblePlan as e:
@@ -156,9 +157,9 @@ def choose_batch(request: PlanRequest, *, facts_at: FactsAt, search: Search) -> 
     others = ", ".join(f"{o.micro_batch}x{o.grad_accum_steps}: "
                        + (f"{o.tokens_per_s:.4g} tokens/s" if o.fits else "does not fit")
                        for o in options if o is not chosen)
-    best.reasons = [f"micro-batch {chosen.micro_batch} x {chosen.grad_accum_steps} "
-                    f"accumulation step(s): {chosen.tokens_per_s:.4g} tokens/s per GPU, the "
-                    f"most of the micro-batches tried ({others or 'no other fits'})",
+    best.reasons = [(f"micro-batch {chosen.micro_batch} x {chosen.grad_accum_steps} "
+                     f"accumulation step(s): {chosen.tokens_per_s:.4g} tokens/s per GPU, the "
+                     f"most of the micro-batches tried ({others or 'no other fits'})"),
                     *best.reasons]
     best.options = options
     best.global_batch_size = request.global_batch_size

@@ -32,8 +32,8 @@ def eager_facts(facts: ModelFacts) -> ModelFacts:
 
 def eager_request(request: PlanRequest) -> PlanRequest:
     """``request`` for eager blocks."""
-    return dataclasses.replace(request, compile_blocks=False, compile_auto=False,
-                               activation_memory_budget=None)
+    return dataclasses.replace(request, compile_blocks=False, activation_memory_budget=None,
+                               search=dataclasses.replace(request.search, compile_auto=False))
 
 
 def compare_compile(request: PlanRequest, facts_at: Callable[[int], ModelFacts],

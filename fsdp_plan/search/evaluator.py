@@ -2,10 +2,10 @@
 
 ``Evaluator(graph, analysis, settings).evaluate(layout, name)`` runs the memory model
 (cost/memory.py), the collective counts (cost/collectives.py) and the two-stream clock
-(cost/step_time.py, cost/ddp_buckets.py) for any layout the search, a fallback, the
-micro-batch sweep or ``predict`` hands it: FSDP and HSDP units, DDP buckets, CPU offload. It
-caches what many layouts share (activation profiles per checkpointed set, per-unit times, DDP's
-parameter order and event clock).
+(cost/unit_time.py on cost/step_time.py, cost/ddp_buckets.py) for any layout the search, a
+fallback, the micro-batch sweep or ``predict`` hands it: FSDP and HSDP units, DDP buckets, CPU
+offload. It caches what many layouts share (activation profiles per checkpointed set, per-unit
+times in its ``UnitClock``, DDP's parameter order and event clock).
 
 [Note: recompute time]
 A checkpointed block replays part of its forward inside its unit's backward: all of it
@@ -29,21 +29,12 @@ from fsdp_plan.cost.memory import ActivationProfile, StepContext, estimate_peak
 from fsdp_plan.cost.offload import host_bytes, offload_seconds, offloaded_time
 from fsdp_plan.cost.step_time import (
     Rates,
-    StepTime,
-    UnitCost,
-    accumulated_step,
     add_ops,
-    collective_time,
     compute_time,
-    exclusive_ops,
-    fsdp_copy_time,
     issue_time,
-    optimizer_time,
-    pass_time,
-    ranks_per_node_in,
-    simulate_step,
 )
 from fsdp_plan.cost.timeline import TimelineComposer
+from fsdp_plan.cost.unit_time import StepSetup, UnitClock, unit_step_time
 from fsdp_plan.cost.units import UnitSpec, build_units
 from fsdp_plan.facts.types import Analysis, ModuleGraph
 from fsdp_plan.search.candidate import (
@@ -74,13 +65,16 @@ class Evaluator:
         self.exclusive_fw = without_inside(self.exclusive_fw, self.compiled_s)
         self.exclusive_bw = without_inside(self.exclusive_bw, self.compiled_s)
         self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks if b in analysis.modules}
-        self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
-        self._ops_cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
-        self._cost_cache: dict[tuple, UnitCost] = {}
-        """A unit's times without recompute, by what it owns, its bytes and the mesh."""
-        self._param_tensors = sum(len(i.param_shapes) for i in graph.modules.values())
-        self._own_ops: tuple[dict, dict] | None = None
-        """Each module's own op counters, computed at the first timing."""
+        self.clock = UnitClock(
+            StepSetup(hardware=hw, param_dtype=analysis.param_dtype, precision=settings.precision,
+                      optimizer=settings.optimizer, gpus_per_node=settings.gpus_per_node,
+                      grad_accum_steps=settings.grad_accum_steps,
+                      gradient_sync=settings.gradient_sync),
+            module_names=frozenset(graph.modules), modules=analysis.modules,
+            fw_flops=self.exclusive_fw, bw_flops=self.exclusive_bw, compiled=self.compiled_s,
+            param_tensors=sum(len(i.param_shapes) for i in graph.modules.values()))
+        """The per-unit cost model and its caches (cost/unit_time.py), shared by budget copies:
+        the budget is the only setting ``with_budget`` changes, and no time depends on it."""
         self._ddp_params: list[GradParam] | None = None
         self._ddp_times: list[float] | None = None
         """DDP's parameter list with ready events, and its event clock: shared by every bucket
@@ -161,8 +155,10 @@ class Evaluator:
         blocks = self.graph.blocks
         block_modes = [self._block_mode(blocks[i], "selective" if i in selective else "full")
                        for i in sorted(which | selective)]
-        time = self._time(units, shard, replicate, block_modes, layout.forward_prefetch,
-                          layout.backward_prefetch)
+        time = unit_step_time(
+            self.clock, units, shard=shard, replicate=replicate,
+            recompute={m.block: (m.recompute_s, m.recompute_host_s) for m in block_modes},
+            forward_prefetch=layout.forward_prefetch, backward_prefetch=layout.backward_prefetch)
         calls = self._calls(units)
         return Candidate(
             name=name, layout=layout, units=units, memory=memory, time=time,
@@ -305,16 +301,6 @@ class Evaluator:
         mods = self.analysis.modules
         return [max([mods[m].calls for m in u.modules if m in mods] or [1]) for u in units]
 
-    def _unit_flops(self, unit: UnitSpec) -> tuple[float, float, frozenset[str]]:
-        """Forward and backward FLOPs of the modules a unit owns, and those modules."""
-        key = tuple(unit.owned_modules)
-        if key not in self._flops_cache:
-            self._flops_cache[key] = (
-                sum(self.exclusive_fw.get(m, 0.0) for m in unit.owned_modules),
-                sum(self.exclusive_bw.get(m, 0.0) for m in unit.owned_modules),
-                frozenset(unit.owned_modules))
-        return self._flops_cache[key]
-
     def profile(self, checkpointed: frozenset[int],
                 selective: frozenset[int] = frozenset()) -> ActivationProfile:
         """The activation profile with the given block indices fully and selectively
@@ -346,20 +332,6 @@ class Evaluator:
             return [full]  # selective saves less per second than full: never on the hull
         return [[(0, k) for k in range(n + 1)] + [(k, n - k) for k in range(1, n + 1)]]
 
-    def _unit_ops(self, unit: UnitSpec, own_fw, own_bw
-                  ) -> tuple[dict[str, float], dict[str, float]]:
-        """The op counters of the modules a unit owns, cached by those modules (the search
-        times the same units under many prefetch and strategy choices)."""
-        key = tuple(unit.owned_modules)
-        if key not in self._ops_cache:
-            fw_ops: dict[str, float] = {}
-            bw_ops: dict[str, float] = {}
-            for m in unit.owned_modules:
-                add_ops(fw_ops, own_fw.get(m))
-                add_ops(bw_ops, own_bw.get(m))
-            self._ops_cache[key] = (fw_ops, bw_ops)
-        return self._ops_cache[key]
-
     def _block_mode(self, block: str, mode: str) -> BlockMode:
         cost = self.block_cost.get(block, {}).get(mode)
         if cost is None:  # a hand-written plan on blocks without aligned segments
@@ -369,77 +341,6 @@ class Evaluator:
             cost = BlockMode(block=block, mode=mode, saved_bytes=0, recompute_s=flops / rate)
         return cost
 
-    def _time(self, units: list[UnitSpec], shard: int, replicate: int,
-              block_modes: list[BlockMode], forward_prefetch: int, backward_prefetch: int
-              ) -> StepTime:
-        """Per-op unit times ([Note: per-op compute time] in cost/step_time.py), then the two streams."""
-        s = self.settings
-        hw = s.hardware
-        rates = Rates.of(hw, self.analysis.param_dtype)
-        if self._own_ops is None:
-            self._own_ops = tuple(without_inside(o, self.compiled_s) for o in exclusive_ops(
-                set(self.graph.modules), self.analysis.modules))
-        own_fw, own_bw = self._own_ops
-        p = s.precision
-        shard_local = ranks_per_node_in(shard, 1, s.gpus_per_node)
-        replicate_local = ranks_per_node_in(replicate, shard, s.gpus_per_node)
-        recompute_of = {m.block: (m.recompute_s, m.recompute_host_s) for m in block_modes}
-        costs: list[UnitCost] = []
-        for u in units:
-            fw, bw, owned = self._unit_flops(u)
-            # The same unit recurs across prefetch, strategy and checkpointing choices: its
-            # times without recompute depend only on what it owns, its bytes and the mesh.
-            key = (owned, u.key, u.numel, u.shard_numel, p.unit_param_bytes(u),
-                   u.reshard_after_forward, shard, replicate)
-            base = self._cost_cache.get(key)
-            if base is None:
-                fw_ops, bw_ops = self._unit_ops(u, own_fw, own_bw)
-                unsharded = u.unsharded_numel(shard)
-                ag_bytes = unsharded * p.unit_param_bytes(u)
-                rs_bytes = unsharded * p.reduce_bytes
-                (fw_s, fw_host), (bw_s, bw_host) = (pass_time(rates, fw_ops, fw, u.num_params),
-                                                    pass_time(rates, bw_ops, bw, u.num_params))
-                base = self._cost_cache[key] = UnitCost(
-                    key=u.key or "<root>",
-                    fw_compute_s=fw_s
-                    + (self.compiled_s.forward_s(owned) if self.compiled_s else 0.0),
-                    bw_compute_s=bw_s
-                    + (self.compiled_s.backward_s(owned) if self.compiled_s else 0.0),
-                    fw_host_s=fw_host, bw_host_s=bw_host,
-                    all_gather_s=collective_time(hw, ag_bytes, shard, ranks_per_node=shard_local)
-                    + fsdp_copy_time(hw, rates, ag_bytes, "all_gather") if u.numel else 0.0,
-                    reduce_scatter_s=collective_time(hw, rs_bytes, shard, "reduce_scatter",
-                                                     ranks_per_node=shard_local)
-                    + fsdp_copy_time(hw, rates, rs_bytes, "reduce_scatter")
-                    if u.numel else 0.0,
-                    all_reduce_s=collective_time(hw, u.shard_numel * p.reduce_bytes, replicate,
-                                                 "all_reduce", ranks_per_node=replicate_local)
-                    if replicate > 1 and u.numel else 0.0,
-                    regather=u.reshard_after_forward,
-                )
-            # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
-            # its unit's backward: [Note: recompute time].
-            replays = [recompute_of[b] for b in owned if b in recompute_of] if recompute_of else []
-            costs.append(dataclasses.replace(
-                base, bw_compute_s=base.bw_compute_s + sum(r[0] for r in replays),
-                bw_host_s=base.bw_host_s + sum(r[1] for r in replays)) if replays else base)
-        # Forward order: the root gathers first, then units as they run.
-        root = [c for c in costs if c.key == "<root>"]
-        ordered = root + [c for c in costs if c.key != "<root>"]
-        total_shard = sum(u.shard_numel for u in units)
-        optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, p.orig_bytes,
-                                     self._param_tensors)
-        step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
-                             backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
-        if s.grad_accum_steps == 1:
-            return step
-        earlier = step
-        if s.gradient_sync == "last":  # micro-batches before the last reduce nothing
-            quiet = [dataclasses.replace(c, reduce_scatter_s=0.0, all_reduce_s=0.0)
-                     for c in ordered]
-            earlier = simulate_step(quiet, hw, forward_prefetch=forward_prefetch,
-                                    backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
-        return accumulated_step(step, earlier, s.grad_accum_steps)
 
 
 def _replayed(composer: TimelineComposer, i: int, mode: str

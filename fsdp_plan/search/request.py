@@ -1,4 +1,5 @@
-"""What the user asks the planner for: ``PlanRequest``, validated on construction, and the
+"""What the user asks the planner for: ``PlanRequest``, validated on construction, with the
+search's own settings (``SearchOptions``: how widely it looks, not what is trained), and the
 ``SearchSettings`` the search holds fixed for it."""
 
 from __future__ import annotations
@@ -29,9 +30,30 @@ from fsdp_plan.search.candidate import STRATEGY_CHOICES, SearchSettings
 from fsdp_plan.search.framework import FrameworkLimits, limits_for
 
 
+@dataclass(frozen=True, kw_only=True)
+class SearchOptions:
+    """How widely the planner looks for one request's plan: the search's settings, not the
+    training run's (no plan records them; the same request planned with other options trains
+    the same way)."""
+
+    exact_analysis: bool = False
+    """Analyse every block instead of three per stack (facts/depth.py)."""
+    auto_batch: bool = False
+    """``--batch-size auto``: weigh micro-batches and keep the largest that fits, or the
+    fastest if larger is not faster (search/batching.py)."""
+    compile_auto: bool = False
+    """``--compile auto``: plan eager and compiled blocks (``PlanRequest.compile_blocks`` is
+    then true for the analysis) and keep the better plan (api.py ``make_plan``)."""
+
+    def __post_init__(self) -> None:
+        for flag in ("exact_analysis", "auto_batch", "compile_auto"):
+            require_type(getattr(self, flag), bool, f"SearchOptions.{flag}")
+
+
 @dataclass(kw_only=True)
 class PlanRequest:
-    """What the user asks for: a model, a per-GPU budget, the cluster and the training setup."""
+    """What the user asks for: a model, a per-GPU budget, the cluster, the training setup and
+    what the plan may use (``allow_*``); ``search`` holds how widely the planner looks."""
 
     source: ModelSource
     budget_bytes: int
@@ -55,8 +77,6 @@ class PlanRequest:
     hardware_origin: dict[str, str] | None = None
     """Where ``hardware`` came from (``cost/hardware/stored.file_origin`` of a ``--hardware``
     file): the plan stores it beside the figures (SPEC 7)."""
-    exact_analysis: bool = False
-    """Analyse every block instead of three per stack (facts/depth.py)."""
     allow_lossy_hooks: bool = False
     """DDP plans may all-reduce through a lossy communication hook (``--allow-lossy-hooks``:
     fp16/bf16 compression, PowerSGD), each priced on the clock (cost/comm_hooks.py)."""
@@ -70,22 +90,19 @@ class PlanRequest:
     global_batch_size: int | None = None
     """Samples per optimizer step over all data-parallel ranks: the planner chooses the
     micro-batch, accumulation and gradient sync (search/batching.py)."""
-    auto_batch: bool = False
-    """``--batch-size auto``: the largest micro-batch that fits, or the fastest if larger is
-    not faster."""
     compile_blocks: bool = False
     """``--compile``: plan the repeated blocks compiled (``torch.compile(block.forward,
     fullgraph=True)``), their saved activations from the AOTAutograd partition
     (facts/compiled.py); FSDP2 plans only."""
-    compile_auto: bool = False
-    """``--compile auto``: plan eager and compiled (``compile_blocks`` is then true for the
-    analysis) and keep the better plan (api.py ``make_plan``)."""
     activation_memory_budget: float | None = None
     """``--activation-memory-budget``: ``torch._functorch.config.activation_memory_budget``
     (0..1) for the compiled blocks; None: the partitioner's default."""
     framework: str | None = None
     """``--framework``: keep the search to what this framework's configuration says
     (search/framework.py [Note: framework limits]); the plan records it."""
+    search: SearchOptions = field(default_factory=SearchOptions)
+    """The search's own settings: analysis depth, and whether it weighs micro-batches and
+    eager against compiled blocks."""
     asked_reduce_dtype: str | None = field(init=False, default=None)
     """``reduce_dtype`` as given, before a framework settled it (``unrestricted``)."""
 
@@ -132,7 +149,7 @@ class PlanRequest:
                 raise BadInput(f"--activation-memory-budget {self.activation_memory_budget} is "
                                "outside 0..1 (the fraction of the default saved activations "
                                "the partitioner may keep); give e.g. 0.5.")
-        if self.compile_auto and self.limits is not None:
+        if self.search.compile_auto and self.limits is not None:
             raise BadInput(f"--compile auto with --framework {self.framework}: its exported "
                            "configuration cannot say compiled blocks, so only eager plans "
                            "could be kept; plan without --compile for an eager "
@@ -143,8 +160,8 @@ class PlanRequest:
             raise BadInput(f"--compile with --framework {self.framework}: the exported "
                            "configuration does not say compiled blocks yet; plan without "
                            "--framework (export then writes a hook that compiles them).")
-        if self.compile_auto and not self.compile_blocks:
-            raise BadInput("compile_auto compares eager with compiled blocks; set "
+        if self.search.compile_auto and not self.compile_blocks:
+            raise BadInput("SearchOptions.compile_auto compares eager with compiled blocks; set "
                            "compile_blocks too.")
         if self.compile_blocks and self.strategy == "ddp":
             raise BadInput("--compile plans compiled blocks for FSDP2 (sharded) plans; DDP with "
@@ -168,8 +185,8 @@ class PlanRequest:
         require_type(self.optimizer, str, "PlanRequest.optimizer")
         require_type(self.hardware, Hardware, "PlanRequest.hardware")
         require_type(self.hardware_origin, (dict, type(None)), "PlanRequest.hardware_origin")
-        for flag in ("exact_analysis", "allow_offload", "allow_lossy_hooks", "auto_batch",
-                     "compile_blocks", "compile_auto"):
+        require_type(self.search, SearchOptions, "PlanRequest.search")
+        for flag in ("allow_offload", "allow_lossy_hooks", "compile_blocks"):
             require_type(getattr(self, flag), bool, f"PlanRequest.{flag}")
         require_whole(self.grad_accum_steps, "PlanRequest.grad_accum_steps", 1,
                       MAX_GRAD_ACCUM_STEPS)
@@ -197,9 +214,10 @@ class PlanRequest:
         lower = DTYPE_BYTES[self.param_dtype] < 4 and self.autocast_dtype is None
         # --compile auto's eager side may choose DDP (search/compile_choice.py); compiled may not
         ddp = (self.strategy in ("auto", "ddp") and lower
-               and (not self.compile_blocks or self.compile_auto))
+               and (not self.compile_blocks or self.search.compile_auto))
         return {"param_dtype": self.param_dtype, "autocast_dtype": self.autocast_dtype,
-                "exact": self.exact_analysis, "selective_strides": (TORCHTITAN_MM_STRIDE,),
+                "exact": self.search.exact_analysis,
+                "selective_strides": (TORCHTITAN_MM_STRIDE,),
                 "ddp_limit_bytes": self.limit_bytes if ddp else None,
                 "compile_blocks": self.compile_blocks,
                 "activation_memory_budget": self.activation_memory_budget}
@@ -210,6 +228,12 @@ class PlanRequest:
         configuration restricts nothing)."""
         limits = limits_for(self.framework)
         return limits if limits is not None and limits.restricts else None
+
+    def at_its_micro_batch(self) -> PlanRequest:
+        """This request planned at its own micro-batch (``source.batch_size``, with its
+        accumulation): no global batch to split and no micro-batches weighed."""
+        return dataclasses.replace(self, global_batch_size=None,
+                                   search=dataclasses.replace(self.search, auto_batch=False))
 
     def unrestricted(self) -> PlanRequest:
         """This request without its framework, as planning without ``--framework`` sees it

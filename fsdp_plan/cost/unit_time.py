@@ -1,0 +1,189 @@
+"""A sharded layout's step time from its ``fully_shard`` units.
+
+Each unit is timed per op ([Note: per-op compute time] in cost/step_time.py): the forward and
+backward of the modules it owns (a compiled block's graphs in place of its eager ops, [Note:
+compiled block time]), its all-gather and reduce-scatter over the shard axis, its all-reduce
+over the replicate axis, and the recompute of the checkpointed blocks it owns inside its
+backward (search/evaluator.py [Note: recompute time]). The units then run on the two streams
+(``simulate_step``), with the optimizer step after them; with accumulation, the earlier
+micro-batches (which reduce nothing under ``gradient_sync: last``) come before the last.
+
+``UnitClock`` holds what every layout of one model on one setup shares, and caches each
+unit's times without recompute: the search times the same units under many prefetch,
+strategy and checkpointing choices. ``unit_step_time`` times one layout's units on it.
+
+Pure over the facts: no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from fsdp_plan.cost.compiled_time import CompiledTimes, without_inside
+from fsdp_plan.cost.hardware import Hardware
+from fsdp_plan.cost.precision import Precision
+from fsdp_plan.cost.step_time import (
+    Rates,
+    StepTime,
+    UnitCost,
+    accumulated_step,
+    add_ops,
+    collective_time,
+    exclusive_ops,
+    fsdp_copy_time,
+    optimizer_time,
+    pass_time,
+    ranks_per_node_in,
+    simulate_step,
+)
+from fsdp_plan.cost.units import UnitSpec
+from fsdp_plan.facts.types import ModuleCompute
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepSetup:
+    """What a step's clock holds fixed beside its units: the hardware, the precision and the
+    training setup."""
+
+    hardware: Hardware
+    param_dtype: str
+    """The dtype the model computes in (its rates: ``Rates.of``)."""
+    precision: Precision
+    optimizer: str
+    gpus_per_node: int
+    grad_accum_steps: int = 1
+    gradient_sync: str = "every"
+    """Reduce gradients after ``every`` micro-batch or only the ``last``."""
+
+
+class UnitClock:
+    """The per-unit cost model of one model on one ``StepSetup``, with its caches.
+
+    ``module_names`` are the graph's modules, ``modules`` the analysis' per-module compute
+    (their own op counters, [Note: FLOP attribution]), ``fw_flops``/``bw_flops`` each module's
+    own FLOPs (the root ``""`` takes the rest), ``compiled`` the compiled blocks' graph times
+    (None for eager blocks) and ``param_tensors`` the model's parameter tensors (the
+    optimizer's per-tensor cost)."""
+
+    def __init__(self, setup: StepSetup, *, module_names: frozenset[str],
+                 modules: Mapping[str, ModuleCompute], fw_flops: Mapping[str, float],
+                 bw_flops: Mapping[str, float], compiled: CompiledTimes | None,
+                 param_tensors: int) -> None:
+        self.setup = setup
+        self.module_names = module_names
+        self.modules = modules
+        self.fw_flops = fw_flops
+        self.bw_flops = bw_flops
+        self.compiled = compiled
+        self.param_tensors = param_tensors
+        self._own_ops: tuple[dict, dict] | None = None
+        """Each module's own op counters, computed at the first timing."""
+        self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
+        self._ops_cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
+        self._cost_cache: dict[tuple, UnitCost] = {}
+        """A unit's times without recompute, by what it owns, its bytes and the mesh."""
+
+    def flops(self, unit: UnitSpec) -> tuple[float, float, frozenset[str]]:
+        """Forward and backward FLOPs of the modules a unit owns, and those modules."""
+        key = tuple(unit.owned_modules)
+        if key not in self._flops_cache:
+            self._flops_cache[key] = (
+                sum(self.fw_flops.get(m, 0.0) for m in unit.owned_modules),
+                sum(self.bw_flops.get(m, 0.0) for m in unit.owned_modules),
+                frozenset(unit.owned_modules))
+        return self._flops_cache[key]
+
+    def ops(self, unit: UnitSpec) -> tuple[dict[str, float], dict[str, float]]:
+        """The op counters of the modules a unit owns, cached by those modules."""
+        if self._own_ops is None:
+            self._own_ops = tuple(without_inside(o, self.compiled) for o in exclusive_ops(
+                set(self.module_names), self.modules))
+        own_fw, own_bw = self._own_ops
+        key = tuple(unit.owned_modules)
+        if key not in self._ops_cache:
+            fw_ops: dict[str, float] = {}
+            bw_ops: dict[str, float] = {}
+            for m in unit.owned_modules:
+                add_ops(fw_ops, own_fw.get(m))
+                add_ops(bw_ops, own_bw.get(m))
+            self._ops_cache[key] = (fw_ops, bw_ops)
+        return self._ops_cache[key]
+
+    def unit_cost(self, unit: UnitSpec, rates: Rates, *, shard: int, replicate: int) -> UnitCost:
+        """``unit``'s times without recompute on a ``(replicate, shard)`` mesh, cached: they
+        depend only on what it owns, its bytes and the mesh."""
+        s = self.setup
+        hw, p = s.hardware, s.precision
+        _, _, owned = self.flops(unit)
+        key = (owned, unit.key, unit.numel, unit.shard_numel, p.unit_param_bytes(unit),
+               unit.reshard_after_forward, shard, replicate)
+        base = self._cost_cache.get(key)
+        if base is not None:
+            return base
+        fw, bw, _ = self.flops(unit)
+        shard_local = ranks_per_node_in(shard, 1, s.gpus_per_node)
+        replicate_local = ranks_per_node_in(replicate, shard, s.gpus_per_node)
+        fw_ops, bw_ops = self.ops(unit)
+        unsharded = unit.unsharded_numel(shard)
+        ag_bytes = unsharded * p.unit_param_bytes(unit)
+        rs_bytes = unsharded * p.reduce_bytes
+        (fw_s, fw_host), (bw_s, bw_host) = (pass_time(rates, fw_ops, fw, unit.num_params),
+                                            pass_time(rates, bw_ops, bw, unit.num_params))
+        compiled = self.compiled
+        base = self._cost_cache[key] = UnitCost(
+            key=unit.key or "<root>",
+            fw_compute_s=fw_s + (compiled.forward_s(owned) if compiled else 0.0),
+            bw_compute_s=bw_s + (compiled.backward_s(owned) if compiled else 0.0),
+            fw_host_s=fw_host, bw_host_s=bw_host,
+            all_gather_s=collective_time(hw, ag_bytes, shard, ranks_per_node=shard_local)
+            + fsdp_copy_time(hw, rates, ag_bytes, "all_gather") if unit.numel else 0.0,
+            reduce_scatter_s=collective_time(hw, rs_bytes, shard, "reduce_scatter",
+                                             ranks_per_node=shard_local)
+            + fsdp_copy_time(hw, rates, rs_bytes, "reduce_scatter")
+            if unit.numel else 0.0,
+            all_reduce_s=collective_time(hw, unit.shard_numel * p.reduce_bytes, replicate,
+                                         "all_reduce", ranks_per_node=replicate_local)
+            if replicate > 1 and unit.numel else 0.0,
+            regather=unit.reshard_after_forward,
+        )
+        return base
+
+
+def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, replicate: int,
+                   recompute: Mapping[str, tuple[float, float]], forward_prefetch: int,
+                   backward_prefetch: int) -> StepTime:
+    """The step time of ``units`` (children first, the root last) on a ``(replicate, shard)``
+    mesh: per-op unit times, then the two streams. ``recompute`` maps each checkpointed block
+    to its recompute ``(seconds, host seconds)`` in its mode."""
+    s = clock.setup
+    hw = s.hardware
+    rates = Rates.of(hw, s.param_dtype)
+    costs: list[UnitCost] = []
+    for u in units:
+        base = clock.unit_cost(u, rates, shard=shard, replicate=replicate)
+        _, _, owned = clock.flops(u)
+        # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
+        # its unit's backward: [Note: recompute time] in search/evaluator.py.
+        replays = [recompute[b] for b in owned if b in recompute] if recompute else []
+        costs.append(dataclasses.replace(
+            base, bw_compute_s=base.bw_compute_s + sum(r[0] for r in replays),
+            bw_host_s=base.bw_host_s + sum(r[1] for r in replays)) if replays else base)
+    # Forward order: the root gathers first, then units as they run.
+    root = [c for c in costs if c.key == "<root>"]
+    ordered = root + [c for c in costs if c.key != "<root>"]
+    total_shard = sum(u.shard_numel for u in units)
+    optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, s.precision.orig_bytes,
+                                 clock.param_tensors)
+    step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
+                         backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
+    if s.grad_accum_steps == 1:
+        return step
+    earlier = step
+    if s.gradient_sync == "last":  # micro-batches before the last reduce nothing
+        quiet = [dataclasses.replace(c, reduce_scatter_s=0.0, all_reduce_s=0.0)
+                 for c in ordered]
+        earlier = simulate_step(quiet, hw, forward_prefetch=forward_prefetch,
+                                backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
+    return accumulated_step(step, earlier, s.grad_accum_steps)
