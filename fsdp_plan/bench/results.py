@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from fsdp_plan.bench.overlap import report_lines as overlap_lines
 from fsdp_plan.bench.result_check import (  # noqa: F401 - re-exported: results.read_result
     MAX_RESULT_BYTES,
     RESULT_VERSION,
@@ -97,9 +98,11 @@ def _phases(ranks: list[dict[str, Any]], median_s: float,
             "predicted": predicted}
 
 
-def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, Any]) -> dict[str, Any]:
+def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, Any],
+                 overlap: dict[str, Any] | None = None) -> dict[str, Any]:
     """The result document of one run from every rank's figures. ``prepared`` is a
-    ``session.Prepared`` (typed ``Any``: the session imports this module)."""
+    ``session.Prepared`` (typed ``Any``: the session imports this module); ``overlap``:
+    ``--baseline no-overlap``'s figures (bench/overlap.py), kept under ``overlap``."""
     plan, plan_path = prepared.plan, prepared.request.plan_path
     predicted = plan.predicted or {}
     fsdp_version = prepared.request.fsdp_version
@@ -138,6 +141,7 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
                  "max_exposed_rank": worst["rank"],
                  "per_rank": [{"rank": r["rank"], **r["comm"]} for r in ranks],
                  "predicted_exposed_s": predicted.get("exposed_comm_s")},
+        **({"overlap": overlap} if overlap is not None else {}),
     }
 
 
@@ -304,6 +308,8 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
                      f"GPU ({result['plan'].get('gpu', 'see the plan')}); gloo on CPU blocks "
                      "the issuing thread while a collective runs, so a CPU run hides nothing and "
                      "its times are not comparable. Counts and memory are.")
+    if result.get("overlap"):
+        parts.extend(overlap_lines(result["overlap"]))
     for note in notes or []:
         parts.append(f"note: {note}")
     folder = os.path.dirname(str(result.get("path") or ""))
