@@ -161,9 +161,11 @@ def _engine(result: dict[str, Any]) -> str:
 
 
 def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None = None,
-                 predicted_trace: dict[str, Any] | None = None) -> str:
-    """Write ``<out>/<name>.json``, with ``<name>.trace.json`` (rank 0's profiler trace) and,
-    given the planner's ``predicted_trace``, ``<name>.side-by-side.trace.json``: all of them
+                 predicted_trace: dict[str, Any] | None = None,
+                 held_trace_from: str | None = None) -> str:
+    """Write ``<out>/<name>.json``, with ``<name>.trace.json`` (rank 0's profiler trace),
+    given the planner's ``predicted_trace``, ``<name>.side-by-side.trace.json``, and given
+    ``held_trace_from`` (``--baseline no-overlap``), ``<name>.held.trace.json``: all of them
     or none (temporaries renamed together), never over an earlier result. ``out_dir`` is
     created here, once the run is done. A write failure is ``BadInput`` naming the path."""
     try:
@@ -188,6 +190,10 @@ def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None
                                         step=result["comm"]["rank0"].get("step"))
             files.append((name + ".side-by-side.trace.json", json.dumps(merged)))
             result["side_by_side_trace"] = os.path.basename(name + ".side-by-side.trace.json")
+    if held_trace_from and os.path.exists(held_trace_from) and result.get("overlap"):
+        with open(held_trace_from, encoding="utf-8") as f:
+            files.append((name + ".held.trace.json", f.read()))
+        result["overlap"]["trace"] = os.path.basename(name + ".held.trace.json")
     files.append((name + ".json", json.dumps(result, indent=2, default=str) + "\n"))
     atomic_write_all(files)
     return name + ".json"
@@ -315,6 +321,9 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
     folder = os.path.dirname(str(result.get("path") or ""))
     if result.get("trace"):
         parts.append(f"profiler trace (Chrome/Perfetto): {os.path.join(folder, result['trace'])}")
+    if (result.get("overlap") or {}).get("trace"):
+        parts.append("profiler trace, communication held: "
+                     f"{os.path.join(folder, result['overlap']['trace'])}")
     if result.get("side_by_side_trace"):
         parts.append("predicted vs measured (open in Perfetto): "
                      f"{os.path.join(folder, result['side_by_side_trace'])}")

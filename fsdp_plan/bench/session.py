@@ -193,7 +193,8 @@ def finish(prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
                                                           request.threshold)
     try:
         path = results.write_result(result, request.out, trace_from=ranks[0]["trace"],
-                                    predicted_trace=prepared.predicted_trace)
+                                    predicted_trace=prepared.predicted_trace,
+                                    held_trace_from=(ranks[0].get("baseline") or {}).get("trace"))
     except BadInput as e:  # the run is done: show its figures before saying they were not saved
         _print_report(result, prepared, compare_table)
         raise BadInput(f"{e} The figures above were measured but not saved.") from e

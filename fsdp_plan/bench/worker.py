@@ -190,7 +190,8 @@ def _held_run(worker: PlannedWorker, folder: str, rank: int) -> dict[str, Any]:
     how = hold_communication(worker.model)
     trace_path = _profiled_steps(worker, folder, rank, name="held.trace")
     comm, phases = bench_figures(trace_path)
-    return {"kind": "no-overlap", "how": how, "comm": comm.to_dict(), "phases_s": phases}
+    return {"kind": "no-overlap", "how": how, "comm": comm.to_dict(), "phases_s": phases,
+            "trace": trace_path}
 
 
 def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
@@ -206,11 +207,12 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     warmup, count = int(payload["warmup"]), int(payload["steps"])
     snapshot_step = bool(payload.get("memory_snapshot")) and device.type == "cuda"
     held = payload.get("baseline") == "no-overlap"
-    steps = _Steps(ctx=ctx, worker=worker, total=warmup + count + 2 + snapshot_step + held)
     ddp = worker.model if hasattr(worker.model, "_get_ddp_logging_data") else None
-
     # a DDP plan's steady step is its third: [Note: DDP's bucket rebuild] (measure/ddp.py)
-    for _ in range(max(warmup, 2 if ddp is not None else 0)):
+    warm = max(warmup, 2 if ddp is not None else 0)
+    steps = _Steps(ctx=ctx, worker=worker, total=warm + count + 2 + snapshot_step + held)
+
+    for _ in range(warm):
         steps.begin("warm-up")
         steps.micro_batches()
         steps.finish()

@@ -49,32 +49,33 @@ class _WaitedReduceScatter(DefaultReduceScatter):
         return None
 
 
-class _HeldBuckets:
-    """A DDP communication hook: every bucket held until the last is ready, then each
-    all-reduced and averaged, in DDP's bucket order."""
+def _held_buckets_hook():
+    """A DDP communication hook (a function: DDP logs its ``__name__``): every bucket held until
+    the last is ready, then each all-reduced and averaged, in DDP's bucket order."""
+    held: list[tuple[torch.Tensor, torch.futures.Future]] = []
 
-    def __init__(self) -> None:
-        self.held: list[tuple[torch.Tensor, torch.futures.Future]] = []
-
-    def __call__(self, process_group: Any, bucket: Any) -> torch.futures.Future:
+    # no annotations: DDP compares them with dist.GradBucket and Future[Tensor], and
+    # ``from __future__ import annotations`` would make them strings
+    def held_until_last_bucket(process_group, bucket):
         group = process_group if process_group is not None else dist.group.WORLD
         future: torch.futures.Future = torch.futures.Future()
-        self.held.append((bucket.buffer(), future))
+        held.append((bucket.buffer(), future))
         if bucket.is_last():
             world = dist.get_world_size(group)
-            for buffer, held in self.held:
+            for buffer, waiting in held:
                 buffer.div_(world)
                 dist.all_reduce(buffer, group=group)
-                held.set_result(buffer)
-            self.held = []
+                waiting.set_result(buffer)
+            held.clear()
         return future
+    return held_until_last_bucket
 
 
 def hold_communication(model: torch.nn.Module) -> str:
     """Switch ``model`` (DDP or FSDP2, as the plan applied it) to the baseline of [Note: holding
     communication until compute is done]; what was done, in words."""
     if hasattr(model, "register_comm_hook") and hasattr(model, "_get_ddp_logging_data"):
-        model.register_comm_hook(None, _HeldBuckets())
+        model.register_comm_hook(None, _held_buckets_hook())
         return ("DDP buckets held by a communication hook until the last is ready, then "
                 "all-reduced in bucket order after backward compute")
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]

@@ -1,0 +1,146 @@
+"""``fsdp-plan bench --baseline no-overlap``: the verdict over measured figures, the result
+fields, the refusals, and one real run on two gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+
+import pytest
+import yaml
+from cli_checks import refused
+from test_measure_helpers import LLAMA, ROOT, plan_file, run_cli, tiny_llama_plan
+
+from fsdp_plan.bench.inputs import BenchRequest
+from fsdp_plan.bench.overlap import OverlapFigures, overlap_figures, report_lines, verdict
+from fsdp_plan.bench.result_check import check_result
+from fsdp_plan.cli.main import main
+from fsdp_plan.common.errors import BadInput
+
+FAST = ["--nproc", "2", "--steps", "3", "--warmup", "1"]
+
+
+def _figures(*, hidden_ms: float, contention_ms: float, held_ms: float = 80.0) -> OverlapFigures:
+    """A backward of ``held_ms`` without overlap whose compute slows ``contention_ms`` while it
+    hides ``hidden_ms`` of communication."""
+    compute_held = 0.050
+    return OverlapFigures(backward_overlapped_s=(held_ms - hidden_ms + contention_ms) / 1e3,
+                          backward_held_s=held_ms / 1e3,
+                          compute_overlapped_s=compute_held + contention_ms / 1e3,
+                          compute_held_s=compute_held, hidden_s=hidden_ms / 1e3)
+
+
+def test_the_verdict_says_what_overlap_saved():
+    figures = _figures(hidden_ms=15, contention_ms=3)
+    assert figures.contention_s == pytest.approx(0.003)
+    assert figures.saved_s == pytest.approx(0.012)
+    assert verdict(figures) == "overlap saves 12 ms of 80"
+
+
+def test_the_verdict_flips_when_contention_exceeds_the_hidden_time():
+    figures = _figures(hidden_ms=6, contention_ms=9)
+    assert figures.saved_s == pytest.approx(-0.003)
+    assert verdict(figures) == "overlap costs 3 ms: backward slowed 9 ms to hide 6"
+    # the same hidden time, contention just below and just above it
+    assert verdict(_figures(hidden_ms=6, contention_ms=5.9)).startswith("overlap saves")
+    assert verdict(_figures(hidden_ms=6, contention_ms=6.1)).startswith("overlap costs")
+
+
+def test_figures_come_from_the_two_profiled_runs():
+    overlapped = {"phases_s": {"backward": 0.030, "tail": 0.002},
+                  "comm": {"backward_compute_s": 0.026, "backward_hidden_s": 0.010}}
+    held = {"phases_s": {"backward": 0.025, "tail": 0.012},
+            "comm": {"backward_compute_s": 0.024, "backward_hidden_s": 0.0}}
+    f = overlap_figures(overlapped, held, predicted_contention_s=0.001)
+    assert f.backward_overlapped_s == pytest.approx(0.032)
+    assert f.backward_held_s == pytest.approx(0.037)
+    assert f.contention_s == pytest.approx(0.002) and f.hidden_s == pytest.approx(0.010)
+    doc = f.to_dict()
+    assert doc["verdict"] == "overlap saves 8 ms of 37" and doc["predicted_contention_s"] == 0.001
+    lines = report_lines({"how": "held", **doc})
+    assert "contention: measured 2.00 ms, predicted 1.00 ms" in "\n".join(lines)
+    assert lines[-1] == "verdict: overlap saves 8 ms of 37"
+
+
+def _result(**overlap) -> dict:
+    doc = {"fsdp_plan_bench_version": 1, "plan": {"hash": "abc"}, "run": {},
+           "collectives": {"measured": {"all_gather": 9}},
+           "step_time": {"median_s": 0.05, "p99_s": 0.06}, "memory": {}, "comm": {"rank0": {}}}
+    if overlap:
+        doc["overlap"] = overlap
+    return doc
+
+
+def test_results_without_overlap_stay_readable_and_a_bad_overlap_is_refused():
+    check_result(_result(), "old.json")  # written before --baseline: no overlap block
+    good = _result(**_figures(hidden_ms=6, contention_ms=9).to_dict())
+    check_result(good, "new.json")  # contention and saved may be negative
+    bad = copy.deepcopy(good)
+    bad["overlap"]["hidden_s"] = -1.0
+    with pytest.raises(BadInput, match=r"overlap\.hidden_s"):
+        check_result(bad, "bad.json")
+    bad = copy.deepcopy(good)
+    bad["overlap"]["verdict"] = 3
+    with pytest.raises(BadInput, match=r"overlap\.verdict"):
+        check_result(bad, "bad.json")
+
+
+def test_a_baseline_other_than_no_overlap_is_refused(tmp_path, capsys):
+    with pytest.raises(BadInput, match="--baseline takes no-overlap"):
+        BenchRequest(plan_path="p.yaml", model_path=None, steps=1, warmup=0, fsdp_version=2,
+                     out="o", threshold=0.1, format="table", baseline="none")
+    plan = plan_file(tmp_path, tiny_llama_plan(world=2))
+    out = tmp_path / "results"
+    refused(capsys, ["bench", plan, *FAST, "--out", str(out), "--baseline", "sync"],
+            "--baseline takes no-overlap", "'sync'")
+    refused(capsys, ["bench", plan, *FAST, "--out", str(out), "--baseline", "no-overlap",
+                     "--fsdp1"], "--baseline no-overlap", "without --fsdp1")
+    assert not out.exists()
+
+
+def test_a_ddp_plan_with_its_own_comm_hook_is_refused(tmp_path, capsys):
+    plan = tmp_path / "ddp.yaml"
+    assert main([os.path.join(ROOT, "examples", "resnet.py"), "--model-arg", "size=tiny",
+                 "--mem", "8GB", "--world-size", "2", "--batch-size", "2", "--strategy", "ddp",
+                 "--param-dtype", "fp32", "--plan", str(plan), "--format", "json"]) == 0
+    capsys.readouterr()
+    doc = yaml.safe_load(plan.read_text())
+    doc["ddp"]["comm_hook"] = "fp16_compress"
+    plan.write_text(yaml.safe_dump(doc, sort_keys=False))
+    out = tmp_path / "results"
+    refused(capsys, ["bench", str(plan), *FAST, "--out", str(out), "--baseline", "no-overlap"],
+            "ddp.comm_hook: fp16_compress", "without --baseline")
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_bench_baseline_no_overlap_prints_both_backwards_and_the_verdict(tmp_path):
+    plan = plan_file(tmp_path, tiny_llama_plan(world=2))
+    out = tmp_path / "results"
+    code, stdout, stderr = run_cli(["bench", plan, *FAST, "--out", str(out), "--timeout", "120",
+                                    "--baseline", "no-overlap"])
+    assert code == 0, stderr
+    assert "step 7/7 (profile, communication held)" in stderr
+    assert "backward with overlap" in stdout and ", without " in stdout
+    verdict_lines = [line for line in stdout.splitlines() if line.startswith("verdict: overlap ")]
+    assert len(verdict_lines) == 1, stdout
+    [path] = [f for f in glob.glob(os.path.join(out, "*.json")) if not f.endswith("trace.json")]
+    with open(path) as f:
+        result = json.load(f)
+    check_result(result, path)
+    o = result["overlap"]
+    assert verdict_lines[0] == f"verdict: {o['verdict']}"
+    assert o["backward_overlapped_s"] > 0 and o["backward_held_s"] > 0
+    assert o["compute_overlapped_s"] > 0 and o["compute_held_s"] > 0
+    assert o["contention_s"] == pytest.approx(o["compute_overlapped_s"] - o["compute_held_s"],
+                                              abs=1e-8)
+    assert o["saved_s"] == pytest.approx(o["hidden_s"] - o["contention_s"], abs=1e-8)
+    assert o["predicted_contention_s"] is not None and o["predicted_contention_s"] >= 0
+    assert "FSDP2 prefetch off" in o["how"]
+    with open(os.path.join(out, o["trace"])) as f:  # the held run's own trace
+        assert json.load(f)["traceEvents"]
+    # the plan's own figures are still those of the plan as written
+    assert result["collectives"]["measured"]["reduce_scatter"] == 5
+    assert LLAMA.endswith(result["model"]["source"].split("/")[-1])
