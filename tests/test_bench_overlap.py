@@ -144,3 +144,60 @@ def test_bench_baseline_no_overlap_prints_both_backwards_and_the_verdict(tmp_pat
     # the plan's own figures are still those of the plan as written
     assert result["collectives"]["measured"]["reduce_scatter"] == 5
     assert LLAMA.endswith(result["model"]["source"].split("/")[-1])
+
+
+def _held_hook_rank(rank: int, world: int, init: str, queue) -> None:
+    """One gloo rank: gradients of a DDP model with the held-buckets hook against plain DDP."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from fsdp_plan.measure.no_overlap import hold_communication
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    grads = []
+    for held in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        ddp = DDP(model, bucket_cap_mb=0.02)  # several buckets
+        if held:
+            assert "DDP buckets held" in hold_communication(ddp)
+        for _ in range(2):  # the second backward runs on the rebuilt buckets
+            ddp.zero_grad()
+            torch.manual_seed(rank + 1)
+            ddp(torch.randn(8, 64)).sum().backward()
+        grads.append([p.grad.clone() for p in ddp.parameters()])
+    queue.put((rank, all(torch.allclose(a, b) for a, b in zip(*grads))))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_held_ddp_buckets_average_gradients_as_ddp_does(tmp_path):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=_held_hook_rank, args=(r, 2, init, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: True, 1: True}
+
+
+@pytest.mark.slow
+def test_bench_baseline_no_overlap_holds_a_ddp_plan(tmp_path, capsys):
+    plan = tmp_path / "ddp.yaml"
+    assert main([os.path.join(ROOT, "examples", "resnet.py"), "--model-arg", "size=tiny",
+                 "--mem", "8GB", "--world-size", "2", "--batch-size", "2", "--strategy", "ddp",
+                 "--param-dtype", "fp32", "--plan", str(plan), "--format", "json"]) == 0
+    capsys.readouterr()
+    out = tmp_path / "results"
+    assert main(["bench", str(plan), *FAST, "--out", str(out), "--format", "json",
+                 "--baseline", "no-overlap"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["collectives"]["measured"] == result["collectives"]["predicted"]
+    assert "DDP buckets held" in result["overlap"]["how"]
+    assert result["overlap"]["verdict"].startswith("overlap ")
