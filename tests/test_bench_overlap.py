@@ -172,22 +172,6 @@ def _held_hook_rank(rank: int, world: int, init: str, queue) -> None:
 
 
 @pytest.mark.slow
-def test_held_ddp_buckets_average_gradients_as_ddp_does(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"file://{tmp_path / 'store'}"
-    procs = [ctx.Process(target=_held_hook_rank, args=(r, 2, init, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    assert got == {0: True, 1: True}
-
-
-@pytest.mark.slow
 def test_bench_baseline_no_overlap_holds_a_ddp_plan(tmp_path, capsys):
     plan = tmp_path / "ddp.yaml"
     assert main([os.path.join(ROOT, "examples", "resnet.py"), "--model-arg", "size=tiny",
@@ -201,3 +185,51 @@ def test_bench_baseline_no_overlap_holds_a_ddp_plan(tmp_path, capsys):
     assert result["collectives"]["measured"] == result["collectives"]["predicted"]
     assert "DDP buckets held" in result["overlap"]["how"]
     assert result["overlap"]["verdict"].startswith("overlap ")
+
+
+def _waited_fsdp2_rank(rank: int, world: int, init: str, queue) -> None:
+    """One gloo rank: FSDP2 gradients with prefetch off and each reduce-scatter waited,
+    against FSDP2 as applied."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_plan.measure.no_overlap import hold_communication
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    grads = []
+    for held in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if held:
+            assert "FSDP2 prefetch off" in hold_communication(model)
+        for _ in range(2):
+            model.zero_grad()
+            torch.manual_seed(rank + 1)
+            model(torch.randn(4, 32)).sum().backward()
+        grads.append([p.grad.full_tensor() for p in model.parameters()])
+    queue.put((rank, all(torch.allclose(a, b) for a, b in zip(*grads))))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [_held_hook_rank, _waited_fsdp2_rank],
+                         ids=["ddp", "fsdp2"])
+def test_communication_held_gives_the_same_gradients(tmp_path, target):
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tmp_path / 'store'}"
+    procs = [ctx.Process(target=target, args=(r, 2, init, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert got == {0: True, 1: True}
