@@ -11,8 +11,8 @@ that nothing measures; one step counted with ``CollectiveCounter`` (forward + ba
 5); ``steps`` timed steps (peak memory too on GPU); ``PROFILED_STEPS`` steps under
 ``torch.profiler``, read as ``fsdp-plan trace`` reads any run (measure/profile.py [Note:
 bench's figures are the trace verb's]); with ``--baseline no-overlap``, the profiled steps
-once more with communication held (measure/no_overlap.py). The counting and profiling steps are kept out of the
-timings: both slow every op down.
+once more with communication held (measure/no_overlap.py). The counting and profiling steps
+are kept out of the timings: both slow every op down.
 Each rank's figures are gathered to rank 0, which returns (or, under torchrun, writes) them.
 """
 
