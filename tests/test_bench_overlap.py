@@ -60,8 +60,26 @@ def test_figures_come_from_the_two_profiled_runs():
     doc = f.to_dict()
     assert doc["verdict"] == "overlap saves 8 ms of 37" and doc["predicted_contention_s"] == 0.001
     lines = report_lines({"how": "held", **doc})
-    assert "contention: measured 2.00 ms, predicted 1.00 ms" in "\n".join(lines)
+    assert "contention: measured 2.00 ms, predicted 1.00 ms (the cost model's backward" in (
+        "\n".join(lines))
     assert lines[-1] == "verdict: overlap saves 8 ms of 37"
+
+
+def test_the_predicted_contention_beside_it_is_the_backward_part():
+    """``StepTime.backward_contention_s``: the backward's share of the cost model's contention
+    (forward prefetch slows the forward too), summed over micro-batches as the rest is."""
+    from fsdp_plan.cost.hardware import Hardware
+    from fsdp_plan.cost.step_time import UnitCost, accumulated_step, simulate_step
+
+    hw = Hardware(name="t", peak_flops=1.0, contention=0.5)
+    units = [UnitCost(key=k, fw_compute_s=1.0, bw_compute_s=2.0, all_gather_s=0.5,
+                      reduce_scatter_s=3.0) for k in "abc"]
+    t = simulate_step(units, hw, forward_prefetch=1, backward_prefetch=1)
+    assert 0 < t.backward_contention_s < t.contention_s
+    assert simulate_step(units, Hardware(name="t", peak_flops=1.0, contention=0.0)
+                         ).backward_contention_s == 0
+    assert accumulated_step(t, t, 3).backward_contention_s == pytest.approx(
+        3 * t.backward_contention_s)
 
 
 def _result(**overlap) -> dict:

@@ -17,8 +17,8 @@ Overlap saves ``hidden - contention``: hiding communication takes it off the cri
 and the slower compute puts some of it back. The verdict says so in one sentence,
 "overlap saves 12 ms of 80" (of the backward without overlap) or "overlap costs 3 ms: backward
 slowed 9 ms to hide 6". It is a pure function of ``OverlapFigures``, so it is tested without a
-run. The planner's ``contention_s`` (cost/step_time.py: forward and backward, from the
-hardware's ``contention``) is printed beside the measured contention.
+run. The planner's backward contention (cost/step_time.py ``StepTime.backward_contention_s``,
+from the hardware's ``contention``) is printed beside the measured contention.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ class OverlapFigures:
     hidden_s: float
     """Backward communication hidden behind backward compute, as the plan runs."""
     predicted_contention_s: float | None = None
-    """The cost model's ``StepTime.contention_s`` for the plan (None: not predicted)."""
+    """The cost model's ``StepTime.backward_contention_s`` for the plan (None: not
+    predicted)."""
 
     @property
     def contention_s(self) -> float:
@@ -105,6 +106,6 @@ def report_lines(overlap: dict[str, Any]) -> list[str]:
          f"{secs('compute_held_s')}; hidden communication {secs('hidden_s')}"),
         (f"  contention: measured {secs('contention_s')}, predicted "
          + ("-" if predicted is None else f"{predicted * 1e3:.2f} ms")
-         + " (cost model's contention_s, forward and backward)"),
+         + " (the cost model's backward contention)"),
         f"verdict: {overlap.get('verdict')}",
     ]

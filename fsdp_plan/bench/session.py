@@ -134,10 +134,11 @@ def check_baseline(request: BenchRequest, plan: Plan) -> None:
 
 
 def _predicted_contention(prepared: Prepared) -> float | None:
-    """The cost model's contention for the plan as written (``StepTime.contention_s``)."""
+    """The cost model's backward contention for the plan as written
+    (``StepTime.backward_contention_s``)."""
     with user_code_output_to_stderr():  # the prediction runs the model (fake tensors)
         facts = analyze_for_plan(prepared.plan, prepared.loaded)
-        return predict(prepared.plan, facts).candidate.time.contention_s
+        return predict(prepared.plan, facts).candidate.time.backward_contention_s
 
 
 def compiled_fsdp1_refusal(plan_path: str) -> str:
