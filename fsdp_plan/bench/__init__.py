@@ -7,6 +7,7 @@ Its modules, in the order a run uses them:
   exit code);
 - ``worker``: one benchmark rank (counts, timed steps, peak, a profiled step); started by
   ``fsdp-plan bench`` or, under torchrun, by ``python -m fsdp_plan.cli.bench_worker``;
+- ``overlap``: ``--baseline no-overlap``'s figures and verdict (what overlap saved or cost);
 - ``results``: the result files that let reruns be compared, the report, ``--compare``;
 - ``refit``: ``--refit``, a hardware file corrected from what a run measured;
 - ``timing``: several plans timed on one set of workers (what ``tune`` benches);

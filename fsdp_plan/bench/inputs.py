@@ -58,6 +58,9 @@ class BenchRequest:
     """``--html``: the page of the run over the prediction (pictures/)."""
     memory_snapshot: str | None = None
     """``--memory-snapshot``: the measured step as a ``torch.cuda.memory._snapshot()`` pickle."""
+    baseline: Literal["no-overlap"] | None = None
+    """``--baseline no-overlap``: profile the plan again with communication held until backward
+    compute is done, and say what overlap bought (bench/overlap.py)."""
 
     def __post_init__(self) -> None:
         """``--steps``, ``--warmup`` and ``--threshold`` within bounds (NaN and inf refused)."""
@@ -70,6 +73,9 @@ class BenchRequest:
         if not (math.isfinite(self.threshold) and 0 < self.threshold < MAX_THRESHOLD):
             raise BadInput(f"--threshold is a fraction above 0 and below {MAX_THRESHOLD:g} "
                            f"(0.10 = 10%), got {self.threshold}.")
+        if self.baseline not in (None, "no-overlap"):
+            raise BadInput(f"--baseline takes no-overlap (the plan run again with communication "
+                           f"held until backward compute is done), got {self.baseline!r}.")
 
 
 def check_timeout(timeout_s: float) -> None:

@@ -38,6 +38,7 @@ _FIELD_KINDS = {
     "per rank": "a list of objects, one per rank, each with steps_s: a non-empty list of "
                 "positive, finite step times in seconds",
     "seconds or null": "a non-negative number of seconds, or null",
+    "signed seconds": "a number of seconds (negative allowed: a difference)",
     "bytes or null": "a non-negative integer of bytes, or null",
 }
 _REQUIRED_FIELDS = (
@@ -49,7 +50,18 @@ _REQUIRED_FIELDS = (
 """What ``compare`` and the report read from an old result (``--compare``)."""
 _OPTIONAL_FIELDS = (("memory.peak_bytes", "bytes or null"),
                     ("comm.rank0.exposed_s", "seconds or null"),
-                    ("step_time.per_rank", "per rank"))
+                    ("step_time.per_rank", "per rank"),
+                    # --baseline no-overlap (bench/overlap.py); results before it lack them
+                    ("overlap", "mapping"),
+                    ("overlap.backward_overlapped_s", "seconds"),
+                    ("overlap.backward_held_s", "seconds"),
+                    ("overlap.compute_overlapped_s", "seconds"),
+                    ("overlap.compute_held_s", "seconds"),
+                    ("overlap.hidden_s", "seconds"),
+                    ("overlap.contention_s", "signed seconds"),
+                    ("overlap.saved_s", "signed seconds"),
+                    ("overlap.predicted_contention_s", "seconds or null"),
+                    ("overlap.verdict", "text"))
 MAX_RESULT_BYTES = 256 * 2**20
 """A result of 8 ranks and 20 steps is about 30 kB (100,000 steps on 64 ranks about 150 MB);
 a larger file is not a result, and reading it would only cost memory (issue 31, S4-19)."""
@@ -66,6 +78,8 @@ def _fits(kind: str, value: Any) -> bool:
         return isinstance(value, dict) and all(
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
             for k, v in value.items())
+    if kind == "signed seconds":
+        return is_number(value)
     if kind.startswith("seconds"):
         return is_number(value) and value >= 0
     if kind == "step seconds":

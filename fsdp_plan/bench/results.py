@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
+from fsdp_plan.bench.overlap import report_lines as overlap_lines
 from fsdp_plan.bench.result_check import (  # noqa: F401 - re-exported: results.read_result
     MAX_RESULT_BYTES,
     RESULT_VERSION,
@@ -97,9 +98,11 @@ def _phases(ranks: list[dict[str, Any]], median_s: float,
             "predicted": predicted}
 
 
-def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, Any]) -> dict[str, Any]:
+def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, Any],
+                 overlap: dict[str, Any] | None = None) -> dict[str, Any]:
     """The result document of one run from every rank's figures. ``prepared`` is a
-    ``session.Prepared`` (typed ``Any``: the session imports this module)."""
+    ``session.Prepared`` (typed ``Any``: the session imports this module); ``overlap``:
+    ``--baseline no-overlap``'s figures (bench/overlap.py), kept under ``overlap``."""
     plan, plan_path = prepared.plan, prepared.request.plan_path
     predicted = plan.predicted or {}
     fsdp_version = prepared.request.fsdp_version
@@ -138,6 +141,7 @@ def build_result(prepared: Any, ranks: list[dict[str, Any]], memory: dict[str, A
                  "max_exposed_rank": worst["rank"],
                  "per_rank": [{"rank": r["rank"], **r["comm"]} for r in ranks],
                  "predicted_exposed_s": predicted.get("exposed_comm_s")},
+        **({"overlap": overlap} if overlap is not None else {}),
     }
 
 
@@ -157,9 +161,11 @@ def _engine(result: dict[str, Any]) -> str:
 
 
 def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None = None,
-                 predicted_trace: dict[str, Any] | None = None) -> str:
-    """Write ``<out>/<name>.json``, with ``<name>.trace.json`` (rank 0's profiler trace) and,
-    given the planner's ``predicted_trace``, ``<name>.side-by-side.trace.json``: all of them
+                 predicted_trace: dict[str, Any] | None = None,
+                 held_trace_from: str | None = None) -> str:
+    """Write ``<out>/<name>.json``, with ``<name>.trace.json`` (rank 0's profiler trace),
+    given the planner's ``predicted_trace``, ``<name>.side-by-side.trace.json``, and given
+    ``held_trace_from`` (``--baseline no-overlap``), ``<name>.held.trace.json``: all of them
     or none (temporaries renamed together), never over an earlier result. ``out_dir`` is
     created here, once the run is done. A write failure is ``BadInput`` naming the path."""
     try:
@@ -184,6 +190,10 @@ def write_result(result: dict[str, Any], out_dir: str, *, trace_from: str | None
                                         step=result["comm"]["rank0"].get("step"))
             files.append((name + ".side-by-side.trace.json", json.dumps(merged)))
             result["side_by_side_trace"] = os.path.basename(name + ".side-by-side.trace.json")
+    if held_trace_from and os.path.exists(held_trace_from) and result.get("overlap"):
+        with open(held_trace_from, encoding="utf-8") as f:
+            files.append((name + ".held.trace.json", f.read()))
+        result["overlap"]["trace"] = os.path.basename(name + ".held.trace.json")
     files.append((name + ".json", json.dumps(result, indent=2, default=str) + "\n"))
     atomic_write_all(files)
     return name + ".json"
@@ -304,11 +314,16 @@ def format_report(result: dict[str, Any], notes: list[str] | None = None) -> str
                      f"GPU ({result['plan'].get('gpu', 'see the plan')}); gloo on CPU blocks "
                      "the issuing thread while a collective runs, so a CPU run hides nothing and "
                      "its times are not comparable. Counts and memory are.")
+    if result.get("overlap"):
+        parts.extend(overlap_lines(result["overlap"]))
     for note in notes or []:
         parts.append(f"note: {note}")
     folder = os.path.dirname(str(result.get("path") or ""))
     if result.get("trace"):
         parts.append(f"profiler trace (Chrome/Perfetto): {os.path.join(folder, result['trace'])}")
+    if (result.get("overlap") or {}).get("trace"):
+        parts.append("profiler trace, communication held: "
+                     f"{os.path.join(folder, result['overlap']['trace'])}")
     if result.get("side_by_side_trace"):
         parts.append("predicted vs measured (open in Perfetto): "
                      f"{os.path.join(folder, result['side_by_side_trace'])}")

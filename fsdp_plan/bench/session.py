@@ -15,6 +15,7 @@ from typing import Any
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.bench import inputs, results
 from fsdp_plan.bench.inputs import BenchRequest
+from fsdp_plan.bench.overlap import overlap_figures
 from fsdp_plan.bench.refit import check_refit_path, refit
 from fsdp_plan.common.errors import BadInput, CheckFailed
 from fsdp_plan.common.files import atomic_write_all, check_outputs
@@ -93,6 +94,8 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
         check_refit_path(request.refit)
     if request.fsdp_version == 1 and plan.compile is not None:
         raise BadInput(compiled_fsdp1_refusal(request.plan_path))
+    if request.baseline is not None:
+        check_baseline(request, plan)
     loaded = runtime.load_planned_model(plan, request.model_path, request.plan_path)
     mesh, notes = run_mesh(plan, nproc)
     payload = {
@@ -102,6 +105,7 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
         "warmup": request.warmup, "steps": request.steps,
         # a GPU records its allocator over one more steady step for --memory-snapshot
         "memory_snapshot": bool(request.memory_snapshot),
+        "baseline": request.baseline,
     }
     payload["trace_dir"] = tempfile.mkdtemp(prefix="fsdp-plan-traces-")
     try:
@@ -111,6 +115,30 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
     except BaseException:  # a signal right here: the caller never sees the folder
         shutil.rmtree(payload["trace_dir"], ignore_errors=True)
         raise
+
+
+def check_baseline(request: BenchRequest, plan: Plan) -> None:
+    """``--baseline no-overlap`` runs what measure/no_overlap.py can hold: FSDP2 and DDP plans,
+    DDP without a communication hook of its own."""
+    if request.fsdp_version == 1:
+        raise BadInput("--baseline no-overlap holds communication for FSDP2 and DDP plans; "
+                       "with --fsdp1 it is not supported. Run bench without --fsdp1 to see "
+                       "what overlap buys the plan.")
+    hook = (plan.ddp or {}).get("comm_hook")
+    if plan.strategy == "ddp" and hook:
+        raise BadInput(f"--baseline no-overlap holds a DDP plan's buckets with a communication "
+                       f"hook of its own, and {request.plan_path!r} already has ddp.comm_hook: "
+                       f"{hook} (DDP takes one hook, and a baseline without {hook} would be "
+                       "another plan). Bench it without --baseline, or bench a copy of the plan "
+                       "without comm_hook with --baseline no-overlap.")
+
+
+def _predicted_contention(prepared: Prepared) -> float | None:
+    """The cost model's backward contention for the plan as written
+    (``StepTime.backward_contention_s``)."""
+    with user_code_output_to_stderr():  # the prediction runs the model (fake tensors)
+        facts = analyze_for_plan(prepared.plan, prepared.loaded)
+        return predict(prepared.plan, facts).candidate.time.backward_contention_s
 
 
 def compiled_fsdp1_refusal(plan_path: str) -> str:
@@ -154,7 +182,11 @@ def finish(prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
             memory = _cpu_memory(prepared, record=pictures.wanted(request)
                                  and prepared.plan.strategy != "ddp")
     record = memory.pop("record", None)
-    result = results.build_result(prepared, ranks, memory)
+    overlap = None
+    if ranks and ranks[0].get("baseline"):
+        overlap = {"how": ranks[0]["baseline"]["how"], **overlap_figures(
+            ranks[0], ranks[0]["baseline"], _predicted_contention(prepared)).to_dict()}
+    result = results.build_result(prepared, ranks, memory, overlap=overlap)
     problems = results.check_prediction(result)
     compare_table, compare_problems = "", []
     if prepared.old_result is not None:
@@ -162,7 +194,8 @@ def finish(prepared: Prepared, ranks: list[dict[str, Any]]) -> int:
                                                           request.threshold)
     try:
         path = results.write_result(result, request.out, trace_from=ranks[0]["trace"],
-                                    predicted_trace=prepared.predicted_trace)
+                                    predicted_trace=prepared.predicted_trace,
+                                    held_trace_from=(ranks[0].get("baseline") or {}).get("trace"))
     except BadInput as e:  # the run is done: show its figures before saying they were not saved
         _print_report(result, prepared, compare_table)
         raise BadInput(f"{e} The figures above were measured but not saved.") from e

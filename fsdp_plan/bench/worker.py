@@ -10,8 +10,9 @@ Steps, in order: ``warmup`` steps (lazy initialisation, optimizer states, alloca
 that nothing measures; one step counted with ``CollectiveCounter`` (forward + backward, SPEC
 5); ``steps`` timed steps (peak memory too on GPU); ``PROFILED_STEPS`` steps under
 ``torch.profiler``, read as ``fsdp-plan trace`` reads any run (measure/profile.py [Note:
-bench's figures are the trace verb's]). The counting and profiling steps are kept out of the
-timings: both slow every op down.
+bench's figures are the trace verb's]); with ``--baseline no-overlap``, the profiled steps
+once more with communication held (measure/no_overlap.py). The counting and profiling steps
+are kept out of the timings: both slow every op down.
 Each rank's figures are gathered to rank 0, which returns (or, under torchrun, writes) them.
 """
 
@@ -35,6 +36,7 @@ from fsdp_plan.measure import runtime
 from fsdp_plan.measure.collectives import CollectiveCounter
 from fsdp_plan.measure.ddp import buckets_in_use, peak_of_step
 from fsdp_plan.measure.launch import WorkerContext, maybe_inject_fault
+from fsdp_plan.measure.no_overlap import hold_communication
 from fsdp_plan.measure.profile import bench_figures
 from fsdp_plan.measure.worker_setup import (
     PlannedWorker,
@@ -126,13 +128,13 @@ the trace analysis drops the first as warm-up, the median of the others is bench
 step."""
 
 
-def _profiled_steps(worker: PlannedWorker, folder: str, rank: int) -> str:
+def _profiled_steps(worker: PlannedWorker, folder: str, rank: int, name: str = "trace") -> str:
     """``PROFILED_STEPS`` steps under ``torch.profiler``, each closed by ``prof.step()`` (its
     ``ProfilerStep#N``, what the trace analysis cuts steps by); the Chrome trace's path.
     ``fsdp_plan.step`` marks each step for the side-by-side trace."""
     device = worker.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    trace_path = os.path.join(folder, f"rank{rank}.trace.json")
+    trace_path = os.path.join(folder, f"rank{rank}.{name}.json")
     with (_without_profiler_chatter(folder, rank),
           profile(activities=activities, record_shapes=True,
                   schedule=schedule(wait=0, warmup=1, active=PROFILED_STEPS, repeat=1),
@@ -182,6 +184,16 @@ def _compiled_graphs(worker: PlannedWorker) -> int | None:
     return int(counters["aot_autograd"]["total"])
 
 
+def _held_run(worker: PlannedWorker, folder: str, rank: int) -> dict[str, Any]:
+    """``--baseline no-overlap``: the profiled steps again with communication held off the
+    backward's compute (measure/no_overlap.py); their figures as the plan's own are read."""
+    how = hold_communication(worker.model)
+    trace_path = _profiled_steps(worker, folder, rank, name="held.trace")
+    comm, phases = bench_figures(trace_path)
+    return {"kind": "no-overlap", "how": how, "comm": comm.to_dict(), "phases_s": phases,
+            "trace": trace_path}
+
+
 def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     """Measure this rank; rank 0 returns every rank's figures under ``ranks``."""
     ctx.report(phase="imported")
@@ -194,11 +206,13 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     ctx.report(phase="model built")
     warmup, count = int(payload["warmup"]), int(payload["steps"])
     snapshot_step = bool(payload.get("memory_snapshot")) and device.type == "cuda"
-    steps = _Steps(ctx=ctx, worker=worker, total=warmup + count + 2 + snapshot_step)
+    held = payload.get("baseline") == "no-overlap"
     ddp = worker.model if hasattr(worker.model, "_get_ddp_logging_data") else None
-
     # a DDP plan's steady step is its third: [Note: DDP's bucket rebuild] (measure/ddp.py)
-    for _ in range(max(warmup, 2 if ddp is not None else 0)):
+    warm = max(warmup, 2 if ddp is not None else 0)
+    steps = _Steps(ctx=ctx, worker=worker, total=warm + count + 2 + snapshot_step + held)
+
+    for _ in range(warm):
         steps.begin("warm-up")
         steps.micro_batches()
         steps.finish()
@@ -229,6 +243,9 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
             "phases_s": phases, "trace": trace_path, "device": str(device),
             "peak_source": peak_source, "ddp_buckets": ddp_buckets, "snapshot": snapshot,
             "compiled_graphs": _compiled_graphs(worker)}
+    if payload.get("baseline") == "no-overlap":  # last: the plan's own steps are all done
+        steps.begin("profile, communication held")
+        mine["baseline"] = _held_run(worker, payload["trace_dir"], ctx.rank)
     ctx.report(phase="done", step=steps.total, steps=steps.total)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

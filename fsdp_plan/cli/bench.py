@@ -2,6 +2,7 @@
 
     fsdp-plan bench PLAN.yaml [MODEL] [--nproc N] [--steps 20] [--warmup 3] [--fsdp1]
                     [--compare OLD.json] [--threshold 0.10] [--timeout S] [--out benchmarks/results]
+                    [--baseline no-overlap]
 
 Launches ``--nproc`` local workers (gloo on CPU, NCCL on GPUs); across machines run the same
 worker under torchrun (``python -m fsdp_plan.cli.bench_worker``, cli/bench_worker.py). Exit 0 when the counts match
@@ -63,6 +64,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="after the run, rewrite this hardware file (or write it from the "
                              "plan's GPU preset) so predictions match what was measured "
                              "(fsdp_plan/bench/refit.py); plan with --hardware HW.yaml next")
+    parser.add_argument("--baseline", metavar="no-overlap", default=None,
+                        help="also profile the plan with communication held until backward "
+                             "compute is done, and report what overlap saves or costs")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     pictures.add_arguments(parser, measured=True)
 
@@ -73,7 +77,8 @@ def bench_request(args: argparse.Namespace) -> BenchRequest:
                         warmup=args.warmup, fsdp_version=1 if args.fsdp1 else 2, out=args.out,
                         threshold=args.threshold, format=args.format, compare=args.compare,
                         predicted_trace=args.predicted_trace, refit=args.refit,
-                        html=args.html, memory_snapshot=args.memory_snapshot)
+                        html=args.html, memory_snapshot=args.memory_snapshot,
+                        baseline=args.baseline)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

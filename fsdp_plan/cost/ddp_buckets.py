@@ -444,6 +444,7 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
                     backward_s=backward + contention + hook_s,
                     exposed_comm_s=waited + tail, total_comm_s=total_comm,
                     optimizer_s=optimizer_s, bubbles_s=waited, contention_s=contention,
+                    backward_contention_s=contention,
                     comm_tail_s=tail, host_wait_s=streams.host_wait_s, spans=streams.spans)
     return step, ready
 

@@ -273,6 +273,9 @@ class StepTime:
     """Compute waiting for all-gathers (part of ``exposed_comm_s``)."""
     contention_s: float
     comm_tail_s: float = 0.0
+    backward_contention_s: float = 0.0
+    """The backward's part of ``contention_s`` (what ``bench --baseline no-overlap`` measures:
+    bench/overlap.py)."""
     """Communication left after backward: max(0, comm_finish - backward_finish)."""
     host_wait_s: float = 0.0
     """Compute standing still for the host to issue its work ([Note: the host floor] in
@@ -339,6 +342,7 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     return StepTime(step_s=step, forward_s=forward, backward_s=backward + bw_cont,
                     exposed_comm_s=exposed, total_comm_s=total_comm, optimizer_s=optimizer_s,
                     bubbles_s=bubbles, contention_s=fw_cont + bw_cont, comm_tail_s=tail,
+                    backward_contention_s=bw_cont,
                     host_wait_s=streams.host_wait_s, spans=streams.spans)
 
 
@@ -364,4 +368,5 @@ def accumulated_step(last: StepTime, earlier: StepTime, steps: int) -> StepTime:
                     exposed_comm_s=total("exposed_comm_s"), total_comm_s=total("total_comm_s"),
                     optimizer_s=last.optimizer_s, bubbles_s=total("bubbles_s"),
                     contention_s=total("contention_s"), comm_tail_s=total("comm_tail_s"),
+                    backward_contention_s=total("backward_contention_s"),
                     host_wait_s=total("host_wait_s"), spans=last.spans)

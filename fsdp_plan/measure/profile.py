@@ -67,6 +67,11 @@ class CommTiming:
     step: int | None = None
     """The ``ProfilerStep`` number these figures are of (None: a single annotated step)."""
     exposed_delaying_compute_s: float = 0.0
+    backward_compute_s: float = 0.0
+    """Wall time with at least one backward compute op running (``--baseline no-overlap``
+    holds it against the same plan's backward with communication held: bench/overlap.py)."""
+    backward_hidden_s: float = 0.0
+    """Communication of the backward (and its tail) with backward compute beside it."""
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (round(v, 9) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -156,6 +161,8 @@ def _timing(rank: RankFigures) -> CommTiming:
     medians = alone_medians(list(rank.activities_by_step.values()))
     slow_bw = overlap_slowdown([a for a in acts if a.comm or a.phase == "backward"],
                                medians) * _US
+    bw_compute_u = clip(_spans(acts, lambda a: a.compute and a.phase == "backward"), lo, hi)
+    bw_comm_u = clip(_spans(comm, lambda a: a.phase not in ("forward", "optimizer")), lo, hi)
     return CommTiming(comm_s=m.comm_s, hidden_s=m.hidden_comm_s, exposed_s=m.exposed_comm_s,
                       tail_exposed_s=m.comm_tail_s, compute_s=length(compute_u) * _US,
                       step_s=m.step_s, exposed_by_phase_s=by_phase,
@@ -163,7 +170,10 @@ def _timing(rank: RankFigures) -> CommTiming:
                       backward_overlap_slowdown_s=slow_bw,
                       num_comm_events=sum(rank.collectives_per_step.values()),
                       source=rank.source, step=m.step,
-                      exposed_delaying_compute_s=m.exposed_delaying_compute_s)
+                      exposed_delaying_compute_s=m.exposed_delaying_compute_s,
+                      backward_compute_s=length(bw_compute_u) * _US,
+                      backward_hidden_s=(length(bw_comm_u) - length(minus(bw_comm_u,
+                                                                          bw_compute_u))) * _US)
 
 
 def stream_intervals(path: str) -> dict[str, list[tuple[float, float]]]:
