@@ -157,8 +157,8 @@ def test_a_bad_stride_is_refused_with_the_field_named(tmp_path, value, version, 
 def test_predict_needs_the_pass_at_the_plans_stride(small_result):
     facts, _, _ = small_result
     plan = dataclasses.replace(
-        _strided(tiny_llama_plan(world=4), 3), model={**tiny_llama_plan().model,
-                                                      "args": {"size": "small"}})
+        _strided(tiny_llama_plan(world=4), 3),
+        model=dataclasses.replace(tiny_llama_plan().model, args={"size": "small"}))
     with pytest.raises(BadInput, match="selective_mm_stride"):
         predict(plan, facts)
 
