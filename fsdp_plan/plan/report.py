@@ -396,7 +396,7 @@ def ddp_lines(best: Candidate, ranked: list[Candidate]) -> list[str]:
                      + (", find_unused_parameters" if c.find_unused_parameters else "") + "):")
         lines.extend(describe_buckets(best))
         kind = hook_kind(c.comm_hook)
-        if kind is not None:
+        if kind is not None and kind.numerics:  # a lossy hook says what it changes
             rank = (f" rank {c.powersgd_rank}, from iteration {c.powersgd_start_iter}"
                     if kind.name == "powersgd" else "")
             lines.append(f"lossy: the {kind.name} communication hook{rank}: {kind.numerics}.")
