@@ -14,6 +14,7 @@ import dataclasses
 
 from fsdp_plan.cost.comm_hooks import COMM_HOOKS, compress_hook_for
 from fsdp_plan.cost.ddp_buckets import (
+    CAP_GRID_MB,
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_MB,
     DDPConfig,
@@ -23,9 +24,6 @@ from fsdp_plan.facts.types import Analysis, ModuleGraph
 from fsdp_plan.search.candidate import Candidate, DDPDetail, Layout, SearchSettings
 from fsdp_plan.search.evaluator import Evaluator
 from fsdp_plan.search.framework import FrameworkLimits
-
-CAP_GRID_MB = (1, 2, 5, 10, 25, 50, 100, 200, 400)
-"""Bucket caps the search tries (MiB)."""
 
 
 class DdpStrategy:
