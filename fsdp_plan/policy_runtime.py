@@ -461,17 +461,19 @@ def register_comm_hook(ddp: nn.Module) -> object | None:
             start_powerSGD_iter=settings.get("start_iter", 1000))
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return state
-    hooks = {"fp16_compress": default_hooks.fp16_compress_hook,
-             "bf16_compress": default_hooks.bf16_compress_hook}
-    if hook not in hooks:
-        raise ValueError(f"PLAN's ddp.comm_hook {hook!r} is not one this policy knows "
-                         f"({', '.join([*hooks, 'powersgd'])}); regenerate it with fsdp-plan emit")
+    # every other kind is torch's default_hooks.<kind>_hook (fsdp-plan's cost/comm_hooks.py)
+    function = getattr(default_hooks, f"{hook}_hook", None) if str(hook).isidentifier() else None
+    if function is None:
+        raise ValueError(f"PLAN's ddp.comm_hook {hook!r} is not a hook of this PyTorch "
+                         f"(torch.distributed.algorithms.ddp_comm_hooks.default_hooks has no "
+                         f"{hook}_hook, and it is not powersgd); regenerate it with fsdp-plan "
+                         "emit")
     if hook == "bf16_compress" and backend not in ("nccl", "xccl"):
         raise ValueError(f"PLAN's ddp.comm_hook bf16_compress needs NCCL (or XCCL); this process "
                          f"group's backend is {backend or 'not initialised'} (gloo refuses it in "
                          "the first backward). Plan for this machine's hardware (a CPU plan "
                          "uses fp16_compress or none), or run on GPUs.")
-    ddp.register_comm_hook(None, hooks[hook])
+    ddp.register_comm_hook(None, function)
     return None
 
 

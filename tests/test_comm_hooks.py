@@ -15,6 +15,7 @@ from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts, predict
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.comm_hooks import (
     COMM_HOOKS,
+    CommHookKind,
     hook_phases,
     hook_state_bytes,
     powersgd_split,
@@ -262,3 +263,40 @@ def test_the_bf16_hook_is_refused_on_gloo_before_training(facts, tmp_path, ddp, 
         assert policy.DDP_KWARGS  # the plan itself is fine: the backend is not
     finally:
         dist.destroy_process_group()
+
+
+def test_a_new_hook_kind_is_one_entry_in_the_table(facts, tmp_path, monkeypatch):
+    """Adding a hook kind touches one place, its ``COMM_HOOKS`` entry in cost/comm_hooks.py
+    (issue 28 item 2): the plan checker, the search, the clock, the memory model, the report
+    and the policy module all read the table (the policy registers torch's
+    ``default_hooks.<name>_hook`` by name). Shown with torch's plain ``allreduce_hook`` added,
+    used end to end, and removed again."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from fsdp_plan.measure import runtime
+    from fsdp_plan.model.load import load_model
+    from fsdp_plan.plan.emit import load_policy_module
+
+    monkeypatch.setitem(COMM_HOOKS, "allreduce", CommHookKind(
+        name="allreduce", torch_hook="default_hooks.allreduce_hook", wire_element_bytes=4,
+        numerics=""))
+    assert ("allreduce", 1) in DdpStrategy.hooks(_settings("float32", True))
+    assert [p.all_reduce_bytes for p in hook_phases("allreduce", [[4, 4]], 4)] == [64, None]
+    path = _plan_file(facts, {"comm_hook": "allreduce"}, tmp_path)
+    plan = read_plan(path)
+    assert plan.ddp.comm_hook == "allreduce" and plan.predicted["step_time_s"] > 0
+    module = tmp_path / "policy.py"
+    module.write_text(render_policy_module(plan))
+    policy = load_policy_module(str(module))
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path}/pg")
+    try:
+        model = policy.apply_ddp(runtime.build_real_model(load_model(SOURCE),
+                                                          torch.device("cpu")))
+        assert [hook for hook, _ in model._comm_hooks] == [default_hooks.allreduce_hook]
+    finally:
+        dist.destroy_process_group()
+    monkeypatch.undo()
+    with pytest.raises(BadInput, match=r"ddp\.comm_hook"):
+        read_plan(path)

@@ -23,6 +23,7 @@ from fsdp_plan.common.errors import BadInput, CheckFailed
 from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.common.progress import Steps
 from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.cost.memory_categories import tracker_to_breakdown
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.measured import MeasuredMemory
 from fsdp_plan.measure.peak import measured_peak
@@ -32,20 +33,8 @@ from fsdp_plan.pictures.snapshot import measured_snapshot
 from fsdp_plan.plan.document import Plan, read_plan
 from fsdp_plan.plan.read import plan_input_files
 
-# FSDPMemTracker's categories -> the planner's breakdown keys (several may share one key).
-TRACKER_TO_PLAN = {
-    "Sharded Param": "sharded_params",
-    "Unsharded Param": "unsharded_params",
-    "Sharded Grad": "sharded_grads",
-    "Unsharded Grad": "unsharded_grads",
-    "OptState": "optimizer_states",
-    "Activation": "activations",
-    "Temp": "activations",
-    "All Gather": "comm_buffers",
-    "Reduce Scatter": "comm_buffers",
-    "Buffer": "buffers",
-    "Inputs": "inputs",
-}
+TRACKER_TO_PLAN = tracker_to_breakdown()
+"""FSDPMemTracker's categories -> the planner's breakdown keys (cost/memory_categories.py)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

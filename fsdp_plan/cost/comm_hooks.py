@@ -72,7 +72,8 @@ class CommHookKind:
 
     name: str
     torch_hook: str
-    """The hook function in ``torch.distributed.algorithms.ddp_comm_hooks``."""
+    """The hook function in ``torch.distributed.algorithms.ddp_comm_hooks``. The policy
+    module registers ``default_hooks.<name>_hook`` by name, PowerSGD with its state."""
     numerics: str
     """What it changes numerically, for the report; a hook is lossy when this is not empty."""
     wire_element_bytes: int | None
@@ -81,19 +82,27 @@ class CommHookKind:
     """All-reduces per bucket and step (PowerSGD's after ``start_iter``)."""
     host_sync: bool = False
     """Whether the chain ends with ``torch.cuda.synchronize`` (the host waits for it)."""
+    reduce_dtype: str | None = None
+    """The dtype a cast hook reduces in: the hook a ``--reduce-dtype`` of it asks for."""
+    on_gloo: bool = True
+    """Whether the search offers it on a CPU (gloo): gloo refuses the bf16 cast, and completes
+    PowerSGD's all-reduces on its own threads, where ranks may issue the next in other orders."""
+    ranks: tuple[int, ...] = (1,)
+    """The ``matrix_approximation_rank`` values the search tries (PowerSGD's only)."""
 
 
 COMM_HOOKS: dict[str, CommHookKind] = {
     kind.name: kind for kind in (
         CommHookKind(name="fp16_compress", torch_hook="default_hooks.fp16_compress_hook",
-                     wire_element_bytes=2,
+                     wire_element_bytes=2, reduce_dtype="float16",
                      numerics="gradients are summed in float16: 11 significant bits, and "
                               "sums above 65504 overflow to inf"),
         CommHookKind(name="bf16_compress", torch_hook="default_hooks.bf16_compress_hook",
-                     wire_element_bytes=2,
+                     wire_element_bytes=2, reduce_dtype="bfloat16", on_gloo=False,
                      numerics="gradients are summed in bfloat16: 8 significant bits"),
         CommHookKind(name="powersgd", torch_hook="powerSGD_hook.powerSGD_hook",
-                     wire_element_bytes=None, all_reduces=3, host_sync=True,
+                     wire_element_bytes=None, all_reduces=3, host_sync=True, on_gloo=False,
+                     ranks=POWERSGD_RANKS,
                      numerics="each gradient matrix is all-reduced as a rank-r approximation "
                               "(PowerSGD), its error fed back into the next step; plain "
                               "all-reduce before start_iter"),
@@ -110,7 +119,8 @@ def hook_kind(name: str | None) -> CommHookKind | None:
 def compress_hook_for(reduce_dtype: str) -> str | None:
     """The cast hook that reduces in ``reduce_dtype`` (the user's ``--reduce-dtype``), or None
     for a full-precision reduction."""
-    return {"float16": "fp16_compress", "bfloat16": "bf16_compress"}.get(reduce_dtype)
+    return next((kind.name for kind in COMM_HOOKS.values() if kind.reduce_dtype == reduce_dtype
+                 and reduce_dtype is not None), None)
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
@@ -165,7 +175,7 @@ def hook_phases(name: str | None, shapes: Sequence[Sequence[int]], element_bytes
         return [HookPhase(label="all-reduce", all_reduce_bytes=nbytes), HookPhase(label="done")]
     if kind.wire_element_bytes is not None:
         wire = kind.wire_element_bytes
-        return [HookPhase(label=f"cast to {name.split('_')[0]}", ops=2,
+        return [HookPhase(label=f"cast to {kind.reduce_dtype or name}", ops=2,
                           memory_bytes=numel * (element_bytes + wire) + numel * 2 * wire,
                           all_reduce_bytes=numel * wire),
                 HookPhase(label="copy back", ops=1, memory_bytes=numel * (wire + element_bytes))]

@@ -18,7 +18,11 @@ without configuration gaps, through the same ``config_gaps`` functions.
 ``plan_shape`` reads the plan together with the model built on ``meta`` (class names are
 not in the plan): which classes the units' modules have, and whether "every module of those
 classes, one unit each, plus the root" is exactly the plan's units. Everything after it is a
-pure function of ``PlanShape``, so the frameworks' rules are tested without a model.
+pure function of ``PlanShape``, so the frameworks' rules are tested without a model. What a
+framework makes of the model (accelerate's final-norm unit, its Hugging Face embedding units,
+torchtitan's units) is read from the model's ``ModuleGraph`` by search/framework.py's own
+functions, the ones ``--framework`` restricts the search with: one description of each
+framework's reach, so export and the search cannot disagree about a model.
 
 [Note: strings in exports]
 Names in an export come from user files: the plan's ``model.source`` (any string the plan
@@ -46,9 +50,9 @@ from torch import nn
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.ddp_buckets import DDPConfig
-from fsdp_plan.facts.graph import hf_embeddings
+from fsdp_plan.facts.graph import build_module_graph
 from fsdp_plan.plan.document import Plan
-from fsdp_plan.search.framework import FRAMEWORKS, TITAN_EMBEDDINGS, TITAN_TAIL, TITAN_TIED_TAIL
+from fsdp_plan.search.framework import FRAMEWORKS, class_tail, final_norm, titan_units
 
 POLICY_FILE = "fsdp_plan_policy.py"
 """Name of the policy module inside an export folder (hooks import it as ``fsdp_plan_policy``)."""
@@ -119,7 +123,7 @@ class PlanShape:
     unit_reshard: tuple[bool, ...] = ()
     """The non-root units' ``reshard_after_forward``, in plan order."""
     final_norm: str | None = None
-    """The module accelerate gives a unit of its own, kept gathered (``_final_norm``); the
+    """The module accelerate gives a unit of its own, kept gathered (``final_norm``); the
     class fields above leave its unit out."""
     final_norm_reshard: bool | None = None
     """That unit's ``reshard_after_forward``; None: the plan gives it no unit of its own."""
@@ -171,9 +175,9 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
     if missing:
         raise BadInput(f"the plan's units name {missing[:5]!r}, which the model does not have; "
                        "give the model the plan was made for.")
-    norm = _final_norm(model)
-    hf = hf_embeddings(model)
-    tail = _class_tail(norm, hf)
+    # what each framework makes of the model, as the search read it (search/framework.py)
+    graph = build_module_graph(model)
+    norm, hf, tail = final_norm(graph), graph.hf_embeddings, class_tail(graph)
     norm_unit = [unit for unit in units if tail and sorted(unit.modules) == sorted(tail)]
     embedding = (hf or {}).get("input") if not (hf or {}).get("tied") else None
     embedding_unit = [unit for unit in units if embedding and unit.modules == [embedding]]
@@ -223,7 +227,7 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
         model_class=type(model).__name__,
         unit_modules=tuple(tuple(unit.modules) for unit in units),
         unit_reshard=tuple(bool(unit.reshard_after_forward) for unit in units),
-        titan_units=_titan_units(modules),
+        titan_units=tuple(tuple(unit) for unit in titan_units(graph)),
         wrap_classes=wrap_class_names(model, classes),
         hf_layout=hf is not None and bool(norm_unit) and (bool(embedding_unit) or not embedding),
         final_norm=norm,
@@ -241,49 +245,6 @@ def wrap_class_names(model: nn.Module, classes: list[str]) -> tuple[str, ...]:
                      if type(module).__module__.startswith("torch.")}
     kept = tuple(name for name in classes if name not in torch_classes)
     return kept or tuple(getattr(model, "_no_split_modules", None) or ())
-
-
-def _class_tail(norm: str | None, hf: dict | None) -> list[str]:
-    """The unit accelerate keeps gathered: the final norm, with a Hugging Face model's output
-    embedding (and the input one when tied); the model-side twin of
-    ``search.framework.class_tail``."""
-    tail = [norm] if norm is not None else []
-    if hf and hf.get("output"):
-        tail += ([hf["input"]] if hf.get("tied") and hf.get("input") else []) + [hf["output"]]
-    return list(dict.fromkeys(tail))
-
-
-def _final_norm(model: nn.Module) -> str | None:
-    """The FQN of the module accelerate 1.15's ``_find_final_norm`` finds: the last direct
-    child of the base model (``base_model_prefix``, else the model) whose class name contains
-    "Norm"; ``fsdp2_prepare_model`` gives it a unit of its own kept gathered after forward."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    base = getattr(model, prefix, None) if prefix else model
-    if not isinstance(base, nn.Module):
-        return None
-    found = None
-    for name, child in base.named_children():
-        if "Norm" in type(child).__name__:
-            found = f"{prefix}.{name}" if prefix else name
-    return found
-
-
-def _titan_units(modules: dict[str, nn.Module]) -> tuple[tuple[str, ...], ...]:
-    """torchtitan's units of a model with these modules (by torchtitan's attribute names)."""
-    layers = modules.get("layers")
-    if layers is None:
-        return ()
-    blocks = [(f"layers.{name}",) for name, _ in layers.named_children()]
-    if all(m in modules for m in TITAN_TIED_TAIL) and (
-            getattr(modules[TITAN_EMBEDDINGS], "weight", None) is not None
-            and getattr(modules[TITAN_EMBEDDINGS], "weight", None)
-            is getattr(modules[TITAN_TAIL[1]], "weight", None)):  # enable_weight_tying
-        return (TITAN_TIED_TAIL, *blocks)
-    units = [(TITAN_EMBEDDINGS,)] if TITAN_EMBEDDINGS in modules else []
-    units += blocks
-    if all(m in modules for m in TITAN_TAIL):
-        units.append(TITAN_TAIL)
-    return tuple(units)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,7 +41,6 @@ gradient-sized temporary, which the model predicts), a CPU's loops per tensor, s
 from __future__ import annotations
 
 import contextlib
-
 import time
 from typing import Any
 
@@ -53,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from fsdp_plan.common.autocast import autocast_context, plan_autocast_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.cost.memory_categories import mem_tracker_to_breakdown
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.collectives import CollectiveCounter
 from fsdp_plan.measure.launch import launch
@@ -166,10 +166,8 @@ def _ddp_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
     return results
 
 
-TRACKER_TO_PLAN = {"Parameter": "params", "Gradient": "gradient_buckets",
-                   "Optstate": "optimizer_states", "Activation": "activations",
-                   "Temp": "activations", "Buffer": "buffers", "Other": "inputs"}
-"""``MemTracker``'s categories -> the DDP prediction's breakdown keys."""
+TRACKER_TO_PLAN = mem_tracker_to_breakdown()
+"""``MemTracker``'s categories -> the DDP prediction's breakdown keys (cost/memory_categories.py)."""
 
 
 def peak_of_step(ddp: Any, optimizer: Any, forward_backward: Any, inputs: Any = None

@@ -16,20 +16,12 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.sizes import format_bytes
+from fsdp_plan.cost.memory_categories import MEMORY_CATEGORIES
 from fsdp_plan.pictures.page import Page
 from fsdp_plan.pictures.series import CATEGORIES
 
-COLORS = {
-    "sharded_params": "#1f4e79", "params": "#1f4e79", "unsharded_params": "#5b9bd5",
-    "autocast_weights": "#9dc3e6", "optimizer_states": "#7030a0",
-    "sharded_grads": "#548235", "gradient_buckets": "#548235", "grads": "#70ad47",
-    "accumulated_grads": "#a9d18e", "unsharded_grads": "#a9d18e",
-    "activations": "#ed7d31", "loss": "#f4b183",
-    "comm_buffers": "#ffc000", "offload_copies": "#bf9000",
-    "optimizer_temporaries": "#c00000", "buffers": "#7f7f7f", "inputs": "#bfbfbf",
-}
-"""One colour per kind of memory: blues parameters, purple optimizer states, greens
-gradients, orange activations (light orange: what the loss holds), yellow communication."""
+COLORS = {c.key: c.color for c in MEMORY_CATEGORIES}
+"""One colour per kind of memory (cost/memory_categories.py)."""
 LANES = {"FW": ("compute", "#4472c4"), "BW": ("compute", "#ed7d31"),
          "optimizer": ("compute", "#7030a0"), "AG": ("communication", "#70ad47"),
          "RS": ("communication", "#ffc000"), "AR": ("communication", "#c55a11"),

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_plan.cost.ddp_buckets import ddp_memory_timeline
 from fsdp_plan.cost.memory import MemoryTimeline, memory_timeline
+from fsdp_plan.cost.memory_categories import MEMORY_CATEGORIES
 from fsdp_plan.cost.step_time import StepTime
 
 if TYPE_CHECKING:
@@ -33,27 +34,9 @@ if TYPE_CHECKING:
     from fsdp_plan.measure.recording import MemoryRecord
     from fsdp_plan.plan.document import Plan
 
-CATEGORIES: dict[str, str] = {
-    "sharded_params": "parameters (sharded)",
-    "params": "parameters",
-    "unsharded_params": "parameters (all-gathered)",
-    "autocast_weights": "autocast weight copies",
-    "optimizer_states": "optimizer states",
-    "sharded_grads": "gradients (sharded)",
-    "gradient_buckets": "gradients (DDP buckets)",
-    "grads": "gradients",
-    "accumulated_grads": "gradients (accumulated)",
-    "unsharded_grads": "gradients (unsharded)",
-    "activations": "activations",
-    "loss": "loss",
-    "comm_buffers": "communication buffers",
-    "offload_copies": "offload copies",
-    "optimizer_temporaries": "optimizer temporaries",
-    "buffers": "module buffers",
-    "inputs": "inputs",
-}
+CATEGORIES: dict[str, str] = {c.key: c.label for c in MEMORY_CATEGORIES}
 """The memory model's breakdown keys, in stacking order (resident state at the bottom), and
-how a picture names them."""
+how a picture names them (cost/memory_categories.py)."""
 
 
 @dataclass(kw_only=True)

@@ -15,6 +15,7 @@ from fsdp_plan.common.sizes import format_bytes, format_gb
 from fsdp_plan.cost.comm_hooks import hook_kind
 from fsdp_plan.cost.ddp_buckets import MIB
 from fsdp_plan.cost.hardware import Hardware
+from fsdp_plan.cost.memory_categories import summary_groups
 from fsdp_plan.cost.precision import OPTIMIZER_STATES
 from fsdp_plan.cost.step_time import StepTime
 from fsdp_plan.facts.types import Analysis, ModelFacts, ModuleGraph
@@ -131,12 +132,7 @@ def format_checkpointing(c: Candidate, unavailable: str = "") -> str:
     return "\n".join(lines)
 
 
-_GROUPS = {
-    "states": ("sharded_params", "optimizer_states", "sharded_grads", "buffers", "inputs"),
-    "unsharded": ("unsharded_params", "unsharded_grads"),
-    "comm": ("comm_buffers", "optimizer_temporaries"),
-    "act": ("activations",),
-}
+_GROUPS = summary_groups()
 
 
 def breakdown_summary(breakdown: dict[str, int]) -> str:
@@ -396,7 +392,7 @@ def ddp_lines(best: Candidate, ranked: list[Candidate]) -> list[str]:
                      + (", find_unused_parameters" if c.find_unused_parameters else "") + "):")
         lines.extend(describe_buckets(best))
         kind = hook_kind(c.comm_hook)
-        if kind is not None:
+        if kind is not None and kind.numerics:  # a lossy hook says what it changes
             rank = (f" rank {c.powersgd_rank}, from iteration {c.powersgd_start_iter}"
                     if kind.name == "powersgd" else "")
             lines.append(f"lossy: the {kind.name} communication hook{rank}: {kind.numerics}.")

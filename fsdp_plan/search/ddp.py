@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from fsdp_plan.cost.comm_hooks import COMM_HOOKS, POWERSGD_RANKS, compress_hook_for
+from fsdp_plan.cost.comm_hooks import COMM_HOOKS, compress_hook_for
 from fsdp_plan.cost.ddp_buckets import (
+    CAP_GRID_MB,
     DEFAULT_BUCKET_CAP_MB,
     DEFAULT_FIRST_BUCKET_MB,
     DDPConfig,
@@ -23,9 +24,6 @@ from fsdp_plan.facts.types import Analysis, ModuleGraph
 from fsdp_plan.search.candidate import Candidate, DDPDetail, Layout, SearchSettings
 from fsdp_plan.search.evaluator import Evaluator
 from fsdp_plan.search.framework import FrameworkLimits
-
-CAP_GRID_MB = (1, 2, 5, 10, 25, 50, 100, 200, 400)
-"""Bucket caps the search tries (MiB)."""
 
 
 class DdpStrategy:
@@ -47,11 +45,9 @@ class DdpStrategy:
         if not settings.allow_lossy_hooks:
             return [(asked, 1)]
         out: list[tuple[str | None, int]] = [(None, 1)]
-        for name in COMM_HOOKS:
-            if name != "fp16_compress" and not settings.hardware.async_launch:
-                continue  # gloo (a CPU) refuses bf16 and can misorder PowerSGD's all-reduces
-            ranks = POWERSGD_RANKS if name == "powersgd" else (1,)
-            out += [(name, r) for r in ranks]
+        for kind in COMM_HOOKS.values():
+            if kind.on_gloo or settings.hardware.async_launch:
+                out += [(kind.name, r) for r in kind.ranks]
         return out
 
     def candidates(self, evaluator: Evaluator) -> list[Candidate]:

@@ -121,7 +121,7 @@ class FrameworkLimits:
         """The one unit layout the configuration makes (children first, root excluded), or
         none when it cannot make one for this model (no blocks, nested or tied blocks, batch
         norm that needs a unit of its own under mixed precision)."""
-        groups = (_titan_units(graph) if self.units == "torchtitan" else _class_units(graph))
+        groups = (titan_units(graph) if self.units == "torchtitan" else _class_units(graph))
         if not groups or not check_tied(graph, groups):
             return {}
         if full_precision_units and with_full_precision_units(graph, groups) != groups:
@@ -273,7 +273,7 @@ def _class_units(graph: ModuleGraph) -> list[list[str]]:
     return sorted(groups, key=lambda g: order[g[0]])
 
 
-def _titan_units(graph: ModuleGraph) -> list[list[str]]:
+def titan_units(graph: ModuleGraph) -> list[list[str]]:
     """torchtitan's units: ``tok_embeddings``, each block, ``[norm, lm_head]`` (when the
     model has both), in module order; ``[tok_embeddings, norm, lm_head]`` one unit when the
     embedding and the head share their weight."""

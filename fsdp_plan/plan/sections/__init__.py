@@ -8,7 +8,7 @@ from fsdp_plan.plan.sections.cluster import (
     check_gpus_per_node,
     check_world_size,
 )
-from fsdp_plan.plan.sections.ddp import DDP_COMM_HOOKS, DDP_FLAGS, check_ddp, check_ddp_strategy
+from fsdp_plan.plan.sections.ddp import DDP_FLAGS, check_ddp, check_ddp_strategy
 from fsdp_plan.plan.sections.model import MODEL_KEYS, MODEL_KINDS, ModelRecipe, check_model
 from fsdp_plan.plan.sections.precision import (
     AUTOCAST_DTYPE_NAMES,
@@ -18,7 +18,7 @@ from fsdp_plan.plan.sections.precision import (
 )
 from fsdp_plan.plan.sections.predicted import PREDICTED_KEYS, check_predicted
 
-__all__ = ["AUTOCAST_DTYPE_NAMES", "DDP_COMM_HOOKS", "DDP_FLAGS", "DEFAULT_GPUS_PER_NODE",
+__all__ = ["AUTOCAST_DTYPE_NAMES", "DDP_FLAGS", "DEFAULT_GPUS_PER_NODE",
            "MODEL_KEYS", "MODEL_KINDS", "PREDICTED_KEYS", "CompiledBlocks", "ModelRecipe",
            "Offload", "PlanPrecision", "check_compile", "check_ddp", "check_ddp_strategy",
            "check_gpus_per_node", "check_model", "check_offload", "check_plan_precision",

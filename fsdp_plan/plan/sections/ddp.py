@@ -11,7 +11,6 @@ from fsdp_plan.cost.ddp_buckets import DDPConfig
 from fsdp_plan.plan.checker import Checker, show
 
 DDP_FLAGS = ("gradient_as_bucket_view", "static_graph", "find_unused_parameters")
-DDP_COMM_HOOKS = tuple(COMM_HOOKS)
 DDP_KEYS = ("bucket_cap_mb", "first_bucket_mb", *DDP_FLAGS, "comm_hook", "powersgd")
 MAX_POWERSGD_RANK = 1 << 16
 MAX_POWERSGD_START_ITER = 1 << 40
@@ -71,7 +70,7 @@ def check_ddp(check: Checker, value: Any, out: dict) -> DDPConfig | None:
             flags[key] = mapping[key]
     hook = None
     if mapping.get("comm_hook") is not None:
-        hook = check.choice(mapping["comm_hook"], "ddp.comm_hook", DDP_COMM_HOOKS,
+        hook = check.choice(mapping["comm_hook"], "ddp.comm_hook", tuple(COMM_HOOKS),
                             "fp16_compress and bf16_compress all-reduce gradients in half "
                             "precision, powersgd as low-rank matrices; remove the key for DDP's "
                             "own all-reduce")
