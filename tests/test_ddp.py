@@ -302,3 +302,21 @@ def test_bench_and_verify_hold_a_ddp_plan_against_what_ddp_did(tmp_path, capsys)
     assert main(["verify", str(plan_path), "--format", "json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["relative_error"] <= 0.05
+
+
+def test_each_exposed_bucket_says_why():
+    """The report's per-bucket reason (issue 27 item 5): queued behind the previous bucket,
+    ready only as backward ended, too small to reach bandwidth; hidden buckets are hidden."""
+    from fsdp_plan.plan.report import bucket_exposure
+
+    common = {"backward_end_s": 0.010, "best_rate": 1e11}
+    assert bucket_exposure(ready_s=0.002, start_s=0.002, end_s=0.004, nbytes=2 * 10**8,
+                           **common) == (0.0, "hidden behind backward")
+    exposed, why = bucket_exposure(ready_s=0.005, start_s=0.009, end_s=0.011, nbytes=2 * 10**8,
+                                   **common)
+    assert exposed == pytest.approx(0.001) and "waited 4.000 ms behind" in why
+    assert "ready only" not in why and "too small" not in why
+    exposed, why = bucket_exposure(ready_s=0.010, start_s=0.010, end_s=0.0101, nbytes=10**5,
+                                   **common)
+    assert exposed == pytest.approx(1e-4) and "ready only as backward ended" in why
+    assert "too small to reach bandwidth (1 GB/s" in why and "waited" not in why

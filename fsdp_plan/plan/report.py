@@ -324,24 +324,55 @@ def fp32_bytes(numel: int) -> int:
     return numel * 4
 
 
+def bucket_exposure(*, ready_s: float, start_s: float, end_s: float, nbytes: int,
+                    backward_end_s: float, best_rate: float) -> tuple[float, str]:
+    """How much of one bucket's all-reduce runs after backward (exposed) and why (issue 27
+    item 5): it queued behind the previous bucket on the communication stream, it was ready
+    only as backward ended, or it is too small to reach bandwidth (it moves at under half the
+    rate of the fastest bucket: launch and latency dominate). Hidden buckets say so."""
+    exposed = max(0.0, end_s - max(start_s, backward_end_s))
+    if exposed <= 0:
+        return 0.0, "hidden behind backward"
+    reasons = []
+    if start_s > ready_s + 1e-9:
+        reasons.append(f"waited {(start_s - ready_s) * 1e3:.3f} ms behind the previous bucket on "
+                       "the stream")
+    if ready_s >= backward_end_s - 0.05 * max(end_s - start_s, 1e-12):
+        reasons.append("ready only as backward ended")
+    rate = nbytes / max(end_s - start_s, 1e-12)
+    if best_rate > 0 and rate < best_rate / 2:
+        reasons.append(f"too small to reach bandwidth ({rate / 1e9:.3g} GB/s, the largest "
+                       f"rate of any bucket {best_rate / 1e9:.3g} GB/s)")
+    if not reasons:
+        reasons.append("its all-reduce is longer than the backward left after it was ready")
+    return exposed, "; ".join(reasons)
+
+
 def describe_buckets(candidate: Candidate, limit: int = 12) -> list[str]:
-    """Report lines: each bucket's bytes, when it is ready and when its all-reduce runs."""
+    """Report lines: each bucket's bytes, when it is ready, when its all-reduce runs, and what
+    of it is exposed and why (``bucket_exposure``)."""
     detail = candidate.detail
     assert isinstance(detail, DDPDetail), "buckets are a DDP candidate's"
     ar = [s for s in candidate.time.spans if s[0] == "comm" and s[1].startswith("AR bucket")]
     lines = []
     ready = detail.ready_s or [span[2] for span in ar]
+    t = candidate.time
+    bw_end = t.forward_s + t.backward_s
+    best_rate = max((b.nbytes / max(span[3] - span[2], 1e-12)
+                     for b, span in zip(detail.buckets, ar)), default=0.0)
     for i, (bucket, span, at) in enumerate(zip(detail.buckets, ar, ready)):
         if i == limit and len(detail.buckets) > limit + 1:
             lines.append(f"  ... {len(detail.buckets) - limit - 1} more buckets")
             continue
         if limit < i < len(detail.buckets) - 1:
             continue
+        exposed, why = bucket_exposure(ready_s=at, start_s=span[2], end_s=span[3],
+                                       nbytes=bucket.nbytes, backward_end_s=bw_end,
+                                       best_rate=best_rate)
         lines.append(f"  bucket {i:>3}: {bucket.nbytes / MIB:9.2f} MiB, "
                      f"{len(bucket.params):>4} params, ready {at * 1e3:9.3f} ms, all-reduce "
-                     f"{span[2] * 1e3:9.3f} -> {span[3] * 1e3:9.3f} ms")
-    t = candidate.time
-    bw_end = t.forward_s + t.backward_s
+                     f"{span[2] * 1e3:9.3f} -> {span[3] * 1e3:9.3f} ms"
+                     + (f"; exposed {exposed * 1e3:.3f} ms: {why}" if exposed > 0 else ""))
     lines.append(f"  backward ends at {bw_end * 1e3:.3f} ms; communication tail "
                  f"{t.exposed_comm_s * 1e3:.3f} ms (forward {t.forward_s * 1e3:.3f} ms, no "
                  "communication)")
