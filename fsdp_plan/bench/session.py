@@ -124,7 +124,7 @@ def check_baseline(request: BenchRequest, plan: Plan) -> None:
         raise BadInput("--baseline no-overlap holds communication for FSDP2 and DDP plans; "
                        "with --fsdp1 it is not supported. Run bench without --fsdp1 to see "
                        "what overlap buys the plan.")
-    hook = (plan.ddp or {}).get("comm_hook")
+    hook = plan.ddp.comm_hook if plan.ddp else None
     if plan.strategy == "ddp" and hook:
         raise BadInput(f"--baseline no-overlap holds a DDP plan's buckets with a communication "
                        f"hook of its own, and {request.plan_path!r} already has ddp.comm_hook: "
