@@ -9,10 +9,19 @@ The extras' markers (pyproject.toml) mean what they say: a test marked ``hf``, `
 or ``html`` is skipped, with the reason, where its extra is not installed. CI's first run is
 the README's bare ``python3 -m pytest -q`` in an environment with no extras, so a marked test
 must never fail there for want of its package; the later ``-m EXTRA`` runs install it.
+
+A hang must fail the suite, not outlive it. A test that runs past ``HANG_S`` stops the run with
+every thread's stack on stderr (``faulthandler``), and worker processes a test left behind are
+killed at the end of the session: CI once sat until its 90-minute limit after one failed test,
+because Python's exit joins every non-daemon ``multiprocessing`` child and that test's ranks
+were still blocked in gloo.
 """
 
+import faulthandler
 import importlib.util
+import multiprocessing
 import os
+import sys
 
 import pytest
 
@@ -39,3 +48,23 @@ def pytest_collection_modifyitems(config, items):
                     reason=f"needs the {marker} extra ({', '.join(names)} not installed)"))
                 break
 
+
+
+HANG_S = 900
+"""No test runs this long (the slowest, a framework launch on 2 gloo ranks, takes about a
+minute); one that does is stuck."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=sys.stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=10)
