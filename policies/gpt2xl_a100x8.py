@@ -54,6 +54,7 @@ FSDP1 (``FullyShardedDataParallel``)::
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import weakref
 
@@ -725,7 +726,8 @@ def local_device() -> torch.device:
     return torch.device("cpu")
 
 
-def apply(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
+def apply(model: nn.Module, mesh: DeviceMesh | None = None,
+          optimizer_kwargs: dict | None = None) -> nn.Module:
     """Apply the plan whatever its strategy and return the module to train.
 
     FSDP2 (full, grad-op, none and HSDP plans): ``apply_fully_shard(model, mesh)``, which
@@ -738,14 +740,208 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None) -> nn.Module:
         with autocast():
             loss = loss_fn(model(batch))
         loss.backward()
+
+    A plan with ``optimizer_overlap: true`` also installs its optimizer in backward
+    (``optimizer_in_backward(model, **optimizer_kwargs)``, see [Note: the optimizer in
+    backward]); ``in_backward_optimizer(model)`` returns it for schedulers and checkpoints.
     """
     if PLAN.get("strategy") != "ddp":
-        return apply_fully_shard(model, mesh)
-    device = local_device()
-    if device.type != "cpu":
-        model.to(device)
-    return apply_ddp(model, device_ids=[device.index] if device.type != "cpu" else None,
-                     device_mesh=mesh)
+        model = apply_fully_shard(model, mesh)
+    else:
+        device = local_device()
+        if device.type != "cpu":
+            model.to(device)
+        model = apply_ddp(model, device_ids=[device.index] if device.type != "cpu" else None,
+                          device_mesh=mesh)
+    if PLAN.get("optimizer_overlap"):
+        if optimizer_kwargs is None:
+            import warnings
+            warnings.warn(f"PLAN steps its {PLAN.get('optimizer')} optimizer in backward and "
+                          "apply() was given no optimizer_kwargs: it uses torch's defaults (for "
+                          "AdamW lr=0.001). Pass apply(model, optimizer_kwargs={'lr': ...}).",
+                          stacklevel=2)
+        optimizer_in_backward(model, **(optimizer_kwargs or {}))
+    return model
+
+
+# [Note: the optimizer in backward]
+# With ``optimizer_overlap: true`` each parameter is stepped as soon as its gradient is
+# reduced, by an optimizer of its own, and its gradient dropped: no step after backward, no
+# gradient of the whole model alive at once. FSDP2 calls a sharded parameter's
+# post-accumulate-grad hooks once its reduce-scatter has written the sharded gradient
+# (``foreach_reduce``, on the reduce-scatter stream); DDP runs the optimizers of a bucket's
+# parameters after the bucket's all-reduce (torch's ``_apply_optimizer_in_backward``, which DDP
+# turns into its own communication hook at its first forward, so a plan with a ``comm_hook``
+# cannot have it). Nothing may read gradients across parameters after backward: no clipping by
+# the global norm, no accumulation over micro-batches. ``OptimizerInBackward`` stands for the
+# per-parameter optimizers in a training loop: its ``step`` and ``zero_grad`` have nothing left
+# to do, its ``param_groups`` are theirs (a learning-rate scheduler sets their ``lr``), and its
+# ``state`` and ``state_dict`` gather theirs.
+
+_OPTIMIZER_CLASSES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+_IN_BACKWARD_ATTRIBUTE = "_fsdp_plan_in_backward_optimizer"
+
+
+class OptimizerInBackward(torch.optim.Optimizer):
+    """The per-parameter optimizers that step in backward, as one optimizer for a training
+    loop: see [Note: the optimizer in backward]."""
+
+    def __init__(self, optimizers: list) -> None:
+        if not optimizers:
+            raise ValueError("OptimizerInBackward needs at least one optimizer.")
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]],
+                         dict(optimizers[0].defaults))
+        self.optimizers = list(optimizers)  # from here on, the groups and state are theirs
+
+    @property
+    def param_groups(self) -> list:  # type: ignore[override]
+        """The per-parameter optimizers' groups, read each time (``load_state_dict`` gives
+        them new ones)."""
+        return [g for o in getattr(self, "optimizers", ()) for g in o.param_groups]
+
+    @param_groups.setter
+    def param_groups(self, value) -> None:  # Optimizer.__init__ sets it; the groups are theirs
+        pass
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        merged: dict = {}
+        for optimizer in getattr(self, "optimizers", ()):
+            merged.update(optimizer.state)
+        return merged
+
+    @state.setter
+    def state(self, value) -> None:  # Optimizer.__init__ sets it; the state is the optimizers'
+        pass
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Nothing to do: every parameter was stepped in backward (``closure`` runs if given)."""
+        return closure() if closure is not None else None
+
+    def state_dict(self) -> dict:
+        return {"in_backward": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("in_backward") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, list) or len(saved) != len(self.optimizers):
+            raise ValueError(f"this state dict does not hold {len(self.optimizers)} in-backward "
+                             "optimizers' states (it was not saved by OptimizerInBackward of "
+                             "this model).")
+        for optimizer, state in zip(self.optimizers, saved):
+            optimizer.load_state_dict(state)
+
+
+def optimizer_in_backward(model: nn.Module, optimizer_class: type | None = None,
+                          **optimizer_kwargs) -> OptimizerInBackward:
+    """Step every parameter of ``model`` (as ``apply`` returned it: FSDP2-sharded, or the
+    ``DistributedDataParallel`` module before its first forward) in backward, each with its
+    own ``optimizer_class(param, **optimizer_kwargs)`` (default: the plan's optimizer), and
+    return them as one ``OptimizerInBackward``. See [Note: the optimizer in backward]."""
+    if getattr(model, _IN_BACKWARD_ATTRIBUTE, None) is not None:
+        raise ValueError("the model's optimizer already steps in backward "
+                         "(in_backward_optimizer(model) returns it); install it once.")
+    if optimizer_class is None:
+        name = _OPTIMIZER_CLASSES.get(str(PLAN.get("optimizer", "adamw")))
+        if name is None:
+            raise ValueError(f"PLAN's optimizer {PLAN.get('optimizer')!r} has no optimizer to "
+                             "step in backward; pass optimizer_class.")
+        optimizer_class = getattr(torch.optim, name)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters to step in backward.")
+    if "foreach" in inspect.signature(optimizer_class).parameters:
+        # one temporary of the parameter's size, as on a GPU (torch's default there); a CPU's
+        # default single-tensor AdamW holds two (fsdp-plan's memory model counts one)
+        optimizer_kwargs.setdefault("foreach", True)
+    if hasattr(model, "reducer"):  # DistributedDataParallel
+        if getattr(model, "_lazy_init_ran", False):
+            raise ValueError("optimizer_in_backward on a DistributedDataParallel module that "
+                             "already ran forward: DDP sets it up at its first forward; install "
+                             "it right after apply().")
+        optimizers = _ddp_steps_in_backward(model, params, optimizer_class, optimizer_kwargs)
+    else:
+        _require_fsdp2_hooks(model)
+        optimizers = [_step_in_backward(p, optimizer_class, optimizer_kwargs) for p in params]
+    wrapper = OptimizerInBackward(optimizers)
+    setattr(model, _IN_BACKWARD_ATTRIBUTE, wrapper)
+    return wrapper
+
+
+def in_backward_optimizer(model: nn.Module) -> OptimizerInBackward | None:
+    """The ``OptimizerInBackward`` that ``apply`` or ``optimizer_in_backward`` installed on
+    ``model``, or None."""
+    return getattr(model, _IN_BACKWARD_ATTRIBUTE, None)
+
+
+def _step_in_backward(param: nn.Parameter, optimizer_class: type, kwargs: dict):
+    """One FSDP2 sharded parameter's optimizer, stepped by its post-accumulate-grad hook."""
+    optimizer = optimizer_class([param], **kwargs)
+
+    def step(p: torch.Tensor) -> None:
+        optimizer.step()
+        p.grad = None
+    param.register_post_accumulate_grad_hook(step)
+    return optimizer
+
+
+def _ddp_steps_in_backward(ddp: nn.Module, params: list, optimizer_class: type,
+                           kwargs: dict) -> list:
+    """DDP's parameters stepped after their bucket's all-reduce. On a GPU, torch's own
+    ``_apply_optimizer_in_backward``: DDP turns it into its communication hook at its first
+    forward, the steps on a stream of their own. Its hook needs an accelerator, so on a CPU
+    this module registers the same hook: the bucket averaged and all-reduced, then each of its
+    parameters given its gradient and stepped, and every gradient dropped once backward (and
+    DDP's copy-back) is done. It waits for the all-reduce on the backward's thread (gloo's
+    all-reduce takes the cores backward runs on anyway): stepped on gloo's callback thread,
+    the steps would race the next bucket's and escape a memory tracker's dispatch mode."""
+    if torch.cuda.is_available():
+        from torch.distributed.optim import _apply_optimizer_in_backward
+
+        _apply_optimizer_in_backward(optimizer_class, params, kwargs)
+        return [o for p in params for o in p._in_backward_optimizers]
+    optimizers = {p: optimizer_class([p], **kwargs) for p in params}
+    queued = [False]
+
+    def drop_gradients() -> None:
+        for p in optimizers:
+            p.grad = None
+        queued[0] = False
+
+    def all_reduce_then_step(process_group, bucket):
+        group = process_group if process_group is not None else dist.group.WORLD
+        buffer = bucket.buffer().div_(dist.get_world_size(group))
+        if not queued[0]:  # the hook runs on the backward's thread: the end of this backward
+            torch.autograd.Variable._execution_engine.queue_callback(drop_gradients)
+            queued[0] = True
+        dist.all_reduce(buffer, group=group)
+        for p, grad in zip(bucket.parameters(), bucket.gradients()):
+            if p in optimizers:
+                p.grad = grad
+                optimizers[p].step()
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+    ddp.register_comm_hook(None, all_reduce_then_step)
+    return list(optimizers.values())
+
+
+def _require_fsdp2_hooks(model: nn.Module) -> None:
+    """``model`` is sharded by FSDP2, whose sharded parameters' post-accumulate-grad hooks it
+    runs (only some torch builds do)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError("optimizer_in_backward steps parameters sharded by FSDP2 (apply or "
+                         "apply_fully_shard) or wrapped by DistributedDataParallel (apply or "
+                         "apply_ddp); this model is neither (FSDP1's FullyShardedDataParallel "
+                         "cannot step its optimizer in backward).")
+
+    if "_post_accumulate_grad_hooks" not in inspect.getsource(_fsdp_collectives.foreach_reduce):
+        raise ValueError(f"this torch ({torch.__version__}) does not run post-accumulate-grad "
+                         "hooks on FSDP2's sharded gradients, so the optimizer cannot step in "
+                         "backward; upgrade torch or re-plan without --optimizer-overlap.")
 
 
 def autocast() -> contextlib.AbstractContextManager:
@@ -990,6 +1186,11 @@ def launch_differences(model: nn.Module, *, world_size: int | None = None,
     if modes:
         differences.append("checkpointing modes differ: " + "; ".join(
             f"{f} is {got[f]}, planned {planned[f]}" for f in modes[:4]))
+    stepped = any(in_backward_optimizer(m) is not None for m in (model, network, *wrappers))
+    if PLAN.get("optimizer_overlap") and not stepped:
+        differences.append("the plan steps each parameter in backward (optimizer_overlap), and "
+                           "no optimizer does: install it with optimizer_in_backward(model, "
+                           "lr=...) after apply (apply(model, optimizer_kwargs=...) does both)")
     return differences
 
 

@@ -94,6 +94,10 @@ def prepare(request: BenchRequest, *, nproc: int) -> Prepared:
         check_refit_path(request.refit)
     if request.fsdp_version == 1 and plan.compile is not None:
         raise BadInput(compiled_fsdp1_refusal(request.plan_path))
+    if request.fsdp_version == 1 and plan.optimizer_overlap:
+        raise BadInput(f"{request.plan_path!r} steps its optimizer in backward "
+                       "(optimizer_overlap), which the policy installs on FSDP2 and DDP only; "
+                       "bench it without --fsdp1.")
     if request.baseline is not None:
         check_baseline(request, plan)
     loaded = runtime.load_planned_model(plan, request.model_path, request.plan_path)
@@ -131,6 +135,12 @@ def check_baseline(request: BenchRequest, plan: Plan) -> None:
                        f"{hook} (DDP takes one hook, and a baseline without {hook} would be "
                        "another plan). Bench it without --baseline, or bench a copy of the plan "
                        "without comm_hook with --baseline no-overlap.")
+    if plan.strategy == "ddp" and plan.optimizer_overlap:
+        raise BadInput(f"--baseline no-overlap holds a DDP plan's buckets with a communication "
+                       f"hook of its own, and {request.plan_path!r} steps its optimizer in "
+                       "backward (optimizer_overlap), which is DDP's communication hook already "
+                       "(DDP takes one). Bench it without --baseline, or bench a copy without "
+                       "optimizer_overlap with --baseline no-overlap.")
 
 
 def _predicted_contention(prepared: Prepared) -> float | None:

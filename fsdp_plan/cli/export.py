@@ -24,7 +24,14 @@ import os
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all, check_outputs, check_writable
 from fsdp_plan.export import torchtitan
-from fsdp_plan.export.common import FRAMEWORKS, export_plan, file_names, plain_text, plan_shape
+from fsdp_plan.export.common import (
+    FRAMEWORKS,
+    check_exportable,
+    export_plan,
+    file_names,
+    plain_text,
+    plan_shape,
+)
 from fsdp_plan.plan.document import read_plan
 from fsdp_plan.plan.emit import render_policy_module
 from fsdp_plan.plan.read import plan_input_files
@@ -65,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             raise BadInput(f"give --to {'|'.join(FRAMEWORKS)}: the plan {args.plan!r} was not "
                            "made for a framework (fsdp-plan --framework NAME records one).")
         args.framework = plan.framework
+    file_names(args.framework)  # a known framework, before the plan is judged for it
+    check_exportable(plan, args.framework)
     if args.framework == "torchtitan":  # torchtitan's own model names its config itself
         if args.torchtitan_config is not None or torchtitan.titan_model(plan) is None:
             torchtitan.check_config_name(args.torchtitan_config)

@@ -141,6 +141,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--activation-memory-budget", type=float, default=None, metavar="B",
                         help="with --compile: torch._functorch.config.activation_memory_budget "
                         "(0..1) for the compiled blocks (default: the partitioner's own)")
+    parser.add_argument("--optimizer-overlap", action="store_true",
+                        help="the training loop lets each parameter step as soon as its "
+                        "gradient is reduced, during backward (no clipping by the global norm, "
+                        "no accumulation): the plan frees gradients early and hides the "
+                        "optimizer, and the policy's apply installs it")
     parser.add_argument("--allow-lossy-hooks", action="store_true",
                         help="DDP plans may all-reduce gradients through a lossy communication "
                         "hook: fp16 or bf16 compression (half the bytes, fewer significant bits) "
@@ -311,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         autocast_dtype=values["autocast"], optimizer=args.optimizer, hardware=values["hardware"],
         hardware_origin=values["hardware_origin"],
         allow_offload=args.allow_offload, allow_lossy_hooks=args.allow_lossy_hooks,
+        optimizer_overlap=args.optimizer_overlap,
         # --batch-size N with --global-batch-size: N is the micro-batch (fixed_accumulation)
         global_batch_size=None if fixed_steps else args.global_batch_size,
         grad_accum_steps=fixed_steps or 1, compile_blocks=args.compile is not None,

@@ -353,7 +353,8 @@ def event_times(events: list[Event], hw: Hardware, dtype: str) -> list[float]:
 def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, world_size: int,
                   gpus_per_node: int, optimizer_s: float, times: list[float],
                   chains: list[list[HookPhase]] | None = None, host_sync: bool = False,
-                  used_map_bytes: int = 0) -> tuple[StepTime, list[float]]:
+                  used_map_bytes: int = 0, steps_in_backward: list[float] | None = None
+                  ) -> tuple[StepTime, list[float]]:
     """Forward, then backward with each bucket's all-reduce issued when it is ready and all
     earlier buckets were issued (the reducer launches buckets in order), on the two streams of
     cost/streams.py. Where the hardware file says collectives do not overlap compute
@@ -364,7 +365,9 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     ahead of the device, which never runs ahead of it ([Note: the host floor] in streams.py).
     ``chains``: each bucket's communication hook chain (``comm_hooks.hook_phases``; None: DDP's
     own all-reduce of the bucket), placed as [Note: hooks on the clock] says; ``host_sync``:
-    the host waits for each bucket's chain on a GPU (PowerSGD).
+    the host waits for each bucket's chain on a GPU (PowerSGD). ``steps_in_backward``: each
+    bucket's optimizer seconds when its parameters step after its all-reduce
+    (``optimizer_overlap``; cost/optimizer_overlap.py), ``optimizer_s`` then 0.
     Returns the step and when each bucket became ready."""
     n = len(events)
     bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
@@ -427,6 +430,7 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
             now = streams.comm_free
             streams.host_free = max(streams.host_free, now)
 
+    stepped = 0.0
     for i, bucket in enumerate(buckets):
         compute_until(bucket.ready_event, f"BW to bucket {i}")
         ready.append(now)
@@ -434,10 +438,24 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
             all_reduce(f"AR bucket {i} ({bucket.nbytes / MIB:.1f} MiB)", bucket.nbytes)
         else:
             run_chain(i, chains[i])
+        if steps_in_backward and steps_in_backward[i] > 0:
+            if rates.async_launch:  # on the optimizer's own stream, after the all-reduce
+                streams.beside(f"optimizer bucket {i}", streams.comm_free, steps_in_backward[i])
+            else:  # the host steps the bucket's parameters itself (on the cores backward uses)
+                start = max(now, streams.comm_free)
+                if start > now:
+                    streams.wait(f"wait AR bucket {i}", now, start)
+                    waited += start - now
+                now, slowdown = streams.compute(f"optimizer bucket {i}", start,
+                                                steps_in_backward[i])
+                contention += slowdown
+                stepped += steps_in_backward[i]
     compute_until(n - 1, "BW")
     if used_map_bytes:
         all_reduce("AR used-parameter map", used_map_bytes)
     tail, total_comm = streams.finish(now, optimizer_s)
+    if steps_in_backward:  # what is left of the steps after backward ends the step
+        optimizer_s = stepped if not rates.async_launch else streams.beside_left(now + tail)
     backward = times[-1] - forward
     step = StepTime(step_s=forward + backward + contention + hook_s + streams.host_wait_s
                     + waited + tail + optimizer_s, forward_s=forward,
@@ -453,7 +471,8 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
 
 def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, optimizer: str,
                config: DDPConfig, unused: list[GradParam] | None = None, *,
-               sync_last: bool = False, hook_buffers: int = 0) -> MemoryEstimate:
+               sync_last: bool = False, hook_buffers: int = 0,
+               steps_in_backward: list[tuple[int, int]] | None = None) -> MemoryEstimate:
     """Per-rank peak of a steady DDP step (every rank holds everything).
 
     Always alive: fp32 parameters, the bucket storage (which is the gradients under
@@ -469,11 +488,15 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     from the buckets ([Note: DDP and accumulation]). A communication hook's state kept across
     steps is always alive (``comm_hook_state``); ``hook_buffers``, what one bucket's chain
     holds while it runs (``hook_memory``), comes on top of backward's activations where that
-    is higher (``comm_hook_buffers``)."""
+    is higher (``comm_hook_buffers``). ``steps_in_backward``: the parameters step in backward
+    (``optimizer_overlap``), each bucket's once its last gradient is ready, ``(event, step
+    temporary bytes)``; no optimizer step follows."""
     if unused is None:
         unused = unused_parameters(graph, analysis)
     static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
                                                unused)
+    if steps_in_backward is not None:
+        return _overlapped_ddp_memory(analysis, static, autocast, steps_in_backward)
     buffers = hook_buffers
     events = analysis.timeline.events
     activations = max((e.peak for e in events), default=0)
@@ -513,6 +536,30 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
         step["activations"] = min(activations, events[span[0]].level)
         step["loss"] = activations - step["activations"]
     return MemoryEstimate(peak_bytes=base + activations + autocast, phase=f"{phase} ({where})",
+                          breakdown=step)
+
+
+def _overlapped_ddp_memory(analysis: Analysis, static: dict[str, int], autocast: int,
+                           steps: list[tuple[int, int]]) -> MemoryEstimate:
+    """``ddp_memory`` with the optimizer stepping in backward: the activation peak, or a
+    bucket's step (the activations at its ready event and its step temporary), whichever is
+    higher."""
+    events = analysis.timeline.events
+    peak_at = max(range(len(events)), key=lambda i: events[i].peak) if events else 0
+    step = {**static, "activations": events[peak_at].peak if events else 0}
+    where = (f"{events[peak_at].kind} {events[peak_at].module or '<root>'}" if events
+             else "step")
+    phase = "backward" if events and events[peak_at].kind.endswith("bw") else "forward"
+    for at, temporary in steps:
+        if temporary and events[at].level + temporary > (step["activations"]
+                                                         + step.get("optimizer_temporaries", 0)):
+            step = {**static, "activations": events[at].level,
+                    "optimizer_temporaries": temporary}
+            where, phase = (f"{events[at].kind} {events[at].module or '<root>'}",
+                            "optimizer step in backward")
+    if autocast:
+        step["autocast_weights"] = autocast
+    return MemoryEstimate(peak_bytes=sum(step.values()), phase=f"{phase} ({where})",
                           breakdown=step)
 
 
@@ -565,10 +612,13 @@ def _ddp_resident(graph: ModuleGraph, analysis: Analysis, precision: Precision, 
 def ddp_memory_timeline(graph: ModuleGraph, analysis: Analysis, precision: Precision,
                         optimizer: str, config: DDPConfig,
                         unused: list[GradParam] | None = None, *,
-                        sync_last: bool = False) -> MemoryTimeline:
+                        sync_last: bool = False, optimizer_overlap: bool = False
+                        ) -> MemoryTimeline:
     """``ddp_memory`` at every analysed boundary (for pictures): the resident bytes, the
     autocast copies and the gradients held under ``no_sync`` under the activation timeline,
-    then the optimizer step; its highest total is ``ddp_memory``'s peak."""
+    then the optimizer step; its highest total is ``ddp_memory``'s peak. With
+    ``optimizer_overlap`` there is no optimizer step (each bucket's step in backward adds one
+    parameter's temporary, which ``ddp_memory`` counts and this timeline does not draw)."""
     if unused is None:
         unused = unused_parameters(graph, analysis)
     static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
@@ -583,7 +633,8 @@ def ddp_memory_timeline(graph: ModuleGraph, analysis: Analysis, precision: Preci
         events=events, forward_end=forward_end, points=[4 * i for i in range(len(events))],
         activations=[e.peak for e in events], static=static,
         held=held, live=[], instants=[],
-        grads_at=[], optimizer_step={**static, "optimizer_temporaries": opt_temp},
+        grads_at=[], optimizer_step=None if optimizer_overlap
+        else {**static, "optimizer_temporaries": opt_temp},
         loss_span=loss_span(events, backward_start))
 
 
@@ -593,7 +644,8 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
                  world_size: int, gpus_per_node: int, precision: Precision, optimizer: str,
                  dtype: str = "bfloat16", params: list[GradParam] | None = None,
                  times: list[float] | None = None, grad_accum_steps: int = 1,
-                 gradient_sync: str = "every") -> DDPEvaluation:
+                 gradient_sync: str = "every", optimizer_overlap: bool = False
+                 ) -> DDPEvaluation:
     """Buckets, memory, collectives and step time of one DDP configuration (``params``: the
     model's ``grad_parameters``, and ``times``: ``event_times``, computed once when several
     configurations are evaluated) over one optimizer step of ``grad_accum_steps``
@@ -612,9 +664,17 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
         element = _grad_element_bytes(params)
         chains = [hook_phases(config.comm_hook, bucket_shapes(graph, params, b), element,
                               rank=config.powersgd_rank) for b in buckets]
+    steps = None
+    if optimizer_overlap:  # [Note: optimizer overlap in the models]
+        by_index = {p.index: p for p in params}
+        rates = Rates.of(hw, dtype)
+        steps = [optimizer_time(hw, rates, optimizer, sum(by_index[j].numel for j in b.params),
+                                precision.orig_bytes) for b in buckets]
+        common["optimizer_s"] = 0.0
     time, ready = ddp_step_time(
         buckets, events, hw, chains=chains, host_sync=kind is not None and kind.host_sync,
-        used_map_bytes=4 * len(params) if config.find_unused_parameters else 0, **common)
+        used_map_bytes=4 * len(params) if config.find_unused_parameters else 0,
+        steps_in_backward=steps, **common)
     if grad_accum_steps > 1:
         earlier = time
         if gradient_sync == "last":  # under no_sync: forward and backward, no all-reduce
@@ -623,7 +683,9 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
     memory = ddp_memory(graph, analysis, precision, optimizer, config,
                         [p for p in params if p.ready_event is None],
                         sync_last=grad_accum_steps > 1 and gradient_sync == "last",
-                        hook_buffers=hook_memory(graph, params, buckets, config)[1])
+                        hook_buffers=hook_memory(graph, params, buckets, config)[1],
+                        steps_in_backward=_step_temporaries(optimizer, params, buckets)
+                        if optimizer_overlap else None)
     reduces = 1 if gradient_sync == "last" else grad_accum_steps
     per_bucket = all_reduces_per_bucket(config.comm_hook)
     collectives = {"all_gather": 0, "reduce_scatter": 0,
@@ -633,6 +695,22 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
         collectives["broadcast"] = reduces * buffer_broadcasts(graph)
     return DDPEvaluation(config=config, buckets=buckets, memory=memory, time=time,
                          collectives=collectives, unused=unused, ready_s=ready)
+
+
+def _step_temporaries(optimizer: str, params: list[GradParam], buckets: list[Bucket]
+                      ) -> list[tuple[int, int]]:
+    """(event, bytes) of each bucket's in-backward step: where its last gradient is ready, and
+    what its largest parameter's step allocates (cost/optimizer_overlap.py
+    ``step_temporary_numel``)."""
+    from fsdp_plan.cost.optimizer_overlap import step_temporary_numel
+
+    by_index = {p.index: p for p in params}
+    out = []
+    for bucket in buckets:
+        largest = max((by_index[j] for j in bucket.params), key=lambda p: p.nbytes)
+        element = largest.nbytes // max(1, largest.numel)
+        out.append((bucket.ready_event, step_temporary_numel(optimizer, largest.numel) * element))
+    return out
 
 
 def bucket_shapes(graph: ModuleGraph, params: list[GradParam], bucket: Bucket

@@ -31,6 +31,15 @@ with ``every`` the reduce-scattered fp32 sharded gradients (FSDP2 accumulates in
 accumulated in the reduce dtype when it differs from the compute dtype, else in the compute
 dtype. The optimizer step comes after the last micro-batch has reduced them: not held there.
 
+[Note: optimizer overlap in memory]
+With ``optimizer_overlap`` (cost/optimizer_overlap.py) no sharded gradient outlives its unit's
+reduce-scatter and no optimizer step follows backward. A unit's parameters step inside its
+reduce-scatter call, after the unsharded gradients were copied into the reduce-scatter input
+and let go (``foreach_reduce``): at that moment the step holds what the sweep holds at the
+unit's post-backward point without its instants (the unsharded gradients are gone, the
+reduce-scatter input is live), plus the unit's sharded gradient and one parameter's step
+temporary (the largest). Measured against FSDPMemTracker (tests/test_optimizer_overlap.py).
+
 [Note: sub-steps]
 Several FSDP actions share one module boundary; they run in this order: 0 the ending unit's
 post-forward/post-backward (reshard, reduce-scatter), 1 the starting unit's copy-out of its
@@ -73,6 +82,8 @@ class StepContext:
     grad_accum_steps: int = 1
     gradient_sync: str = "every"
     """With ``grad_accum_steps > 1``: see [Note: gradient accumulation]."""
+    optimizer_overlap: bool = False
+    """Each parameter stepped in backward: see [Note: optimizer overlap in memory]."""
 
 
 @dataclass(kw_only=True)
@@ -363,7 +374,8 @@ class StepBuffers:
 
 # What a buffer of the step holds, per unit (``_Skeleton``): its bytes are ``rate * mult`` with
 # the unit's rate of that kind (``_unit_rates``).
-_UNSHARDED, _GATHER_COPY, _OFFLOAD_COPY, _RS_INPUT, _PARAM_BYTES, _ALL_GRADS, _SHARD_ORIG = range(7)
+(_UNSHARDED, _GATHER_COPY, _OFFLOAD_COPY, _RS_INPUT, _PARAM_BYTES, _ALL_GRADS, _SHARD_ORIG,
+ _LARGEST_SHARD) = range(8)
 
 
 @dataclass(kw_only=True)
@@ -378,16 +390,19 @@ class _Skeleton:
     instants: list[tuple[tuple[int, int], str, int, int, int]]
     grads_at: list[tuple[int, int]]
     """(event, unit): the unit's sharded gradient appears after its reduce-scatter."""
+    reduced_at: list[tuple[int, int]] = field(default_factory=list)
+    """(event, unit): the unit's post-backward, where its reduce-scatter runs (in backward
+    order), whether or not its sharded gradient stays."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     rates: dict[tuple, np.ndarray] = field(default_factory=dict)
     """Per-unit rates by (shard size, dtype sizes, shard numels): ``_unit_rates``."""
 
 
 def _unit_rates(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
-    """Bytes per unit of each kind of rate (rows ``_UNSHARDED`` .. ``_SHARD_ORIG``)."""
+    """Bytes per unit of each kind of rate (rows ``_UNSHARDED`` .. ``_LARGEST_SHARD``)."""
     import numpy as np  # see [Note: numpy on first use]
 
-    rows = [[0] * len(units) for _ in range(7)]
+    rows = [[0] * len(units) for _ in range(8)]
     for i, u in enumerate(units):
         pb = p.unit_param_bytes(u)
         unsharded = u.unsharded_numel(shard) * pb
@@ -398,7 +413,8 @@ def _unit_rates(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
         rows[_PARAM_BYTES][i] = pb
         rows[_ALL_GRADS][i] = u.numel * pb
         rows[_SHARD_ORIG][i] = u.shard_numel * p.orig_bytes
-    return np.array(rows, dtype=np.int64).reshape(7, len(units))
+        rows[_LARGEST_SHARD][i] = u.largest_shard_numel * p.orig_bytes
+    return np.array(rows, dtype=np.int64).reshape(8, len(units))
 
 
 def _skeleton(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
@@ -466,8 +482,10 @@ def _place_buffers(profile: ActivationProfile, units: list[UnitSpec], *, offload
     last = len(profile.events) - 1
     bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
     grads_at: list[tuple[int, int]] = []
+    reduced_at: list[tuple[int, int]] = []
     for pos, i in enumerate(bw_order):
         w = windows[i]
+        reduced_at.append((w.bw_end, i))
         nxt = windows[bw_order[pos + 1]].bw_end if pos + 1 < len(bw_order) else last + 1
         live.append(((w.bw_end, 0), (nxt, 0), "comm_buffers", i, _RS_INPUT, 1))
         # The reduce-scatter input is filled while the unsharded gradients still exist.
@@ -476,7 +494,7 @@ def _place_buffers(profile: ActivationProfile, units: list[UnitSpec], *, offload
             instants.append(((w.bw_end, 0), "offload_copies", i, _SHARD_ORIG, 1))
         elif sharded_grads:  # held from the start when accumulating
             grads_at.append((w.bw_end, i))
-    return _Skeleton(live=live, instants=instants, grads_at=grads_at)
+    return _Skeleton(live=live, instants=instants, grads_at=grads_at, reduced_at=reduced_at)
 
 
 def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.ndarray]:
@@ -526,7 +544,8 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
 def _rates_of(skeleton: _Skeleton, units: list[UnitSpec], p: Precision, shard: int
               ) -> np.ndarray:
     key = (shard, p.param_bytes, p.orig_bytes, p.reduce_bytes,
-           tuple(u.shard_numel for u in units), tuple(u.full_precision for u in units))
+           tuple(u.shard_numel for u in units), tuple(u.full_precision for u in units),
+           tuple(u.largest_shard_numel for u in units))
     rates = skeleton.rates.get(key)
     if rates is None:
         rates = skeleton.rates[key] = _unit_rates(units, p, shard)
@@ -548,7 +567,7 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     import numpy as np  # see [Note: numpy on first use]
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton(profile, units, offload=ctx.offload,
-                         sharded_grads="sharded_grads" not in held,
+                         sharded_grads="sharded_grads" not in held and not ctx.optimizer_overlap,
                          forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
     a = _sweep_of(profile, skeleton)
     rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size)
@@ -576,7 +595,43 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     if optimizer_step is not None and sum(optimizer_step.values()) > best.peak_bytes:
         best = MemoryEstimate(peak_bytes=sum(optimizer_step.values()), phase="optimizer step",
                               breakdown=dict(optimizer_step))
+    if ctx.optimizer_overlap and not ctx.offload:
+        for point, parts in _steps_in_backward(skeleton, a, nbytes, rates, base, ctx.optimizer):
+            if sum(parts.values()) > best.peak_bytes:
+                best = MemoryEstimate(peak_bytes=sum(parts.values()), breakdown=parts,
+                                      phase="optimizer step in " + _phase_name(profile, point >> 2))
     return best
+
+
+def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes: np.ndarray,
+                       rates: np.ndarray, static: dict[str, int], optimizer: str) -> list[tuple[int, dict[str, int]]]:
+    """(coded point, what is held) while each unit's parameters step in backward ([Note:
+    optimizer overlap in memory]): the buffers live at its post-backward point (no instants),
+    its sharded gradient and one parameter's step temporary. Activations are the point's."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    from fsdp_plan.cost.optimizer_overlap import step_temporary_numel
+
+    points = a["points"]
+    out = []
+    for event, unit in skeleton.reduced_at:
+        point = 4 * event + 1
+        at = int(np.searchsorted(points, point))
+        if at >= len(points) or int(points[at]) != point:
+            continue
+        live = a["live"]
+        here = (live[:, 0] <= point) & (live[:, 1] > point)
+        parts = dict(static)
+        for j in np.flatnonzero(here).tolist():
+            cat = skeleton.live[j][2]
+            parts[cat] = parts.get(cat, 0) + int(nbytes[j])
+        parts["activations"] = int(a["activations"][at])
+        parts["sharded_grads"] = parts.get("sharded_grads", 0) + int(rates[_SHARD_ORIG, unit])
+        temporary = step_temporary_numel(optimizer, 1) * int(rates[_LARGEST_SHARD, unit])
+        if temporary:
+            parts["optimizer_temporaries"] = temporary
+        out.append((point, parts))
+    return out
 
 
 def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes: np.ndarray,
@@ -628,8 +683,9 @@ def _static_and_held(units: list[UnitSpec], ctx: StepContext
 
 def _optimizer_step(units: list[UnitSpec], ctx: StepContext, static: dict[str, int]
                     ) -> dict[str, int] | None:
-    """What the optimizer step holds (None with offload: it runs on the host)."""
-    if ctx.offload:
+    """What the optimizer step holds (None with offload: it runs on the host; None with
+    optimizer overlap: it ran in backward)."""
+    if ctx.offload or ctx.optimizer_overlap:
         return None
     grads = sum(u.shard_numel for u in units) * ctx.precision.orig_bytes
     temporaries = grads if OPTIMIZER_STATES.get(ctx.optimizer, 0) else 0
@@ -642,7 +698,7 @@ def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
     the sweep: ``estimate_peak`` takes their highest total, ``memory_timeline`` all of them."""
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton(profile, units, offload=ctx.offload,
-                         sharded_grads="sharded_grads" not in held,
+                         sharded_grads="sharded_grads" not in held and not ctx.optimizer_overlap,
                          forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
     rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size).tolist()
     return StepBuffers(
@@ -673,6 +729,9 @@ class MemoryTimeline:
     optimizer_step: dict[str, int] | None
     loss_span: tuple[int, int] | None = None
     """Where the loss is computed ([Note: the loss in the breakdown]); None shows no ``loss``."""
+    steps_in_backward: list[tuple[int, dict[str, int]]] = field(default_factory=list)
+    """(coded point, what is held) while each unit's parameters step in backward ([Note:
+    optimizer overlap in memory]); empty without optimizer overlap."""
 
     def parts(self, i: int) -> dict[str, int]:
         """What holds memory at ``points[i]``, activations (and what the loss holds) included."""
@@ -685,6 +744,7 @@ class MemoryTimeline:
     def totals(self) -> list[int]:
         """Bytes at every point, then at the optimizer step (when it runs on the device)."""
         out = [sum(self.parts(i).values()) for i in range(len(self.points))]
+        out += [sum(parts.values()) for _, parts in self.steps_in_backward]
         if self.optimizer_step is not None:
             out.append(sum(self.optimizer_step.values()))
         return out
@@ -703,7 +763,19 @@ def memory_timeline(profile: ActivationProfile, units: list[UnitSpec], ctx: Step
     live, instants, grads_at = _encode(b.live, b.instants, b.grads_at)
     extra_bytes = {key: 0 for key, _, _ in instants}
     points, activations = _points(profile, live, extra_bytes, grads_at, every_event=True)
+    steps = []
+    if ctx.optimizer_overlap and not ctx.offload:
+        import numpy as np  # see [Note: numpy on first use]
+
+        static, held = _static_and_held(units, ctx)
+        skeleton = _skeleton(profile, units, offload=False, sharded_grads=False,
+                             forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+        a = _sweep_of(profile, skeleton)
+        rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size)
+        nbytes = rates[a["live"][:, 3], a["live"][:, 2]] * a["live"][:, 4]
+        steps = _steps_in_backward(skeleton, a, np.asarray(nbytes), rates, {**static, **held},
+                                   ctx.optimizer)
     return MemoryTimeline(events=profile.events, forward_end=profile.forward_end, points=points,
                           activations=activations, static=b.static, held=b.held, live=live,
                           instants=instants, grads_at=grads_at, optimizer_step=b.optimizer_step,
-                          loss_span=profile.loss_span)
+                          loss_span=profile.loss_span, steps_in_backward=steps)

@@ -249,6 +249,9 @@ class UnitCost:
     reduce_scatter_s: float
     all_reduce_s: float = 0.0
     regather: bool = True
+    optimizer_s: float = 0.0
+    """The unit's parameters' optimizer step in backward, after its reduce-scatter
+    (``optimizer_overlap``; 0: the optimizer steps after backward)."""
     fw_host_s: float = 0.0
     bw_host_s: float = 0.0
     """Host seconds to issue the unit's forward and backward (its ops' dispatch and launch,
@@ -323,9 +326,18 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
             now, slowdown = streams.compute(f"{phase.upper()} {u.key}", start, duration, host)
             contention += slowdown
             if phase == "bw":
-                streams.issue(f"RS {u.key}", now, u.reduce_scatter_s)
+                reduced = streams.issue(f"RS {u.key}", now, u.reduce_scatter_s)
                 if u.all_reduce_s:
-                    streams.issue(f"AR {u.key}", streams.comm_free, u.all_reduce_s)
+                    reduced = streams.issue(f"AR {u.key}", streams.comm_free, u.all_reduce_s)
+                if u.optimizer_s and hw.async_launch:  # beside the backward, on its own stream
+                    streams.beside(f"optimizer {u.key}", reduced, u.optimizer_s)
+                elif u.optimizer_s:  # the host steps in line once the reduction is done
+                    if reduced > now:
+                        streams.wait(f"wait RS {u.key}", now, reduced)
+                        bubbles += reduced - now
+                    now, slowdown = streams.compute(f"optimizer {u.key}", max(now, reduced),
+                                                    u.optimizer_s)
+                    contention += slowdown
         return now, bubbles, contention
 
     fw_end, fw_bubbles, fw_cont = run_pass(units, "fw", 0.0, forward_prefetch, [True] * len(units))
@@ -336,6 +348,10 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     forward = sum(u.fw_compute_s for u in units)
     backward = sum(u.bw_compute_s for u in units)
     bubbles = fw_bubbles + bw_bubbles
+    in_backward = sum(u.optimizer_s for u in units)
+    if in_backward:  # [Note: optimizer overlap in the models]: what is left of it ends the step
+        optimizer_s = (in_backward if not hw.async_launch
+                       else streams.beside_left(bw_end + tail))
     exposed = bubbles + tail
     step = (forward + backward + (fw_cont + bw_cont) + streams.host_wait_s + exposed
             + optimizer_s)

@@ -52,6 +52,10 @@ class Streams:
         """When the communication stream finishes what was issued so far."""
         self._busy: list[tuple[float, float]] = []
         self._ends: list[float] = []
+        self._beside: list[tuple[float, float]] = []
+        """Work on a stream of its own beside the collectives: the optimizer stepped in
+        backward ([Note: optimizer overlap in the models] in cost/optimizer_overlap.py)."""
+        self._beside_ends: list[float] = []
         self.host_free = 0.0
         """When the host has issued everything so far ([Note: the host floor])."""
         self.host_wait_s = 0.0
@@ -66,15 +70,28 @@ class Streams:
         self.spans.append(("comm", label, start, self.comm_free))
         return self.comm_free
 
+    def beside(self, label: str, at: float, seconds: float) -> float:
+        """Device work ready at ``at`` on its own stream, after what that stream runs already
+        (the optimizer stepped in backward): it slows the compute it overlaps as a collective
+        does, but is no communication. Returns when it finishes."""
+        start = max(at, self._beside_ends[-1] if self._beside_ends else 0.0)
+        end = start + seconds
+        self._beside.append((start, end))
+        self._beside_ends.append(end)
+        self.spans.append(("comm", label, start, end))
+        return end
+
     def overlap(self, start: float, end: float) -> float:
-        """Seconds of ``[start, end)`` the communication stream is busy (its spans are sorted
-        and disjoint: scan from the first one ending after ``start``)."""
+        """Seconds of ``[start, end)`` the communication stream is busy, plus those the work
+        beside it is (each lane's spans are sorted and disjoint: scan from the first one
+        ending after ``start``)."""
         total = 0.0
-        i = bisect.bisect_right(self._ends, start)
-        while i < len(self._busy) and self._busy[i][0] < end:
-            s, e = self._busy[i]
-            total += max(0.0, min(end, e) - max(start, s))
-            i += 1
+        for busy, ends in ((self._busy, self._ends), (self._beside, self._beside_ends)):
+            i = bisect.bisect_right(ends, start)
+            while i < len(busy) and busy[i][0] < end:
+                s, e = busy[i]
+                total += max(0.0, min(end, e) - max(start, s))
+                i += 1
         return total
 
     def compute(self, label: str, start: float, seconds: float,
@@ -110,3 +127,7 @@ class Streams:
         end = backward_end + tail
         self.spans.append(("compute", "optimizer", end, end + optimizer_s))
         return tail, sum(e - s for s, e in self._busy)
+
+    def beside_left(self, after: float) -> float:
+        """Seconds the work beside the collectives still runs after ``after``."""
+        return max(0.0, (self._beside_ends[-1] if self._beside_ends else 0.0) - after)

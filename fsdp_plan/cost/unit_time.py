@@ -153,10 +153,12 @@ class UnitClock:
 
 def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, replicate: int,
                    recompute: Mapping[str, tuple[float, float]], forward_prefetch: int,
-                   backward_prefetch: int) -> StepTime:
+                   backward_prefetch: int, optimizer_overlap: bool = False) -> StepTime:
     """The step time of ``units`` (children first, the root last) on a ``(replicate, shard)``
     mesh: per-op unit times, then the two streams. ``recompute`` maps each checkpointed block
-    to its recompute ``(seconds, host seconds)`` in its mode."""
+    to its recompute ``(seconds, host seconds)`` in its mode. ``optimizer_overlap``: each
+    unit's parameters step after its reduce-scatter, in backward (cost/optimizer_overlap.py;
+    never with accumulation)."""
     s = clock.setup
     hw = s.hardware
     rates = Rates.of(hw, s.param_dtype)
@@ -174,6 +176,13 @@ def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, repli
     root = [c for c in costs if c.key == "<root>"]
     ordered = root + [c for c in costs if c.key != "<root>"]
     total_shard = sum(u.shard_numel for u in units)
+    if optimizer_overlap:  # [Note: optimizer overlap in the models]
+        by_key = {u.key or "<root>": u for u in units}
+        ordered = [dataclasses.replace(c, optimizer_s=optimizer_time(
+            hw, rates, s.optimizer, by_key[c.key].shard_numel, s.precision.orig_bytes,
+            by_key[c.key].num_params)) if by_key[c.key].numel else c for c in ordered]
+        return simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
+                             backward_prefetch=backward_prefetch)
     optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, s.precision.orig_bytes,
                                  clock.param_tensors)
     step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,

@@ -32,6 +32,9 @@ class UnitSpec:
     full_precision: bool = False
     """Batch norm kept in float32 (see [Note: batch norm in full precision]): gathered, computed
     and given gradients in float32 whatever the plan's ``param_dtype``."""
+    largest_shard_numel: int = 0
+    """The per-rank shard of the unit's largest parameter (padded): what one parameter's
+    optimizer step in backward allocates beside it (cost/optimizer_overlap.py)."""
 
     @property
     def key(self) -> str:
@@ -43,7 +46,8 @@ class UnitSpec:
         return UnitSpec(modules=self.modules, reshard_after_forward=reshard_after_forward,
                         numel=self.numel, shard_numel=self.shard_numel,
                         num_params=self.num_params, owned_modules=self.owned_modules,
-                        param_modules=self.param_modules, full_precision=self.full_precision)
+                        param_modules=self.param_modules, full_precision=self.full_precision,
+                        largest_shard_numel=self.largest_shard_numel)
 
     def unsharded_numel(self, shard_size: int) -> int:
         """Elements of the all-gathered (padded) parameters."""
@@ -103,7 +107,9 @@ def _build_units(graph: ModuleGraph, groups: list[list[str]], shard_size: int
             numel = math.prod(shape) if shape else 1
             dim0 = shape[0] if shape else 1
             unit.numel += numel
-            unit.shard_numel += math.ceil(dim0 / shard_size) * (numel // max(dim0, 1))
+            shard = math.ceil(dim0 / shard_size) * (numel // max(dim0, 1))
+            unit.shard_numel += shard
+            unit.largest_shard_numel = max(unit.largest_shard_numel, shard)
             unit.num_params += 1
     return units
 

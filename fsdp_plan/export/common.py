@@ -359,12 +359,24 @@ def file_names(framework: str) -> tuple[str, ...]:
     return (*module.FILE_NAMES, POLICY_FILE, README_FILE)
 
 
+def check_exportable(plan: Plan, framework: str) -> None:
+    """Refuse what no framework's export can run: a plan whose optimizer steps in backward
+    (the frameworks step their own optimizer after backward, and clip there)."""
+    if plan.optimizer_overlap:
+        raise BadInput(f"the plan steps its optimizer in backward (optimizer_overlap: true), and "
+                       f"{framework} steps its own optimizer after backward, so the export "
+                       "would train another plan. Apply this plan in a loop of your own "
+                       "(policy.apply(model, optimizer_kwargs=...)), or export a plan made "
+                       "without --optimizer-overlap.")
+
+
 def export_plan(plan: Plan, shape: PlanShape, framework: str, policy_source: str,
                 options: dict[str, Any] | None = None) -> Export:
     """The files of ``framework``'s export of ``plan`` (``policy_source`` is its policy module)."""
     if framework not in FRAMEWORKS:
         raise BadInput(f"--to {framework!r} is not a framework fsdp-plan exports to; choose one "
                        f"of {', '.join(FRAMEWORKS)}.")
+    check_exportable(plan, framework)
     module = importlib.import_module(f"fsdp_plan.export.{framework}")
     result: Export = module.render(plan, shape, dict(options or {}))
     result.files[POLICY_FILE] = policy_source

@@ -54,7 +54,7 @@ def allocator_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleT
         mesh = runtime.make_mesh("cuda", replicate, shard)
         model = runtime.build_real_model(loaded, dev)
         model = policy_module.apply_fully_shard(model, mesh)
-        optimizer = runtime.make_optimizer(plan.optimizer, model.parameters())
+        optimizer = runtime.plan_optimizer(policy_module, model)
         inputs = runtime.to_device(loaded.make_inputs(source.batch_size, source.seq_len), dev)
         autocast = runtime.policy_autocast_dtype(policy_module)
         runtime.forward_backward(model, loaded, inputs, autocast)

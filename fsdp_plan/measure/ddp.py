@@ -73,10 +73,12 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
     """One job on this rank: see the module docstring for the steps."""
     model = runtime.build_real_model(loaded, device)
     if job.get("policy_source"):
-        ddp = runtime.load_policy(job["policy_source"]).apply_ddp(model)
+        policy = runtime.load_policy(job["policy_source"])
+        ddp = policy.apply_ddp(model)
+        optimizer = runtime.plan_optimizer(policy, ddp)
     else:
         ddp = DDP(model, **job["ddp_kwargs"])
-    optimizer = runtime.make_optimizer(job.get("optimizer", "adamw"), ddp.parameters())
+        optimizer = runtime.make_optimizer(job.get("optimizer", "adamw"), ddp.parameters())
     torch.manual_seed(1 + rank)
     src = loaded.source
     inputs = runtime.to_device(loaded.make_inputs(src.batch_size, src.seq_len), device)

@@ -190,7 +190,7 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
                     model, mesh, compile_backend=graph_backend(ran, run=True))
             else:
                 model = policy_module.apply_fully_shard(model, mesh)
-            optimizer = runtime.make_optimizer(plan.optimizer, model.parameters())
+            optimizer = runtime.plan_optimizer(policy_module, model)
             inputs = loaded.make_inputs(source.batch_size, source.seq_len)
             warmup = tracker_class(model, optimizer)
             warmup.track_inputs(inputs)

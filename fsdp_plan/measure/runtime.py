@@ -204,6 +204,17 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer | None:
     raise BadInput(f"the plan's optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}.")
 
 
+def plan_optimizer(policy: types.ModuleType, model: nn.Module) -> torch.optim.Optimizer | None:
+    """The optimizer a policy's plan trains ``model`` (as the plan applied it) with: its
+    per-parameter optimizers stepped in backward when the plan says ``optimizer_overlap``
+    (the policy's ``optimizer_in_backward``, whose ``step`` has nothing left to do), else
+    ``make_optimizer`` of the plan's optimizer."""
+    plan = getattr(policy, "PLAN", None) or {}
+    if plan.get("optimizer_overlap"):
+        return policy.optimizer_in_backward(model, lr=1e-4)
+    return make_optimizer(plan.get("optimizer", "adamw"), model.parameters())
+
+
 def forward_backward(model: nn.Module, loaded: LoadedModel, inputs: tuple[tuple, dict],
                      autocast_dtype: str | None = None) -> None:
     """One forward and backward: the part of a step that issues FSDP's collectives. Forward

@@ -82,11 +82,13 @@ def plan_timeline(plan: Plan, facts: ModelFacts, prediction: Prediction) -> Memo
         return ddp_memory_timeline(facts.graph, facts.analysis.for_ddp(),
                                    plan.mixed_precision.precision, plan.optimizer,
                                    config, sync_last=plan.grad_accum_steps > 1
-                                   and plan.gradient_sync == "last")
+                                   and plan.gradient_sync == "last",
+                                   optimizer_overlap=plan.optimizer_overlap)
     evaluator = prediction.evaluator
     if evaluator is None:
         raise ValueError("a prediction without its evaluator has no memory timeline")
-    ctx = evaluator.step_context(candidate.shard, offload=candidate.layout.offload)
+    ctx = evaluator.step_context(candidate.shard, offload=candidate.layout.offload,
+                                 optimizer_overlap=candidate.layout.optimizer_overlap)
     return memory_timeline(evaluator.profile_of(candidate), candidate.units, ctx,
                            forward_prefetch=candidate.forward_prefetch,
                            backward_prefetch=candidate.backward_prefetch)
@@ -148,6 +150,12 @@ def step_series(timeline: MemoryTimeline, time: StepTime) -> StepSeries:
         phase = "forward" if event <= timeline.forward_end else "backward"
         labels.append(f"{phase}: {ev.kind} {ev.module or '<root>'}")
         keys.append(event_keys[event])
+    for point, held in timeline.steps_in_backward:  # [Note: optimizer overlap in memory]
+        ev = timeline.events[point >> 2]
+        rows.append(dict(held))
+        times.append(at[point >> 2])
+        labels.append(f"optimizer step in backward: {ev.kind} {ev.module or '<root>'}")
+        keys.append(None)
     resident = dict(timeline.static)
     if timeline.optimizer_step is not None:
         for t in (optimizer_s, end_s):

@@ -64,6 +64,7 @@ def to_plan(best: Candidate, request: PlanRequest, facts: ModelFacts, *, digest:
         grad_accum_steps=request.grad_accum_steps,
         gradient_sync=request.gradient_sync if request.grad_accum_steps > 1 else "every",
         offload=Offload() if offload else None,
+        optimizer_overlap=best.layout.optimizer_overlap,
         compile=CompiledBlocks(modules=tuple(facts.graph.blocks),
                                activation_memory_budget=request.activation_memory_budget)
         if request.compile_blocks else None,
@@ -140,7 +141,7 @@ def layout_of(plan: Plan, facts: ModelFacts) -> Layout:
                            "without activation checkpointing only: remove "
                            "activation_checkpointing.")
         return Layout(strategy="ddp", mesh=(plan.world_size, 1),
-                      ddp=plan.ddp or DDPConfig())
+                      ddp=plan.ddp or DDPConfig(), optimizer_overlap=plan.optimizer_overlap)
     units = list(plan.units)
     if not units or units[-1].modules != [""]:
         raise BadInput("the plan's last unit must be the root (modules: [\"\"]); FSDP2 needs the "
@@ -186,7 +187,8 @@ def layout_of(plan: Plan, facts: ModelFacts) -> Layout:
                   selective=selective - checkpoint, forward_prefetch=forward_depth,
                   backward_prefetch=backward_depth,
                   offload=plan.offload is not None,
-                  selective_mm_stride=plan.selective_mm_stride if selective else 1)
+                  selective_mm_stride=plan.selective_mm_stride if selective else 1,
+                  optimizer_overlap=plan.optimizer_overlap)
 
 
 def _block_example(blocks: list[str]) -> str:

@@ -27,6 +27,7 @@ from fsdp_plan.common.limits import MAX_BYTES, MAX_GRAD_ACCUM_STEPS, MAX_WORLD_S
 from fsdp_plan.common.safe_yaml import clip
 from fsdp_plan.cost.hardware.hardware import GPUS
 from fsdp_plan.cost.hardware.stored import check_stored_block
+from fsdp_plan.cost.optimizer_overlap import overlap_refusal
 from fsdp_plan.cost.precision import OPTIMIZERS
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.plan.checker import Checker, closest, name_of, show
@@ -309,6 +310,25 @@ def check_gradient_sync(check: Checker, value: Any, out: dict) -> str:
 def check_optimizer(check: Checker, value: Any, out: dict) -> str:
     return check.choice(value, "optimizer", OPTIMIZERS,
                         "set optimizer to the one the training script uses")
+
+
+def check_optimizer_overlap(check: Checker, value: Any, out: dict) -> bool:
+    """``optimizer_overlap`` (SPEC 8): each parameter stepped in backward, only where the plan
+    allows it (cost/optimizer_overlap.py ``overlap_refusal``)."""
+    if not isinstance(value, bool):
+        raise check.fail("optimizer_overlap", f"must be true or false, got {show(value)}",
+                         "write true (step each parameter as its gradient is reduced) or false")
+    if value:
+        ddp = out["ddp"]
+        why = overlap_refusal(strategy=out["strategy"], optimizer=out["optimizer"],
+                              grad_accum_steps=out["grad_accum_steps"],
+                              offload=out["offload"] is not None,
+                              comm_hook=ddp.comm_hook if ddp is not None else None)
+        if why:
+            raise check.fail("optimizer_overlap", f"is true but {why}",
+                             "set optimizer_overlap: false, or re-plan with --optimizer-overlap "
+                             "for a plan that allows it")
+    return value
 
 
 def check_gpu(check: Checker, value: Any, out: dict) -> str:

@@ -102,6 +102,9 @@ class Plan:
     backward_prefetch: dict[str, list[str]] = field(default_factory=dict)
     mixed_precision: PlanPrecision = field(default_factory=PlanPrecision)
     optimizer: str = "adamw"
+    optimizer_overlap: bool = False
+    """Each parameter stepped by its own optimizer as soon as its gradient is reduced (SPEC 8,
+    version 2; the policy's ``apply`` installs it); written only when true."""
     gpu: str = "h100"
     hardware: dict[str, Any] | None = None
     """The figures the plan was predicted with and where they came from, when they are not a

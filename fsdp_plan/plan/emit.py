@@ -199,6 +199,16 @@ def _docstring(document: dict[str, Any]) -> str:
         "",
         "The exact plan is PLAN below; edit the plan and re-run fsdp-plan rather than this file.",
     ]
+    if document.get("optimizer_overlap") is True:
+        lines += [
+            "",
+            "The optimizer steps in backward (optimizer_overlap): model = apply(model,",
+            "optimizer_kwargs={'lr': ...}) gives every parameter its own optimizer, stepped as",
+            "soon as its gradient is reduced; optimizer = in_backward_optimizer(model) stands",
+            "for them in the loop (its step and zero_grad have nothing left to do; a scheduler",
+            "sets its param_groups' lr). No gradient clipping across parameters after backward,",
+            "no accumulation over micro-batches.",
+        ]
     return '"""' + "\n".join(lines) + "\n" + _USAGE + '"""\n'
 
 

@@ -316,6 +316,13 @@ def format_units_and_offload(best: Candidate) -> list[str]:
                      f"{format_bytes(total)} ({parts}); optimizer step on the CPU "
                      f"{best.time.optimizer_s * 1e3:.1f} ms; host-device copies "
                      f"{best.detail.copy_s * 1e3:.1f} ms per step")
+    if best.layout.optimizer_overlap:
+        left = best.time.optimizer_s * 1e3
+        lines.append("optimizer overlap: each parameter steps as soon as its gradient is reduced "
+                     "(the policy's apply installs one optimizer per parameter; no clipping by "
+                     "the global norm, no accumulation); "
+                     + (f"{left:.2f} ms of it is left after backward" if left >= 0.005
+                        else "all of it hidden behind backward"))
     return lines
 
 

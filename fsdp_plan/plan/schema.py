@@ -117,6 +117,8 @@ FIELDS: tuple[Field, ...] = (
     Field("mixed_precision", sections.check_plan_precision, default={}, since=2,
           needs=_autocast_form),
     Field("optimizer", c.check_optimizer, default="adamw"),
+    Field("optimizer_overlap", c.check_optimizer_overlap, default=False, since=2, optional=True,
+          after=("strategy", "optimizer", "grad_accum_steps", "offload", "ddp")),
     Field("gpu", c.check_gpu, default="h100", after=("hardware",)),
     Field("hardware", c.check_hardware, default=None, optional=True),
     Field("grad_accum_steps", c.check_accum_steps, default=1, since=2, optional=True),

@@ -52,6 +52,9 @@ class SearchSettings:
     """Reduce gradients after ``every`` micro-batch or only the ``last``."""
     micro_batch: int = 1
     """Samples per micro-batch per rank (the no-fit advice suggests fewer when above 1)."""
+    optimizer_overlap: bool = False
+    """The training loop lets each parameter step in backward (``--optimizer-overlap``): every
+    layout that can have it is evaluated so (``Layout.optimizer_overlap``)."""
     allow_lossy_hooks: bool = False
     """DDP plans may use a lossy communication hook the user did not ask for by dtype
     (``--allow-lossy-hooks``: half-precision casts, PowerSGD; cost/comm_hooks.py)."""
@@ -90,6 +93,9 @@ class Layout:
     """FSDP2 ``CPUOffloadPolicy`` (search/offload.py)."""
     ddp: DDPConfig | None = None
     """DDP's bucket configuration when ``strategy`` is ``ddp``."""
+    optimizer_overlap: bool = False
+    """Each parameter stepped in backward (cost/optimizer_overlap.py): the evaluator sets it
+    where the settings allow it and the layout can have it."""
 
     @property
     def replicate(self) -> int:

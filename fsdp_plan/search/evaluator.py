@@ -27,6 +27,7 @@ from fsdp_plan.cost.compiled_time import compiled_times, without_inside
 from fsdp_plan.cost.ddp_buckets import GradParam, evaluate_ddp, event_times, grad_parameters
 from fsdp_plan.cost.memory import ActivationProfile, StepContext, estimate_peak
 from fsdp_plan.cost.offload import host_bytes, offload_seconds, offloaded_time
+from fsdp_plan.cost.optimizer_overlap import overlap_refusal
 from fsdp_plan.cost.step_time import (
     Rates,
     add_ops,
@@ -98,6 +99,11 @@ class Evaluator:
         the frontier's) answers a layout met before, by this search or another budget's, with
         the same candidate and ``fits`` for its own limit, computing nothing.
         """
+        if self.settings.optimizer_overlap and not layout.optimizer_overlap and overlap_refusal(
+                strategy=layout.strategy, optimizer=self.settings.optimizer,
+                grad_accum_steps=self.settings.grad_accum_steps, offload=layout.offload,
+                comm_hook=layout.ddp.comm_hook if layout.ddp is not None else None) is None:
+            layout = dataclasses.replace(layout, optimizer_overlap=True)
         key = (layout, name)
         if self.serves_seen and key in self._seen:
             seen, runs = self._seen[key]
@@ -147,7 +153,7 @@ class Evaluator:
         replicate, shard = layout.mesh
         which, selective = layout.full, layout.selective - layout.full
         units = self.units_of(layout)
-        ctx = self.step_context(shard)
+        ctx = self.step_context(shard, optimizer_overlap=layout.optimizer_overlap)
         profile = self.profile(which, selective)
         memory = estimate_peak(profile, units, ctx, forward_prefetch=layout.forward_prefetch,
                                backward_prefetch=layout.backward_prefetch)
@@ -158,7 +164,8 @@ class Evaluator:
         time = unit_step_time(
             self.clock, units, shard=shard, replicate=replicate,
             recompute={m.block: (m.recompute_s, m.recompute_host_s) for m in block_modes},
-            forward_prefetch=layout.forward_prefetch, backward_prefetch=layout.backward_prefetch)
+            forward_prefetch=layout.forward_prefetch, backward_prefetch=layout.backward_prefetch,
+            optimizer_overlap=layout.optimizer_overlap)
         calls = self._calls(units)
         return Candidate(
             name=name, layout=layout, units=units, memory=memory, time=time,
@@ -176,9 +183,11 @@ class Evaluator:
                                               precision=s.precision),
         )
 
-    def step_context(self, shard: int, *, offload: bool = False) -> StepContext:
+    def step_context(self, shard: int, *, offload: bool = False,
+                     optimizer_overlap: bool = False) -> StepContext:
         """What the memory model holds fixed for a layout sharded over ``shard`` ranks (with
-        ``CPUOffloadPolicy``: no accumulation held on the device, cost/memory.py)."""
+        ``CPUOffloadPolicy``: no accumulation held on the device, cost/memory.py; with
+        ``optimizer_overlap``: no gradients outlive their unit's step)."""
         s = self.settings
         if offload:
             return StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
@@ -187,7 +196,8 @@ class Evaluator:
         return StepContext(precision=s.precision, shard_size=shard, optimizer=s.optimizer,
                            buffer_bytes=self.graph.total_buffer_bytes,
                            input_bytes=self.analysis.input_bytes,
-                           grad_accum_steps=s.grad_accum_steps, gradient_sync=s.gradient_sync)
+                           grad_accum_steps=s.grad_accum_steps, gradient_sync=s.gradient_sync,
+                           optimizer_overlap=optimizer_overlap)
 
     def profile_of(self, candidate: Candidate) -> ActivationProfile:
         """The activation profile ``candidate`` was evaluated with (its checkpointed blocks)."""
@@ -243,7 +253,8 @@ class Evaluator:
                          precision=s.precision, optimizer=s.optimizer,
                          dtype=analysis.param_dtype, params=self._ddp_params,
                          times=self._ddp_times, grad_accum_steps=s.grad_accum_steps,
-                         gradient_sync=s.gradient_sync)
+                         gradient_sync=s.gradient_sync,
+                         optimizer_overlap=layout.optimizer_overlap)
         return Candidate(
             name=name, layout=layout, units=build_units(self.graph, [[""]], [False], 1),
             memory=e.memory, time=e.time, collectives=dict(e.collectives),

@@ -23,6 +23,7 @@ from fsdp_plan.common.limits import (
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for
 from fsdp_plan.cost.offload import pcie_bandwidth
+from fsdp_plan.cost.optimizer_overlap import OVERLAP_STRATEGIES
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision
 from fsdp_plan.facts.checkpointing import TORCHTITAN_MM_STRIDE
 from fsdp_plan.model.source import ModelSource
@@ -83,6 +84,10 @@ class PlanRequest:
     allow_offload: bool = False
     """When nothing fits on the device, plan FSDP2 ``CPUOffloadPolicy`` (``--allow-offload``;
     cost/offload.py [Note: offload as the last resort])."""
+    optimizer_overlap: bool = False
+    """``--optimizer-overlap``: the training loop lets each parameter step as soon as its
+    gradient is reduced (no clipping by the global norm, no accumulation); every FSDP2 and DDP
+    layout that can is planned so (cost/optimizer_overlap.py)."""
     grad_accum_steps: int = 1
     """Micro-batches (``source.batch_size`` samples each, per rank) per optimizer step."""
     gradient_sync: str = "every"
@@ -168,6 +173,29 @@ class PlanRequest:
                            "compiled blocks is not modelled. Drop --compile or --strategy ddp.")
         if self.allow_offload:  # before any work: h2d_bandwidth 0 cannot price the copies
             pcie_bandwidth(self.hardware)
+        if self.optimizer_overlap:
+            self._check_optimizer_overlap()
+
+    def _check_optimizer_overlap(self) -> None:
+        """``--optimizer-overlap`` only where one backward makes one optimizer step, the policy
+        installs the step, and there is an optimizer."""
+        fix = "drop --optimizer-overlap, or"
+        if self.optimizer == "none":
+            raise BadInput(f"--optimizer-overlap steps the optimizer in backward, and --optimizer "
+                           f"none has none; {fix} name the training script's optimizer.")
+        if self.grad_accum_steps > 1 or self.global_batch_size is not None:
+            raise BadInput(f"--optimizer-overlap steps each parameter in every backward, so one "
+                           "optimizer step is one micro-batch: no accumulation, and no "
+                           f"--global-batch-size for the planner to split; {fix} give the "
+                           "per-rank --batch-size.")
+        if self.framework is not None:
+            raise BadInput(f"--optimizer-overlap with --framework {self.framework}: the "
+                           "framework steps its own optimizer after backward; the policy's "
+                           f"apply installs the in-backward step in a loop of your own. {fix} "
+                           "plan without --framework.")
+        if self.strategy not in ("auto", *OVERLAP_STRATEGIES):
+            raise BadInput(f"--optimizer-overlap with --strategy {self.strategy}; {fix} choose "
+                           f"one of {', '.join(OVERLAP_STRATEGIES)}.")
 
     def _check_types(self) -> None:
         """Every field of the right type and the counts in range, before anything divides by
@@ -186,7 +214,7 @@ class PlanRequest:
         require_type(self.hardware, Hardware, "PlanRequest.hardware")
         require_type(self.hardware_origin, (dict, type(None)), "PlanRequest.hardware_origin")
         require_type(self.search, SearchOptions, "PlanRequest.search")
-        for flag in ("allow_offload", "allow_lossy_hooks", "compile_blocks"):
+        for flag in ("allow_offload", "allow_lossy_hooks", "compile_blocks", "optimizer_overlap"):
             require_type(getattr(self, flag), bool, f"PlanRequest.{flag}")
         require_whole(self.grad_accum_steps, "PlanRequest.grad_accum_steps", 1,
                       MAX_GRAD_ACCUM_STEPS)
@@ -256,4 +284,5 @@ class PlanRequest:
                               grad_accum_steps=self.grad_accum_steps,
                               gradient_sync=self.gradient_sync,
                               micro_batch=self.source.batch_size,
-                              allow_lossy_hooks=self.allow_lossy_hooks)
+                              allow_lossy_hooks=self.allow_lossy_hooks,
+                              optimizer_overlap=self.optimizer_overlap)
