@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import warnings
 import weakref
 
 import torch
@@ -705,7 +706,6 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None,
                           device_mesh=mesh)
     if PLAN.get("optimizer_overlap"):
         if optimizer_kwargs is None:
-            import warnings
             warnings.warn(f"PLAN steps its {PLAN.get('optimizer')} optimizer in backward and "
                           "apply() was given no optimizer_kwargs: it uses torch's defaults (for "
                           "AdamW lr=0.001). Pass apply(model, optimizer_kwargs={'lr': ...}).",
@@ -728,7 +728,9 @@ def apply(model: nn.Module, mesh: DeviceMesh | None = None,
 # to do, its ``param_groups`` are theirs (a learning-rate scheduler sets their ``lr``), and its
 # ``state`` and ``state_dict`` gather theirs.
 
-_OPTIMIZER_CLASSES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+OPTIMIZER_CLASSES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
+"""The ``torch.optim`` class of each plan ``optimizer`` (fsdp-plan's measurements make theirs
+from it too); ``none`` has none."""
 _IN_BACKWARD_ATTRIBUTE = "_fsdp_plan_in_backward_optimizer"
 
 
@@ -792,7 +794,7 @@ def optimizer_in_backward(model: nn.Module, optimizer_class: type | None = None,
         raise ValueError("the model's optimizer already steps in backward "
                          "(in_backward_optimizer(model) returns it); install it once.")
     if optimizer_class is None:
-        name = _OPTIMIZER_CLASSES.get(str(PLAN.get("optimizer", "adamw")))
+        name = OPTIMIZER_CLASSES.get(str(PLAN.get("optimizer", "adamw")))
         if name is None:
             raise ValueError(f"PLAN's optimizer {PLAN.get('optimizer')!r} has no optimizer to "
                              "step in backward; pass optimizer_class.")
@@ -1136,8 +1138,8 @@ def launch_differences(model: nn.Module, *, world_size: int | None = None,
     if modes:
         differences.append("checkpointing modes differ: " + "; ".join(
             f"{f} is {got[f]}, planned {planned[f]}" for f in modes[:4]))
-    stepped = any(in_backward_optimizer(m) is not None for m in (model, network, *wrappers))
-    if PLAN.get("optimizer_overlap") and not stepped:
+    if PLAN.get("optimizer_overlap") and all(in_backward_optimizer(m) is None
+                                             for m in (model, network, *wrappers)):
         differences.append("the plan steps each parameter in backward (optimizer_overlap), and "
                            "no optimizer does: install it with optimizer_in_backward(model, "
                            "lr=...) after apply (apply(model, optimizer_kwargs=...) does both)")

@@ -11,16 +11,26 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_measure_helpers import LLAMA, plan_file, run_cli, tiny_llama_plan
 from torch import nn
 
+from fsdp_plan.api import plan_from_facts, predict
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import hardware_for
+from fsdp_plan.cost.memory import estimate_peak, memory_timeline
 from fsdp_plan.cost.step_time import UnitCost, simulate_step
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.measure import runtime
+from fsdp_plan.measure.launch import launch
 from fsdp_plan.measure.peak import measured_peak
 from fsdp_plan.model.load import ModelSource, load_model, source_kind
+from fsdp_plan.pictures.series import plan_timeline, step_series
 from fsdp_plan.plan.document import Plan, read_plan
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
+from fsdp_plan.policy_runtime import OptimizerInBackward
+from fsdp_plan.search.evaluator import Evaluator
+from fsdp_plan.search.request import PlanRequest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = os.path.join(ROOT, "examples", "gpt2.py")
@@ -84,10 +94,6 @@ def test_overlap_removes_the_optimizer_step_peak_as_the_trackers_measure(tmp_pat
 def _losses_rank(ctx, payload) -> list[float]:
     """One gloo rank: 10 steps of the planned model through the policy's ``apply``; with the
     optimizer in backward the loop calls ``step`` and ``zero_grad`` of what stands for it."""
-    import torch.distributed as dist
-
-    from fsdp_plan.measure import runtime
-
     dist.init_process_group("gloo", rank=ctx.rank, world_size=ctx.world_size)
     policy = runtime.load_policy(payload["policy"])
     loaded = load_model(ModelSource(**payload["source"]))
@@ -121,8 +127,6 @@ def test_the_optimizer_in_backward_trains_as_the_plain_loop(tmp_path, strategy):
     """Two gloo ranks, 10 steps, a learning-rate schedule: the losses with each parameter
     stepped in backward equal the plain loop's (one AdamW after backward) within float
     tolerance. DDP's plan is planned with small buckets, so several buckets step in turn."""
-    from fsdp_plan.measure.launch import launch
-
     argv = [LLAMA, "--model-arg", "size=tiny", "--seq-len", "8", "--mem", "40MB",
             "--world-size", "2", "--strategy", strategy]
     plain = _plan(tmp_path, *argv, name="plain.yaml")
@@ -245,8 +249,6 @@ def test_launch_check_names_a_missing_in_backward_optimizer():
 
 
 def test_the_stand_in_gathers_states_and_refuses_another_models_state_dict():
-    from fsdp_plan.policy_runtime import OptimizerInBackward
-
     params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))]
     optimizers = [torch.optim.AdamW([p], lr=0.1) for p in params]
     for p, o in zip(params, optimizers):
@@ -268,19 +270,9 @@ def test_the_pictures_timeline_peaks_where_the_overlapped_sweep_does():
     """With the optimizer in backward, memory_timeline (the pictures' model) holds the
     in-backward steps too: its highest total is every FSDP candidate's predicted peak, and
     the step series the page draws peaks at the plan's."""
-    from pathlib import Path
-
-    from fsdp_plan.api import plan_from_facts, predict
-    from fsdp_plan.cost.memory import estimate_peak, memory_timeline
-    from fsdp_plan.facts.types import ModelFacts
-    from fsdp_plan.model.source import ModelSource as Source
-    from fsdp_plan.pictures.series import plan_timeline, step_series
-    from fsdp_plan.search.evaluator import Evaluator
-    from fsdp_plan.search.request import PlanRequest
-
-    facts = ModelFacts.from_json((Path(ROOT) / "tests" / "fixtures"
-                                  / "tiny_llama_facts.json").read_text())
-    source = Source(source=LLAMA, args={"size": "tiny"}, batch_size=2, seq_len=64)
+    with open(os.path.join(ROOT, "tests", "fixtures", "tiny_llama_facts.json")) as f:
+        facts = ModelFacts.from_json(f.read())
+    source = ModelSource(source=LLAMA, args={"size": "tiny"}, batch_size=2, seq_len=64)
     request = PlanRequest(source=source, budget_bytes=3 * 10**6, world_size=8, gpus_per_node=4,
                           strategy="full", optimizer_overlap=True)
     result = plan_from_facts(facts, request)

@@ -80,6 +80,7 @@ from fsdp_plan.cost.comm_hooks import (
 )
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.memory import MemoryEstimate, MemoryTimeline, loss_span
+from fsdp_plan.cost.optimizer_overlap import step_temporaries
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
 from fsdp_plan.cost.step_time import (
     Rates,
@@ -430,7 +431,6 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
             now = streams.comm_free
             streams.host_free = max(streams.host_free, now)
 
-    stepped = 0.0
     for i, bucket in enumerate(buckets):
         compute_until(bucket.ready_event, f"BW to bucket {i}")
         ready.append(now)
@@ -438,24 +438,17 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
             all_reduce(f"AR bucket {i} ({bucket.nbytes / MIB:.1f} MiB)", bucket.nbytes)
         else:
             run_chain(i, chains[i])
-        if steps_in_backward and steps_in_backward[i] > 0:
-            if rates.async_launch:  # on the optimizer's own stream, after the all-reduce
-                streams.beside(f"optimizer bucket {i}", streams.comm_free, steps_in_backward[i])
-            else:  # the host steps the bucket's parameters itself (on the cores backward uses)
-                start = max(now, streams.comm_free)
-                if start > now:
-                    streams.wait(f"wait AR bucket {i}", now, start)
-                    waited += start - now
-                now, slowdown = streams.compute(f"optimizer bucket {i}", start,
-                                                steps_in_backward[i])
-                contention += slowdown
-                stepped += steps_in_backward[i]
+        if steps_in_backward and steps_in_backward[i] > 0:  # after the bucket's all-reduce
+            now, wait_s, slowdown = streams.step_in_backward(
+                f"optimizer bucket {i}", now, streams.comm_free, steps_in_backward[i])
+            waited += wait_s
+            contention += slowdown
     compute_until(n - 1, "BW")
     if used_map_bytes:
         all_reduce("AR used-parameter map", used_map_bytes)
     tail, total_comm = streams.finish(now, optimizer_s)
     if steps_in_backward:  # what is left of the steps after backward ends the step
-        optimizer_s = stepped if not rates.async_launch else streams.beside_left(now + tail)
+        optimizer_s = streams.steps_left(now + tail)
     backward = times[-1] - forward
     step = StepTime(step_s=forward + backward + contention + hook_s + streams.host_wait_s
                     + waited + tail + optimizer_s, forward_s=forward,
@@ -701,16 +694,10 @@ def _step_temporaries(optimizer: str, params: list[GradParam], buckets: list[Buc
                       ) -> list[tuple[int, int]]:
     """(event, bytes) of each bucket's in-backward step: where its last gradient is ready, and
     what its largest parameter's step allocates (cost/optimizer_overlap.py
-    ``step_temporary_numel``)."""
-    from fsdp_plan.cost.optimizer_overlap import step_temporary_numel
-
+    ``step_temporaries``)."""
     by_index = {p.index: p for p in params}
-    out = []
-    for bucket in buckets:
-        largest = max((by_index[j] for j in bucket.params), key=lambda p: p.nbytes)
-        element = largest.nbytes // max(1, largest.numel)
-        out.append((bucket.ready_event, step_temporary_numel(optimizer, largest.numel) * element))
-    return out
+    return [(b.ready_event, step_temporaries(optimizer)
+             * max(by_index[j].nbytes for j in b.params)) for b in buckets]
 
 
 def bucket_shapes(graph: ModuleGraph, params: list[GradParam], bucket: Bucket

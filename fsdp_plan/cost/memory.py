@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
+from fsdp_plan.cost.optimizer_overlap import step_temporaries
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
 from fsdp_plan.cost.units import UnitSpec
 from fsdp_plan.facts.types import Event
@@ -417,6 +418,17 @@ def _unit_rates(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
     return np.array(rows, dtype=np.int64).reshape(8, len(units))
 
 
+def _skeleton_of(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext,
+                 held: dict[str, int], forward_prefetch: int, backward_prefetch: int
+                 ) -> _Skeleton:
+    """The skeleton ``ctx`` sweeps: sharded gradients appear after each reduce-scatter unless
+    accumulation holds them from the start or they are stepped in backward ([Note: optimizer
+    overlap in memory])."""
+    return _skeleton(profile, units, offload=ctx.offload,
+                     sharded_grads="sharded_grads" not in held and not ctx.optimizer_overlap,
+                     forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+
+
 def _skeleton(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
               sharded_grads: bool, forward_prefetch: int, backward_prefetch: int) -> _Skeleton:
     """The buffers of ``step_buffers`` ([Note: FSDP2 memory timeline]), cached on the profile."""
@@ -566,14 +578,11 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     """
     import numpy as np  # see [Note: numpy on first use]
     static, held = _static_and_held(units, ctx)
-    skeleton = _skeleton(profile, units, offload=ctx.offload,
-                         sharded_grads="sharded_grads" not in held and not ctx.optimizer_overlap,
-                         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+    skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     a = _sweep_of(profile, skeleton)
     rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size)
-    live, inst, grads = a["live"], a["inst"], a["grads"]
-    nbytes = rates[live[:, 3], live[:, 2]] * live[:, 4]
-    grad_bytes = rates[_SHARD_ORIG, grads[:, 1]]
+    inst = a["inst"]
+    nbytes, grad_bytes = _buffer_bytes(a, rates)
     running = np.concatenate(([0], np.cumsum(
         np.concatenate((nbytes, -nbytes, grad_bytes))[a["order"]])))
     extra_sums = np.concatenate(([0], np.cumsum(
@@ -596,22 +605,29 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
         best = MemoryEstimate(peak_bytes=sum(optimizer_step.values()), phase="optimizer step",
                               breakdown=dict(optimizer_step))
     if ctx.optimizer_overlap and not ctx.offload:
-        for point, parts in _steps_in_backward(skeleton, a, nbytes, rates, base, ctx.optimizer):
+        for point, parts in _steps_in_backward(skeleton, a, rates, base, ctx.optimizer):
             if sum(parts.values()) > best.peak_bytes:
                 best = MemoryEstimate(peak_bytes=sum(parts.values()), breakdown=parts,
                                       phase="optimizer step in " + _phase_name(profile, point >> 2))
     return best
 
 
-def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes: np.ndarray,
-                       rates: np.ndarray, static: dict[str, int], optimizer: str) -> list[tuple[int, dict[str, int]]]:
+def _buffer_bytes(a: dict[str, np.ndarray], rates: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes of each live buffer and each sharded gradient of the sweep's arrays."""
+    live, grads = a["live"], a["grads"]
+    return rates[live[:, 3], live[:, 2]] * live[:, 4], rates[_SHARD_ORIG, grads[:, 1]]
+
+
+def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], rates: np.ndarray,
+                       static: dict[str, int], optimizer: str
+                       ) -> list[tuple[int, dict[str, int]]]:
     """(coded point, what is held) while each unit's parameters step in backward ([Note:
     optimizer overlap in memory]): the buffers live at its post-backward point (no instants),
-    its sharded gradient and one parameter's step temporary. Activations are the point's."""
+    the point's activations, its sharded gradient and one parameter's step temporary."""
     import numpy as np  # see [Note: numpy on first use]
 
-    from fsdp_plan.cost.optimizer_overlap import step_temporary_numel
-
+    nbytes, grad_bytes = _buffer_bytes(a, rates)
     points = a["points"]
     out = []
     for event, unit in skeleton.reduced_at:
@@ -619,15 +635,10 @@ def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes: np
         at = int(np.searchsorted(points, point))
         if at >= len(points) or int(points[at]) != point:
             continue
-        live = a["live"]
-        here = (live[:, 0] <= point) & (live[:, 1] > point)
-        parts = dict(static)
-        for j in np.flatnonzero(here).tolist():
-            cat = skeleton.live[j][2]
-            parts[cat] = parts.get(cat, 0) + int(nbytes[j])
+        parts = _parts_of(point, skeleton, a, nbytes, grad_bytes, rates, static, instants=False)
         parts["activations"] = int(a["activations"][at])
         parts["sharded_grads"] = parts.get("sharded_grads", 0) + int(rates[_SHARD_ORIG, unit])
-        temporary = step_temporary_numel(optimizer, 1) * int(rates[_LARGEST_SHARD, unit])
+        temporary = step_temporaries(optimizer) * int(rates[_LARGEST_SHARD, unit])
         if temporary:
             parts["optimizer_temporaries"] = temporary
         out.append((point, parts))
@@ -635,9 +646,10 @@ def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes: np
 
 
 def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes: np.ndarray,
-              grad_bytes: np.ndarray, rates: np.ndarray, static: dict[str, int]
-              ) -> dict[str, int]:
-    """``_parts_at`` of the coded ``point`` from the skeleton's arrays (same order of keys)."""
+              grad_bytes: np.ndarray, rates: np.ndarray, static: dict[str, int], *,
+              instants: bool = True) -> dict[str, int]:
+    """``_parts_at`` of the coded ``point`` from the skeleton's arrays (same order of keys);
+    ``instants`` False leaves out the buffers that exist only at that instant."""
     import numpy as np  # see [Note: numpy on first use]
     parts = dict(static)
     live = a["live"]
@@ -649,7 +661,7 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
     if made.any():
         parts["sharded_grads"] = parts.get("sharded_grads", 0) + int(grad_bytes[made].sum())
     parts = {k: v for k, v in parts.items() if v or k in static}
-    if point & 3:
+    if point & 3 and instants:
         inst = a["inst"]
         for j in np.flatnonzero(inst[:, 0] == point).tolist():
             _, cat, u, kind, mult = skeleton.instants[j]
@@ -697,9 +709,7 @@ def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
     """Every buffer of one steady step for ``units`` ([Note: FSDP2 memory timeline]), before
     the sweep: ``estimate_peak`` takes their highest total, ``memory_timeline`` all of them."""
     static, held = _static_and_held(units, ctx)
-    skeleton = _skeleton(profile, units, offload=ctx.offload,
-                         sharded_grads="sharded_grads" not in held and not ctx.optimizer_overlap,
-                         forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+    skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size).tolist()
     return StepBuffers(
         static=static, held=held,
@@ -764,17 +774,11 @@ def memory_timeline(profile: ActivationProfile, units: list[UnitSpec], ctx: Step
     extra_bytes = {key: 0 for key, _, _ in instants}
     points, activations = _points(profile, live, extra_bytes, grads_at, every_event=True)
     steps = []
-    if ctx.optimizer_overlap and not ctx.offload:
-        import numpy as np  # see [Note: numpy on first use]
-
-        static, held = _static_and_held(units, ctx)
-        skeleton = _skeleton(profile, units, offload=False, sharded_grads=False,
-                             forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
-        a = _sweep_of(profile, skeleton)
-        rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size)
-        nbytes = rates[a["live"][:, 3], a["live"][:, 2]] * a["live"][:, 4]
-        steps = _steps_in_backward(skeleton, a, np.asarray(nbytes), rates, {**static, **held},
-                                   ctx.optimizer)
+    if ctx.optimizer_overlap and not ctx.offload:  # the points estimate_peak adds
+        skeleton = _skeleton_of(profile, units, ctx, b.held, forward_prefetch, backward_prefetch)
+        steps = _steps_in_backward(skeleton, _sweep_of(profile, skeleton),
+                                   _rates_of(skeleton, units, ctx.precision, ctx.shard_size),
+                                   {**b.static, **b.held}, ctx.optimizer)
     return MemoryTimeline(events=profile.events, forward_end=profile.forward_end, points=points,
                           activations=activations, static=b.static, held=b.held, live=live,
                           instants=instants, grads_at=grads_at, optimizer_step=b.optimizer_step,

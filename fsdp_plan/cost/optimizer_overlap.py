@@ -45,7 +45,7 @@ def overlap_refusal(*, strategy: str, optimizer: str, grad_accum_steps: int,
     return None
 
 
-def step_temporary_numel(optimizer: str, largest_param_numel: int) -> int:
-    """Elements of the temporary one parameter's step allocates: Adam(W)'s ``denom`` (the size
-    of the parameter), none for SGD."""
-    return largest_param_numel if optimizer in ("adamw", "adam") else 0
+def step_temporaries(optimizer: str) -> int:
+    """Temporaries the size of the parameter that one parameter's ``foreach`` step allocates:
+    Adam(W)'s ``denom``, none for SGD."""
+    return 1 if optimizer in ("adamw", "adam") else 0

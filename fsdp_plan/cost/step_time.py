@@ -329,14 +329,10 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
                 reduced = streams.issue(f"RS {u.key}", now, u.reduce_scatter_s)
                 if u.all_reduce_s:
                     reduced = streams.issue(f"AR {u.key}", streams.comm_free, u.all_reduce_s)
-                if u.optimizer_s and hw.async_launch:  # beside the backward, on its own stream
-                    streams.beside(f"optimizer {u.key}", reduced, u.optimizer_s)
-                elif u.optimizer_s:  # the host steps in line once the reduction is done
-                    if reduced > now:
-                        streams.wait(f"wait RS {u.key}", now, reduced)
-                        bubbles += reduced - now
-                    now, slowdown = streams.compute(f"optimizer {u.key}", max(now, reduced),
-                                                    u.optimizer_s)
+                if u.optimizer_s:
+                    now, waited, slowdown = streams.step_in_backward(
+                        f"optimizer {u.key}", now, reduced, u.optimizer_s)
+                    bubbles += waited
                     contention += slowdown
         return now, bubbles, contention
 
@@ -348,10 +344,8 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     forward = sum(u.fw_compute_s for u in units)
     backward = sum(u.bw_compute_s for u in units)
     bubbles = fw_bubbles + bw_bubbles
-    in_backward = sum(u.optimizer_s for u in units)
-    if in_backward:  # [Note: optimizer overlap in the models]: what is left of it ends the step
-        optimizer_s = (in_backward if not hw.async_launch
-                       else streams.beside_left(bw_end + tail))
+    if any(u.optimizer_s for u in units):  # [Note: optimizer overlap in the models]
+        optimizer_s = streams.steps_left(bw_end + tail)
     exposed = bubbles + tail
     step = (forward + backward + (fw_cont + bw_cont) + streams.host_wait_s + exposed
             + optimizer_s)

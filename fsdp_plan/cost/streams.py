@@ -54,8 +54,11 @@ class Streams:
         self._ends: list[float] = []
         self._beside: list[tuple[float, float]] = []
         """Work on a stream of its own beside the collectives: the optimizer stepped in
-        backward ([Note: optimizer overlap in the models] in cost/optimizer_overlap.py)."""
+        backward on a GPU ([Note: optimizer overlap in the models] in
+        cost/optimizer_overlap.py)."""
         self._beside_ends: list[float] = []
+        self._in_line_s = 0.0
+        """Optimizer seconds the host stepped in line (``step_in_backward`` on a CPU)."""
         self.host_free = 0.0
         """When the host has issued everything so far ([Note: the host floor])."""
         self.host_wait_s = 0.0
@@ -70,16 +73,33 @@ class Streams:
         self.spans.append(("comm", label, start, self.comm_free))
         return self.comm_free
 
-    def beside(self, label: str, at: float, seconds: float) -> float:
-        """Device work ready at ``at`` on its own stream, after what that stream runs already
-        (the optimizer stepped in backward): it slows the compute it overlaps as a collective
-        does, but is no communication. Returns when it finishes."""
-        start = max(at, self._beside_ends[-1] if self._beside_ends else 0.0)
-        end = start + seconds
-        self._beside.append((start, end))
-        self._beside_ends.append(end)
-        self.spans.append(("comm", label, start, end))
-        return end
+    def step_in_backward(self, label: str, now: float, reduced: float, seconds: float
+                         ) -> tuple[float, float, float]:
+        """An optimizer step of ``seconds`` over gradients reduced at ``reduced``, compute
+        standing at ``now`` ([Note: optimizer overlap in the models]): on a GPU on a stream of
+        its own after what that stream runs already (it slows the compute it overlaps as a
+        collective does, but is no communication); where the host computes in line, on the
+        compute stream once the reduction is done. Returns (compute's new time, seconds it
+        waited for the reduction, its contention slowdown)."""
+        if self.hw.async_launch:
+            start = max(reduced, self._beside_ends[-1] if self._beside_ends else 0.0)
+            self._beside.append((start, start + seconds))
+            self._beside_ends.append(start + seconds)
+            self.spans.append(("comm", label, start, start + seconds))
+            return now, 0.0, 0.0
+        start = max(now, reduced)
+        if start > now:
+            self.wait(f"wait for the reduction before {label}", now, start)
+        end, slowdown = self.compute(label, start, seconds)
+        self._in_line_s += seconds
+        return end, start - now, slowdown
+
+    def steps_left(self, after: float) -> float:
+        """The optimizer seconds in backward that end the step: all that the host stepped in
+        line, or what the stream beside still runs after ``after``."""
+        if not self.hw.async_launch:
+            return self._in_line_s
+        return max(0.0, (self._beside_ends[-1] if self._beside_ends else 0.0) - after)
 
     def overlap(self, start: float, end: float) -> float:
         """Seconds of ``[start, end)`` the communication stream is busy, plus those the work
@@ -127,7 +147,3 @@ class Streams:
         end = backward_end + tail
         self.spans.append(("compute", "optimizer", end, end + optimizer_s))
         return tail, sum(e - s for s, e in self._busy)
-
-    def beside_left(self, after: float) -> float:
-        """Seconds the work beside the collectives still runs after ``after``."""
-        return max(0.0, (self._beside_ends[-1] if self._beside_ends else 0.0) - after)

@@ -169,20 +169,20 @@ def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, repli
         # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
         # its unit's backward: [Note: recompute time] in search/evaluator.py.
         replays = [recompute[b] for b in owned if b in recompute] if recompute else []
-        costs.append(dataclasses.replace(
+        cost = dataclasses.replace(
             base, bw_compute_s=base.bw_compute_s + sum(r[0] for r in replays),
-            bw_host_s=base.bw_host_s + sum(r[1] for r in replays)) if replays else base)
+            bw_host_s=base.bw_host_s + sum(r[1] for r in replays)) if replays else base
+        if optimizer_overlap and u.numel:  # [Note: optimizer overlap in the models]
+            cost = dataclasses.replace(cost, optimizer_s=optimizer_time(
+                hw, rates, s.optimizer, u.shard_numel, s.precision.orig_bytes, u.num_params))
+        costs.append(cost)
     # Forward order: the root gathers first, then units as they run.
     root = [c for c in costs if c.key == "<root>"]
     ordered = root + [c for c in costs if c.key != "<root>"]
-    total_shard = sum(u.shard_numel for u in units)
-    if optimizer_overlap:  # [Note: optimizer overlap in the models]
-        by_key = {u.key or "<root>": u for u in units}
-        ordered = [dataclasses.replace(c, optimizer_s=optimizer_time(
-            hw, rates, s.optimizer, by_key[c.key].shard_numel, s.precision.orig_bytes,
-            by_key[c.key].num_params)) if by_key[c.key].numel else c for c in ordered]
+    if optimizer_overlap:  # its steps run in backward, and it never accumulates
         return simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
                              backward_prefetch=backward_prefetch)
+    total_shard = sum(u.shard_numel for u in units)
     optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, s.precision.orig_bytes,
                                  clock.param_tensors)
     step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,

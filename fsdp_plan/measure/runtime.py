@@ -26,6 +26,7 @@ from fsdp_plan.model.source import ModelSource, source_kind
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
 from fsdp_plan.plan.read import resolve_candidates
+from fsdp_plan.policy_runtime import OPTIMIZER_CLASSES
 
 
 def source_from_plan(plan: Plan, model_path: str | None = None,
@@ -193,26 +194,23 @@ def apply_plan(model: nn.Module, policy: types.ModuleType, mesh: Any, *, fsdp_ve
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer | None:
     """The plan's optimizer with default hyper-parameters (the state it keeps is what matters)."""
     name = (name or "none").lower()
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-4)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-4)
     if name == "none":
         return None
+    if name in OPTIMIZER_CLASSES:
+        return getattr(torch.optim, OPTIMIZER_CLASSES[name])(params, lr=1e-4)
     raise BadInput(f"the plan's optimizer {name!r} is not one of {', '.join(OPTIMIZERS)}.")
 
 
-def plan_optimizer(policy: types.ModuleType, model: nn.Module) -> torch.optim.Optimizer | None:
+def plan_optimizer(policy: types.ModuleType, model: nn.Module, name: str | None = None
+                   ) -> torch.optim.Optimizer | None:
     """The optimizer a policy's plan trains ``model`` (as the plan applied it) with: its
     per-parameter optimizers stepped in backward when the plan says ``optimizer_overlap``
     (the policy's ``optimizer_in_backward``, whose ``step`` has nothing left to do), else
-    ``make_optimizer`` of the plan's optimizer."""
+    ``make_optimizer`` of ``name`` (default: the plan's optimizer)."""
     plan = getattr(policy, "PLAN", None) or {}
     if plan.get("optimizer_overlap"):
         return policy.optimizer_in_backward(model, lr=1e-4)
-    return make_optimizer(plan.get("optimizer", "adamw"), model.parameters())
+    return make_optimizer(name or plan.get("optimizer", "adamw"), model.parameters())
 
 
 def forward_backward(model: nn.Module, loaded: LoadedModel, inputs: tuple[tuple, dict],

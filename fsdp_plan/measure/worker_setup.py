@@ -80,9 +80,7 @@ def build_planned_worker(loaded: LoadedModel, device: torch.device, *, policy_so
         model = runtime.build_real_model(loaded, device)
         model = runtime.apply_plan(model, policy, device_mesh, fsdp_version=int(fsdp_version),
                                    device=device)
-    opt = (runtime.plan_optimizer(policy, model)
-           if (policy.PLAN or {}).get("optimizer_overlap")
-           else runtime.make_optimizer(optimizer, model.parameters()))
+    opt = runtime.plan_optimizer(policy, model, optimizer)
     torch.manual_seed(1 + rank)
     src = loaded.source
     inputs = runtime.to_device(loaded.make_inputs(src.batch_size, src.seq_len), device)
