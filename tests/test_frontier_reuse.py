@@ -61,3 +61,68 @@ def test_an_evaluator_at_another_budget_answers_from_what_was_evaluated(facts):
     assert not tiny.evaluate(best.layout, best.name).fits
     # the planner's own evaluator computes afresh: its callers get their own candidates
     assert evaluator.evaluate(best.layout, best.name) is not best
+
+
+def _along_paths(evaluator) -> list[list[tuple[int, float, int]]]:
+    """Every evaluated checkpointing path point, per layout and path: (index, step, peak)."""
+    paths = evaluator.checkpoint_options()
+    out = []
+    for met in evaluator.checkpointing_met.values():
+        for path in paths:
+            where = {counts: i for i, counts in enumerate(path)}
+            out.append(sorted((where[c], cand.time.step_s, cand.memory.peak_bytes)
+                              for c, (cand, _) in met.items() if c in where))
+    return [points for points in out if len(points) > 1]
+
+
+@pytest.mark.parametrize("world_size", [4, 8, 16])
+def test_the_step_never_falls_along_a_checkpointing_path(facts, world_size):
+    """What [Note: bounded frontier searches] rests on: each point further along a path
+    recomputes more, so no point steps faster than one before it."""
+    request = PlanRequest(source=SOURCE, budget_bytes=3_000_000, world_size=world_size,
+                          strategy="auto")
+    here = plan_from_facts(facts, request)
+    variant = Variant(micro_batch=2, grad_accum_steps=1, facts=facts)
+    compute_frontier([variant], request.settings(), seq_len=64, evaluator=here.evaluator)
+    along = _along_paths(here.evaluator)
+    assert sum(len(points) for points in along) > 50
+    for points in along:  # at ``rank``'s rounding (the clock's sums differ in the last bit)
+        steps = [round(step, 9) for _, step, _ in points]
+        assert steps == sorted(steps), points
+
+
+class _Point:
+    """A stand-in for a candidate on a path: a peak, a step, and whether it fits."""
+
+    def __init__(self, index: int, peak: int, limit: int) -> None:
+        self.index = index
+        self.memory = type("M", (), {"peak_bytes": peak})()
+        self.time = type("T", (), {"step_s": 1.0 + index})()
+        self.fits = peak <= limit
+
+
+@pytest.mark.parametrize("limit", [5, 100, 333, 500, 777, 999, 1010])
+@pytest.mark.parametrize("shape", ["line", "convex", "steps"])
+def test_a_bracketed_interpolated_search_answers_as_the_binary_search(limit, shape):
+    from fsdp_plan.search.fsdp import fewest_checkpointed
+    n = 60
+    peak = {"line": lambda i: 1000 - 16 * i, "convex": lambda i: 40 + (60 - i) ** 2 // 4,
+            "steps": lambda i: 1000 - 200 * (i // 12)}[shape]
+    ks = [(0, i) for i in range(n)]
+    probes: list[int] = []
+
+    def at(counts):
+        probes.append(counts[1])
+        return _Point(counts[1], peak(counts[1]), limit)
+    plain, plain_at = fewest_checkpointed(at, ks, None)
+    plain_probes = len(probes)
+    # another budget's search met a few points (judged at this limit)
+    known = [(i, _Point(i, peak(i), limit)) for i in (7, 19, 31, 44)]
+    probes.clear()
+    bounded, bounded_at = fewest_checkpointed(at, ks, None, known=known, limit_bytes=limit)
+    assert (bounded.index if bounded_at is not None else None) == (
+        plain.index if plain_at is not None else None)
+    assert bounded_at == plain_at
+    assert len(probes) <= plain_probes
+    if shape == "line" and plain_at not in (None, 0):
+        assert len(probes) <= 4  # the two path ends, the line's guess and its neighbour

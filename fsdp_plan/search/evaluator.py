@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.collectives import count_fsdp1, count_fsdp2, cross_node_bytes, per_step
@@ -87,6 +88,15 @@ class Evaluator:
         across budgets]."""
         self.serves_seen = False
         """Whether ``evaluate`` answers a layout met before from ``_seen`` (``with_budget``)."""
+        self.checkpointing_met: dict[tuple[Layout, str],
+                                     dict[tuple[int, int], tuple[Candidate, bool]]] = {}
+        """Per layout without checkpointing and name, the ``(n_full, n_selective)`` counts
+        evaluated, with ``runs`` (shared by budget copies): search/fsdp.py bounds the
+        frontier's searches with them ([Note: bounded frontier searches])."""
+        self.fastest_fitting_s = math.inf
+        """A budget copy's fastest fitting step so far (rounded as ``rank`` rounds it): the
+        frontier's searches leave out what cannot beat it ([Note: bounded frontier searches]
+        in search/fsdp.py)."""
         self.block_cost = self._block_costs()
 
     def evaluate(self, layout: Layout, name: str) -> Candidate:
@@ -99,20 +109,56 @@ class Evaluator:
         the frontier's) answers a layout met before, by this search or another budget's, with
         the same candidate and ``fits`` for its own limit, computing nothing.
         """
+        layout = self._as_evaluated(layout)
+        candidate = self.seen(layout, name)
+        if candidate is None:
+            candidate = self._evaluate(layout, name)
+            self._seen.setdefault((layout, name), (candidate, self.runs(candidate)))
+        if self.serves_seen and candidate.fits:
+            self.fastest_fitting_s = min(self.fastest_fitting_s, round(candidate.time.step_s, 9))
+        return candidate
+
+    def seen(self, layout: Layout, name: str) -> Candidate | None:
+        """``layout`` as ``evaluate`` answers it when a search at another budget met it
+        before ([Note: evaluations across budgets]), computing nothing; None when it was not
+        met or this evaluator is no budget copy (a search's own evaluations are never
+        served, so a plan never depends on what was evaluated before it)."""
+        if not self.serves_seen:
+            return None
+        found = self._seen.get((self._as_evaluated(layout), name))
+        if found is None:
+            return None
+        return self.judged(*found)
+
+    def runs(self, candidate: Candidate) -> bool:
+        """Whether ``candidate``, evaluated here, can run at all at some budget (it fits, or
+        only its peak keeps it out)."""
+        return candidate.fits or candidate.memory.peak_bytes > self.settings.limit_bytes
+
+    def judged(self, candidate: Candidate, runs: bool) -> Candidate:
+        """``candidate`` (evaluated at any budget; ``runs``: ``self.runs`` there) with
+        ``fits`` judged at this evaluator's limit."""
+        return dataclasses.replace(
+            candidate, fits=runs and candidate.memory.peak_bytes <= self.settings.limit_bytes)
+
+    def bound_by(self, candidates: list[Candidate]) -> None:
+        """Start this budget copy's ``fastest_fitting_s`` at the fastest of ``candidates``
+        (another budget's search's, on the same search space) that fits here: the search at
+        this budget finds one at least as fast ([Note: bounded frontier searches])."""
+        for c in candidates:
+            here = self.seen(c.layout, c.name)
+            if here is not None and here.fits:
+                self.fastest_fitting_s = min(self.fastest_fitting_s, round(here.time.step_s, 9))
+
+    def _as_evaluated(self, layout: Layout) -> Layout:
+        """``layout`` with the optimizer stepped in backward where the request allows it and
+        the layout can have it (``overlap_refusal``)."""
         if self.settings.optimizer_overlap and not layout.optimizer_overlap and overlap_refusal(
                 strategy=layout.strategy, optimizer=self.settings.optimizer,
                 grad_accum_steps=self.settings.grad_accum_steps, offload=layout.offload,
                 comm_hook=layout.ddp.comm_hook if layout.ddp is not None else None) is None:
-            layout = dataclasses.replace(layout, optimizer_overlap=True)
-        key = (layout, name)
-        if self.serves_seen and key in self._seen:
-            seen, runs = self._seen[key]
-            return dataclasses.replace(
-                seen, fits=runs and seen.memory.peak_bytes <= self.settings.limit_bytes)
-        candidate = self._evaluate(layout, name)
-        self._seen.setdefault(key, (candidate, candidate.fits or candidate.memory.peak_bytes
-                                    > self.settings.limit_bytes))
-        return candidate
+            return dataclasses.replace(layout, optimizer_overlap=True)
+        return layout
 
     @property
     def evaluations(self) -> int:
@@ -211,6 +257,7 @@ class Evaluator:
         other.settings = dataclasses.replace(self.settings, budget_bytes=budget_bytes,
                                              headroom_bytes=headroom_bytes)
         other.serves_seen = True  # [Note: evaluations across budgets]
+        other.fastest_fitting_s = math.inf
         return other
 
     def units_of(self, layout: Layout) -> list[UnitSpec]:

@@ -185,6 +185,9 @@ class _Searcher:
         settings (its caches and every plan it evaluated serve every budget: [Note:
         evaluations across budgets] in search/evaluator.py), else a new one."""
         self._already = sum(e.evaluations for e in {id(e): e for e in self.evaluators}.values())
+        self._met: list[list[Candidate]] = [[] for _ in variants]
+        """Per variant, the candidates of every budget searched so far: whichever fits a
+        new budget bounds its search ([Note: bounded frontier searches])."""
 
     @property
     def evaluations(self) -> int:
@@ -195,8 +198,9 @@ class _Searcher:
     def ranked_at(self, budget: int) -> list[tuple[Variant, Candidate]]:
         """Every variant's ranking at ``budget`` (best first within each)."""
         out = []
-        for variant, base in zip(self.variants, self.evaluators):
+        for variant, base, met in zip(self.variants, self.evaluators, self._met):
             evaluator = base.with_budget(budget, self.headroom(budget))
+            evaluator.bound_by(met)
             self.searches += 1
             try:  # the planner's own search, on the shared evaluator
                 ranked = run_search(variant.facts, evaluator.settings, self.generators,
@@ -204,6 +208,7 @@ class _Searcher:
             except NoFeasiblePlan as e:  # nothing fits this budget
                 self.smallest = min(self.smallest, int(e.smallest_peak_bytes or 0) or UNLIMITED)
                 continue
+            met += ranked
             out += [(variant, c) for c in ranked]
         return out
 

@@ -30,6 +30,7 @@ hull (both only when blocks cannot mix modes). Full blocks come first in the sta
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 from fsdp_plan.cost.units import check_tied, with_full_precision_units
@@ -145,12 +146,27 @@ def _prefetch_variants(evaluator: Evaluator, base: Layout, name: str,
     # -1: it never fits). No prefetch beyond FSDP2's default needs the least memory: every
     # other variant needs at least as much checkpointing, so its search starts there.
     starts: list[int | None] = [None] * len(paths)
+    # a frontier's budget copy knows what other budgets evaluated ([Note: evaluations across
+    # budgets]); the planner's own search uses neither
+    limit = evaluator.settings.limit_bytes if evaluator.serves_seen else None
     out: list[Candidate] = []
     if variants is None:
         variants = ((0, 1), (0, 2), (1, 1), (1, 2)) if n > 1 else ((0, 1),)
-    for fwp, bwp in variants:
-        layout = dataclasses.replace(base, forward_prefetch=fwp, backward_prefetch=bwp)
-        label = f"{name} fwp{fwp} bwp{bwp}"
+    prefetched = [(dataclasses.replace(base, forward_prefetch=fwp, backward_prefetch=bwp),
+                   f"{name} fwp{fwp} bwp{bwp}") for fwp, bwp in variants]
+    floors = [-math.inf] * len(prefetched)
+    met: list[list[list[tuple[int, Candidate]]]] = []
+    if limit is not None:  # [Note: bounded frontier searches]
+        met = [_met_along(evaluator, layout, label, paths) for layout, label in prefetched]
+        lowest = [_lowest_answer(along) for along in met[0]]
+        floors = [_floor_s(along, lowest) for along in met]
+        if all(f > evaluator.fastest_fitting_s for f in floors):
+            return []
+    for v, (layout, label) in enumerate(prefetched):
+        if v and limit is not None:  # they start where the least-memory variant answered
+            floors[v] = _floor_s(met[v], [s if s is not None and s >= 0 else 0 for s in starts])
+            if floors[v] > evaluator.fastest_fitting_s:
+                continue
 
         def at(counts: tuple[int, int], layout: Layout = layout, label: str = label
                ) -> Candidate:
@@ -159,7 +175,9 @@ def _prefetch_variants(evaluator: Evaluator, base: Layout, name: str,
         for p, path in enumerate(paths):
             if starts[p] == -1:
                 continue
-            best, fits_at = fewest_checkpointed(at, path, starts[p])
+            best, fits_at = fewest_checkpointed(at, path, starts[p],
+                                                known=met[v][p] if limit is not None else None,
+                                                limit_bytes=limit)
             found.append(best)
             if starts[p] is None:
                 starts[p] = -1 if fits_at is None else fits_at
@@ -169,25 +187,99 @@ def _prefetch_variants(evaluator: Evaluator, base: Layout, name: str,
     return out
 
 
+# [Note: bounded frontier searches]
+# The frontier searches the same space at several budgets on one evaluator's budget copies,
+# each knowing every point the others evaluated (``Evaluator.checkpointing_met``). Two rules
+# make a later budget's search cheaper without changing its best plan:
+# - Along a checkpointing path the step never falls (each point recomputes more; tests/
+#   test_frontier_reuse.py checks it over every evaluation of a search), so a prefetch variant
+#   cannot step faster than its last known point below where its search can answer: for the
+#   least-memory variant one past its last known point that does not fit before the first that
+#   does (``fewest_checkpointed`` starts between them), for the others where that variant
+#   answered. A variant whose floor is slower than the fastest plan fitting this budget so far
+#   (``Evaluator.fastest_fitting_s``, started at the fastest plan another budget's search
+#   found that fits here: this search finds one at least as fast) is left out, and a layout
+#   whose every variant is, with all of them. The least-memory variant otherwise always runs:
+#   it sets where the others start, and starting them elsewhere could answer differently
+#   where the peak does not fall monotonically (it rises from 79 to all 80 selective blocks of
+#   Llama-70B's per-block+top layout).
+# - ``fewest_checkpointed`` brackets its binary search with the known points and probes first
+#   where the peak, as a straight line between the bracket's ends, meets the limit.
+# What is left out is ranked nowhere: only the frontier, which reads each budget's best plan,
+# searches so. The planner's own search (no budget copy) uses neither rule.
+
+
+def _met_along(evaluator: Evaluator, layout: Layout, name: str,
+               paths: list[list[tuple[int, int]]]) -> list[list[tuple[int, Candidate]]]:
+    """Per path, ``(index, candidate)`` of each of its points another budget's search
+    evaluated for ``layout``, ascending, ``fits`` judged at this budget."""
+    met = evaluator.checkpointing_met.get((layout, name), {})
+    out = []
+    for path in paths:
+        where = {counts: i for i, counts in enumerate(path)}
+        out.append(sorted(((where[c], evaluator.judged(*entry)) for c, entry in met.items()
+                           if c in where), key=lambda t: t[0]))
+    return out
+
+
+def _lowest_answer(along: list[tuple[int, Candidate]]) -> int:
+    """The lowest index ``fewest_checkpointed`` (given ``known``) can answer on a path of the
+    least-memory variant whose known points are ``along``: one past the last known point that
+    does not fit before the first that does (0 when nothing is known or its first point fits).
+    """
+    lowest = 0
+    for i, c in along:
+        if c.fits:
+            break
+        lowest = i + 1
+    return lowest
+
+
+def _floor_s(along: list[list[tuple[int, Candidate]]], lowest: list[int]) -> float:
+    """A variant's fastest possible step at this budget (rounded as ``rank`` rounds): on each
+    path its answer is at ``lowest`` or beyond, where the step is at least that of its last
+    known point up to there; ``-inf`` where nothing is known."""
+    floors = []
+    for points, low in zip(along, lowest):
+        below = [c for i, c in points if i <= low]
+        floors.append(round(below[-1].time.step_s, 9) if below else -math.inf)
+    return min(floors, default=-math.inf)
+
+
 def _with_counts(evaluator: Evaluator, layout: Layout, name: str, counts: tuple[int, int]
                  ) -> Candidate:
     """``layout`` with its first ``n_full`` blocks fully and the next ``n_selective``
-    selectively checkpointed (``counts``)."""
+    selectively checkpointed (``counts``), kept in ``Evaluator.checkpointing_met``."""
+    met = evaluator.checkpointing_met.setdefault((layout, name), {})
     n_full, n_sel = counts
     full, selective = mode_sets(n_full, n_sel)
     suffix = (f" ac{n_full}" if n_full else "") + (f" sac{n_sel}" if n_sel else "")
-    return evaluator.evaluate(dataclasses.replace(layout, full=full, selective=selective - full),
-                              name + suffix)
+    candidate = evaluator.evaluate(dataclasses.replace(layout, full=full,
+                                                       selective=selective - full),
+                                   name + suffix)
+    met.setdefault(counts, (candidate, evaluator.runs(candidate)))
+    return candidate
 
 
 def fewest_checkpointed(at: Callable[[tuple[int, int]], Candidate], ks: list[tuple[int, int]],
-                        start: int | None) -> tuple[Candidate, int | None]:
+                        start: int | None,
+                        known: list[tuple[int, Candidate]] | None = None,
+                        limit_bytes: int | None = None) -> tuple[Candidate, int | None]:
     """The cheapest checkpointing along ``ks`` that fits (the peak falls along it).
 
     See [Note: choosing checkpointing modes].
 
     Binary search over ``ks``; with ``start`` (a lower bound from a variant needing less
     memory) it steps up from there instead, which is one or two evaluations in practice.
+
+    The frontier's searches ([Note: evaluations across budgets]) pass ``known``, the points
+    another budget's search evaluated (``(index, candidate)`` ascending, ``fits`` judged at
+    this budget), and their ``limit_bytes``:
+    the search starts between the last known point that does not fit and the first that does,
+    and probes where the peak, interpolated between the two, meets the limit (the peak falls
+    almost linearly along a path: two or three evaluations instead of seven). With the peak
+    falling along ``ks`` the answer is the binary search's, the first point that fits; the
+    planner's own search passes neither, so a plan never depends on it.
     Returns the candidate and the index in ``ks`` where it fits (None when nothing fits).
     """
     if start is not None:
@@ -203,7 +295,37 @@ def fewest_checkpointed(at: Callable[[tuple[int, int]], Candidate], ks: list[tup
     if not last.fits:
         return last, None
     lo, hi = 0, len(ks) - 1  # ks[lo] does not fit, ks[hi] fits
-    best = last
+    best, worst = last, first
+    if known:
+        inside = [(i, c) for i, c in known if 0 < i < hi]
+        fitting = [(i, c) for i, c in inside if c.fits]
+        if fitting:
+            hi, best = fitting[0]
+        lo, worst = max([(i, c) for i, c in inside if not c.fits and i < hi],
+                        key=lambda t: t[0], default=(lo, worst))
+    if limit_bytes is not None and hi - lo > 1:
+        # where the straight line between the bracket's peaks meets the limit, and its
+        # neighbour on the other side: the answer when the peak falls as a line
+        drop = worst.memory.peak_bytes - best.memory.peak_bytes
+        share = (worst.memory.peak_bytes - limit_bytes) / drop if drop > 0 else 0.5
+        guess = min(hi - 1, max(lo + 1, lo + math.ceil(share * (hi - lo))))
+        cand = at(ks[guess])
+        if cand.fits:
+            hi, best = guess, cand
+            if hi - lo > 1:
+                below = at(ks[hi - 1])
+                if below.fits:
+                    hi, best = hi - 1, below
+                else:
+                    lo = hi - 1
+        else:
+            lo = guess
+            if hi - lo > 1:
+                above = at(ks[lo + 1])
+                if above.fits:
+                    hi, best = lo + 1, above
+                else:
+                    lo += 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
         cand = at(ks[mid])
