@@ -298,10 +298,21 @@ class StepTime:
         return self.step_s - self.exposed_comm_s - self.optimizer_s
 
 
+ForwardCache = dict[tuple, tuple[Streams, float, float, float]]
+"""Forward passes simulated already: by what forward reads of each unit and the prefetch
+depth, the streams after it, its end, bubbles and contention (``simulate_step``)."""
+
+
 def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int = 0,
-                  backward_prefetch: int = 1, optimizer_s: float = 0.0) -> StepTime:
+                  backward_prefetch: int = 1, optimizer_s: float = 0.0,
+                  forwards: ForwardCache | None = None) -> StepTime:
     """Run the two-stream simulation over ``units`` given in forward order
-    ([Note: two-stream simulation], on ``cost/streams.Streams``)."""
+    ([Note: two-stream simulation], on ``cost/streams.Streams``).
+
+    ``forwards``: forward passes already run on ``hw`` (one clock's, the search's). Forward
+    reads only each unit's forward compute, host seconds and all-gather, and the
+    checkpointing a search varies changes only backward: a layout's candidates share one
+    forward, run once and continued from a copy of its streams."""
     streams = Streams(hw)
 
     def run_pass(order: list[UnitCost], phase: str, now: float, prefetch: int,
@@ -336,7 +347,16 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
                     contention += slowdown
         return now, bubbles, contention
 
-    fw_end, fw_bubbles, fw_cont = run_pass(units, "fw", 0.0, forward_prefetch, [True] * len(units))
+    key = (forward_prefetch, tuple((u.key, u.fw_compute_s, u.fw_host_s, u.all_gather_s)
+                                   for u in units)) if forwards is not None else None
+    if key is not None and key in forwards:
+        ran, fw_end, fw_bubbles, fw_cont = forwards[key]
+        streams = ran.copy()
+    else:
+        fw_end, fw_bubbles, fw_cont = run_pass(units, "fw", 0.0, forward_prefetch,
+                                               [True] * len(units))
+        if key is not None:
+            forwards[key] = (streams.copy(), fw_end, fw_bubbles, fw_cont)
     bw_order = list(reversed(units))
     bw_end, bw_bubbles, bw_cont = run_pass(bw_order, "bw", fw_end, backward_prefetch,
                                            [u.regather for u in bw_order])

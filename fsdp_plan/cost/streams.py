@@ -64,6 +64,14 @@ class Streams:
         self.host_wait_s = 0.0
         """Seconds the device stood still waiting for the host to issue its work."""
 
+    def copy(self) -> Streams:
+        """These streams as they stand, to run on from twice (lists copied, not shared)."""
+        other = Streams.__new__(Streams)
+        other.__dict__.update(self.__dict__)
+        for name in ("spans", "_busy", "_ends", "_beside", "_beside_ends"):
+            setattr(other, name, list(getattr(self, name)))
+        return other
+
     def issue(self, label: str, at: float, seconds: float) -> float:
         """A collective issued at ``at``; returns when it finishes."""
         start = max(at, self.comm_free)
@@ -105,13 +113,9 @@ class Streams:
         """Seconds of ``[start, end)`` the communication stream is busy, plus those the work
         beside it is (each lane's spans are sorted and disjoint: scan from the first one
         ending after ``start``)."""
-        total = 0.0
-        for busy, ends in ((self._busy, self._ends), (self._beside, self._beside_ends)):
-            i = bisect.bisect_right(ends, start)
-            while i < len(busy) and busy[i][0] < end:
-                s, e = busy[i]
-                total += max(0.0, min(end, e) - max(start, s))
-                i += 1
+        total = _busy_within(self._busy, self._ends, start, end)
+        if self._beside:
+            total += _busy_within(self._beside, self._beside_ends, start, end)
         return total
 
     def compute(self, label: str, start: float, seconds: float,
@@ -147,3 +151,19 @@ class Streams:
         end = backward_end + tail
         self.spans.append(("compute", "optimizer", end, end + optimizer_s))
         return tail, sum(e - s for s, e in self._busy)
+
+
+def _busy_within(busy: list[tuple[float, float]], ends: list[float], start: float, end: float
+                 ) -> float:
+    """Seconds of ``[start, end)`` covered by ``busy`` (sorted, disjoint; ``ends`` their
+    ends)."""
+    total = 0.0
+    i = bisect.bisect_right(ends, start)
+    n = len(busy)
+    while i < n:
+        s, e = busy[i]
+        if s >= end:
+            break
+        total += max(0.0, min(end, e) - max(start, s))
+        i += 1
+    return total

@@ -27,6 +27,7 @@ from fsdp_plan.cost.precision import Precision
 from fsdp_plan.cost.step_time import (
     Rates,
     StepTime,
+    ForwardCache,
     UnitCost,
     accumulated_step,
     add_ops,
@@ -84,6 +85,11 @@ class UnitClock:
         self._ops_cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
         self._cost_cache: dict[tuple, UnitCost] = {}
         """A unit's times without recompute, by what it owns, its bytes and the mesh."""
+        self._replayed: dict[tuple[int, tuple[tuple[float, float], ...]], UnitCost] = {}
+        """A unit's times with its checkpointed blocks' recompute, by the cost without it
+        (its ``id``: every such cost lives in ``_cost_cache``) and the recompute."""
+        self.forwards: ForwardCache = {}
+        """The forward passes simulated on this clock (``simulate_step``)."""
 
     def flops(self, unit: UnitSpec) -> tuple[float, float, frozenset[str]]:
         """Forward and backward FLOPs of the modules a unit owns, and those modules."""
@@ -110,6 +116,17 @@ class UnitClock:
                 add_ops(bw_ops, own_bw.get(m))
             self._ops_cache[key] = (fw_ops, bw_ops)
         return self._ops_cache[key]
+
+    def replayed(self, base: UnitCost, replays: tuple[tuple[float, float], ...]) -> UnitCost:
+        """``base`` (from ``unit_cost``) with ``replays``' recompute ``(seconds, host
+        seconds)`` in its backward, cached."""
+        key = (id(base), replays)
+        found = self._replayed.get(key)
+        if found is None:
+            found = self._replayed[key] = dataclasses.replace(
+                base, bw_compute_s=base.bw_compute_s + sum(r[0] for r in replays),
+                bw_host_s=base.bw_host_s + sum(r[1] for r in replays))
+        return found
 
     def unit_cost(self, unit: UnitSpec, rates: Rates, *, shard: int, replicate: int) -> UnitCost:
         """``unit``'s times without recompute on a ``(replicate, shard)`` mesh, cached: they
@@ -168,10 +185,8 @@ def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, repli
         _, _, owned = clock.flops(u)
         # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
         # its unit's backward: [Note: recompute time] in search/evaluator.py.
-        replays = [recompute[b] for b in owned if b in recompute] if recompute else []
-        cost = dataclasses.replace(
-            base, bw_compute_s=base.bw_compute_s + sum(r[0] for r in replays),
-            bw_host_s=base.bw_host_s + sum(r[1] for r in replays)) if replays else base
+        replays = tuple(recompute[b] for b in owned if b in recompute) if recompute else ()
+        cost = clock.replayed(base, replays) if replays else base
         if optimizer_overlap and u.numel:  # [Note: optimizer overlap in the models]
             cost = dataclasses.replace(cost, optimizer_s=optimizer_time(
                 hw, rates, s.optimizer, u.shard_numel, s.precision.orig_bytes, u.num_params))
@@ -181,12 +196,13 @@ def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, repli
     ordered = root + [c for c in costs if c.key != "<root>"]
     if optimizer_overlap:  # its steps run in backward, and it never accumulates
         return simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
-                             backward_prefetch=backward_prefetch)
+                             backward_prefetch=backward_prefetch, forwards=clock.forwards)
     total_shard = sum(u.shard_numel for u in units)
     optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, s.precision.orig_bytes,
                                  clock.param_tensors)
     step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
-                         backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
+                         backward_prefetch=backward_prefetch, optimizer_s=optimizer_s,
+                         forwards=clock.forwards)
     if s.grad_accum_steps == 1:
         return step
     earlier = step
@@ -194,5 +210,6 @@ def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, repli
         quiet = [dataclasses.replace(c, reduce_scatter_s=0.0, all_reduce_s=0.0)
                  for c in ordered]
         earlier = simulate_step(quiet, hw, forward_prefetch=forward_prefetch,
-                                backward_prefetch=backward_prefetch, optimizer_s=optimizer_s)
+                                backward_prefetch=backward_prefetch, optimizer_s=optimizer_s,
+                                forwards=clock.forwards)
     return accumulated_step(step, earlier, s.grad_accum_steps)
