@@ -25,9 +25,9 @@ from fsdp_plan.cost.compiled_time import CompiledTimes, without_inside
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.precision import Precision
 from fsdp_plan.cost.step_time import (
+    ForwardCache,
     Rates,
     StepTime,
-    ForwardCache,
     UnitCost,
     accumulated_step,
     add_ops,
