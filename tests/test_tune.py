@@ -204,6 +204,9 @@ def test_contention_reads_the_verdict_against_the_noise(facts):
     assert contention().reason == "no overlap verdict: --baseline none"
     nothing_hidden = contention(hidden_ms=0, contention_ms=7)
     assert nothing_hidden.reason.startswith("no communication overlapped")
+    assert "+7 ms" in nothing_hidden.reason
+    faster = contention(hidden_ms=0, contention_ms=-3)  # saves 0: not "overlap paid" either
+    assert faster.reason.startswith("no communication overlapped") and "-3 ms" in faster.reason
     within = contention(noise=0.05, hidden_ms=1, contention_ms=4)  # 3 ms of 100: inside 5%
     assert "within the noise (5.0%)" in within.reason
     assert nothing_hidden.proposals == within.proposals == []
@@ -358,8 +361,9 @@ def test_tune_improves_a_bad_baseline_on_gloo(tmp_path, capsys):
     assert overlap["backward_overlapped_s"] > 0 and overlap["backward_held_s"] > 0
     assert overlap["verdict"] in record["stages"][0]["reason"]
     contention = record["stages"][ORDER.index("contention")]
-    assert contention["reason"].startswith("overlap paid" if overlap["saved_s"] >= 0
-                                           else "overlap cost")
+    assert contention["reason"].startswith(
+        "no communication overlapped" if overlap["hidden_s"] <= 0 else  # the root-only plan
+        "overlap paid" if overlap["saved_s"] >= 0 else "overlap cost the baseline's backward")
     assert "not a DDP plan" in record["stages"][ORDER.index("hooks")]["reason"]
     table = format_table(record)
     assert [line.split(":")[0] for line in table.splitlines() if line[:1].isdigit()] == [

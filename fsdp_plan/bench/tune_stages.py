@@ -263,13 +263,14 @@ def contention(ctx: Context) -> Proposed:
     if figures is None:
         return Proposed(reason=f"no overlap verdict: {ctx.overlap_note or 'not measured'}")
     saved_ms, held_ms = figures.saved_s * 1e3, figures.backward_held_s * 1e3
+    if figures.hidden_s <= 0:  # nothing ran beside compute: nothing could slow it down
+        return Proposed(reason=f"no communication overlapped the baseline's backward compute, "
+                               f"so the {figures.contention_s * 1e3:+.3g} ms its compute took "
+                               "beside the held twin's is the run's noise, not contention: "
+                               "nothing to change")
     if figures.saved_s >= 0:
         return Proposed(reason=f"overlap paid (the baseline's backward: saves {saved_ms:.3g} ms "
                                f"of {held_ms:.3g}): kept, nothing to change")
-    if figures.hidden_s <= 0:  # nothing ran beside compute: nothing could slow it down
-        return Proposed(reason=f"no communication overlapped the baseline's backward compute, "
-                               f"so its {figures.contention_s * 1e3:.3g} ms slower compute is the "
-                               "run's noise, not contention: nothing to change")
     if -figures.saved_s <= ctx.noise * figures.backward_held_s:
         return Proposed(reason=f"overlap cost the baseline's backward {-saved_ms:.3g} ms of "
                                f"{held_ms:.3g}, within the noise ({ctx.noise:.1%}): nothing to "
