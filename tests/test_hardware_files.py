@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -344,13 +345,22 @@ def fake_time_plans(source, plans, *, nproc, mesh, steps, warmup, **kwargs):
     return [[[1.0 * (1 + 0.01 * (i % 3 - 1)) for i in range(steps)]] * nproc for _ in plans]
 
 
+def fake_held_twin(source, plan, *, nproc, mesh, steps, warmup, **kwargs):
+    """tune's baseline launch without workers: its steps, and a held twin 10 ms slower."""
+    [times] = fake_time_plans(source, [plan], nproc=nproc, mesh=mesh, steps=steps,
+                              warmup=warmup)
+    run = {"comm": {"backward_compute_s": 0.5, "backward_hidden_s": 0.01},
+           "phases_s": {"backward": 0.5, "tail": 0.0}}
+    return times, run, {**run, "phases_s": {"backward": 0.51}, "how": "held by a fake"}
+
+
 @pytest.fixture(scope="module")
 def calibrated_plan(tmp_path_factory) -> dict:
     """The tiny Llama planned with a file fsdp-plan calibrate wrote (this repo's closed loop),
     then the file deleted: what each verb must do without it."""
     folder = tmp_path_factory.mktemp("calibrated")
     hw = folder / "cpu.yaml"
-    hw.write_bytes(open(CALIBRATED, "rb").read())
+    hw.write_bytes(Path(CALIBRATED).read_bytes())
     plan, policy = str(folder / "plan.yaml"), str(folder / "policy.py")
     assert main([LLAMA, "--model-arg", "size=tiny", "--mem", "80GB", "--world-size", "2",
                  "--seq-len", "64", "--strategy", "full", "--hardware", str(hw),
@@ -368,7 +378,7 @@ def test_the_plan_stores_every_figure_and_where_it_came_from(calibrated_plan):
     block = doc["hardware"]
     assert list(doc)[list(doc).index("gpu") + 1] == "hardware"
     assert block["file"] == "cpu.yaml"
-    assert block["sha256"] == hashlib.sha256(open(CALIBRATED, "rb").read()).hexdigest()
+    assert block["sha256"] == hashlib.sha256(Path(CALIBRATED).read_bytes()).hexdigest()
     assert block["header"].startswith("Hardware file written by fsdp-plan calibrate")
     calibrated = hardware_for("h100", read_hardware_file(CALIBRATED))
     assert block["figures"] == calibrated.to_dict()
@@ -400,6 +410,7 @@ def test_predict_verify_and_tune_need_no_flag_after_the_file_is_gone(calibrated_
 
     import fsdp_plan.bench.timing
     monkeypatch.setattr(fsdp_plan.bench.timing, "time_plans", fake_time_plans)
+    monkeypatch.setattr(fsdp_plan.bench.timing, "time_with_held_twin", fake_held_twin)
     out = folder / "tuned"
     assert main(["tune", plan, "--nproc", "2", "--steps", "4", "--warmup", "1",
                  "--budget-minutes", "1", "--out", str(out), "--format", "json"]) == 0
@@ -440,8 +451,8 @@ def test_refit_starts_from_the_stored_figures(calibrated_plan, tmp_path):
 
 
 @pytest.mark.parametrize("change,needles", [
-    (lambda h: h["figures"].update(peak_flops=0), ["hardware.figures: peak_flops 0 is out of "
-                                                   "range", "from 1e+06"]),
+    (lambda h: h["figures"].update(peak_flops=0), [("hardware.figures: peak_flops 0 is out "
+                                                    "of range"), "from 1e+06"]),
     (lambda h: h["figures"].update(peak_flops=1.0e-300), ["peak_flops 1e-300"]),
     (lambda h: h["figures"]["collectives"]["all_gather"].update({"²": {"bus_bandwidth": 1e9}}),
      ["group size '²'"]),
@@ -465,7 +476,7 @@ def test_the_stored_hardware_is_checked_with_the_plan(calibrated_plan, tmp_path,
 
 
 def test_duplicate_figures_in_a_plan_are_refused(calibrated_plan, tmp_path, capsys):
-    text = open(calibrated_plan["plan"]).read().replace(
+    text = Path(calibrated_plan["plan"]).read_text().replace(
         "    peak_flops:", "    peak_flops: 1.0e+12\n    peak_flops:", 1)
     plan = write_yaml(tmp_path, "dup.yaml", text)
     refused(capsys, ["predict", plan], "the key 'peak_flops' twice")

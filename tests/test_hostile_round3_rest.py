@@ -4,8 +4,8 @@ Each case runs through a real entry point (``fsdp_plan.cli.main.main`` in-proces
 subprocess of ``python -m fsdp_plan.cli.main`` / ``python -m fsdp_plan.cli.bench_worker``) and
 checks the SPEC 2 contract for it: the exit code, the message's words, no Python traceback,
 and no file written, changed or left behind (no worker left running either). Where a check
-must come "before any measuring", the one function that starts workers (``time_plans`` for
-tune) is replaced by a recorder, and the model loader by one that fails the test.
+must come "before any measuring", the functions that start workers (``time_plans`` and
+``time_with_held_twin`` for tune) are replaced by a recorder, and the model loader by one that fails the test.
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def refused(capsys, argv: list[str], code: int, *needles: str) -> str:
 
 
 class FakeTimePlans:
-    """Stands in for ``bench.timing.time_plans`` (the only thing tune starts workers with):
-    records the plans and answers with a step time per plan (1% jitter, two ranks)."""
+    """Stands in for ``bench.timing.time_plans`` and ``time_with_held_twin`` (the only things
+    tune starts workers with): records the plans and answers with a step time per plan (1%
+    jitter, two ranks), the held twin with a backward that overlap shortened by 10 ms."""
 
     def __init__(self, seconds=lambda plan: 1.0, action=None) -> None:
         self.calls: list[list] = []
@@ -61,6 +62,20 @@ class FakeTimePlans:
             self.action()
         return [[[self.seconds(p) * (1 + 0.01 * (i % 3 - 1)) for i in range(steps)]] * nproc
                 for p in plans]
+
+    def held(self, source, plan, *, nproc, mesh, steps, warmup, **_):
+        [times] = self(source, [plan], nproc=nproc, mesh=mesh, steps=steps, warmup=warmup)
+        overlapped = {"comm": {"backward_compute_s": 0.5, "backward_hidden_s": 0.01},
+                      "phases_s": {"backward": 0.5, "tail": 0.0}}
+        held = {"comm": {"backward_compute_s": 0.5, "backward_hidden_s": 0.0},
+                "phases_s": {"backward": 0.51, "tail": 0.0}, "how": "held by a fake"}
+        return times, overlapped, held
+
+
+def fake_workers(monkeypatch, fake: FakeTimePlans) -> FakeTimePlans:
+    monkeypatch.setattr(timing, "time_plans", fake)
+    monkeypatch.setattr(timing, "time_with_held_twin", fake.held)
+    return fake
 
 
 def _no_model_loading(*args, **kwargs):
@@ -89,7 +104,7 @@ def test_s3_11_tune_out_under_a_file_is_refused_before_any_measuring(plan, tmp_p
     readme = tmp_path / "README.md"
     readme.write_text("# a project's readme\n")
     bench = FakeTimePlans()
-    monkeypatch.setattr(timing, "time_plans", bench)
+    fake_workers(monkeypatch, bench)
     monkeypatch.setattr(runtime, "load_planned_model", _no_model_loading)
     before = snapshot(tmp_path)
     refused(capsys, ["tune", plan, "--out", str(readme / "sub")], 2,
@@ -105,7 +120,7 @@ def test_s3_31_tune_nproc_is_capped_like_bench(plan, tmp_path, capsys, monkeypat
     from fsdp_plan.bench.inputs import max_local_workers
     limit = max_local_workers()
     bench = FakeTimePlans()
-    monkeypatch.setattr(timing, "time_plans", bench)
+    fake_workers(monkeypatch, bench)
     monkeypatch.setattr(runtime, "load_planned_model", _no_model_loading)
     out = tmp_path / "results"
     before = snapshot(tmp_path)
@@ -127,7 +142,7 @@ def test_s3_12_a_signal_during_tune_exits_with_its_code_and_leaves_nothing(
         time.sleep(5)
         raise AssertionError("the signal did not stop tune")
 
-    monkeypatch.setattr(timing, "time_plans", FakeTimePlans(action=signalled))
+    fake_workers(monkeypatch, FakeTimePlans(action=signalled))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP,
                                                         signal.SIGINT)}
     out = tmp_path / "results"
@@ -190,7 +205,7 @@ def test_s3_13_two_tunes_in_one_second_keep_every_output_and_the_input(plan, tmp
     real_strftime = time.strftime
     monkeypatch.setattr(time, "strftime", lambda fmt, *rest: STAMP if fmt == "%Y%m%d-%H%M%S"
                         else real_strftime(fmt, *rest))
-    monkeypatch.setattr(timing, "time_plans", FakeTimePlans())
+    fake_workers(monkeypatch, FakeTimePlans())
     out = tmp_path / "results"
     out.mkdir()
     given = out / f"tune-{STAMP}-best.yaml"
@@ -254,7 +269,7 @@ def test_s3_14_tune_benches_only_valid_neighbours_with_true_labels(tmp_path, cap
     from fsdp_plan.bench.results import plan_hash
     given = Path(make(tmp_path))
     bench = FakeTimePlans()
-    monkeypatch.setattr(timing, "time_plans", bench)
+    fake_workers(monkeypatch, bench)
     out = tmp_path / "results"
     assert main(["tune", str(given), "--out", str(out), "--format", "json"]) == 0
     captured = capsys.readouterr()
@@ -282,7 +297,7 @@ def test_s3_14_tune_benches_only_valid_neighbours_with_true_labels(tmp_path, cap
 def test_s3_14_grad_op_and_unit_precision_neighbours_stay_valid():
     """grad-op keeps every unit gathered, and a unit with its own mixed precision keeps it:
     no neighbour may reshard under grad-op or drop a unit's precision."""
-    from fsdp_plan.bench.tune import neighbours
+    from fsdp_plan.bench.tune_stages import STAGES, Context
     from fsdp_plan.facts.types import ModelFacts
     facts = ModelFacts.from_json((ROOT / "tests" / "fixtures" / "tiny_llama_facts.json")
                                  .read_text())
@@ -291,7 +306,8 @@ def test_s3_14_grad_op_and_unit_precision_neighbours_stay_valid():
     precise = tiny_llama_plan(world=2)
     precise.units[0].mixed_precision = {"param_dtype": "float32"}
     for plan in (grad_op, precise):
-        found = neighbours(plan, facts)
+        found = [p for stage in STAGES
+                 for p in stage.propose(Context(plan=plan, facts=facts)).proposals]
         assert found
         for _, _, other in found:
             Plan.from_dict(other.to_dict())
@@ -309,7 +325,7 @@ def test_s3_30_a_baseline_that_does_not_fit_is_refused_before_measuring(tmp_path
     doc["budget_bytes"] = 100_000  # the tiny Llama's states alone are more
     given = plan_file(tmp_path, Plan.from_dict(doc), "over.yaml")
     bench = FakeTimePlans()
-    monkeypatch.setattr(timing, "time_plans", bench)
+    fake_workers(monkeypatch, bench)
     out = tmp_path / "results"
     before = snapshot(tmp_path)
     refused(capsys, ["tune", given, "--out", str(out)], 3,

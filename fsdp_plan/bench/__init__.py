@@ -10,7 +10,11 @@ Its modules, in the order a run uses them:
 - ``overlap``: ``--baseline no-overlap``'s figures and verdict (what overlap saved or cost);
 - ``results``: the result files that let reruns be compared, the report, ``--compare``;
 - ``refit``: ``--refit``, a hardware file corrected from what a run measured;
-- ``timing``: several plans timed on one set of workers (what ``tune`` benches);
-- ``tune``: neighbouring plans, one knob at a time, kept when they beat the noise;
+- ``timing``: several plans timed on one set of workers, or one with its no-overlap twin
+  (what ``tune`` benches);
+- ``tune_stages``: the tuning order (baseline, topology, buckets, contention, hooks,
+  optimizer overlap, prefetch, checkpointing, reshard) and what each stage proposes;
+- ``tune``: the loop over those stages, one knob family at a time, kept when it beats the
+  noise;
 - ``gpu_check``: the prepared one-shot check of predictions on a real GPU.
 """

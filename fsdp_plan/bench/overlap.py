@@ -32,6 +32,26 @@ BASELINES = ("no-overlap",)
 """The values ``--baseline`` takes."""
 
 
+def held_refusal(plan: Any) -> tuple[str, str] | None:
+    """Why measure/no_overlap.py cannot hold this plan's communication, and the plan field
+    whose removal would let it; None when it can. It holds a DDP plan's buckets with a
+    communication hook of its own, and DDP takes one hook: a plan with its own ``comm_hook``,
+    or stepping its optimizer in backward (DDP's hook too), has no held twin. (FSDP1, which
+    ``bench --fsdp1`` runs, is refused by the caller.)"""
+    if plan.strategy != "ddp":
+        return None
+    hook = plan.ddp.comm_hook if plan.ddp else None
+    if hook:
+        why = (f"already has ddp.comm_hook: {hook} (DDP takes one hook, and a baseline without "
+               f"{hook} would be another plan)")
+        return why, "comm_hook"
+    if plan.optimizer_overlap:
+        why = ("steps its optimizer in backward (optimizer_overlap), which is DDP's "
+               "communication hook already (DDP takes one)")
+        return why, "optimizer_overlap"
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class OverlapFigures:
     """One plan's backward measured with overlap and with communication held (seconds)."""

@@ -15,7 +15,7 @@ from typing import Any
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.bench import inputs, results
 from fsdp_plan.bench.inputs import BenchRequest
-from fsdp_plan.bench.overlap import overlap_figures
+from fsdp_plan.bench.overlap import held_refusal, overlap_figures
 from fsdp_plan.bench.refit import check_refit_path, refit
 from fsdp_plan.common.errors import BadInput, CheckFailed
 from fsdp_plan.common.files import atomic_write_all, check_outputs
@@ -128,19 +128,13 @@ def check_baseline(request: BenchRequest, plan: Plan) -> None:
         raise BadInput("--baseline no-overlap holds communication for FSDP2 and DDP plans; "
                        "with --fsdp1 it is not supported. Run bench without --fsdp1 to see "
                        "what overlap buys the plan.")
-    hook = plan.ddp.comm_hook if plan.ddp else None
-    if plan.strategy == "ddp" and hook:
+    refused = held_refusal(plan)
+    if refused:
+        why, key = refused
         raise BadInput(f"--baseline no-overlap holds a DDP plan's buckets with a communication "
-                       f"hook of its own, and {request.plan_path!r} already has ddp.comm_hook: "
-                       f"{hook} (DDP takes one hook, and a baseline without {hook} would be "
-                       "another plan). Bench it without --baseline, or bench a copy of the plan "
-                       "without comm_hook with --baseline no-overlap.")
-    if plan.strategy == "ddp" and plan.optimizer_overlap:
-        raise BadInput(f"--baseline no-overlap holds a DDP plan's buckets with a communication "
-                       f"hook of its own, and {request.plan_path!r} steps its optimizer in "
-                       "backward (optimizer_overlap), which is DDP's communication hook already "
-                       "(DDP takes one). Bench it without --baseline, or bench a copy without "
-                       "optimizer_overlap with --baseline no-overlap.")
+                       f"hook of its own, and {request.plan_path!r} {why}. Bench it without "
+                       f"--baseline, or bench a copy of the plan without {key} with --baseline "
+                       "no-overlap.")
 
 
 def _predicted_contention(prepared: Prepared) -> float | None:

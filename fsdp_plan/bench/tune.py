@@ -1,22 +1,26 @@
-"""The tuning loop: measure the plan, change one knob at a time, keep what beats the noise.
+"""The tuning loop: measure the plan, then the stages of the tuning order, one knob family
+at a time, keeping what beats the noise.
 
 [Note: the tuning loop]
 Users tune by rerunning. ``fsdp-plan tune PLAN.yaml`` starts from the plan as the baseline
-(refused, exit 3, when it does not fit its own budget) and benches it (warm-up excluded, several steady steps; the median over steps of the slowest
-rank is the step time, and the baseline's own spread is the noise). Each round proposes the
-plan's neighbours, each one knob away (forward and backward prefetch depth, the unit
-layout, how many blocks are checkpointed, whether the last block reshards) and accepted by
-the plan format, predicts them
-with the planner's models (``api.predict``), drops those that do not fit the budget, and
-benches the ``max_per_round`` predicted fastest with the same seed and data on one set of
-workers. The best so far is benched again in the same launch, first and last, so the
-proposals are compared with a reference taken on the same workers around them: a machine
-that slows down or speeds up between launches (another job starting, a clock ramping) then
-moves both sides of the comparison alike, and linear drift within the launch cancels in the
-mean of the two reference runs. The fastest is kept only when it beats that reference by
-more than the noise;
-the loop stops when a round keeps nothing, after ``max_rounds``, or when the time budget
-is spent. The best plan and the baseline (the rollback) are written with every measurement.
+(refused, exit 3, when it does not fit its own budget) and benches it (warm-up excluded,
+several steady steps; the median over steps of the slowest rank is the step time, and the
+baseline's own spread is the noise), with its no-overlap twin profiled in the same launch
+(bench/timing.py [Note: the baseline and its held twin in one launch]) for the overlap
+verdict. Then it runs the stages of bench/tune_stages.py [Note: the tuning order] once each,
+in order. A stage proposes plans one knob of its family away from the best so far, accepted
+by the plan format; each is predicted with the planner's models (``api.predict``), dropped
+when it does not fit the budget or is a plan already measured (a DDP cap that builds the same
+buckets is the same plan), and the ``max_per_round`` predicted fastest are benched with the
+same seed and data on one set of workers. The best so far is benched again in the same
+launch, first and last, so the proposals are compared with a reference taken on the same
+workers around them: a machine that slows down or speeds up between launches (another job
+starting, a clock ramping) then moves both sides of the comparison alike, and linear drift
+within the launch cancels in the mean of the two reference runs. The fastest is kept only
+when it beats that reference by more than the noise. A stage with nothing to propose is
+recorded with its reason, as is one the time budget or ``max_rounds`` (benched stages) left
+out. The best plan and the baseline (the rollback) are written with every measurement, and
+every stage with its reason, its trials and its outcome.
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_plan.api import predict as predict_plan
+from fsdp_plan.bench.overlap import OverlapFigures, held_refusal, verdict
+from fsdp_plan.bench.tune_stages import STAGES, Context, Permissions
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.facts.types import ModelFacts
-from fsdp_plan.plan.prefetch import prefetch_depths, prefetch_maps
-from fsdp_plan.plan.document import Plan, Unit
+from fsdp_plan.plan.document import Plan
 
 NOISE_FLOOR = 0.02
 """Never trust a gain below 2% of step time, however quiet the baseline looked."""
@@ -51,6 +57,8 @@ class Trial:
     knob: str
     change: str
     plan: Plan
+    stage: str = "baseline"
+    """The stage of [Note: the tuning order] that proposed it."""
     predicted_step_s: float | None = None
     step_times_s: list[list[float]] = field(default_factory=list)
     """Per rank, the steady steps' seconds."""
@@ -77,7 +85,8 @@ class Trial:
         return medians.index(max(medians)) if medians else -1
 
     def row(self) -> dict[str, Any]:
-        return {"knob": self.knob, "change": self.change, "predicted_step_s": self.predicted_step_s,
+        return {"stage": self.stage, "knob": self.knob, "change": self.change,
+                "predicted_step_s": self.predicted_step_s,
                 "p50_step_s": self.p50_s, "p99_step_s": self.p99_s,
                 "slowest_rank": self.slowest_rank, "kept": self.kept,
                 "reference_p50_s": self.reference_p50_s}
@@ -102,112 +111,36 @@ def relative_spread(times: list[float]) -> float:
     return max(NOISE_FLOOR, (q[2] - q[0]) / median)
 
 
-def _layout(plan: Plan) -> tuple[list[list[str]], list[bool]]:
-    units = [u for u in plan.units if u.modules != [""]]
-    return [list(u.modules) for u in units], [u.reshard_after_forward for u in units]
+@dataclass(kw_only=True)
+class StageResult:
+    """One stage of the tuning order as it ran: why, what it benched, what came of it."""
+
+    name: str
+    reason: str
+    outcome: str
+    trials: list[Trial] = field(default_factory=list)
+    dropped: list[tuple[str, str, str]] = field(default_factory=list)
+    """``(knob, change, why)`` of each proposal not benched (over the budget, measured
+    already, beyond ``max_per_round``)."""
+    reference_p50_s: float | None = None
+    """The best so far, re-measured in the stage's launch."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stage": self.name, "reason": self.reason, "outcome": self.outcome,
+                "reference_p50_s": self.reference_p50_s,
+                "trials": [{k: v for k, v in t.row().items() if k != "stage"}
+                           for t in self.trials],
+                "dropped": [{"knob": k, "change": c, "why": w} for k, c, w in self.dropped]}
 
 
-def _with_units(plan: Plan, groups: list[list[str]], reshard: list[bool]) -> Plan:
-    root = next(u for u in plan.units if u.modules == [""])
-    units = [Unit(modules=g, reshard_after_forward=r) for g, r in zip(groups, reshard)]
-    keys = [g[0] for g in groups]
-    fwd, bwd = prefetch_depths(plan)
-    forward, backward = prefetch_maps(keys, fwd, bwd)
-    return dataclasses.replace(plan, units=[*units, root], forward_prefetch=forward,
-                               backward_prefetch=backward, predicted={})
+@dataclass(frozen=True, kw_only=True)
+class HeldBaseline:
+    """What the baseline's launch measured: the plan's steps and its overlap figures."""
 
-
-def _resharding(plan: Plan, count: int, last: bool = True) -> list[bool]:
-    """``reshard_after_forward`` for ``count`` new units: grad-op keeps every unit gathered
-    (the plan format refuses a resharding unit under it); otherwise every unit reshards,
-    the last one only when ``last``."""
-    if plan.strategy == "grad-op":
-        return [False] * count
-    return [True] * (count - 1) + [last] if count else []
-
-
-def _is_valid(plan: Plan) -> bool:
-    """Whether the plan file format accepts ``plan`` (``plan.check``): a neighbour the
-    format forbids is never proposed (issue 21, S3-14)."""
-    try:
-        Plan.from_dict(plan.to_dict())
-    except BadInput:
-        return False
-    return True
-
-
-def _checkpointing_neighbours(plan: Plan, blocks: list[str]) -> list[tuple[str, str, Plan]]:
-    """One block fewer, none, one block more. Each block keeps its mode (``full`` or
-    ``selective``) and the label counts what the plan then checkpoints (issue 21, S3-14:
-    "80 -> 79 blocks" used to turn every selective block into full)."""
-    written = plan.activation_checkpointing
-    modes = dict(written) if isinstance(written, dict) else {name: "full" for name in written}
-    names = list(modes)
-
-    def checkpointing(chosen: dict[str, str]) -> Plan:
-        if isinstance(written, dict) and chosen:
-            value: list[str] | dict[str, str] = chosen
-        else:  # no selective block: the list form, which every plan version reads
-            value = list(chosen)
-        return dataclasses.replace(plan, activation_checkpointing=value, predicted={})
-    out = []
-    if names:
-        out.append(("checkpointing", f"{len(names)} -> {len(names) - 1} blocks",
-                    checkpointing(dict(list(modes.items())[:-1]))))
-        if len(names) > 1:
-            out.append(("checkpointing", f"{len(names)} -> 0 blocks", checkpointing({})))
-    free = [b for b in blocks if b not in modes and not any(
-        n.startswith(b + ".") or b.startswith(n + ".") for n in names)]
-    if free:
-        mode = modes[names[-1]] if names and isinstance(written, dict) else "full"
-        label = f"{len(names)} -> {len(names) + 1} blocks"
-        if isinstance(written, dict):
-            label += f" ({free[0]} {mode})"
-        out.append(("checkpointing", label, checkpointing({**modes, free[0]: mode})))
-    return out
-
-
-def neighbours(plan: Plan, facts: ModelFacts) -> list[tuple[str, str, Plan]]:
-    """Plans one knob away from ``plan``: ``(knob, change, plan)``; only plans the plan format
-    accepts, each labelled with what it changes."""
-    out: list[tuple[str, str, Plan]] = []
-    blocks = facts.graph.blocks
-    groups, reshard = _layout(plan)
-    keys = [g[0] for g in groups]
-    # A DDP plan has one unit, the root, and no prefetch: only its checkpointing has
-    # neighbours. Units with their own mixed precision cannot be regrouped without changing
-    # what they compute in.
-    regroup = plan.strategy != "ddp" and not any(u.mixed_precision for u in plan.units)
-    fwd, bwd = prefetch_depths(plan)
-
-    def prefetch(f: int, b: int) -> Plan:
-        forward, backward = prefetch_maps(keys, f, b)
-        return dataclasses.replace(plan, forward_prefetch=forward, backward_prefetch=backward,
-                                   predicted={})
-    if keys:
-        out.append(("forward prefetch", f"depth {fwd} -> {1 - min(fwd, 1)}",
-                    prefetch(1 - min(fwd, 1), bwd)))
-        out.append(("backward prefetch", f"depth {bwd} -> {2 if bwd == 1 else 1}",
-                    prefetch(fwd, 2 if bwd == 1 else 1)))
-    if regroup and blocks and not groups:
-        per_block = [[b] for b in blocks]
-        out.append(("unit layout", "root only -> one unit per block",
-                    _with_units(plan, per_block, _resharding(plan, len(blocks), last=False))))
-    elif regroup and groups:
-        out.append(("unit layout", f"{len(groups)} units -> root only",
-                    _with_units(plan, [], [])))
-        if all(len(g) == 1 for g in groups) and len(groups) >= 4 and groups[0][0] in blocks:
-            pairs = [[m for g in groups[i:i + 2] for m in g] for i in range(0, len(groups), 2)]
-            out.append(("unit layout", "one unit per block -> two blocks per unit",
-                        _with_units(plan, pairs, _resharding(plan, len(pairs)))))
-    if groups and reshard[-1] and plan.strategy != "grad-op":
-        last = len(groups) - 1  # the last unit before the root; its other settings kept
-        units = [dataclasses.replace(u, reshard_after_forward=False) if i == last else u
-                 for i, u in enumerate(plan.units)]
-        out.append(("reshard", f"keep {keys[-1]} unsharded after forward",
-                    dataclasses.replace(plan, units=units, predicted={})))
-    out += _checkpointing_neighbours(plan, blocks)
-    return [(knob, change, p) for knob, change, p in out if _is_valid(p)]
+    step_times_s: list[list[float]]
+    figures: OverlapFigures
+    how: str
+    """How communication was held (measure/no_overlap.py ``hold_communication``)."""
 
 
 @dataclass(kw_only=True)
@@ -217,7 +150,14 @@ class TuneResult:
     trials: list[Trial]
     noise: float
     rounds: int
+    """Launches after the baseline's: one per benched stage."""
     stopped: str
+    stages: list[StageResult] = field(default_factory=list)
+    """The baseline, then every stage of the tuning order, in order."""
+    overlap: OverlapFigures | None = None
+    """The baseline's overlap figures (None: the no-overlap twin was not measured)."""
+    overlap_note: str = ""
+    """How communication was held, or why the twin was not measured."""
 
     @property
     def gain(self) -> float:
@@ -230,15 +170,115 @@ class TuneResult:
         return 1 - ratio
 
 
-def tune(plan: Plan, facts: ModelFacts, bench, *, budget_s: float, max_rounds: int = 4,
-         max_per_round: int = 4, hardware=None, progress=None) -> TuneResult:
-    """Run [Note: the tuning loop]. ``bench(plans) -> list of per-rank step-time lists`` runs
-    plans on real workers (one launch per call); ``hardware`` (a calibrated file's figures)
-    orders the proposals."""
+def _same_plan_key(plan: Plan, predicted: dict[str, Any]) -> str:
+    """Plans that run alike: the document without ``predicted``, a DDP plan's caps as the
+    buckets they build (a cap above the model's gradients builds the same one bucket)."""
+    d = plan.to_dict()
+    d.pop("predicted", None)
+    d.pop("fsdp_plan_version", None)
+    if plan.strategy == "ddp" and predicted.get("buckets"):
+        d["ddp"] = {k: v for k, v in d["ddp"].items()
+                    if k not in ("bucket_cap_mb", "first_bucket_mb")}
+        d["ddp"]["buckets"] = list(predicted["buckets"])
+    return repr(d)
+
+
+def _percent(trial: Trial, reference: float) -> str:
+    return f"{trial.p50_s / reference - 1:+.1%}"
+
+
+_Candidate = tuple[Trial, str, dict[str, Any]]
+"""A proposal to bench: its trial, its plan's ``_same_plan_key`` and its predicted block."""
+
+
+def _measure_baseline(plan: Plan, prediction: Any, bench, bench_held
+                      ) -> tuple[Trial, OverlapFigures | None, str]:
+    """Round 0: the plan as given (the rollback), with its held twin where it has one."""
+    baseline = Trial(knob="baseline", change="the plan as given", plan=plan,
+                     predicted_step_s=prediction.predicted["step_time_s"], kept=True)
+    refused = held_refusal(plan)
+    if bench_held is None:
+        note = "the no-overlap twin was not asked for (tune --baseline none)"
+    elif refused:
+        note = f"no held twin: the plan {refused[0]}"
+    else:
+        held = bench_held(plan)
+        baseline.step_times_s = held.step_times_s
+        figures = dataclasses.replace(
+            held.figures, predicted_contention_s=prediction.candidate.time.backward_contention_s)
+        return baseline, figures, held.how
+    baseline.step_times_s = bench([plan])[0]
+    return baseline, None, note
+
+
+def _candidates(result: StageResult, proposals: list[tuple[str, str, Plan]], predict,
+                tried: dict[str, str], max_per_round: int) -> list[_Candidate]:
+    """The stage's proposals to bench, predicted fastest first; what is dropped and why goes
+    to ``result.dropped``."""
+    out: list[_Candidate] = []
+    mine: dict[str, str] = {}
+    for knob, change, candidate in proposals:
+        try:
+            guess = predict(candidate)
+        except BadInput as e:
+            result.dropped.append((knob, change, f"cannot be predicted: {e}"))
+            continue
+        if not guess.fits:
+            peak, limit = guess.predicted["peak_bytes"], guess.limit_bytes
+            why = f"does not fit: peaks at {format_bytes(peak)}, above {format_bytes(limit)}"
+            result.dropped.append((knob, change, why))
+            continue
+        key = _same_plan_key(candidate, guess.predicted)
+        if key in tried or key in mine:
+            where = tried.get(key) or f"this stage ({mine[key]})"
+            result.dropped.append((knob, change, f"runs as a plan measured already: {where}"))
+            continue
+        mine[key] = f"{knob}, {change}"
+        out.append((Trial(knob=knob, change=change, plan=candidate, stage=result.name,
+                          predicted_step_s=guess.predicted["step_time_s"]), key,
+                    guess.predicted))
+    out.sort(key=lambda c: c[0].predicted_step_s)
+    for trial, _, _ in out[max_per_round:]:
+        why = f"predicted slower than the {max_per_round} benched (max_per_round)"
+        result.dropped.append((trial.knob, trial.change, why))
+    return out[:max_per_round]
+
+
+def _judge(result: StageResult, benched: list[_Candidate], measured: list[list[list[float]]],
+           noise: float) -> _Candidate | None:
+    """Record the launch ``[best, *benched, best]`` and return the winner when it beats the
+    same-launch reference by more than the noise."""
+    reference = (p50_of(measured[0]) + p50_of(measured[-1])) / 2
+    result.reference_p50_s = reference
+    for (trial, _, _), times in zip(benched, measured[1:-1]):
+        trial.step_times_s = times
+        trial.reference_p50_s = reference
+        result.trials.append(trial)
+    winner = min(benched, key=lambda c: c[0].p50_s)
+    trial = winner[0]
+    what = f"{trial.knob}: {trial.change}, {_percent(trial, reference)} against the best so far"
+    if trial.p50_s < reference * (1 - noise):
+        trial.kept = True
+        result.outcome = f"kept {what} in the same launch, beyond the noise {noise:.1%}"
+        return winner
+    result.outcome = f"nothing kept: the fastest, {what}, is not beyond the noise {noise:.1%}"
+    return None
+
+
+def tune(plan: Plan, facts: ModelFacts, bench: Callable[[list[Plan]], list[list[list[float]]]],
+         *, budget_s: float, bench_held: Callable[[Plan], HeldBaseline] | None = None,
+         max_rounds: int | None = None, max_per_round: int = 4, hardware=None,
+         allow: Permissions | None = None, run_mesh: tuple[int, int] | None = None,
+         warmup_steps: int = 0, progress=None) -> TuneResult:
+    """Run [Note: the tuning loop]. ``bench(plans) -> per plan, per rank, step seconds`` runs
+    plans on real workers (one launch per call); ``bench_held(plan)`` times the baseline and
+    its no-overlap twin in one launch (None: the baseline alone, no verdict). ``hardware`` (a
+    calibrated file's figures) orders the proposals; ``allow`` is what the user permitted
+    (lossy hooks, optimizer overlap, the workers' device); ``run_mesh`` the local run's mesh;
+    ``max_rounds`` caps the benched stages (None: every stage)."""
     def predict(candidate: Plan):
         return predict_plan(candidate, facts, hardware=hardware)
     started = time.perf_counter()
-    baseline = Trial(knob="baseline", change="the plan as given", plan=plan)
     prediction = predict(plan)
     if not prediction.fits:  # never measured, never reported as best (issue 21, S3-30)
         peak = prediction.predicted["peak_bytes"]
@@ -248,56 +288,55 @@ def tune(plan: Plan, facts: ModelFacts, bench, *, budget_s: float, max_rounds: i
             "starts from a plan that fits and keeps only plans that fit. Run fsdp-plan on the "
             "model for one that fits, or raise budget_bytes if the GPUs hold more; nothing was "
             "measured.", smallest_peak_bytes=peak)
-    baseline.predicted_step_s = prediction.predicted["step_time_s"]
-    baseline.step_times_s = bench([plan])[0]
-    baseline.kept = True
+    baseline, figures, note = _measure_baseline(plan, prediction, bench, bench_held)
     noise = noise_of(baseline)
-    best, trials = baseline, [baseline]
+    best, best_predicted, trials = baseline, prediction.predicted, [baseline]
+    tried = {_same_plan_key(plan, prediction.predicted): "baseline"}
+    twin = (f", and its no-overlap twin in the same launch ({note}): {verdict(figures)}"
+            if figures else f"; {note}")
+    stages = [StageResult(name="baseline", trials=[baseline],
+                          reason=f"the plan as given, the rollback{twin}",
+                          outcome=f"rollback kept; noise {noise:.1%} (the spread of its steps)")]
     if progress:
-        progress(f"baseline: {best.p50_s:.4g} s per step (noise {noise:.1%})")
-    stopped = "no neighbour beat the best by more than the noise"
-    rounds = 0
-    for rounds in range(1, max_rounds + 1):
-        if time.perf_counter() - started > budget_s:
-            stopped = "the time budget is spent"
-            break
-        proposals = []
-        for knob, change, candidate in neighbours(best.plan, facts):
-            try:
-                prediction = predict(candidate)
-            except BadInput:
-                continue
-            if prediction.fits:
-                proposals.append(Trial(knob=knob, change=change, plan=candidate,
-                                       predicted_step_s=prediction.predicted["step_time_s"]))
-        seen = {_fingerprint(t.plan) for t in trials}
-        proposals = [p for p in proposals if _fingerprint(p.plan) not in seen]
-        proposals.sort(key=lambda t: t.predicted_step_s)
-        proposals = proposals[:max_per_round]
-        if not proposals:
-            stopped = "no untried neighbour fits the budget"
-            break
-        measured = bench([best.plan, *(p.plan for p in proposals), best.plan])
-        reference = (p50_of(measured[0]) + p50_of(measured[-1])) / 2
-        for trial, times in zip(proposals, measured[1:-1]):
-            trial.step_times_s = times
-            trial.reference_p50_s = reference
-        trials += proposals
-        winner = min(proposals, key=lambda t: t.p50_s)
+        progress(f"baseline: {best.p50_s:.4g} s per step (noise {noise:.1%})"
+                 + (f"; {verdict(figures)}" if figures else ""))
+    limit = sum(stage.benches for stage in STAGES) if max_rounds is None else max_rounds
+    stopped, rounds = "every stage of the tuning order ran", 0
+    for stage in STAGES:
+        out_of = None
+        if stage.benches and time.perf_counter() - started > budget_s:
+            out_of = "the time budget is spent"
+        elif stage.benches and rounds >= limit:
+            out_of = f"max_rounds ({limit}) reached"
+        if out_of:
+            if stopped.startswith("every"):
+                stopped = f"{out_of} (before stage {stage.name})"
+            stages.append(StageResult(name=stage.name, reason="not run",
+                                      outcome=f"skipped: {out_of}"))
+            continue
+        proposed = stage.propose(Context(
+            plan=best.plan, facts=facts, allow=allow or Permissions(), overlap=figures,
+            overlap_note=note, run_mesh=run_mesh, warmup_steps=warmup_steps, noise=noise,
+            buckets=tuple(best_predicted.get("buckets") or ())))
+        result = StageResult(name=stage.name, reason=proposed.reason,
+                             outcome="checked, no run")
+        stages.append(result)
+        if not stage.benches:
+            continue
+        benched = _candidates(result, proposed.proposals, predict, tried, max_per_round)
+        if not benched:
+            result.outcome = ("skipped: every proposal was dropped" if proposed.proposals
+                              else "skipped: nothing to propose")
+            continue
+        rounds += 1
+        measured = bench([best.plan, *(t.plan for t, _, _ in benched), best.plan])
+        winner = _judge(result, benched, measured, noise)
+        for trial, key, _ in benched:
+            tried[key] = f"{stage.name} ({trial.knob}, {trial.change})"
+        trials += result.trials
+        if winner is not None:
+            best, _, best_predicted = winner
         if progress:
-            progress(f"round {rounds}: best neighbour {winner.knob} ({winner.change}) "
-                     f"{winner.p50_s:.4g} s vs {reference:.4g} s for the best so far")
-        if winner.p50_s < reference * (1 - noise):
-            winner.kept = True
-            best = winner
-        else:
-            stopped = "no neighbour beat the best by more than the noise"
-            break
+            progress(f"{stage.name}: {result.outcome}")
     return TuneResult(baseline=baseline, best=best, trials=trials, noise=noise, rounds=rounds,
-                      stopped=stopped)
-
-
-def _fingerprint(plan: Plan) -> str:
-    d = plan.to_dict()
-    d.pop("predicted", None)
-    return repr(d)
+                      stopped=stopped, stages=stages, overlap=figures, overlap_note=note)

@@ -128,7 +128,7 @@ the trace analysis drops the first as warm-up, the median of the others is bench
 step."""
 
 
-def _profiled_steps(worker: PlannedWorker, folder: str, rank: int, name: str = "trace") -> str:
+def profiled_steps(worker: PlannedWorker, folder: str, rank: int, name: str = "trace") -> str:
     """``PROFILED_STEPS`` steps under ``torch.profiler``, each closed by ``prof.step()`` (its
     ``ProfilerStep#N``, what the trace analysis cuts steps by); the Chrome trace's path.
     ``fsdp_plan.step`` marks each step for the side-by-side trace."""
@@ -184,11 +184,11 @@ def _compiled_graphs(worker: PlannedWorker) -> int | None:
     return int(counters["aot_autograd"]["total"])
 
 
-def _held_run(worker: PlannedWorker, folder: str, rank: int) -> dict[str, Any]:
+def held_run(worker: PlannedWorker, folder: str, rank: int) -> dict[str, Any]:
     """``--baseline no-overlap``: the profiled steps again with communication held off the
     backward's compute (measure/no_overlap.py); their figures as the plan's own are read."""
     how = hold_communication(worker.model)
-    trace_path = _profiled_steps(worker, folder, rank, name="held.trace")
+    trace_path = profiled_steps(worker, folder, rank, name="held.trace")
     comm, phases = bench_figures(trace_path)
     return {"kind": "no-overlap", "how": how, "comm": comm.to_dict(), "phases_s": phases,
             "trace": trace_path}
@@ -236,7 +236,7 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     snapshot = (_snapshot_step(steps, payload["trace_dir"], ctx.rank) if snapshot_step
                 else None)
     steps.begin("profile")
-    trace_path = _profiled_steps(worker, payload["trace_dir"], ctx.rank)
+    trace_path = profiled_steps(worker, payload["trace_dir"], ctx.rank)
     comm, phases = bench_figures(trace_path)
     mine = {"rank": ctx.rank, "counts": counts, "step_times_s": times,
             "peak_bytes": peak, "comm": comm.to_dict(),
@@ -245,7 +245,7 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
             "compiled_graphs": _compiled_graphs(worker)}
     if payload.get("baseline") == "no-overlap":  # last: the plan's own steps are all done
         steps.begin("profile, communication held")
-        mine["baseline"] = _held_run(worker, payload["trace_dir"], ctx.rank)
+        mine["baseline"] = held_run(worker, payload["trace_dir"], ctx.rank)
     ctx.report(phase="done", step=steps.total, steps=steps.total)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)

@@ -1,17 +1,23 @@
-"""Tune a plan by measurement: change one knob at a time and keep what beats the noise.
+"""Tune a plan by measurement: the tuning order, one knob family per stage, keeping what beats
+the noise.
 
     fsdp-plan tune PLAN.yaml [MODEL] [--nproc N] [--budget-minutes 10] [--steps 8]
-                   [--warmup 2] [--out benchmarks/results]
+                   [--warmup 2] [--baseline no-overlap|none] [--allow-lossy-hooks]
+                   [--optimizer-overlap] [--out benchmarks/results]
 
-Benches the plan as the baseline, then each round the planner's neighbouring plans (one knob
-changed: prefetch depth, unit layout, checkpointed blocks, reshard of the last block) that
-fit the budget, predicted fastest first, on one set of workers with the same seed and data.
-A change is kept only when it beats the best by more than the noise measured on the
-baseline. Writes the best plan, the rollback plan (the baseline) and a result JSON with every
-measurement, which plan and which PyTorch produced it, under ``--out``; prints a table of
-what each knob did. Exit 0 when tuning ran, 2 for bad input, 1 when a worker failed;
-SIGTERM, SIGHUP and Ctrl-C end the workers and remove their temporary folders (exit 143,
-129, 130).
+Benches the plan as the baseline with its no-overlap twin (communication held) in the same
+launch, for the overlap verdict; then the stages of bench/tune_stages.py [Note: the tuning
+order]: topology (a check, no run), buckets, contention, hooks, optimizer overlap, prefetch,
+checkpointing, reshard. Each stage's proposals (one knob of its family changed) that fit the
+budget are benched, predicted fastest first, on one set of workers with the same seed and
+data, between two runs of the best so far; a change is kept only when it beats that by more
+than the noise measured on the baseline. Lossy DDP hooks are proposed only with
+``--allow-lossy-hooks`` and optimizer overlap only with ``--optimizer-overlap``, the
+planner's permissions. Writes the best plan, the rollback plan (the baseline) and a result
+JSON with every stage, its reason, its measurements and its outcome, which plan and which
+PyTorch produced it, under ``--out``; prints the stages in order. Exit 0 when tuning ran, 2
+for bad input, 1 when a worker failed; SIGTERM, SIGHUP and Ctrl-C end the workers and remove
+their temporary folders (exit 143, 129, 130).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from typing import Any
 
@@ -28,8 +35,10 @@ from tabulate import tabulate
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.bench.inputs import check_nproc, check_out_folder
+from fsdp_plan.bench.overlap import overlap_figures, report_lines
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, plan_hash
-from fsdp_plan.bench.tune import tune
+from fsdp_plan.bench.tune import HeldBaseline, tune
+from fsdp_plan.bench.tune_stages import STAGES, Permissions
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all, check_outputs, write_failed
 from fsdp_plan.common.progress import Steps
@@ -60,6 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hardware file (fsdp-plan calibrate) whose figures order the "
                         "proposals (default: the figures the plan stored under hardware, "
                         "else its GPU preset)")
+    parser.add_argument("--baseline", choices=("no-overlap", "none"), default="no-overlap",
+                        help="no-overlap (default): the baseline's launch also profiles the plan "
+                        "with communication held until backward compute is done, as bench "
+                        "--baseline no-overlap does, for the overlap verdict the contention "
+                        "stage reads; none: the baseline alone")
+    parser.add_argument("--allow-lossy-hooks", action="store_true",
+                        help="DDP plans: the hooks stage may try lossy communication hooks "
+                        "(fp16/bf16 compression, PowerSGD), as planning with this flag does")
+    parser.add_argument("--optimizer-overlap", action="store_true",
+                        help="the training loop lets each parameter step in backward (no "
+                        "clipping by the global norm): the optimizer overlap stage may try it")
     parser.add_argument("--format", choices=("table", "json"), default="table")
     pictures.add_arguments(parser, measured=False)
 
@@ -99,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
     # once
     import torch
 
-    from fsdp_plan.bench.timing import time_plans
+    from fsdp_plan.bench import timing
     from fsdp_plan.measure import runtime
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     facts = analyze_for_plan(plan, loaded)
@@ -109,19 +129,33 @@ def _run(args: argparse.Namespace) -> int:
         raise BadInput(f"--nproc {args.nproc} cannot hold the plan's HSDP shard groups of "
                        f"{shard}; use a multiple of {shard}.")
 
-    steps = Steps(total=5, quiet=args.format == "json", what="tune", unit="launch")
+    # the baseline's launch, its result, then one launch per benching stage at most
+    steps = Steps(total=2 + sum(stage.benches for stage in STAGES),
+                  quiet=args.format == "json", what="tune", unit="launch")
 
     def progress(message: str) -> None:
         steps.step(message)
 
     def bench(plans):
-        return time_plans(loaded.source, plans, nproc=args.nproc, mesh=mesh, steps=args.steps,
-                          warmup=args.warmup)
+        return timing.time_plans(loaded.source, plans, nproc=args.nproc, mesh=mesh,
+                                 steps=args.steps, warmup=args.warmup)
+
+    def bench_held(plan: Plan) -> HeldBaseline:
+        times, overlapped, held = timing.time_with_held_twin(
+            loaded.source, plan, nproc=args.nproc, mesh=mesh, steps=args.steps,
+            warmup=args.warmup)
+        return HeldBaseline(step_times_s=times, figures=overlap_figures(overlapped, held),
+                            how=held["how"])
     hardware = plan_hardware(plan, hardware_file=args.hardware) if args.hardware else None
-    steps.step("benching the baseline")
+    allow = Permissions(lossy_hooks=args.allow_lossy_hooks,
+                        optimizer_overlap=args.optimizer_overlap,
+                        accelerator=torch.cuda.is_available())
+    steps.step("benching the baseline" + (" and its no-overlap twin"
+                                          if args.baseline == "no-overlap" else ""))
     try:
         result = tune(plan, facts, bench, budget_s=args.budget_minutes * 60, hardware=hardware,
-                      progress=progress)
+                      bench_held=bench_held if args.baseline == "no-overlap" else None,
+                      allow=allow, run_mesh=mesh, warmup_steps=args.warmup, progress=progress)
     finally:
         steps.close()
     os.makedirs(args.out, exist_ok=True)
@@ -135,6 +169,10 @@ def _run(args: argparse.Namespace) -> int:
             "baseline_p50_s": result.baseline.p50_s, "best_p50_s": result.best.p50_s,
             "gain": result.gain,
             "best_plan": best_path, "rollback_plan": rollback_path,
+            "order": [s.name for s in result.stages],
+            "overlap": ({"how": result.overlap_note, **result.overlap.to_dict()}
+                        if result.overlap else {"skipped": result.overlap_note}),
+            "stages": [s.to_dict() for s in result.stages],
             "trials": [{**t.row(), "plan_hash": plan_hash(t.plan.to_dict()),
                         "step_times_s": t.step_times_s} for t in result.trials]}
         files = [(best_path, plan_to_yaml(result.best.plan)),
@@ -189,19 +227,42 @@ def reserve_output_names(out: str, stamp: str | None = None) -> tuple[str, str, 
                    "another folder.")
 
 
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
 def format_table(record: dict[str, Any]) -> str:
-    rows = [[t["knob"], t["change"],
-             "-" if t["predicted_step_s"] is None else f"{t['predicted_step_s']:.4g}",
-             f"{t['p50_step_s']:.4g}",
-             "-" if t["reference_p50_s"] is None else f"{t['reference_p50_s']:.4g}",
-             f"{t['p99_step_s']:.4g}", t["slowest_rank"],
-             "kept" if t["kept"] else ""] for t in record["trials"]]
+    """The stages in the order they ran: each with its reason, its trials (predicted, measured,
+    the best so far re-measured in the same launch) and its outcome; the baseline with its
+    overlap verdict; then the gain and the two plans written."""
+    def wrapped(text: str, indent: str = "    ") -> str:
+        return textwrap.fill(text, width=100, initial_indent=indent, subsequent_indent=indent)
+    order = " -> ".join(record["order"])
+    lines = [wrapped(f"tuning order: {order} (one knob family per stage; each stage's plans "
+                     "benched in one launch between two runs of the best so far, same seed and "
+                     "data)", indent=""), ""]
+    for number, stage in enumerate(record["stages"]):
+        lines.append(f"{number}. {stage['stage']}: {stage['outcome']}")
+        lines.append(wrapped(f"why: {stage['reason']}"))
+        rows = [[t["knob"], t["change"], _seconds(t["predicted_step_s"]),
+                 _seconds(t["p50_step_s"]), _seconds(t["reference_p50_s"]),
+                 _seconds(t["p99_step_s"]), t["slowest_rank"], "kept" if t["kept"] else ""]
+                for t in stage["trials"]]
+        if rows:
+            table = tabulate(rows, headers=["knob", "change", "predicted s",
+                                            "P50 s (slowest rank)", "best so far, same launch",
+                                            "P99 s", "slowest rank", ""])
+            lines += ["    " + line for line in table.splitlines()]
+        for dropped in stage["dropped"]:
+            lines.append(wrapped(f"not benched: {dropped['knob']} ({dropped['change']}): "
+                                 f"{dropped['why']}"))
+        if stage["stage"] == "baseline" and "verdict" in record["overlap"]:
+            lines += ["    " + line for line in report_lines(record["overlap"])]
     gain = record["gain"]
-    return "\n".join([
-        tabulate(rows, headers=["knob", "change", "predicted s", "P50 s (slowest rank)",
-                                "best so far, same launch", "P99 s", "slowest rank", ""]),
+    lines += [
         "",
         (f"baseline {record['baseline_p50_s']:.4g} s -> best {record['best_p50_s']:.4g} s "
          f"({gain:.1%} faster, chained from same-launch comparisons); noise "
          f"{record['noise']:.1%}; {record['rounds']} round(s), stopped: {record['stopped']}."),
-        f"best plan: {record['best_plan']}", f"rollback plan: {record['rollback_plan']}"])
+        f"best plan: {record['best_plan']}", f"rollback plan: {record['rollback_plan']}"]
+    return "\n".join(lines)
