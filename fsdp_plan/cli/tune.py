@@ -162,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     best_path, rollback_path, record_path = reserve_output_names(args.out)
     try:
         record: dict[str, Any] = {
-            "fsdp_plan_tune_version": 1, "plan": os.path.abspath(args.plan),
+            "fsdp_plan_tune_version": 2, "plan": os.path.abspath(args.plan),
             "plan_hash": plan_hash(plan.to_dict()), "torch": torch.__version__,
             "nproc": args.nproc, "mesh": list(mesh), "noise": result.noise,
             "rounds": result.rounds, "stopped": result.stopped,
