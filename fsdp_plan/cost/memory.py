@@ -57,6 +57,8 @@ on the import path of ``fsdp-plan --help`` and ``emit`` (about 0.3 s of numpy th
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
 
 from fsdp_plan.cost.optimizer_overlap import step_temporaries
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
+from fsdp_plan.cost.timeline import EventColumns
 from fsdp_plan.cost.units import UnitSpec
 from fsdp_plan.facts.types import Event
 
@@ -114,42 +117,53 @@ class MemoryEstimate:
 
 
 class ActivationProfile:
-    """One (composite) activation timeline with O(1) range maxima of its event peaks."""
+    """One (composite) activation timeline with O(1) range maxima of its event peaks.
 
-    def __init__(self, events: list[Event]) -> None:
-        import numpy as np  # see [Note: numpy on first use]
+    Built from a timeline's columns (cost/timeline.py [Note: timeline columns]); the search
+    reads only those, and ``events`` makes the ``Event`` objects when something asks for them
+    (pictures)."""
 
-        self.events = events
-        self.levels = [e.level for e in events]
-        self._levels = np.array(self.levels, dtype=np.int64)
+    def __init__(self, events: Sequence[Event]) -> None:
+        columns = events if isinstance(events, EventColumns) else EventColumns.of(list(events))
+        self._columns = columns
+        self.kinds = columns.kinds
+        self.modules = columns.modules
+        self.num_events = n = len(columns)
+        self._levels = columns.levels
         # a sparse table of event peaks (row j: the max over 2**j events from each index),
         # as int64 arrays: the sweep reads all its range maxima at once (``_range_max``)
-        peaks = np.array([e.peak for e in events], dtype=np.int64)
-        self._table = [peaks]
-        span = 1
-        while 2 * span <= len(peaks):
-            prev = self._table[-1]
-            self._table.append(np.maximum(prev[:len(prev) - span], prev[span:]))
-            span *= 2
-        self.backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
-                                   len(events) - 1)
+        self._table = _sparse_table(columns.peaks)
+        self.backward_start = _index_of(self.kinds, "pre_bw", n - 1)
         self.forward_end = max(0, self.backward_start - 1)
-        self.loss_span = loss_span(events, self.backward_start)
-        self._first: dict[tuple[str, str, bool], int] = {}
+        self.loss_span = _loss_span(self.kinds, self.modules, self.backward_start)
+        self._loss_level = int(self._levels[self.loss_span[0]]) if self.loss_span else 0
+        # the first and last event of each (kind, module, in backward): the first wins in a
+        # dict built from the reversed keys, the last in one built from the keys in order
+        keys = list(zip(self.kinds, self.modules, [False] * self.backward_start
+                        + [True] * (n - self.backward_start)))
+        self._first: dict[tuple[str, str, bool], int] = dict(zip(reversed(keys),
+                                                                 range(n - 1, -1, -1)))
+        self._last: dict[tuple[str, str, bool], int] = dict(zip(keys, range(n)))
+        self._pre_bw: list[int] | None = None
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
-        self._last: dict[tuple[str, str, bool], int] = {}
         self._windows: dict[tuple[str, ...], UnitWindows] = {}
         self._skeletons: dict[tuple, _Skeleton] = {}
         """The step's buffers by units and prefetch (``_skeleton``)."""
-        for i, e in enumerate(events):
-            key = (e.kind, e.module, i >= self.backward_start)
-            self._first.setdefault(key, i)
-            self._last[key] = i
+
+    @property
+    def events(self) -> list[Event]:
+        """The timeline's ``Event`` objects (made on first use: not on the search's path)."""
+        return self._columns.as_list()
+
+    @property
+    def levels(self) -> list[int]:
+        """Activation-side bytes at each event, as Python ints."""
+        return self._levels.tolist()
 
     def split_loss(self, lo: int, hi: int, activations: int) -> dict[str, int]:
         """``activations`` at events ``lo..hi`` as ``{activations, loss}``: see
         [Note: the loss in the breakdown]."""
-        return split_loss(self.events, self.loss_span, lo, hi, activations)
+        return loss_parts(self._loss_level, self.loss_span, lo, hi, activations)
 
     def max_peak(self, lo: int, hi: int) -> int:
         """Highest event peak over indices ``lo..hi`` inclusive (0 for an empty range)."""
@@ -189,23 +203,25 @@ class ActivationProfile:
         key = (modules, start, stop)
         if key in self._left:
             return self._left[key]
+        names = set(modules)
+        prefixes = tuple(m + "." for m in modules)
 
         def inside(fqn: str) -> bool:
-            return any(fqn == m or fqn.startswith(m + ".") for m in modules)
+            return fqn in names or fqn.startswith(prefixes)
 
         def around(fqn: str) -> bool:
             return fqn == "" or any(m.startswith(fqn + ".") for m in modules)
 
-        last_inside = start
-        for i in range(start, stop + 1):
-            if self.events[i].kind == "pre_bw" and inside(self.events[i].module):
-                last_inside = i
-        left = stop
-        for i in range(last_inside + 1, stop + 1):
-            ev = self.events[i]
-            if ev.kind == "pre_bw" and not inside(ev.module) and not around(ev.module):
-                left = i
-                break
+        # only pre-backward events matter: visit those in ``start..stop`` (by bisection)
+        if self._pre_bw is None:
+            self._pre_bw = [i for i, kind in enumerate(self.kinds) if kind == "pre_bw"]
+        pre_bw = self._pre_bw
+        lo, hi = bisect.bisect_left(pre_bw, start), bisect.bisect_right(pre_bw, stop)
+        last_inside = next((pre_bw[j] for j in range(hi - 1, lo - 1, -1)
+                            if inside(self.modules[pre_bw[j]])), start)
+        left = next((pre_bw[j] for j in range(bisect.bisect_right(pre_bw, last_inside), hi)
+                     if not inside(self.modules[pre_bw[j]])
+                     and not around(self.modules[pre_bw[j]])), stop)
         self._left[key] = left
         return left
 
@@ -228,7 +244,7 @@ class ActivationProfile:
         return self._windows[key]
 
     def _find_windows(self, unit: UnitSpec) -> UnitWindows:
-        end = len(self.events) - 1
+        end = self.num_events - 1
         if unit.modules == [""]:
             fw_end = self._last.get(("post_fw", "", False), self.forward_end)
             return UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start, bw_end=end)
@@ -249,7 +265,7 @@ class ActivationProfile:
                            bw_end=max(bw_end, bw_start))
 
 
-def loss_span(events: list[Event], backward_start: int) -> tuple[int, int] | None:
+def loss_span(events: Sequence[Event], backward_start: int) -> tuple[int, int] | None:
     """Event indices around the loss: the last forward end of a submodule (not the root)
     before backward, and the first backward start of one after it.
 
@@ -259,24 +275,58 @@ def loss_span(events: list[Event], backward_start: int) -> tuple[int, int] | Non
     inside the root's forward (Hugging Face heads given ``labels`` upcast the logits to float32
     there). What the activations hold above the level the last submodule left is what the loss
     holds; when the peak falls there the breakdown shows it as ``loss``."""
-    last_fw = max((i for i in range(min(backward_start, len(events)))
-                   if events[i].kind == "post_fw" and events[i].module), default=None)
-    first_bw = next((i for i in range(backward_start, len(events))
-                     if events[i].kind == "pre_bw" and events[i].module), None)
+    return _loss_span([e.kind for e in events], [e.module for e in events], backward_start)
+
+
+def _loss_span(kinds: list[str], modules: list[str], backward_start: int
+               ) -> tuple[int, int] | None:
+    """``loss_span`` over a timeline's kinds and modules (the last such forward end is the
+    first met walking back from backward)."""
+    last_fw = next((i for i in range(min(backward_start, len(kinds)) - 1, -1, -1)
+                    if kinds[i] == "post_fw" and modules[i]), None)
+    first_bw = next((i for i in range(backward_start, len(kinds))
+                     if kinds[i] == "pre_bw" and modules[i]), None)
     if last_fw is None or first_bw is None:
         return None
     return last_fw, first_bw
 
 
-def split_loss(events: list[Event], span: tuple[int, int] | None, lo: int, hi: int,
+def split_loss(events: Sequence[Event], span: tuple[int, int] | None, lo: int, hi: int,
                activations: int) -> dict[str, int]:
     """``activations`` of the gap over events ``lo..hi`` as ``{activations, loss}`` when the gap
     lies inside the loss's ``span`` (``loss_span``), else as ``{activations}``: see
     [Note: the loss in the breakdown]. The two parts always sum to ``activations``."""
+    return loss_parts(events[span[0]].level if span is not None else 0, span, lo, hi,
+                      activations)
+
+
+def loss_parts(model: int, span: tuple[int, int] | None, lo: int, hi: int, activations: int
+               ) -> dict[str, int]:
+    """``split_loss`` given ``model``, the level at the span's start (what the model holds)."""
     if span is None or not span[0] < lo <= hi <= span[1]:
         return {"activations": activations}
-    model = events[span[0]].level
     return {"activations": min(model, activations), "loss": max(0, activations - model)}
+
+
+def _index_of(items: list[str], item: str, default: int) -> int:
+    """The first index of ``item`` in ``items`` (a C-speed scan), else ``default``."""
+    try:
+        return items.index(item)
+    except ValueError:
+        return default
+
+
+def _sparse_table(peaks: np.ndarray) -> list[np.ndarray]:
+    """Row ``j``: the highest of ``peaks`` over the ``2**j`` events from each index."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    table = [peaks]
+    span = 1
+    while 2 * span <= len(peaks):
+        prev = table[-1]
+        table.append(np.maximum(prev[:len(prev) - span], prev[span:]))
+        span *= 2
+    return table
 
 
 def _gap_start(points: list[int], i: int) -> int:
@@ -301,7 +351,7 @@ def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int], grads
     ending at an event holds the highest activation since the previous point's event.
     ``every_event`` adds the gap before every event (for pictures): between two points of the
     sweep no buffer starts or ends, so those gaps never exceed the sweep's highest total."""
-    n = len(profile.events)
+    n = profile.num_events
     points = set(range(0, 4 * n, 4)) if every_event else {0, 4 * (n - 1)}
     points.update(start for start, _, _, _ in live)
     points.update(start & ~3 for start, _, _, _ in live)
@@ -343,9 +393,8 @@ def _parts_at(point: int, live, instants, grads_at, static: dict[str, int]) -> d
 
 
 def _phase_name(profile: ActivationProfile, event: int) -> str:
-    ev = profile.events[event]
     phase = "forward" if event <= profile.forward_end else "backward"
-    return f"{phase} ({ev.kind} {ev.module or '<root>'})"
+    return f"{phase} ({profile.kinds[event]} {profile.modules[event] or '<root>'})"
 
 
 def _offload_copy_bytes(unit: UnitSpec, p: Precision) -> int:
@@ -491,7 +540,7 @@ def _place_buffers(profile: ActivationProfile, units: list[UnitSpec], *, offload
             # counting them from pre-backward counted them twice: a tied embedding +9% on BERT.
             made_at = min(max(profile.first_event("post_bw", fqn, w.bw_start), w.bw_start), w.bw_end)
             live.append(((made_at, 1), (w.bw_end, 0), "unsharded_grads", i, _PARAM_BYTES, numel))
-    last = len(profile.events) - 1
+    last = profile.num_events - 1
     bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
     grads_at: list[tuple[int, int]] = []
     reduced_at: list[tuple[int, int]] = []
@@ -517,7 +566,7 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     a = skeleton.arrays
     if a:
         return a
-    n = len(profile.events)
+    n = profile.num_events
 
     def code(at: tuple[int, int]) -> int:
         return 4 * at[0] + at[1] + 1
