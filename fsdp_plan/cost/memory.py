@@ -58,6 +58,7 @@ on the import path of ``fsdp-plan --help`` and ``emit`` (about 0.3 s of numpy th
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -101,8 +102,7 @@ class UnitWindows:
     ran: bool = True
 
     def copy(self) -> UnitWindows:
-        """A copy to adjust (three times faster than ``copy.copy``, which the search calls once
-        per unit per candidate)."""
+        """A copy to adjust (three times faster than ``copy.copy``)."""
         return UnitWindows(fw_start=self.fw_start, fw_end=self.fw_end, bw_start=self.bw_start,
                            bw_end=self.bw_end, ran=self.ran)
 
@@ -145,6 +145,8 @@ class ActivationProfile:
                                                                  range(n - 1, -1, -1)))
         self._last: dict[tuple[str, str, bool], int] = dict(zip(keys, range(n)))
         self._pre_bw: list[int] | None = None
+        self._made: dict[tuple[int, int, int], tuple[list, list[int], list[int]]] = {}
+        """``_gradients_made`` by (id of the unit's ``param_modules``, window)."""
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._windows: dict[tuple[str, ...], UnitWindows] = {}
         self._skeletons: dict[tuple, _Skeleton] = {}
@@ -179,7 +181,7 @@ class ActivationProfile:
 
         level = np.frexp((hi - lo + 1).astype(np.float64))[1] - 1  # exact floor(log2)
         out = np.zeros(len(lo), dtype=np.int64)
-        for j in np.unique(level).tolist():
+        for j in _unique(level).tolist():
             at = level == j
             row = self._table[j]
             out[at] = np.maximum(row[lo[at]], row[hi[at] - (1 << j) + 1])
@@ -188,6 +190,25 @@ class ActivationProfile:
     def first_event(self, kind: str, module: str, default: int) -> int:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
         return self._first.get((kind, module, kind.endswith("bw")), default)
+
+    def _gradients_made(self, unit: UnitSpec, start: int, end: int
+                        ) -> tuple[list[int], list[int]]:
+        """Coded points (``_code(event, 1)``) where each of ``unit``'s parameter modules has its
+        unsharded gradients, in its backward window ``start..end``, and their parameter counts.
+
+        Until the module's backward ends, the analysis timeline already holds its weight
+        gradients (they stay activation-side until their post-accumulate-grad hook), so
+        counting them from pre-backward counted them twice: a tied embedding +9% on BERT.
+        Cached by the unit's own ``param_modules`` list (kept, so its id stays its own) and the
+        window: the search places the same units under many prefetch and reshard choices."""
+        key = (id(unit.param_modules), start, end)
+        found = self._made.get(key)
+        if found is None or found[0] is not unit.param_modules:
+            made_at = [self.first_event("post_bw", fqn, start) for fqn, _ in unit.param_modules]
+            found = self._made[key] = (
+                unit.param_modules, [_code(min(max(at, start), end), 1) for at in made_at],
+                [numel for _, numel in unit.param_modules])
+        return found[1], found[2]
 
     def _backward_left(self, modules: tuple[str, ...], start: int, stop: int) -> int:
         """Where backward has left a unit: see [Note: post-backward of shared inputs].
@@ -228,8 +249,9 @@ class ActivationProfile:
     def windows(self, unit: UnitSpec) -> UnitWindows:
         """Where ``unit`` computes: its modules' first pre-forward to last post-forward, etc.
 
-        A fresh copy each call (``estimate_peak`` adjusts it); cached by the unit's modules,
-        since the search evaluates the same units under many prefetch and strategy choices."""
+        A fresh copy each call, for the caller to change; cached by the unit's modules, since
+        the search evaluates the same units under many prefetch and strategy choices
+        (``_place_buffers`` reads the cached windows themselves and changes none)."""
         return self._cached_windows(unit).copy()
 
     def ran(self, unit: UnitSpec) -> bool:
@@ -428,16 +450,55 @@ class StepBuffers:
  _LARGEST_SHARD) = range(8)
 
 
+def _code(event: int, sub: int) -> int:
+    """The coded point ``4 * event + sub + 1`` of (event, sub-step): see ``_encode``."""
+    return 4 * event + sub + 1
+
+
+def _decode(point: int) -> tuple[int, int]:
+    """The (event, sub-step) of a coded point (``_code``)."""
+    return (point - 1) >> 2, (point - 1) & 3
+
+
+@dataclass(kw_only=True, slots=True)
+class _Placed:
+    """Buffers of a skeleton, column by column: each is present from its coded point
+    ``start`` to ``end`` (``_code``; an instant only at ``start``, ``end`` left empty), in
+    ``category``, with ``mult`` times its unit's rate of ``kind`` (``_unit_rates``)."""
+
+    start: list[int] = field(default_factory=list)
+    end: list[int] = field(default_factory=list)
+    category: list[str] = field(default_factory=list)
+    unit: list[int] = field(default_factory=list)
+    kind: list[int] = field(default_factory=list)
+    mult: list[int] = field(default_factory=list)
+
+    def add(self, start: int, end: int | None, category: str, unit: int, kind: int,
+            mult: int = 1) -> None:
+        """One more buffer (an instant when ``end`` is None)."""
+        self.start.append(start)
+        if end is not None:
+            self.end.append(end)
+        self.category.append(category)
+        self.unit.append(unit)
+        self.kind.append(kind)
+        self.mult.append(mult)
+
+    def __len__(self) -> int:
+        return len(self.start)
+
+
 @dataclass(kw_only=True)
 class _Skeleton:
-    """Every buffer of one steady step as ``step_buffers`` places it, without its bytes: each
-    is (start, end or instant, category, unit, kind of rate, multiplier). It depends on the
-    profile, the units' modules and reshard choices, the prefetch depths, offload and whether
-    sharded gradients appear, not on the shard size or dtypes, so the search reuses it across
-    meshes; the sweep's points and their activations are fixed by it too (``_sweep_of``)."""
+    """Every buffer of one steady step as ``step_buffers`` places it, without its bytes: live
+    buffers (start, end, category, unit, kind of rate, multiplier) and instants (the same
+    without an end), as columns of coded points (``_Placed``). It depends on the profile, the
+    units' modules and reshard choices, the prefetch depths, offload and whether sharded
+    gradients appear, not on the shard size or dtypes, so the search reuses it across meshes;
+    the sweep's points and their activations are fixed by it too (``_sweep_of``)."""
 
-    live: list[tuple[tuple[int, int], tuple[int, int], str, int, int, int]]
-    instants: list[tuple[tuple[int, int], str, int, int, int]]
+    live: _Placed
+    instants: _Placed
     grads_at: list[tuple[int, int]]
     """(event, unit): the unit's sharded gradient appears after its reduce-scatter."""
     reduced_at: list[tuple[int, int]] = field(default_factory=list)
@@ -494,67 +555,76 @@ def _skeleton(profile: ActivationProfile, units: list[UnitSpec], *, offload: boo
 def _place_buffers(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
                    sharded_grads: bool, forward_prefetch: int, backward_prefetch: int
                    ) -> _Skeleton:
-    windows = [profile.windows(u) for u in units]
+    """The buffers of ``step_buffers``, placed at coded points ``_code(event, sub)``. The
+    search places some 500 skeletons per plan of about a thousand buffers each (70B), so the
+    windows are read as lists, not copied, and each unit's gradients are placed in bulk
+    (``ActivationProfile._gradients_made``)."""
+    windows = [profile._cached_windows(u) for u in units]  # shared: read, never changed
+    fw_start = [w.fw_start for w in windows]
+    fw_end = [w.fw_end for w in windows]
+    bw_start = [w.bw_start for w in windows]
+    bw_end = [w.bw_end for w in windows]
     ran = [i for i, w in enumerate(windows) if w.ran and units[i].numel > 0]
-    fw_order = sorted(ran, key=lambda i: windows[i].fw_start)
+    fw_order = sorted(ran, key=fw_start.__getitem__)
 
     # live buffers and instants at (event, sub-step) points: [Note: sub-steps]
-    bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
+    bw_sequence = sorted(ran, key=bw_start.__getitem__)
     # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
     # module hooks may report them the other way round: end each unit where the next begins.
-    for here, nxt in zip(bw_sequence, bw_sequence[1:]):
-        if units[here].modules != [""] and windows[nxt].bw_start > windows[here].bw_start:
-            windows[here].bw_end = min(windows[here].bw_end, windows[nxt].bw_start)
-    live: list[tuple[tuple[int, int], tuple[int, int], str, int, int, int]] = []
-    instants: list[tuple[tuple[int, int], str, int, int, int]] = []
+    for here, nxt in itertools.pairwise(bw_sequence):
+        if units[here].modules != [""] and bw_start[nxt] > bw_start[here]:
+            bw_end[here] = min(bw_end[here], bw_start[nxt])
+    live, instants = _Placed(), _Placed()
     for pos, i in enumerate(fw_order):
-        u, w = units[i], windows[i]
-        gather_at = windows[fw_order[max(0, pos - forward_prefetch)]].fw_start
-        start = (gather_at, 2 if gather_at < w.fw_start else 1)
-        end = (w.fw_end, 0) if u.reshard_after_forward else (w.bw_end, 0)
-        live.append((start, end, "unsharded_params", i, _UNSHARDED, 1))
-        instants.append(((w.fw_start, 1), "comm_buffers", i, _GATHER_COPY, 1))
+        u, start = units[i], fw_start[i]
+        gather_at = fw_start[fw_order[max(0, pos - forward_prefetch)]]
+        end = fw_end[i] if u.reshard_after_forward else bw_end[i]
+        live.add(_code(gather_at, 2 if gather_at < start else 1), _code(end, 0),
+                 "unsharded_params", i, _UNSHARDED)
+        instants.add(_code(start, 1), None, "comm_buffers", i, _GATHER_COPY)
         if offload:
-            instants.append(((w.fw_start, 1), "offload_copies", i, _OFFLOAD_COPY, 1))
+            instants.add(_code(start, 1), None, "offload_copies", i, _OFFLOAD_COPY)
         # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
         # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
         # next all-gather); with one root unit that is the whole forward.
         if pos + 1 < len(fw_order):
-            freed = (windows[fw_order[pos + 1]].fw_start, 1)
+            freed = _code(fw_start[fw_order[pos + 1]], 1)
         else:
             root = [j for j in ran if units[j].modules == [""]]
-            freed = (windows[root[0]].fw_end if root else w.fw_end, 0)
-        live.append(((w.fw_start, 2), freed, "comm_buffers", i, _UNSHARDED, 1))
+            freed = _code(fw_end[root[0]] if root else fw_end[i], 0)
+        live.add(_code(start, 2), freed, "comm_buffers", i, _UNSHARDED)
     for pos, i in enumerate(bw_sequence):
-        u, w = units[i], windows[i]
+        u, start, end = units[i], bw_start[i], bw_end[i]
         if u.reshard_after_forward:
-            gather_at = min(windows[bw_sequence[max(0, pos - backward_prefetch)]].bw_start, w.bw_start)
-            start = (gather_at, 2 if gather_at < w.bw_start else 1)
-            live.append((start, (w.bw_end, 0), "unsharded_params", i, _UNSHARDED, 1))
-            instants.append(((w.bw_start, 1), "comm_buffers", i, _GATHER_COPY, 1))
+            gather_at = min(bw_start[bw_sequence[max(0, pos - backward_prefetch)]], start)
+            live.add(_code(gather_at, 2 if gather_at < start else 1), _code(end, 0),
+                     "unsharded_params", i, _UNSHARDED)
+            instants.add(_code(start, 1), None, "comm_buffers", i, _GATHER_COPY)
             if offload:
-                instants.append(((w.bw_start, 1), "offload_copies", i, _OFFLOAD_COPY, 1))
-        for fqn, numel in u.param_modules:
-            # Until the module's backward ends, the analysis timeline already holds its weight
-            # gradients (they stay activation-side until their post-accumulate-grad hook), so
-            # counting them from pre-backward counted them twice: a tied embedding +9% on BERT.
-            made_at = min(max(profile.first_event("post_bw", fqn, w.bw_start), w.bw_start), w.bw_end)
-            live.append(((made_at, 1), (w.bw_end, 0), "unsharded_grads", i, _PARAM_BYTES, numel))
+                instants.add(_code(start, 1), None, "offload_copies", i, _OFFLOAD_COPY)
+        made, numels = profile._gradients_made(u, start, end)
+        count = len(made)
+        live.start += made
+        live.end += [_code(end, 0)] * count
+        live.category += ["unsharded_grads"] * count
+        live.unit += [i] * count
+        live.kind += [_PARAM_BYTES] * count
+        live.mult += numels
     last = profile.num_events - 1
-    bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
+    bw_order = sorted(ran, key=lambda i: (bw_end[i], -bw_start[i]))
     grads_at: list[tuple[int, int]] = []
     reduced_at: list[tuple[int, int]] = []
     for pos, i in enumerate(bw_order):
-        w = windows[i]
-        reduced_at.append((w.bw_end, i))
-        nxt = windows[bw_order[pos + 1]].bw_end if pos + 1 < len(bw_order) else last + 1
-        live.append(((w.bw_end, 0), (nxt, 0), "comm_buffers", i, _RS_INPUT, 1))
+        end = bw_end[i]
+        reduced_at.append((end, i))
+        nxt = bw_end[bw_order[pos + 1]] if pos + 1 < len(bw_order) else last + 1
+        live.add(_code(end, 0), _code(nxt, 0), "comm_buffers", i, _RS_INPUT)
         # The reduce-scatter input is filled while the unsharded gradients still exist.
-        instants.append(((w.bw_end, 0), "unsharded_grads", i, _ALL_GRADS, 1))
+        instants.add(_code(end, 0), None, "unsharded_grads", i, _ALL_GRADS)
         if offload:  # the reduced shard is copied to the host and freed on the device
-            instants.append(((w.bw_end, 0), "offload_copies", i, _SHARD_ORIG, 1))
+            instants.add(_code(end, 0), None, "offload_copies", i, _SHARD_ORIG)
         elif sharded_grads:  # held from the start when accumulating
-            grads_at.append((w.bw_end, i))
+            grads_at.append((end, i))
     return _Skeleton(live=live, instants=instants, grads_at=grads_at, reduced_at=reduced_at)
 
 
@@ -567,13 +637,12 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     if a:
         return a
     n = profile.num_events
-
-    def code(at: tuple[int, int]) -> int:
-        return 4 * at[0] + at[1] + 1
-    live = np.array([(code(s), code(e), u, k, m) for s, e, _, u, k, m in skeleton.live],
-                    dtype=np.int64).reshape(-1, 5)
-    inst = np.array([(code(at), u, k, m) for at, _, u, k, m in skeleton.instants],
-                    dtype=np.int64).reshape(-1, 4)
+    placed, extra = skeleton.live, skeleton.instants
+    # (buffers, 5) and (instants, 4) arrays: columns of ``_Placed`` side by side
+    live = np.array([placed.start, placed.end, placed.unit, placed.kind, placed.mult],
+                    dtype=np.int64).reshape(5, -1).T
+    inst = np.array([extra.start, extra.unit, extra.kind, extra.mult],
+                    dtype=np.int64).reshape(4, -1).T
     grads = np.array([(4 * at + 2, u) for at, u in skeleton.grads_at],
                      dtype=np.int64).reshape(-1, 2)
     starts, ends = live[:, 0], live[:, 1]
@@ -584,7 +653,7 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     # the points of ``_points``: every buffer's start (and the gap before it), every end's
     # gap, the instants (and the gaps before them), the sharded gradients, the loss's region
     span = [4 * k for k in profile.loss_span] if profile.loss_span is not None else []
-    points = np.unique(np.concatenate((
+    points = _unique(np.concatenate((
         np.array([0, 4 * (n - 1), *span], dtype=np.int64), starts, starts & ~3, ends & ~3,
         extra_keys, extra_keys & ~3, grads[:, 0])))
     points = points[points < 4 * n]
@@ -600,6 +669,17 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
              extra_hi=np.where(gap, 0, np.searchsorted(extra_keys, points, side="right")),
              extra_lo=np.where(gap, 0, np.searchsorted(extra_keys, points, side="left")))
     return a
+
+
+def _unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` (sorted, each once) by a sort: numpy 2.4's ``unique`` hashes,
+    some ten times slower on the sweep's few thousand points."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    ordered = np.sort(values)
+    if len(ordered) < 2:
+        return ordered
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
 
 
 def _rates_of(skeleton: _Skeleton, units: list[UnitSpec], p: Precision, shard: int
@@ -703,8 +783,9 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
     parts = dict(static)
     live = a["live"]
     held = (live[:, 0] <= point).astype(np.int64) - (live[:, 1] <= point)
+    category = skeleton.live.category
     for j in np.flatnonzero(held).tolist():
-        cat = skeleton.live[j][2]
+        cat = category[j]
         parts[cat] = parts.get(cat, 0) + int(held[j]) * int(nbytes[j])
     made = a["grads"][:, 0] <= point
     if made.any():
@@ -712,8 +793,9 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
     parts = {k: v for k, v in parts.items() if v or k in static}
     if point & 3 and instants:
         inst = a["inst"]
+        extra = skeleton.instants
         for j in np.flatnonzero(inst[:, 0] == point).tolist():
-            _, cat, u, kind, mult = skeleton.instants[j]
+            cat, u, kind, mult = extra.category[j], extra.unit[j], extra.kind[j], extra.mult[j]
             parts[cat] = parts.get(cat, 0) + int(rates[kind, u]) * mult
     return parts
 
@@ -760,10 +842,13 @@ def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size).tolist()
+    live, extra = skeleton.live, skeleton.instants
     return StepBuffers(
         static=static, held=held,
-        live=[(s, e, rates[k][u] * m, cat) for s, e, cat, u, k, m in skeleton.live],
-        instants=[(at, rates[k][u] * m, cat) for at, cat, u, k, m in skeleton.instants],
+        live=[(_decode(s), _decode(e), rates[k][u] * m, cat) for s, e, cat, u, k, m in zip(
+            live.start, live.end, live.category, live.unit, live.kind, live.mult)],
+        instants=[(_decode(at), rates[k][u] * m, cat) for at, cat, u, k, m in zip(
+            extra.start, extra.category, extra.unit, extra.kind, extra.mult)],
         grads_at=[(at, rates[_SHARD_ORIG][u]) for at, u in skeleton.grads_at],
         optimizer_step=_optimizer_step(units, ctx, static))
 
