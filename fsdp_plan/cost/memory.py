@@ -58,7 +58,6 @@ on the import path of ``fsdp-plan --help`` and ``emit`` (about 0.3 s of numpy th
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -145,12 +144,12 @@ class ActivationProfile:
                                                                  range(n - 1, -1, -1)))
         self._last: dict[tuple[str, str, bool], int] = dict(zip(keys, range(n)))
         self._pre_bw: list[int] | None = None
-        self._made: dict[tuple[int, int, int], tuple[list, list[int], list[int]]] = {}
-        """``_gradients_made`` by (id of the unit's ``param_modules``, window)."""
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._windows: dict[tuple[str, ...], UnitWindows] = {}
         self._skeletons: dict[tuple, _Skeleton] = {}
         """The step's buffers by units and prefetch (``_skeleton``)."""
+        self._layouts: dict[tuple, _Layout] = {}
+        """What the units' modules alone fix of those (``_skeleton``)."""
 
     @property
     def events(self) -> list[Event]:
@@ -190,25 +189,6 @@ class ActivationProfile:
     def first_event(self, kind: str, module: str, default: int) -> int:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
         return self._first.get((kind, module, kind.endswith("bw")), default)
-
-    def _gradients_made(self, unit: UnitSpec, start: int, end: int
-                        ) -> tuple[list[int], list[int]]:
-        """Coded points (``_code(event, 1)``) where each of ``unit``'s parameter modules has its
-        unsharded gradients, in its backward window ``start..end``, and their parameter counts.
-
-        Until the module's backward ends, the analysis timeline already holds its weight
-        gradients (they stay activation-side until their post-accumulate-grad hook), so
-        counting them from pre-backward counted them twice: a tied embedding +9% on BERT.
-        Cached by the unit's own ``param_modules`` list (kept, so its id stays its own) and the
-        window: the search places the same units under many prefetch and reshard choices."""
-        key = (id(unit.param_modules), start, end)
-        found = self._made.get(key)
-        if found is None or found[0] is not unit.param_modules:
-            made_at = [self.first_event("post_bw", fqn, start) for fqn, _ in unit.param_modules]
-            found = self._made[key] = (
-                unit.param_modules, [_code(min(max(at, start), end), 1) for at in made_at],
-                [numel for _, numel in unit.param_modules])
-        return found[1], found[2]
 
     def _backward_left(self, modules: tuple[str, ...], start: int, stop: int) -> int:
         """Where backward has left a unit: see [Note: post-backward of shared inputs].
@@ -450,42 +430,71 @@ class StepBuffers:
  _LARGEST_SHARD) = range(8)
 
 
-def _code(event: int, sub: int) -> int:
-    """The coded point ``4 * event + sub + 1`` of (event, sub-step): see ``_encode``."""
-    return 4 * event + sub + 1
-
-
 def _decode(point: int) -> tuple[int, int]:
-    """The (event, sub-step) of a coded point (``_code``)."""
+    """The (event, sub-step) of a coded point ``4 * event + sub + 1`` (``_encode``)."""
     return (point - 1) >> 2, (point - 1) & 3
+
+
+_CATEGORIES = ("unsharded_params", "comm_buffers", "unsharded_grads", "offload_copies")
+"""The categories a skeleton's buffers fall in (``_Placed.category`` indexes this)."""
+_CAT_PARAMS, _CAT_COMM, _CAT_GRADS, _CAT_OFFLOAD = range(4)
 
 
 @dataclass(kw_only=True, slots=True)
 class _Placed:
-    """Buffers of a skeleton, column by column: each is present from its coded point
-    ``start`` to ``end`` (``_code``; an instant only at ``start``, ``end`` left empty), in
-    ``category``, with ``mult`` times its unit's rate of ``kind`` (``_unit_rates``)."""
+    """Buffers of a skeleton as int64 columns, one entry per buffer: each is present from its
+    coded point ``start`` to ``end`` (``_encode``; an instant only at ``start``, with no
+    ``end``), in category ``_CATEGORIES[category]``, with ``mult`` times its unit's rate of
+    ``kind`` (``_unit_rates``)."""
 
-    start: list[int] = field(default_factory=list)
-    end: list[int] = field(default_factory=list)
-    category: list[str] = field(default_factory=list)
-    unit: list[int] = field(default_factory=list)
-    kind: list[int] = field(default_factory=list)
-    mult: list[int] = field(default_factory=list)
+    start: np.ndarray
+    end: np.ndarray | None
+    category: np.ndarray
+    unit: np.ndarray
+    kind: np.ndarray
+    mult: np.ndarray
 
-    def add(self, start: int, end: int | None, category: str, unit: int, kind: int,
-            mult: int = 1) -> None:
-        """One more buffer (an instant when ``end`` is None)."""
-        self.start.append(start)
-        if end is not None:
-            self.end.append(end)
-        self.category.append(category)
-        self.unit.append(unit)
-        self.kind.append(kind)
-        self.mult.append(mult)
+    @classmethod
+    def of(cls, start: np.ndarray, end: np.ndarray | None, category: int | np.ndarray,
+           unit: np.ndarray, kind: int | np.ndarray, mult: int | np.ndarray = 1) -> _Placed:
+        """Buffers at ``start`` (to ``end``) of ``unit``; scalars apply to every one."""
+        import numpy as np  # see [Note: numpy on first use]
 
-    def __len__(self) -> int:
-        return len(self.start)
+        def column(values: int | np.ndarray) -> np.ndarray:
+            if isinstance(values, int):
+                return np.full(len(start), values, dtype=np.int64)
+            return values
+        return cls(start=start, end=end, category=column(category), unit=unit,
+                   kind=column(kind), mult=column(mult))
+
+    @classmethod
+    def join(cls, parts: list[_Placed], *, interleave: bool = False) -> _Placed:
+        """``parts`` one after the other, or (``interleave``, parts of one length) entry by
+        entry: the first of each part, then the second of each, and so on."""
+        import numpy as np  # see [Note: numpy on first use]
+
+        def joined(columns: list[np.ndarray]) -> np.ndarray:
+            if interleave:
+                return np.stack(columns, axis=1).reshape(-1)
+            return np.concatenate(columns) if columns else np.zeros(0, dtype=np.int64)
+        ends = [part.end for part in parts if part.end is not None]
+        return cls(start=joined([part.start for part in parts]),
+                   end=joined(ends) if len(ends) == len(parts) else None,
+                   category=joined([part.category for part in parts]),
+                   unit=joined([part.unit for part in parts]),
+                   kind=joined([part.kind for part in parts]),
+                   mult=joined([part.mult for part in parts]))
+
+    def take(self, indices: np.ndarray) -> _Placed:
+        """The buffers at ``indices``, in that order."""
+        return _Placed(start=self.start[indices],
+                       end=None if self.end is None else self.end[indices],
+                       category=self.category[indices], unit=self.unit[indices],
+                       kind=self.kind[indices], mult=self.mult[indices])
+
+    def categories(self) -> list[str]:
+        """Each buffer's category by name."""
+        return [_CATEGORIES[c] for c in self.category.tolist()]
 
 
 @dataclass(kw_only=True)
@@ -541,91 +550,210 @@ def _skeleton_of(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
 
 def _skeleton(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
               sharded_grads: bool, forward_prefetch: int, backward_prefetch: int) -> _Skeleton:
-    """The buffers of ``step_buffers`` ([Note: FSDP2 memory timeline]), cached on the profile."""
-    key = (tuple((tuple(u.modules), u.reshard_after_forward, u.numel > 0, len(u.param_modules))
-                 for u in units), offload, sharded_grads, forward_prefetch, backward_prefetch)
+    """The buffers of ``step_buffers`` ([Note: FSDP2 memory timeline]), cached on the profile
+    by the units' layout (``_Layout``) and their choices."""
+    layout = tuple((tuple(u.modules), u.numel > 0, len(u.param_modules)) for u in units)
+    key = (layout, tuple(u.reshard_after_forward for u in units), offload, sharded_grads,
+           forward_prefetch, backward_prefetch)
     found = profile._skeletons.get(key)
     if found is None:
+        placed = profile._layouts.get(layout)
+        if placed is None:
+            placed = profile._layouts[layout] = _layout(profile, units)
         found = profile._skeletons[key] = _place_buffers(
-            profile, units, offload=offload, sharded_grads=sharded_grads,
+            placed, units, offload=offload, sharded_grads=sharded_grads,
             forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
     return found
 
 
-def _place_buffers(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
-                   sharded_grads: bool, forward_prefetch: int, backward_prefetch: int
-                   ) -> _Skeleton:
-    """The buffers of ``step_buffers``, placed at coded points ``_code(event, sub)``. The
-    search places some 500 skeletons per plan of about a thousand buffers each (70B), so the
-    windows are read as lists, not copied, and each unit's gradients are placed in bulk
-    (``ActivationProfile._gradients_made``)."""
-    windows = [profile._cached_windows(u) for u in units]  # shared: read, never changed
-    fw_start = [w.fw_start for w in windows]
-    fw_end = [w.fw_end for w in windows]
-    bw_start = [w.bw_start for w in windows]
-    bw_end = [w.bw_end for w in windows]
-    ran = [i for i, w in enumerate(windows) if w.ran and units[i].numel > 0]
-    fw_order = sorted(ran, key=fw_start.__getitem__)
+@dataclass(kw_only=True, slots=True)
+class _Layout:
+    """What a skeleton takes from the units' modules alone, not from their reshard and
+    prefetch choices: the search places some 500 skeletons per plan (70B) over a few layouts
+    per activation profile, so this is worked out once per profile and layout (``_layout``).
+    Arrays by unit index, or in the order named."""
 
-    # live buffers and instants at (event, sub-step) points: [Note: sub-steps]
-    bw_sequence = sorted(ran, key=bw_start.__getitem__)
+    fw_start: np.ndarray
+    fw_end: np.ndarray
+    bw_start: np.ndarray
+    bw_end: np.ndarray
+    """Where the unit's backward ends, after FSDP2's early post-backward (``_layout``)."""
+    fw_order: np.ndarray
+    """The units that ran (with parameters) in forward order."""
+    bw_sequence: np.ndarray
+    """Those units by where their backward starts."""
+    bw_order: np.ndarray
+    """Those units by where their backward ends (their reduce-scatters, in order)."""
+    forward_output: _Placed
+    """The all-gather output in forward, by ``fw_order``."""
+    grads: _Placed
+    """Each parameter module's unsharded gradients, unit by unit in ``bw_sequence``."""
+    grads_per_unit: np.ndarray
+    """How many of ``grads`` each unit in ``bw_sequence`` has."""
+    reduce_input: _Placed
+    """The reduce-scatter inputs, by ``bw_order``."""
+
+
+def _layout(profile: ActivationProfile, units: list[UnitSpec]) -> _Layout:
+    """The windows (``ActivationProfile.windows``) of ``units``, their orders, and the
+    buffers whose place their modules fix."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    windows = [profile._cached_windows(u) for u in units]  # shared: read, never changed
+    fw_start = np.array([w.fw_start for w in windows], dtype=np.int64)
+    fw_end = np.array([w.fw_end for w in windows], dtype=np.int64)
+    bw_start = np.array([w.bw_start for w in windows], dtype=np.int64)
+    bw_end = np.array([w.bw_end for w in windows], dtype=np.int64)
+    ran = np.array([i for i, w in enumerate(windows) if w.ran and units[i].numel > 0],
+                   dtype=np.int64)
+    fw_order = ran[np.argsort(fw_start[ran], kind="stable")]  # stable, as sorted()
+    bw_sequence = ran[np.argsort(bw_start[ran], kind="stable")]
     # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
     # module hooks may report them the other way round: end each unit where the next begins.
-    for here, nxt in itertools.pairwise(bw_sequence):
-        if units[here].modules != [""] and bw_start[nxt] > bw_start[here]:
-            bw_end[here] = min(bw_end[here], bw_start[nxt])
-    live, instants = _Placed(), _Placed()
-    for pos, i in enumerate(fw_order):
-        u, start = units[i], fw_start[i]
-        gather_at = fw_start[fw_order[max(0, pos - forward_prefetch)]]
-        end = fw_end[i] if u.reshard_after_forward else bw_end[i]
-        live.add(_code(gather_at, 2 if gather_at < start else 1), _code(end, 0),
-                 "unsharded_params", i, _UNSHARDED)
-        instants.add(_code(start, 1), None, "comm_buffers", i, _GATHER_COPY)
-        if offload:
-            instants.add(_code(start, 1), None, "offload_copies", i, _OFFLOAD_COPY)
-        # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
-        # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
-        # next all-gather); with one root unit that is the whole forward.
-        if pos + 1 < len(fw_order):
-            freed = _code(fw_start[fw_order[pos + 1]], 1)
-        else:
-            root = [j for j in ran if units[j].modules == [""]]
-            freed = _code(fw_end[root[0]] if root else fw_end[i], 0)
-        live.add(_code(start, 2), freed, "comm_buffers", i, _UNSHARDED)
-    for pos, i in enumerate(bw_sequence):
-        u, start, end = units[i], bw_start[i], bw_end[i]
-        if u.reshard_after_forward:
-            gather_at = min(bw_start[bw_sequence[max(0, pos - backward_prefetch)]], start)
-            live.add(_code(gather_at, 2 if gather_at < start else 1), _code(end, 0),
-                     "unsharded_params", i, _UNSHARDED)
-            instants.add(_code(start, 1), None, "comm_buffers", i, _GATHER_COPY)
-            if offload:
-                instants.add(_code(start, 1), None, "offload_copies", i, _OFFLOAD_COPY)
-        made, numels = profile._gradients_made(u, start, end)
-        count = len(made)
-        live.start += made
-        live.end += [_code(end, 0)] * count
-        live.category += ["unsharded_grads"] * count
-        live.unit += [i] * count
-        live.kind += [_PARAM_BYTES] * count
-        live.mult += numels
-    last = profile.num_events - 1
-    bw_order = sorted(ran, key=lambda i: (bw_end[i], -bw_start[i]))
-    grads_at: list[tuple[int, int]] = []
-    reduced_at: list[tuple[int, int]] = []
-    for pos, i in enumerate(bw_order):
-        end = bw_end[i]
-        reduced_at.append((end, i))
-        nxt = bw_end[bw_order[pos + 1]] if pos + 1 < len(bw_order) else last + 1
-        live.add(_code(end, 0), _code(nxt, 0), "comm_buffers", i, _RS_INPUT)
-        # The reduce-scatter input is filled while the unsharded gradients still exist.
-        instants.add(_code(end, 0), None, "unsharded_grads", i, _ALL_GRADS)
-        if offload:  # the reduced shard is copied to the host and freed on the device
-            instants.add(_code(end, 0), None, "offload_copies", i, _SHARD_ORIG)
-        elif sharded_grads:  # held from the start when accumulating
-            grads_at.append((end, i))
-    return _Skeleton(live=live, instants=instants, grads_at=grads_at, reduced_at=reduced_at)
+    here, nxt = bw_sequence[:-1], bw_sequence[1:]
+    root = np.array([u.modules == [""] for u in units], dtype=bool)
+    cut = ~root[here] & (bw_start[nxt] > bw_start[here])
+    bw_end[here[cut]] = np.minimum(bw_end[here[cut]], bw_start[nxt[cut]])
+    bw_order = ran[np.lexsort((-bw_start[ran], bw_end[ran]))]
+
+    # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
+    # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
+    # next all-gather); with one root unit that is the whole forward.
+    start = fw_start[fw_order]
+    freed = np.empty(len(fw_order), dtype=np.int64)
+    freed[:-1] = 4 * start[1:] + 2
+    if len(fw_order):
+        roots = ran[root[ran]]
+        freed[-1] = 4 * (fw_end[roots[0]] if len(roots) else fw_end[fw_order[-1]]) + 1
+    forward_output = _Placed.of(4 * start + 3, freed, _CAT_COMM, fw_order, _UNSHARDED)
+
+    # Each parameter module's unsharded gradients, from where its backward ends (clamped to
+    # its unit's backward) to the unit's post-backward.
+    events, numels, counts = _gradient_modules(profile, units, bw_sequence)
+    grads_end = np.repeat(bw_end[bw_sequence], counts)
+    made_at = np.minimum(np.maximum(events, np.repeat(bw_start[bw_sequence], counts)),
+                         grads_end)
+    grads = _Placed.of(4 * made_at + 2, 4 * grads_end + 1, _CAT_GRADS,
+                       np.repeat(bw_sequence, counts), _PARAM_BYTES, numels)
+
+    # FSDP2 keeps one reduce-scatter input: each lives until the next unit's post-backward
+    end = bw_end[bw_order]
+    reduce_input = _Placed.of(4 * end + 1, 4 * np.append(end[1:], profile.num_events) + 1,
+                              _CAT_COMM, bw_order, _RS_INPUT)
+    return _Layout(fw_start=fw_start, fw_end=fw_end, bw_start=bw_start, bw_end=bw_end,
+                   fw_order=fw_order, bw_sequence=bw_sequence, bw_order=bw_order,
+                   forward_output=forward_output, grads=grads, grads_per_unit=counts,
+                   reduce_input=reduce_input)
+
+
+def _gradient_modules(profile: ActivationProfile, units: list[UnitSpec], order: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per parameter module of the units in ``order``, unit after unit: the event where its
+    backward ends (its first ``post_bw``, -1 without one) and its parameter count; and how
+    many such modules each unit has.
+
+    Until the module's backward ends, the analysis timeline already holds its weight
+    gradients (they stay activation-side until their post-accumulate-grad hook), so counting
+    them from pre-backward counted them twice: a tied embedding +9% on BERT."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    first = profile._first.get  # ``first_event("post_bw", fqn, -1)``, without a call each
+    modules = [units[i].param_modules for i in order.tolist()]
+    return (np.array([first(("post_bw", fqn, True), -1) for pm in modules for fqn, _ in pm],
+                     dtype=np.int64),
+            np.array([numel for pm in modules for _, numel in pm], dtype=np.int64),
+            np.array([len(pm) for pm in modules], dtype=np.int64))
+
+
+def _place_buffers(layout: _Layout, units: list[UnitSpec], *, offload: bool,
+                   sharded_grads: bool, forward_prefetch: int, backward_prefetch: int
+                   ) -> _Skeleton:
+    """The buffers of ``step_buffers`` at coded points ``4 * event + sub + 1``, in forward,
+    backward and reduce-scatter order, each unit's together: the order and every point of
+    the per-unit rule that the comments state, on arrays over the units."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    reshard = np.array([u.reshard_after_forward for u in units], dtype=bool)
+    fw_live, fw_instants = _forward_buffers(layout, reshard, offload, forward_prefetch)
+    bw_live, bw_instants = _backward_buffers(layout, reshard, offload, backward_prefetch)
+    # The reduce-scatter input is filled while the unsharded gradients still exist; with
+    # offload the reduced shard is copied to the host and freed on the device.
+    bw_order = layout.bw_order
+    filled = _Placed.of(layout.reduce_input.start, None, _CAT_GRADS, bw_order, _ALL_GRADS)
+    reduced_at = list(zip(layout.bw_end[bw_order].tolist(), bw_order.tolist()))
+    # Sharded gradients appear after each reduce-scatter (held from the start when
+    # accumulating; on the host with offload).
+    grads_at = list(reduced_at) if sharded_grads and not offload else []
+    return _Skeleton(
+        live=_Placed.join([fw_live, bw_live, layout.reduce_input]),
+        instants=_Placed.join([fw_instants, bw_instants,
+                               _with_offload(filled, offload, _SHARD_ORIG)]),
+        grads_at=grads_at, reduced_at=reduced_at)
+
+
+def _with_offload(instants: _Placed, offload: bool, kind: int) -> _Placed:
+    """``instants``, each followed (with offload) by one of the offload copies (``kind``) at
+    the same point."""
+    if not offload:
+        return instants
+    copies = _Placed.of(instants.start, None, _CAT_OFFLOAD, instants.unit, kind)
+    return _Placed.join([instants, copies], interleave=True)
+
+
+def _gathered(starts: np.ndarray, order: np.ndarray, prefetch: int) -> np.ndarray:
+    """Coded points where each unit in ``order`` (starting at ``starts``, in that order) has
+    its parameters all-gathered: at the start of the unit ``prefetch`` places before it (no
+    later than its own), right after that unit's copy-out (sub-step 2), else at its own start
+    before its copy-out (sub-step 1)."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    gather_at = np.minimum(starts[np.maximum(0, np.arange(len(order)) - prefetch)], starts)
+    return 4 * gather_at + np.where(gather_at < starts, 3, 2)
+
+
+def _forward_buffers(layout: _Layout, reshard: np.ndarray, offload: bool, prefetch: int
+                     ) -> tuple[_Placed, _Placed]:
+    """Live buffers and instants of the units' forward, unit after unit: its unsharded
+    parameters (gathered ``prefetch`` units ahead) until its post-forward, or until its
+    post-backward when it keeps them, then the all-gather output; the copy-out (and offload
+    copy) instants."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    order = layout.fw_order
+    kept = np.where(reshard[order], layout.fw_end[order], layout.bw_end[order])
+    params = _Placed.of(_gathered(layout.fw_start[order], order, prefetch), 4 * kept + 1,
+                        _CAT_PARAMS, order, _UNSHARDED)
+    copy_out = _Placed.of(4 * layout.fw_start[order] + 2, None, _CAT_COMM, order,
+                          _GATHER_COPY)
+    return (_Placed.join([params, layout.forward_output], interleave=True),
+            _with_offload(copy_out, offload, _OFFLOAD_COPY))
+
+
+def _backward_buffers(layout: _Layout, reshard: np.ndarray, offload: bool, prefetch: int
+                      ) -> tuple[_Placed, _Placed]:
+    """Live buffers and instants of the units' backward, unit after unit by where backward
+    starts: a resharded unit's parameters gathered again (``prefetch`` units ahead) until its
+    post-backward, with their copy-out (and offload copy) instant; then its parameter
+    modules' unsharded gradients (``_Layout.grads``)."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    order = layout.bw_sequence
+    again = reshard[order]
+    start = layout.bw_start[order]
+    params = _Placed.of(_gathered(start, order, prefetch)[again],
+                        4 * layout.bw_end[order][again] + 1, _CAT_PARAMS, order[again],
+                        _UNSHARDED)
+    copy_out = _Placed.of(4 * start[again] + 2, None, _CAT_COMM, order[again], _GATHER_COPY)
+    # each unit's slots: its parameters (when gathered again), then its gradients
+    slots = again.astype(np.int64) + layout.grads_per_unit
+    first = (np.cumsum(slots) - slots)[again]
+    take = np.empty(int(slots.sum()), dtype=np.int64)
+    is_grad = np.ones(len(take), dtype=bool)
+    is_grad[first] = False
+    take[first] = np.arange(len(first))
+    take[is_grad] = len(first) + np.arange(len(layout.grads.start))
+    return (_Placed.join([params, layout.grads]).take(take),
+            _with_offload(copy_out, offload, _OFFLOAD_COPY))
 
 
 def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.ndarray]:
@@ -639,10 +767,8 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     n = profile.num_events
     placed, extra = skeleton.live, skeleton.instants
     # (buffers, 5) and (instants, 4) arrays: columns of ``_Placed`` side by side
-    live = np.array([placed.start, placed.end, placed.unit, placed.kind, placed.mult],
-                    dtype=np.int64).reshape(5, -1).T
-    inst = np.array([extra.start, extra.unit, extra.kind, extra.mult],
-                    dtype=np.int64).reshape(4, -1).T
+    live = np.stack([placed.start, placed.end, placed.unit, placed.kind, placed.mult], axis=1)
+    inst = np.stack([extra.start, extra.unit, extra.kind, extra.mult], axis=1)
     grads = np.array([(4 * at + 2, u) for at, u in skeleton.grads_at],
                      dtype=np.int64).reshape(-1, 2)
     starts, ends = live[:, 0], live[:, 1]
@@ -785,7 +911,7 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
     held = (live[:, 0] <= point).astype(np.int64) - (live[:, 1] <= point)
     category = skeleton.live.category
     for j in np.flatnonzero(held).tolist():
-        cat = category[j]
+        cat = _CATEGORIES[category[j]]
         parts[cat] = parts.get(cat, 0) + int(held[j]) * int(nbytes[j])
     made = a["grads"][:, 0] <= point
     if made.any():
@@ -793,9 +919,9 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
     parts = {k: v for k, v in parts.items() if v or k in static}
     if point & 3 and instants:
         inst = a["inst"]
-        extra = skeleton.instants
+        category = skeleton.instants.category
         for j in np.flatnonzero(inst[:, 0] == point).tolist():
-            cat, u, kind, mult = extra.category[j], extra.unit[j], extra.kind[j], extra.mult[j]
+            cat, u, kind, mult = _CATEGORIES[category[j]], *inst[j, 1:].tolist()
             parts[cat] = parts.get(cat, 0) + int(rates[kind, u]) * mult
     return parts
 
@@ -843,12 +969,15 @@ def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
     skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size).tolist()
     live, extra = skeleton.live, skeleton.instants
+    assert live.end is not None, "live buffers end"
     return StepBuffers(
         static=static, held=held,
         live=[(_decode(s), _decode(e), rates[k][u] * m, cat) for s, e, cat, u, k, m in zip(
-            live.start, live.end, live.category, live.unit, live.kind, live.mult)],
+            live.start.tolist(), live.end.tolist(), live.categories(), live.unit.tolist(),
+            live.kind.tolist(), live.mult.tolist())],
         instants=[(_decode(at), rates[k][u] * m, cat) for at, cat, u, k, m in zip(
-            extra.start, extra.category, extra.unit, extra.kind, extra.mult)],
+            extra.start.tolist(), extra.categories(), extra.unit.tolist(),
+            extra.kind.tolist(), extra.mult.tolist())],
         grads_at=[(at, rates[_SHARD_ORIG][u]) for at, u in skeleton.grads_at],
         optimizer_step=_optimizer_step(units, ctx, static))
 
