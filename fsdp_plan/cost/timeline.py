@@ -373,13 +373,14 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
     """The events ``src[start:end]`` of each piece in turn, re-based on the running level and
     FLOPs ([Note: composing checkpointed blocks]); in the ``glue`` piece (the plain pass's
     middle, given when ``cached`` bytes of autocast casts are released) those are freed at
-    ``release_at`` (``_release_in_glue``). Column arithmetic as [Note: timeline columns]."""
-    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
-
+    ``release_at`` (``_release_in_glue``). Column arithmetic as [Note: timeline columns]:
+    each piece's shifts are worked out in turn, then every event gathered at once."""
     kinds: list[str] = []
     modules: list[str] = []
     ops: list[dict[str, float] | None] = []
-    levels, peaks, flops_parts = [], [], []
+    used: list[tuple[EventColumns, int, int, int, float, float]] = []
+    """(src, start, end, level shift, FLOPs before it, its first event's FLOPs) per piece."""
+    glue_at = None
     level = 0
     flops = 0.0
     for src, start, end in pieces:
@@ -389,29 +390,49 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
         base_level, base_flops = events[start].level, events[start].flops
         is_glue = glue is not None and src is glue[0] and (start, end) == glue[1]
         if is_glue:
-            piece = _release_in_glue(src, start, end, level - base_level,
-                                     flops - base_flops, cached, release_at)
-        else:
-            # Re-based on the composite's running level; a piece's first peak covered the gap
-            # before it in its own pass, so it is at least the level it starts from.
-            piece_peaks = src.peaks[start:end] + (level - base_level)
-            piece_peaks[0] = max(level, int(piece_peaks[0]))
-            piece = (src.levels[start:end] + (level - base_level), piece_peaks,
-                     (flops + src.flops[start:end]) - base_flops)
-        levels.append(piece[0])
-        peaks.append(piece[1])
-        flops_parts.append(piece[2])
+            glue_at = (len(kinds), len(used))
+        used.append((src, start, end, level - base_level, flops, base_flops))
         kinds += src.kinds[start:end]
         modules += src.modules[start:end]
         ops += src.ops[start:end]
         nxt = events[end] if end < len(events) else events[end - 1]
         level += nxt.level - base_level - (cached if is_glue else 0)
         flops += nxt.flops - base_flops
-    if not levels:
-        levels = peaks = [np.zeros(0, dtype=np.int64)]
-        flops_parts = [np.zeros(0, dtype=np.float64)]
-    return EventColumns(kinds=kinds, modules=modules, levels=np.concatenate(levels),
-                        peaks=np.concatenate(peaks), flops=np.concatenate(flops_parts), ops=ops)
+    levels, peaks, flops_out = _gather(used)
+    if glue_at is not None:
+        at, k = glue_at
+        src, start, end, shift, before, base_flops = used[k]
+        piece = _release_in_glue(src, start, end, shift, before - base_flops, cached,
+                                 release_at)
+        for column, values in zip((levels, peaks, flops_out), piece):
+            column[at:at + end - start] = values
+    return EventColumns(kinds=kinds, modules=modules, levels=levels, peaks=peaks,
+                        flops=flops_out, ops=ops)
+
+
+def _gather(used: list[tuple[EventColumns, int, int, int, float, float]]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Levels, peaks and FLOPs of the pieces ``used`` (``_compose``), each event as the
+    per-event rule has it: ``level + e.level - base`` and ``level + e.peak - base`` (the
+    piece's first peak at least ``level``), and ``(flops + e.flops) - base_flops``."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    if not used:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0)
+    lengths = np.array([end - start for _, start, end, *_ in used], dtype=np.int64)
+    shifts = np.repeat(np.array([shift for *_, shift, _, _ in used], dtype=np.int64), lengths)
+    levels = np.concatenate([src.levels[start:end] for src, start, end, *_ in used]) + shifts
+    peaks = np.concatenate([src.peaks[start:end] for src, start, end, *_ in used]) + shifts
+    firsts = np.cumsum(lengths) - lengths
+    # levels[firsts] - the pieces' own first levels + their shift = the running level there
+    start_levels = np.array([src.levels[start] for src, start, *_ in used]) \
+        + shifts[firsts]
+    peaks[firsts] = np.maximum(start_levels, peaks[firsts])
+    before = np.repeat(np.array([b for *_, b, _ in used], dtype=np.float64), lengths)
+    bases = np.repeat(np.array([b for *_, b in used], dtype=np.float64), lengths)
+    flops = (before + np.concatenate([src.flops[start:end] for src, start, end, *_ in used])
+             ) - bases
+    return levels, peaks, flops
 
 
 def _release_in_glue(src: EventColumns, start: int, end: int, shift: int, flops_shift: float,
