@@ -270,7 +270,9 @@ def test_profile_from_columns_reads_as_the_per_event_profile():
         for profile in (ActivationProfile(columns), ActivationProfile(events)):
             start, first, last, span = _reference_indices(events)
             assert (profile.backward_start, profile.loss_span) == (start, span)
-            assert profile._first == first and profile._last == last
+            for index, reference in ((profile._first, first), (profile._last, last)):
+                assert len(index) == len(reference)
+                assert all(profile._index(index, *key, -1) == i for key, i in reference.items())
             assert profile.levels == [e.level for e in events]
             assert profile.events == events
             assert [profile.max_peak(i, j) for i, j in ((0, len(events) - 1), (3, 40))] == \

@@ -136,13 +136,9 @@ class ActivationProfile:
         self.forward_end = max(0, self.backward_start - 1)
         self.loss_span = _loss_span(self.kinds, self.modules, self.backward_start)
         self._loss_level = int(self._levels[self.loss_span[0]]) if self.loss_span else 0
-        # the first and last event of each (kind, module, in backward): the first wins in a
-        # dict built from the reversed keys, the last in one built from the keys in order
-        keys = list(zip(self.kinds, self.modules, [False] * self.backward_start
-                        + [True] * (n - self.backward_start)))
-        self._first: dict[tuple[str, str, bool], int] = dict(zip(reversed(keys),
-                                                                 range(n - 1, -1, -1)))
-        self._last: dict[tuple[str, str, bool], int] = dict(zip(keys, range(n)))
+        self._names = columns.names
+        self._codes = columns.codes
+        self._first, self._last = _first_and_last(columns.codes, self.backward_start)
         self._pre_bw: list[int] | None = None
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._windows: dict[tuple[str, ...], UnitWindows] = {}
@@ -188,7 +184,14 @@ class ActivationProfile:
 
     def first_event(self, kind: str, module: str, default: int) -> int:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
-        return self._first.get((kind, module, kind.endswith("bw")), default)
+        return self._index(self._first, kind, module, kind.endswith("bw"), default)
+
+    def _index(self, found: dict[int, int], kind: str, module: str, in_backward: bool,
+               default: int) -> int:
+        """The first or last (``found``: ``_first``, ``_last``) ``kind`` event of ``module``
+        in backward or in forward, else ``default``."""
+        code = self._names.code(kind, module)
+        return default if code is None else found.get(code << 1 | in_backward, default)
 
     def _backward_left(self, modules: tuple[str, ...], start: int, stop: int) -> int:
         """Where backward has left a unit: see [Note: post-backward of shared inputs].
@@ -215,7 +218,10 @@ class ActivationProfile:
 
         # only pre-backward events matter: visit those in ``start..stop`` (by bisection)
         if self._pre_bw is None:
-            self._pre_bw = [i for i, kind in enumerate(self.kinds) if kind == "pre_bw"]
+            import numpy as np  # see [Note: numpy on first use]
+
+            kind = self._names.kinds.get("pre_bw", -1)
+            self._pre_bw = np.flatnonzero(self._codes >> 32 == kind).tolist()
         pre_bw = self._pre_bw
         lo, hi = bisect.bisect_left(pre_bw, start), bisect.bisect_right(pre_bw, stop)
         last_inside = next((pre_bw[j] for j in range(hi - 1, lo - 1, -1)
@@ -248,12 +254,16 @@ class ActivationProfile:
     def _find_windows(self, unit: UnitSpec) -> UnitWindows:
         end = self.num_events - 1
         if unit.modules == [""]:
-            fw_end = self._last.get(("post_fw", "", False), self.forward_end)
+            fw_end = self._index(self._last, "post_fw", "", False, self.forward_end)
             return UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start, bw_end=end)
-        fw_starts = [self._first[k] for m in unit.modules if (k := ("pre_fw", m, False)) in self._first]
-        fw_ends = [self._last[k] for m in unit.modules if (k := ("post_fw", m, False)) in self._last]
-        bw_starts = [self._first[k] for m in unit.modules if (k := ("pre_bw", m, True)) in self._first]
-        bw_ends = [self._last[k] for m in unit.modules if (k := ("post_bw", m, True)) in self._last]
+
+        def found(first_or_last: dict[int, int], kind: str, in_backward: bool) -> list[int]:
+            return [i for m in unit.modules
+                    if (i := self._index(first_or_last, kind, m, in_backward, -1)) >= 0]
+        fw_starts = found(self._first, "pre_fw", False)
+        fw_ends = found(self._last, "post_fw", False)
+        bw_starts = found(self._first, "pre_bw", True)
+        bw_ends = found(self._last, "post_bw", True)
         if not fw_starts:
             return UnitWindows(fw_start=0, fw_end=0, bw_start=end, bw_end=end, ran=False)
         fw_start, fw_end = min(fw_starts), max(fw_ends or fw_starts)
@@ -308,6 +318,23 @@ def loss_parts(model: int, span: tuple[int, int] | None, lo: int, hi: int, activ
     if span is None or not span[0] < lo <= hi <= span[1]:
         return {"activations": activations}
     return {"activations": min(model, activations), "loss": max(0, activations - model)}
+
+
+def _first_and_last(codes: np.ndarray, backward_start: int
+                    ) -> tuple[dict[int, int], dict[int, int]]:
+    """The first and the last event index of each (kind, module, in backward), keyed by
+    ``code << 1 | in_backward`` (``EventNames.code``): from one stable sort of the keys, so
+    equal keys stay in event order."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    keys = codes << 1
+    keys[max(0, backward_start):] |= 1
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    ends = np.append(starts[1:], len(keys)) - 1
+    unique = ordered[starts].tolist()
+    return dict(zip(unique, order[starts].tolist())), dict(zip(unique, order[ends].tolist()))
 
 
 def _index_of(items: list[str], item: str, default: int) -> int:
@@ -657,10 +684,12 @@ def _gradient_modules(profile: ActivationProfile, units: list[UnitSpec], order: 
     them from pre-backward counted them twice: a tied embedding +9% on BERT."""
     import numpy as np  # see [Note: numpy on first use]
 
-    first = profile._first.get  # ``first_event("post_bw", fqn, -1)``, without a call each
     modules = [units[i].param_modules for i in order.tolist()]
-    return (np.array([first(("post_bw", fqn, True), -1) for pm in modules for fqn, _ in pm],
-                     dtype=np.int64),
+    # ``first_event("post_bw", fqn, -1)`` for each, without two calls per module
+    first, ids = profile._first.get, profile._names.modules
+    post_bw = profile._names.kinds.get("post_bw", -1) << 33 | 1  # the code's kind, in backward
+    return (np.array([first(post_bw | ids.get(fqn, -1) << 1, -1)
+                      for pm in modules for fqn, _ in pm], dtype=np.int64),
             np.array([numel for pm in modules for _, numel in pm], dtype=np.int64),
             np.array([len(pm) for pm in modules], dtype=np.int64))
 

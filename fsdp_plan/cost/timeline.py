@@ -70,19 +70,48 @@ if TYPE_CHECKING:
     import numpy as np
 
 
+class EventNames:
+    """Integer ids of the event kinds and modules of a composer's passes, shared by them and
+    by their mixes: ``EventColumns.codes`` names an event's (kind, module) by one integer, so
+    the memory model indexes events by sorting integers, not by hashing tuples."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, int] = {}
+        self.modules: dict[str, int] = {}
+
+    def codes(self, kinds: list[str], modules: list[str]) -> np.ndarray:
+        """``code(kind, module)`` of each event (new names get the next ids)."""
+        import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+        k, m = self.kinds, self.modules
+        return np.array([k.setdefault(kind, len(k)) << 32 | m.setdefault(module, len(m))
+                         for kind, module in zip(kinds, modules)], dtype=np.int64)
+
+    def code(self, kind: str, module: str) -> int | None:
+        """The integer of (``kind``, ``module``): the kind's id above the module's 32-bit id
+        (None for a name no event has)."""
+        k, m = self.kinds.get(kind), self.modules.get(module)
+        return None if k is None or m is None else k << 32 | m
+
+
 class EventColumns(Sequence[Event]):
     """A timeline's events held field by field ([Note: timeline columns]): a sequence of
     ``Event`` whose objects are made on first use, beside the arrays the memory model reads."""
 
-    __slots__ = ("_events", "flops", "kinds", "levels", "modules", "ops", "peaks")
+    __slots__ = ("_events", "codes", "flops", "kinds", "levels", "modules", "names", "ops",
+                 "peaks")
 
     def __init__(self, *, kinds: list[str], modules: list[str], levels: np.ndarray,
                  peaks: np.ndarray, flops: np.ndarray, ops: list[dict[str, float] | None],
-                 events: list[Event] | None = None) -> None:
-        for array in (levels, peaks, flops):
+                 names: EventNames, codes: np.ndarray, events: list[Event] | None = None
+                 ) -> None:
+        for array in (levels, peaks, flops, codes):
             array.flags.writeable = False  # shared between a pass and the profiles of its mixes
         self.kinds = kinds
         self.modules = modules
+        self.names = names
+        self.codes = codes
+        """int64 ``names.code(kind, module)`` of each event."""
         self.levels = levels
         """int64 activation-side bytes at each event."""
         self.peaks = peaks
@@ -93,15 +122,19 @@ class EventColumns(Sequence[Event]):
         self._events = events
 
     @classmethod
-    def of(cls, events: list[Event]) -> EventColumns:
-        """The columns of ``events``, which stay the sequence's own ``Event`` objects."""
+    def of(cls, events: list[Event], names: EventNames | None = None) -> EventColumns:
+        """The columns of ``events``, which stay the sequence's own ``Event`` objects (their
+        names numbered in ``names``, a table of their own when not given)."""
         import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
-        return cls(kinds=[e.kind for e in events], modules=[e.module for e in events],
+        names = names if names is not None else EventNames()
+        kinds, modules = [e.kind for e in events], [e.module for e in events]
+        return cls(kinds=kinds, modules=modules,
                    levels=np.array([e.level for e in events], dtype=np.int64),
                    peaks=np.array([e.peak for e in events], dtype=np.int64),
                    flops=np.array([e.flops for e in events], dtype=np.float64),
-                   ops=[e.ops for e in events], events=events)
+                   ops=[e.ops for e in events], names=names,
+                   codes=names.codes(kinds, modules), events=events)
 
     def as_list(self) -> list[Event]:
         """The events as ``Event`` objects (made once, then kept)."""
@@ -265,7 +298,8 @@ class TimelineComposer:
                           (("none", self.plain), ("full", self.ckpt), ("selective", self.sel))}
         every = frozenset(range(len(blocks)))
         # each pass's columns ([Note: timeline columns]), which the composites slice
-        self._columns = {mode: EventColumns.of(t.events) for mode, t in
+        names = EventNames()
+        self._columns = {mode: EventColumns.of(t.events, names) for mode, t in
                          (("none", self.plain), ("full", self.ckpt), ("selective", self.sel))
                          if t is not None}
         self._cache: dict[tuple[frozenset[int], frozenset[int]], EventColumns] = {
@@ -375,6 +409,8 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
     middle, given when ``cached`` bytes of autocast casts are released) those are freed at
     ``release_at`` (``_release_in_glue``). Column arithmetic as [Note: timeline columns]:
     each piece's shifts are worked out in turn, then every event gathered at once."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
     kinds: list[str] = []
     modules: list[str] = []
     ops: list[dict[str, float] | None] = []
@@ -399,6 +435,8 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
         level += nxt.level - base_level - (cached if is_glue else 0)
         flops += nxt.flops - base_flops
     levels, peaks, flops_out = _gather(used)
+    codes = np.concatenate([src.codes[start:end] for src, start, end, *_ in used]
+                           or [np.zeros(0, dtype=np.int64)])
     if glue_at is not None:
         at, k = glue_at
         src, start, end, shift, before, base_flops = used[k]
@@ -407,7 +445,7 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
         for column, values in zip((levels, peaks, flops_out), piece):
             column[at:at + end - start] = values
     return EventColumns(kinds=kinds, modules=modules, levels=levels, peaks=peaks,
-                        flops=flops_out, ops=ops)
+                        flops=flops_out, ops=ops, names=pieces[0][0].names, codes=codes)
 
 
 def _gather(used: list[tuple[EventColumns, int, int, int, float, float]]
