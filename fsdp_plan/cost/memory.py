@@ -57,6 +57,8 @@ on the import path of ``fsdp-plan --help`` and ``emit`` (about 0.3 s of numpy th
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,6 +67,7 @@ if TYPE_CHECKING:
 
 from fsdp_plan.cost.optimizer_overlap import step_temporaries
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
+from fsdp_plan.cost.timeline import EventColumns
 from fsdp_plan.cost.units import UnitSpec
 from fsdp_plan.facts.types import Event
 
@@ -98,8 +101,7 @@ class UnitWindows:
     ran: bool = True
 
     def copy(self) -> UnitWindows:
-        """A copy to adjust (three times faster than ``copy.copy``, which the search calls once
-        per unit per candidate)."""
+        """A copy to adjust (three times faster than ``copy.copy``)."""
         return UnitWindows(fw_start=self.fw_start, fw_end=self.fw_end, bw_start=self.bw_start,
                            bw_end=self.bw_end, ran=self.ran)
 
@@ -114,42 +116,51 @@ class MemoryEstimate:
 
 
 class ActivationProfile:
-    """One (composite) activation timeline with O(1) range maxima of its event peaks."""
+    """One (composite) activation timeline with O(1) range maxima of its event peaks.
 
-    def __init__(self, events: list[Event]) -> None:
-        import numpy as np  # see [Note: numpy on first use]
+    Built from a timeline's columns (cost/timeline.py [Note: timeline columns]); the search
+    reads only those, and ``events`` makes the ``Event`` objects when something asks for them
+    (pictures)."""
 
-        self.events = events
-        self.levels = [e.level for e in events]
-        self._levels = np.array(self.levels, dtype=np.int64)
+    def __init__(self, events: Sequence[Event]) -> None:
+        columns = events if isinstance(events, EventColumns) else EventColumns.of(list(events))
+        self._columns = columns
+        self.kinds = columns.kinds
+        self.modules = columns.modules
+        self.num_events = n = len(columns)
+        self._levels = columns.levels
         # a sparse table of event peaks (row j: the max over 2**j events from each index),
         # as int64 arrays: the sweep reads all its range maxima at once (``_range_max``)
-        peaks = np.array([e.peak for e in events], dtype=np.int64)
-        self._table = [peaks]
-        span = 1
-        while 2 * span <= len(peaks):
-            prev = self._table[-1]
-            self._table.append(np.maximum(prev[:len(prev) - span], prev[span:]))
-            span *= 2
-        self.backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
-                                   len(events) - 1)
+        self._table = _sparse_table(columns.peaks)
+        self.backward_start = _index_of(self.kinds, "pre_bw", n - 1)
         self.forward_end = max(0, self.backward_start - 1)
-        self.loss_span = loss_span(events, self.backward_start)
-        self._first: dict[tuple[str, str, bool], int] = {}
+        self.loss_span = _loss_span(self.kinds, self.modules, self.backward_start)
+        self._loss_level = int(self._levels[self.loss_span[0]]) if self.loss_span else 0
+        self._names = columns.names
+        self._codes = columns.codes
+        self._first, self._last = _first_and_last(columns.codes, self.backward_start)
+        self._pre_bw: list[int] | None = None
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
-        self._last: dict[tuple[str, str, bool], int] = {}
         self._windows: dict[tuple[str, ...], UnitWindows] = {}
         self._skeletons: dict[tuple, _Skeleton] = {}
         """The step's buffers by units and prefetch (``_skeleton``)."""
-        for i, e in enumerate(events):
-            key = (e.kind, e.module, i >= self.backward_start)
-            self._first.setdefault(key, i)
-            self._last[key] = i
+        self._layouts: dict[tuple, _Layout] = {}
+        """What the units' modules alone fix of those (``_skeleton``)."""
+
+    @property
+    def events(self) -> list[Event]:
+        """The timeline's ``Event`` objects (made on first use: not on the search's path)."""
+        return self._columns.as_list()
+
+    @property
+    def levels(self) -> list[int]:
+        """Activation-side bytes at each event, as Python ints."""
+        return self._levels.tolist()
 
     def split_loss(self, lo: int, hi: int, activations: int) -> dict[str, int]:
         """``activations`` at events ``lo..hi`` as ``{activations, loss}``: see
         [Note: the loss in the breakdown]."""
-        return split_loss(self.events, self.loss_span, lo, hi, activations)
+        return loss_parts(self._loss_level, self.loss_span, lo, hi, activations)
 
     def max_peak(self, lo: int, hi: int) -> int:
         """Highest event peak over indices ``lo..hi`` inclusive (0 for an empty range)."""
@@ -165,7 +176,7 @@ class ActivationProfile:
 
         level = np.frexp((hi - lo + 1).astype(np.float64))[1] - 1  # exact floor(log2)
         out = np.zeros(len(lo), dtype=np.int64)
-        for j in np.unique(level).tolist():
+        for j in _unique(level).tolist():
             at = level == j
             row = self._table[j]
             out[at] = np.maximum(row[lo[at]], row[hi[at] - (1 << j) + 1])
@@ -173,7 +184,14 @@ class ActivationProfile:
 
     def first_event(self, kind: str, module: str, default: int) -> int:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
-        return self._first.get((kind, module, kind.endswith("bw")), default)
+        return self._index(self._first, kind, module, kind.endswith("bw"), default)
+
+    def _index(self, found: dict[int, int], kind: str, module: str, in_backward: bool,
+               default: int) -> int:
+        """The first or last (``found``: ``_first``, ``_last``) ``kind`` event of ``module``
+        in backward or in forward, else ``default``."""
+        code = self._names.code(kind, module)
+        return default if code is None else found.get(code << 1 | in_backward, default)
 
     def _backward_left(self, modules: tuple[str, ...], start: int, stop: int) -> int:
         """Where backward has left a unit: see [Note: post-backward of shared inputs].
@@ -189,31 +207,37 @@ class ActivationProfile:
         key = (modules, start, stop)
         if key in self._left:
             return self._left[key]
+        names = set(modules)
+        prefixes = tuple(m + "." for m in modules)
 
         def inside(fqn: str) -> bool:
-            return any(fqn == m or fqn.startswith(m + ".") for m in modules)
+            return fqn in names or fqn.startswith(prefixes)
 
         def around(fqn: str) -> bool:
             return fqn == "" or any(m.startswith(fqn + ".") for m in modules)
 
-        last_inside = start
-        for i in range(start, stop + 1):
-            if self.events[i].kind == "pre_bw" and inside(self.events[i].module):
-                last_inside = i
-        left = stop
-        for i in range(last_inside + 1, stop + 1):
-            ev = self.events[i]
-            if ev.kind == "pre_bw" and not inside(ev.module) and not around(ev.module):
-                left = i
-                break
+        # only pre-backward events matter: visit those in ``start..stop`` (by bisection)
+        if self._pre_bw is None:
+            import numpy as np  # see [Note: numpy on first use]
+
+            kind = self._names.kinds.get("pre_bw", -1)
+            self._pre_bw = np.flatnonzero(self._codes >> 32 == kind).tolist()
+        pre_bw = self._pre_bw
+        lo, hi = bisect.bisect_left(pre_bw, start), bisect.bisect_right(pre_bw, stop)
+        last_inside = next((pre_bw[j] for j in range(hi - 1, lo - 1, -1)
+                            if inside(self.modules[pre_bw[j]])), start)
+        left = next((pre_bw[j] for j in range(bisect.bisect_right(pre_bw, last_inside), hi)
+                     if not inside(self.modules[pre_bw[j]])
+                     and not around(self.modules[pre_bw[j]])), stop)
         self._left[key] = left
         return left
 
     def windows(self, unit: UnitSpec) -> UnitWindows:
         """Where ``unit`` computes: its modules' first pre-forward to last post-forward, etc.
 
-        A fresh copy each call (``estimate_peak`` adjusts it); cached by the unit's modules,
-        since the search evaluates the same units under many prefetch and strategy choices."""
+        A fresh copy each call, for the caller to change; cached by the unit's modules, since
+        the search evaluates the same units under many prefetch and strategy choices
+        (``_place_buffers`` reads the cached windows themselves and changes none)."""
         return self._cached_windows(unit).copy()
 
     def ran(self, unit: UnitSpec) -> bool:
@@ -228,14 +252,18 @@ class ActivationProfile:
         return self._windows[key]
 
     def _find_windows(self, unit: UnitSpec) -> UnitWindows:
-        end = len(self.events) - 1
+        end = self.num_events - 1
         if unit.modules == [""]:
-            fw_end = self._last.get(("post_fw", "", False), self.forward_end)
+            fw_end = self._index(self._last, "post_fw", "", False, self.forward_end)
             return UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start, bw_end=end)
-        fw_starts = [self._first[k] for m in unit.modules if (k := ("pre_fw", m, False)) in self._first]
-        fw_ends = [self._last[k] for m in unit.modules if (k := ("post_fw", m, False)) in self._last]
-        bw_starts = [self._first[k] for m in unit.modules if (k := ("pre_bw", m, True)) in self._first]
-        bw_ends = [self._last[k] for m in unit.modules if (k := ("post_bw", m, True)) in self._last]
+
+        def found(first_or_last: dict[int, int], kind: str, in_backward: bool) -> list[int]:
+            return [i for m in unit.modules
+                    if (i := self._index(first_or_last, kind, m, in_backward, -1)) >= 0]
+        fw_starts = found(self._first, "pre_fw", False)
+        fw_ends = found(self._last, "post_fw", False)
+        bw_starts = found(self._first, "pre_bw", True)
+        bw_ends = found(self._last, "post_bw", True)
         if not fw_starts:
             return UnitWindows(fw_start=0, fw_end=0, bw_start=end, bw_end=end, ran=False)
         fw_start, fw_end = min(fw_starts), max(fw_ends or fw_starts)
@@ -249,7 +277,7 @@ class ActivationProfile:
                            bw_end=max(bw_end, bw_start))
 
 
-def loss_span(events: list[Event], backward_start: int) -> tuple[int, int] | None:
+def loss_span(events: Sequence[Event], backward_start: int) -> tuple[int, int] | None:
     """Event indices around the loss: the last forward end of a submodule (not the root)
     before backward, and the first backward start of one after it.
 
@@ -259,24 +287,75 @@ def loss_span(events: list[Event], backward_start: int) -> tuple[int, int] | Non
     inside the root's forward (Hugging Face heads given ``labels`` upcast the logits to float32
     there). What the activations hold above the level the last submodule left is what the loss
     holds; when the peak falls there the breakdown shows it as ``loss``."""
-    last_fw = max((i for i in range(min(backward_start, len(events)))
-                   if events[i].kind == "post_fw" and events[i].module), default=None)
-    first_bw = next((i for i in range(backward_start, len(events))
-                     if events[i].kind == "pre_bw" and events[i].module), None)
+    return _loss_span([e.kind for e in events], [e.module for e in events], backward_start)
+
+
+def _loss_span(kinds: list[str], modules: list[str], backward_start: int
+               ) -> tuple[int, int] | None:
+    """``loss_span`` over a timeline's kinds and modules (the last such forward end is the
+    first met walking back from backward)."""
+    last_fw = next((i for i in range(min(backward_start, len(kinds)) - 1, -1, -1)
+                    if kinds[i] == "post_fw" and modules[i]), None)
+    first_bw = next((i for i in range(backward_start, len(kinds))
+                     if kinds[i] == "pre_bw" and modules[i]), None)
     if last_fw is None or first_bw is None:
         return None
     return last_fw, first_bw
 
 
-def split_loss(events: list[Event], span: tuple[int, int] | None, lo: int, hi: int,
+def split_loss(events: Sequence[Event], span: tuple[int, int] | None, lo: int, hi: int,
                activations: int) -> dict[str, int]:
     """``activations`` of the gap over events ``lo..hi`` as ``{activations, loss}`` when the gap
     lies inside the loss's ``span`` (``loss_span``), else as ``{activations}``: see
     [Note: the loss in the breakdown]. The two parts always sum to ``activations``."""
+    return loss_parts(events[span[0]].level if span is not None else 0, span, lo, hi,
+                      activations)
+
+
+def loss_parts(model: int, span: tuple[int, int] | None, lo: int, hi: int, activations: int
+               ) -> dict[str, int]:
+    """``split_loss`` given ``model``, the level at the span's start (what the model holds)."""
     if span is None or not span[0] < lo <= hi <= span[1]:
         return {"activations": activations}
-    model = events[span[0]].level
     return {"activations": min(model, activations), "loss": max(0, activations - model)}
+
+
+def _first_and_last(codes: np.ndarray, backward_start: int
+                    ) -> tuple[dict[int, int], dict[int, int]]:
+    """The first and the last event index of each (kind, module, in backward), keyed by
+    ``code << 1 | in_backward`` (``EventNames.code``): from one stable sort of the keys, so
+    equal keys stay in event order."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    keys = codes << 1
+    keys[max(0, backward_start):] |= 1
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    ends = np.append(starts[1:], len(keys)) - 1
+    unique = ordered[starts].tolist()
+    return dict(zip(unique, order[starts].tolist())), dict(zip(unique, order[ends].tolist()))
+
+
+def _index_of(items: list[str], item: str, default: int) -> int:
+    """The first index of ``item`` in ``items`` (a C-speed scan), else ``default``."""
+    try:
+        return items.index(item)
+    except ValueError:
+        return default
+
+
+def _sparse_table(peaks: np.ndarray) -> list[np.ndarray]:
+    """Row ``j``: the highest of ``peaks`` over the ``2**j`` events from each index."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    table = [peaks]
+    span = 1
+    while 2 * span <= len(peaks):
+        prev = table[-1]
+        table.append(np.maximum(prev[:len(prev) - span], prev[span:]))
+        span *= 2
+    return table
 
 
 def _gap_start(points: list[int], i: int) -> int:
@@ -301,7 +380,7 @@ def _points(profile: ActivationProfile, live, extra_bytes: dict[int, int], grads
     ending at an event holds the highest activation since the previous point's event.
     ``every_event`` adds the gap before every event (for pictures): between two points of the
     sweep no buffer starts or ends, so those gaps never exceed the sweep's highest total."""
-    n = len(profile.events)
+    n = profile.num_events
     points = set(range(0, 4 * n, 4)) if every_event else {0, 4 * (n - 1)}
     points.update(start for start, _, _, _ in live)
     points.update(start & ~3 for start, _, _, _ in live)
@@ -343,9 +422,8 @@ def _parts_at(point: int, live, instants, grads_at, static: dict[str, int]) -> d
 
 
 def _phase_name(profile: ActivationProfile, event: int) -> str:
-    ev = profile.events[event]
     phase = "forward" if event <= profile.forward_end else "backward"
-    return f"{phase} ({ev.kind} {ev.module or '<root>'})"
+    return f"{phase} ({profile.kinds[event]} {profile.modules[event] or '<root>'})"
 
 
 def _offload_copy_bytes(unit: UnitSpec, p: Precision) -> int:
@@ -379,16 +457,84 @@ class StepBuffers:
  _LARGEST_SHARD) = range(8)
 
 
+def _decode(point: int) -> tuple[int, int]:
+    """The (event, sub-step) of a coded point ``4 * event + sub + 1`` (``_encode``)."""
+    return (point - 1) >> 2, (point - 1) & 3
+
+
+_CATEGORIES = ("unsharded_params", "comm_buffers", "unsharded_grads", "offload_copies")
+"""The categories a skeleton's buffers fall in (``_Placed.category`` indexes this)."""
+_CAT_PARAMS, _CAT_COMM, _CAT_GRADS, _CAT_OFFLOAD = range(4)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Placed:
+    """Buffers of a skeleton as int64 columns, one entry per buffer: each is present from its
+    coded point ``start`` to ``end`` (``_encode``; an instant only at ``start``, with no
+    ``end``), in category ``_CATEGORIES[category]``, with ``mult`` times its unit's rate of
+    ``kind`` (``_unit_rates``)."""
+
+    start: np.ndarray
+    end: np.ndarray | None
+    category: np.ndarray
+    unit: np.ndarray
+    kind: np.ndarray
+    mult: np.ndarray
+
+    @classmethod
+    def of(cls, start: np.ndarray, end: np.ndarray | None, category: int | np.ndarray,
+           unit: np.ndarray, kind: int | np.ndarray, mult: int | np.ndarray = 1) -> _Placed:
+        """Buffers at ``start`` (to ``end``) of ``unit``; scalars apply to every one."""
+        import numpy as np  # see [Note: numpy on first use]
+
+        def column(values: int | np.ndarray) -> np.ndarray:
+            if isinstance(values, int):
+                return np.full(len(start), values, dtype=np.int64)
+            return values
+        return cls(start=start, end=end, category=column(category), unit=unit,
+                   kind=column(kind), mult=column(mult))
+
+    @classmethod
+    def join(cls, parts: list[_Placed], *, interleave: bool = False) -> _Placed:
+        """``parts`` one after the other, or (``interleave``, parts of one length) entry by
+        entry: the first of each part, then the second of each, and so on."""
+        import numpy as np  # see [Note: numpy on first use]
+
+        def joined(columns: list[np.ndarray]) -> np.ndarray:
+            if interleave:
+                return np.stack(columns, axis=1).reshape(-1)
+            return np.concatenate(columns) if columns else np.zeros(0, dtype=np.int64)
+        ends = [part.end for part in parts if part.end is not None]
+        return cls(start=joined([part.start for part in parts]),
+                   end=joined(ends) if len(ends) == len(parts) else None,
+                   category=joined([part.category for part in parts]),
+                   unit=joined([part.unit for part in parts]),
+                   kind=joined([part.kind for part in parts]),
+                   mult=joined([part.mult for part in parts]))
+
+    def take(self, indices: np.ndarray) -> _Placed:
+        """The buffers at ``indices``, in that order."""
+        return _Placed(start=self.start[indices],
+                       end=None if self.end is None else self.end[indices],
+                       category=self.category[indices], unit=self.unit[indices],
+                       kind=self.kind[indices], mult=self.mult[indices])
+
+    def categories(self) -> list[str]:
+        """Each buffer's category by name."""
+        return [_CATEGORIES[c] for c in self.category.tolist()]
+
+
 @dataclass(kw_only=True)
 class _Skeleton:
-    """Every buffer of one steady step as ``step_buffers`` places it, without its bytes: each
-    is (start, end or instant, category, unit, kind of rate, multiplier). It depends on the
-    profile, the units' modules and reshard choices, the prefetch depths, offload and whether
-    sharded gradients appear, not on the shard size or dtypes, so the search reuses it across
-    meshes; the sweep's points and their activations are fixed by it too (``_sweep_of``)."""
+    """Every buffer of one steady step as ``step_buffers`` places it, without its bytes: live
+    buffers (start, end, category, unit, kind of rate, multiplier) and instants (the same
+    without an end), as columns of coded points (``_Placed``). It depends on the profile, the
+    units' modules and reshard choices, the prefetch depths, offload and whether sharded
+    gradients appear, not on the shard size or dtypes, so the search reuses it across meshes;
+    the sweep's points and their activations are fixed by it too (``_sweep_of``)."""
 
-    live: list[tuple[tuple[int, int], tuple[int, int], str, int, int, int]]
-    instants: list[tuple[tuple[int, int], str, int, int, int]]
+    live: _Placed
+    instants: _Placed
     grads_at: list[tuple[int, int]]
     """(event, unit): the unit's sharded gradient appears after its reduce-scatter."""
     reduced_at: list[tuple[int, int]] = field(default_factory=list)
@@ -431,82 +577,212 @@ def _skeleton_of(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
 
 def _skeleton(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
               sharded_grads: bool, forward_prefetch: int, backward_prefetch: int) -> _Skeleton:
-    """The buffers of ``step_buffers`` ([Note: FSDP2 memory timeline]), cached on the profile."""
-    key = (tuple((tuple(u.modules), u.reshard_after_forward, u.numel > 0, len(u.param_modules))
-                 for u in units), offload, sharded_grads, forward_prefetch, backward_prefetch)
+    """The buffers of ``step_buffers`` ([Note: FSDP2 memory timeline]), cached on the profile
+    by the units' layout (``_Layout``) and their choices."""
+    layout = tuple((tuple(u.modules), u.numel > 0, len(u.param_modules)) for u in units)
+    key = (layout, tuple(u.reshard_after_forward for u in units), offload, sharded_grads,
+           forward_prefetch, backward_prefetch)
     found = profile._skeletons.get(key)
     if found is None:
+        placed = profile._layouts.get(layout)
+        if placed is None:
+            placed = profile._layouts[layout] = _layout(profile, units)
         found = profile._skeletons[key] = _place_buffers(
-            profile, units, offload=offload, sharded_grads=sharded_grads,
+            placed, units, offload=offload, sharded_grads=sharded_grads,
             forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
     return found
 
 
-def _place_buffers(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
-                   sharded_grads: bool, forward_prefetch: int, backward_prefetch: int
-                   ) -> _Skeleton:
-    windows = [profile.windows(u) for u in units]
-    ran = [i for i, w in enumerate(windows) if w.ran and units[i].numel > 0]
-    fw_order = sorted(ran, key=lambda i: windows[i].fw_start)
+@dataclass(kw_only=True, slots=True)
+class _Layout:
+    """What a skeleton takes from the units' modules alone, not from their reshard and
+    prefetch choices: the search places some 500 skeletons per plan (70B) over a few layouts
+    per activation profile, so this is worked out once per profile and layout (``_layout``).
+    Arrays by unit index, or in the order named."""
 
-    # live buffers and instants at (event, sub-step) points: [Note: sub-steps]
-    bw_sequence = sorted(ran, key=lambda i: windows[i].bw_start)
+    fw_start: np.ndarray
+    fw_end: np.ndarray
+    bw_start: np.ndarray
+    bw_end: np.ndarray
+    """Where the unit's backward ends, after FSDP2's early post-backward (``_layout``)."""
+    fw_order: np.ndarray
+    """The units that ran (with parameters) in forward order."""
+    bw_sequence: np.ndarray
+    """Those units by where their backward starts."""
+    bw_order: np.ndarray
+    """Those units by where their backward ends (their reduce-scatters, in order)."""
+    forward_output: _Placed
+    """The all-gather output in forward, by ``fw_order``."""
+    grads: _Placed
+    """Each parameter module's unsharded gradients, unit by unit in ``bw_sequence``."""
+    grads_per_unit: np.ndarray
+    """How many of ``grads`` each unit in ``bw_sequence`` has."""
+    reduce_input: _Placed
+    """The reduce-scatter inputs, by ``bw_order``."""
+
+
+def _layout(profile: ActivationProfile, units: list[UnitSpec]) -> _Layout:
+    """The windows (``ActivationProfile.windows``) of ``units``, their orders, and the
+    buffers whose place their modules fix."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    windows = [profile._cached_windows(u) for u in units]  # shared: read, never changed
+    fw_start = np.array([w.fw_start for w in windows], dtype=np.int64)
+    fw_end = np.array([w.fw_end for w in windows], dtype=np.int64)
+    bw_start = np.array([w.bw_start for w in windows], dtype=np.int64)
+    bw_end = np.array([w.bw_end for w in windows], dtype=np.int64)
+    ran = np.array([i for i, w in enumerate(windows) if w.ran and units[i].numel > 0],
+                   dtype=np.int64)
+    fw_order = ran[np.argsort(fw_start[ran], kind="stable")]  # stable, as sorted()
+    bw_sequence = ran[np.argsort(bw_start[ran], kind="stable")]
     # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
     # module hooks may report them the other way round: end each unit where the next begins.
-    for here, nxt in zip(bw_sequence, bw_sequence[1:]):
-        if units[here].modules != [""] and windows[nxt].bw_start > windows[here].bw_start:
-            windows[here].bw_end = min(windows[here].bw_end, windows[nxt].bw_start)
-    live: list[tuple[tuple[int, int], tuple[int, int], str, int, int, int]] = []
-    instants: list[tuple[tuple[int, int], str, int, int, int]] = []
-    for pos, i in enumerate(fw_order):
-        u, w = units[i], windows[i]
-        gather_at = windows[fw_order[max(0, pos - forward_prefetch)]].fw_start
-        start = (gather_at, 2 if gather_at < w.fw_start else 1)
-        end = (w.fw_end, 0) if u.reshard_after_forward else (w.bw_end, 0)
-        live.append((start, end, "unsharded_params", i, _UNSHARDED, 1))
-        instants.append(((w.fw_start, 1), "comm_buffers", i, _GATHER_COPY, 1))
-        if offload:
-            instants.append(((w.fw_start, 1), "offload_copies", i, _OFFLOAD_COPY, 1))
-        # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
-        # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
-        # next all-gather); with one root unit that is the whole forward.
-        if pos + 1 < len(fw_order):
-            freed = (windows[fw_order[pos + 1]].fw_start, 1)
-        else:
-            root = [j for j in ran if units[j].modules == [""]]
-            freed = (windows[root[0]].fw_end if root else w.fw_end, 0)
-        live.append(((w.fw_start, 2), freed, "comm_buffers", i, _UNSHARDED, 1))
-    for pos, i in enumerate(bw_sequence):
-        u, w = units[i], windows[i]
-        if u.reshard_after_forward:
-            gather_at = min(windows[bw_sequence[max(0, pos - backward_prefetch)]].bw_start, w.bw_start)
-            start = (gather_at, 2 if gather_at < w.bw_start else 1)
-            live.append((start, (w.bw_end, 0), "unsharded_params", i, _UNSHARDED, 1))
-            instants.append(((w.bw_start, 1), "comm_buffers", i, _GATHER_COPY, 1))
-            if offload:
-                instants.append(((w.bw_start, 1), "offload_copies", i, _OFFLOAD_COPY, 1))
-        for fqn, numel in u.param_modules:
-            # Until the module's backward ends, the analysis timeline already holds its weight
-            # gradients (they stay activation-side until their post-accumulate-grad hook), so
-            # counting them from pre-backward counted them twice: a tied embedding +9% on BERT.
-            made_at = min(max(profile.first_event("post_bw", fqn, w.bw_start), w.bw_start), w.bw_end)
-            live.append(((made_at, 1), (w.bw_end, 0), "unsharded_grads", i, _PARAM_BYTES, numel))
-    last = len(profile.events) - 1
-    bw_order = sorted(ran, key=lambda i: (windows[i].bw_end, -windows[i].bw_start))
-    grads_at: list[tuple[int, int]] = []
-    reduced_at: list[tuple[int, int]] = []
-    for pos, i in enumerate(bw_order):
-        w = windows[i]
-        reduced_at.append((w.bw_end, i))
-        nxt = windows[bw_order[pos + 1]].bw_end if pos + 1 < len(bw_order) else last + 1
-        live.append(((w.bw_end, 0), (nxt, 0), "comm_buffers", i, _RS_INPUT, 1))
-        # The reduce-scatter input is filled while the unsharded gradients still exist.
-        instants.append(((w.bw_end, 0), "unsharded_grads", i, _ALL_GRADS, 1))
-        if offload:  # the reduced shard is copied to the host and freed on the device
-            instants.append(((w.bw_end, 0), "offload_copies", i, _SHARD_ORIG, 1))
-        elif sharded_grads:  # held from the start when accumulating
-            grads_at.append((w.bw_end, i))
-    return _Skeleton(live=live, instants=instants, grads_at=grads_at, reduced_at=reduced_at)
+    here, nxt = bw_sequence[:-1], bw_sequence[1:]
+    root = np.array([u.modules == [""] for u in units], dtype=bool)
+    cut = ~root[here] & (bw_start[nxt] > bw_start[here])
+    bw_end[here[cut]] = np.minimum(bw_end[here[cut]], bw_start[nxt[cut]])
+    bw_order = ran[np.lexsort((-bw_start[ran], bw_end[ran]))]
+
+    # In forward FSDP2 keeps the all-gather output alive until the next unit's copy-out or
+    # the root's post-forward (``comm_ctx.all_gather_state``: overlap of copy-out with the
+    # next all-gather); with one root unit that is the whole forward.
+    start = fw_start[fw_order]
+    freed = np.empty(len(fw_order), dtype=np.int64)
+    freed[:-1] = 4 * start[1:] + 2
+    if len(fw_order):
+        roots = ran[root[ran]]
+        freed[-1] = 4 * (fw_end[roots[0]] if len(roots) else fw_end[fw_order[-1]]) + 1
+    forward_output = _Placed.of(4 * start + 3, freed, _CAT_COMM, fw_order, _UNSHARDED)
+
+    # Each parameter module's unsharded gradients, from where its backward ends (clamped to
+    # its unit's backward) to the unit's post-backward.
+    events, numels, counts = _gradient_modules(profile, units, bw_sequence)
+    grads_end = np.repeat(bw_end[bw_sequence], counts)
+    made_at = np.minimum(np.maximum(events, np.repeat(bw_start[bw_sequence], counts)),
+                         grads_end)
+    grads = _Placed.of(4 * made_at + 2, 4 * grads_end + 1, _CAT_GRADS,
+                       np.repeat(bw_sequence, counts), _PARAM_BYTES, numels)
+
+    # FSDP2 keeps one reduce-scatter input: each lives until the next unit's post-backward
+    end = bw_end[bw_order]
+    reduce_input = _Placed.of(4 * end + 1, 4 * np.append(end[1:], profile.num_events) + 1,
+                              _CAT_COMM, bw_order, _RS_INPUT)
+    return _Layout(fw_start=fw_start, fw_end=fw_end, bw_start=bw_start, bw_end=bw_end,
+                   fw_order=fw_order, bw_sequence=bw_sequence, bw_order=bw_order,
+                   forward_output=forward_output, grads=grads, grads_per_unit=counts,
+                   reduce_input=reduce_input)
+
+
+def _gradient_modules(profile: ActivationProfile, units: list[UnitSpec], order: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per parameter module of the units in ``order``, unit after unit: the event where its
+    backward ends (its first ``post_bw``, -1 without one) and its parameter count; and how
+    many such modules each unit has.
+
+    Until the module's backward ends, the analysis timeline already holds its weight
+    gradients (they stay activation-side until their post-accumulate-grad hook), so counting
+    them from pre-backward counted them twice: a tied embedding +9% on BERT."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    modules = [units[i].param_modules for i in order.tolist()]
+    # ``first_event("post_bw", fqn, -1)`` for each, without two calls per module
+    first, ids = profile._first.get, profile._names.modules
+    post_bw = profile._names.kinds.get("post_bw", -1) << 33 | 1  # the code's kind, in backward
+    return (np.array([first(post_bw | ids.get(fqn, -1) << 1, -1)
+                      for pm in modules for fqn, _ in pm], dtype=np.int64),
+            np.array([numel for pm in modules for _, numel in pm], dtype=np.int64),
+            np.array([len(pm) for pm in modules], dtype=np.int64))
+
+
+def _place_buffers(layout: _Layout, units: list[UnitSpec], *, offload: bool,
+                   sharded_grads: bool, forward_prefetch: int, backward_prefetch: int
+                   ) -> _Skeleton:
+    """The buffers of ``step_buffers`` at coded points ``4 * event + sub + 1``, in forward,
+    backward and reduce-scatter order, each unit's together: the order and every point of
+    the per-unit rule that the comments state, on arrays over the units."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    reshard = np.array([u.reshard_after_forward for u in units], dtype=bool)
+    fw_live, fw_instants = _forward_buffers(layout, reshard, offload, forward_prefetch)
+    bw_live, bw_instants = _backward_buffers(layout, reshard, offload, backward_prefetch)
+    # The reduce-scatter input is filled while the unsharded gradients still exist; with
+    # offload the reduced shard is copied to the host and freed on the device.
+    bw_order = layout.bw_order
+    filled = _Placed.of(layout.reduce_input.start, None, _CAT_GRADS, bw_order, _ALL_GRADS)
+    reduced_at = list(zip(layout.bw_end[bw_order].tolist(), bw_order.tolist()))
+    # Sharded gradients appear after each reduce-scatter (held from the start when
+    # accumulating; on the host with offload).
+    grads_at = list(reduced_at) if sharded_grads and not offload else []
+    return _Skeleton(
+        live=_Placed.join([fw_live, bw_live, layout.reduce_input]),
+        instants=_Placed.join([fw_instants, bw_instants,
+                               _with_offload(filled, offload, _SHARD_ORIG)]),
+        grads_at=grads_at, reduced_at=reduced_at)
+
+
+def _with_offload(instants: _Placed, offload: bool, kind: int) -> _Placed:
+    """``instants``, each followed (with offload) by one of the offload copies (``kind``) at
+    the same point."""
+    if not offload:
+        return instants
+    copies = _Placed.of(instants.start, None, _CAT_OFFLOAD, instants.unit, kind)
+    return _Placed.join([instants, copies], interleave=True)
+
+
+def _gathered(starts: np.ndarray, order: np.ndarray, prefetch: int) -> np.ndarray:
+    """Coded points where each unit in ``order`` (starting at ``starts``, in that order) has
+    its parameters all-gathered: at the start of the unit ``prefetch`` places before it (no
+    later than its own), right after that unit's copy-out (sub-step 2), else at its own start
+    before its copy-out (sub-step 1)."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    gather_at = np.minimum(starts[np.maximum(0, np.arange(len(order)) - prefetch)], starts)
+    return 4 * gather_at + np.where(gather_at < starts, 3, 2)
+
+
+def _forward_buffers(layout: _Layout, reshard: np.ndarray, offload: bool, prefetch: int
+                     ) -> tuple[_Placed, _Placed]:
+    """Live buffers and instants of the units' forward, unit after unit: its unsharded
+    parameters (gathered ``prefetch`` units ahead) until its post-forward, or until its
+    post-backward when it keeps them, then the all-gather output; the copy-out (and offload
+    copy) instants."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    order = layout.fw_order
+    kept = np.where(reshard[order], layout.fw_end[order], layout.bw_end[order])
+    params = _Placed.of(_gathered(layout.fw_start[order], order, prefetch), 4 * kept + 1,
+                        _CAT_PARAMS, order, _UNSHARDED)
+    copy_out = _Placed.of(4 * layout.fw_start[order] + 2, None, _CAT_COMM, order,
+                          _GATHER_COPY)
+    return (_Placed.join([params, layout.forward_output], interleave=True),
+            _with_offload(copy_out, offload, _OFFLOAD_COPY))
+
+
+def _backward_buffers(layout: _Layout, reshard: np.ndarray, offload: bool, prefetch: int
+                      ) -> tuple[_Placed, _Placed]:
+    """Live buffers and instants of the units' backward, unit after unit by where backward
+    starts: a resharded unit's parameters gathered again (``prefetch`` units ahead) until its
+    post-backward, with their copy-out (and offload copy) instant; then its parameter
+    modules' unsharded gradients (``_Layout.grads``)."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    order = layout.bw_sequence
+    again = reshard[order]
+    start = layout.bw_start[order]
+    params = _Placed.of(_gathered(start, order, prefetch)[again],
+                        4 * layout.bw_end[order][again] + 1, _CAT_PARAMS, order[again],
+                        _UNSHARDED)
+    copy_out = _Placed.of(4 * start[again] + 2, None, _CAT_COMM, order[again], _GATHER_COPY)
+    # each unit's slots: its parameters (when gathered again), then its gradients
+    slots = again.astype(np.int64) + layout.grads_per_unit
+    first = (np.cumsum(slots) - slots)[again]
+    take = np.empty(int(slots.sum()), dtype=np.int64)
+    is_grad = np.ones(len(take), dtype=bool)
+    is_grad[first] = False
+    take[first] = np.arange(len(first))
+    take[is_grad] = len(first) + np.arange(len(layout.grads.start))
+    return (_Placed.join([params, layout.grads]).take(take),
+            _with_offload(copy_out, offload, _OFFLOAD_COPY))
 
 
 def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.ndarray]:
@@ -517,14 +793,11 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     a = skeleton.arrays
     if a:
         return a
-    n = len(profile.events)
-
-    def code(at: tuple[int, int]) -> int:
-        return 4 * at[0] + at[1] + 1
-    live = np.array([(code(s), code(e), u, k, m) for s, e, _, u, k, m in skeleton.live],
-                    dtype=np.int64).reshape(-1, 5)
-    inst = np.array([(code(at), u, k, m) for at, _, u, k, m in skeleton.instants],
-                    dtype=np.int64).reshape(-1, 4)
+    n = profile.num_events
+    placed, extra = skeleton.live, skeleton.instants
+    # (buffers, 5) and (instants, 4) arrays: columns of ``_Placed`` side by side
+    live = np.stack([placed.start, placed.end, placed.unit, placed.kind, placed.mult], axis=1)
+    inst = np.stack([extra.start, extra.unit, extra.kind, extra.mult], axis=1)
     grads = np.array([(4 * at + 2, u) for at, u in skeleton.grads_at],
                      dtype=np.int64).reshape(-1, 2)
     starts, ends = live[:, 0], live[:, 1]
@@ -535,7 +808,7 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     # the points of ``_points``: every buffer's start (and the gap before it), every end's
     # gap, the instants (and the gaps before them), the sharded gradients, the loss's region
     span = [4 * k for k in profile.loss_span] if profile.loss_span is not None else []
-    points = np.unique(np.concatenate((
+    points = _unique(np.concatenate((
         np.array([0, 4 * (n - 1), *span], dtype=np.int64), starts, starts & ~3, ends & ~3,
         extra_keys, extra_keys & ~3, grads[:, 0])))
     points = points[points < 4 * n]
@@ -551,6 +824,17 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
              extra_hi=np.where(gap, 0, np.searchsorted(extra_keys, points, side="right")),
              extra_lo=np.where(gap, 0, np.searchsorted(extra_keys, points, side="left")))
     return a
+
+
+def _unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` (sorted, each once) by a sort: numpy 2.4's ``unique`` hashes,
+    some ten times slower on the sweep's few thousand points."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    ordered = np.sort(values)
+    if len(ordered) < 2:
+        return ordered
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
 
 
 def _rates_of(skeleton: _Skeleton, units: list[UnitSpec], p: Precision, shard: int
@@ -654,8 +938,9 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
     parts = dict(static)
     live = a["live"]
     held = (live[:, 0] <= point).astype(np.int64) - (live[:, 1] <= point)
+    category = skeleton.live.category
     for j in np.flatnonzero(held).tolist():
-        cat = skeleton.live[j][2]
+        cat = _CATEGORIES[category[j]]
         parts[cat] = parts.get(cat, 0) + int(held[j]) * int(nbytes[j])
     made = a["grads"][:, 0] <= point
     if made.any():
@@ -663,8 +948,9 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
     parts = {k: v for k, v in parts.items() if v or k in static}
     if point & 3 and instants:
         inst = a["inst"]
+        category = skeleton.instants.category
         for j in np.flatnonzero(inst[:, 0] == point).tolist():
-            _, cat, u, kind, mult = skeleton.instants[j]
+            cat, u, kind, mult = _CATEGORIES[category[j]], *inst[j, 1:].tolist()
             parts[cat] = parts.get(cat, 0) + int(rates[kind, u]) * mult
     return parts
 
@@ -711,10 +997,16 @@ def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size).tolist()
+    live, extra = skeleton.live, skeleton.instants
+    assert live.end is not None, "live buffers end"
     return StepBuffers(
         static=static, held=held,
-        live=[(s, e, rates[k][u] * m, cat) for s, e, cat, u, k, m in skeleton.live],
-        instants=[(at, rates[k][u] * m, cat) for at, cat, u, k, m in skeleton.instants],
+        live=[(_decode(s), _decode(e), rates[k][u] * m, cat) for s, e, cat, u, k, m in zip(
+            live.start.tolist(), live.end.tolist(), live.categories(), live.unit.tolist(),
+            live.kind.tolist(), live.mult.tolist())],
+        instants=[(_decode(at), rates[k][u] * m, cat) for at, cat, u, k, m in zip(
+            extra.start.tolist(), extra.categories(), extra.unit.tolist(),
+            extra.kind.tolist(), extra.mult.tolist())],
         grads_at=[(at, rates[_SHARD_ORIG][u]) for at, u in skeleton.grads_at],
         optimizer_step=_optimizer_step(units, ctx, static))
 

@@ -42,16 +42,131 @@ backward). So each pass records the bytes freed at the region's end by the modul
 them (``Timeline.autocast_released``) and where the region ends (an ``autocast_exit`` event),
 and the composite releases there what the checkpointed blocks' passes released beyond the
 plain pass.
+
+[Note: timeline columns]
+The search composes about a hundred checkpointing mixes per plan (Llama-70B: 3,900 to 6,100
+events each) and reads them only through ``ActivationProfile`` (cost/memory.py), which wants
+arrays: levels, peaks, and each event's kind and module. So a timeline is held as
+``EventColumns``: numpy int64 levels and peaks, float64 FLOPs, an int64 code per (kind,
+module) (``EventNames``, numbered once per composer), and lists of kinds, modules and op
+counters. A composite is the passes' columns sliced piece by piece and joined, each piece
+shifted by its offset, with the same integer and floating-point operations, in the same
+order, as the per-event rule it replaced (tests/test_timeline_columns.py keeps that rule), so
+every figure is bit for bit what it was. The ``Event`` objects are made only when something
+asks for them (pictures, ``memory_timeline``); a pass's own columns give back the pass's
+``Event`` list itself.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, overload
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.types import AUTOCAST_EXIT, Analysis, Event, Timeline
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+class EventNames:
+    """Integer ids of the event kinds and modules of a composer's passes, shared by them and
+    by their mixes: ``EventColumns.codes`` names an event's (kind, module) by one integer, so
+    the memory model indexes events by sorting integers, not by hashing tuples."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, int] = {}
+        self.modules: dict[str, int] = {}
+
+    def codes(self, kinds: list[str], modules: list[str]) -> np.ndarray:
+        """``code(kind, module)`` of each event (new names get the next ids)."""
+        import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+        k, m = self.kinds, self.modules
+        return np.array([k.setdefault(kind, len(k)) << 32 | m.setdefault(module, len(m))
+                         for kind, module in zip(kinds, modules)], dtype=np.int64)
+
+    def code(self, kind: str, module: str) -> int | None:
+        """The integer of (``kind``, ``module``): the kind's id above the module's 32-bit id
+        (None for a name no event has)."""
+        k, m = self.kinds.get(kind), self.modules.get(module)
+        return None if k is None or m is None else k << 32 | m
+
+
+class EventColumns(Sequence[Event]):
+    """A timeline's events held field by field ([Note: timeline columns]): a sequence of
+    ``Event`` whose objects are made on first use, beside the arrays the memory model reads."""
+
+    __slots__ = ("_events", "codes", "flops", "kinds", "levels", "modules", "names", "ops",
+                 "peaks")
+
+    def __init__(self, *, kinds: list[str], modules: list[str], levels: np.ndarray,
+                 peaks: np.ndarray, flops: np.ndarray, ops: list[dict[str, float] | None],
+                 names: EventNames, codes: np.ndarray, events: list[Event] | None = None
+                 ) -> None:
+        for array in (levels, peaks, flops, codes):
+            array.flags.writeable = False  # shared between a pass and the profiles of its mixes
+        self.kinds = kinds
+        self.modules = modules
+        self.names = names
+        self.codes = codes
+        """int64 ``names.code(kind, module)`` of each event."""
+        self.levels = levels
+        """int64 activation-side bytes at each event."""
+        self.peaks = peaks
+        """int64 highest activation-side bytes since the previous event."""
+        self.flops = flops
+        """float64 cumulative FLOPs."""
+        self.ops = ops
+        self._events = events
+
+    @classmethod
+    def of(cls, events: list[Event], names: EventNames | None = None) -> EventColumns:
+        """The columns of ``events``, which stay the sequence's own ``Event`` objects (their
+        names numbered in ``names``, a table of their own when not given)."""
+        import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+        names = names if names is not None else EventNames()
+        kinds, modules = [e.kind for e in events], [e.module for e in events]
+        return cls(kinds=kinds, modules=modules,
+                   levels=np.array([e.level for e in events], dtype=np.int64),
+                   peaks=np.array([e.peak for e in events], dtype=np.int64),
+                   flops=np.array([e.flops for e in events], dtype=np.float64),
+                   ops=[e.ops for e in events], names=names,
+                   codes=names.codes(kinds, modules), events=events)
+
+    def as_list(self) -> list[Event]:
+        """The events as ``Event`` objects (made once, then kept)."""
+        if self._events is None:
+            self._events = [
+                Event(kind=kind, module=module, level=level, peak=peak, flops=flops, ops=ops)
+                for kind, module, level, peak, flops, ops in zip(
+                    self.kinds, self.modules, self.levels.tolist(), self.peaks.tolist(),
+                    self.flops.tolist(), self.ops)]
+        return self._events
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    @overload
+    def __getitem__(self, index: int) -> Event: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Event]: ...
+    def __getitem__(self, index: int | slice) -> Event | list[Event]:
+        return self.as_list()[index]
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.as_list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (EventColumns, list)):
+            return self.as_list() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking like the list it stands for
 
 
 @dataclass(kw_only=True)
@@ -184,12 +299,17 @@ class TimelineComposer:
         self._released = {mode: self._released_per_block(timeline) for mode, timeline in
                           (("none", self.plain), ("full", self.ckpt), ("selective", self.sel))}
         every = frozenset(range(len(blocks)))
-        self._cache: dict[tuple[frozenset[int], frozenset[int]], list[Event]] = {
-            (frozenset(), frozenset()): self.plain.events}
+        # each pass's columns ([Note: timeline columns]), which the composites slice
+        names = EventNames()
+        self._columns = {mode: EventColumns.of(t.events, names) for mode, t in
+                         (("none", self.plain), ("full", self.ckpt), ("selective", self.sel))
+                         if t is not None}
+        self._cache: dict[tuple[frozenset[int], frozenset[int]], EventColumns] = {
+            (frozenset(), frozenset()): self._columns["none"]}
         if self.ckpt is not None:
-            self._cache[(every, frozenset())] = self.ckpt.events
+            self._cache[(every, frozenset())] = self._columns["full"]
         if self.sel is not None:
-            self._cache[(frozenset(), every)] = self.sel.events
+            self._cache[(frozenset(), every)] = self._columns["selective"]
 
     def _released_per_block(self, timeline: Timeline | None) -> list[int]:
         """Per block: the bytes its modules' forward left to the autocast cache in ``timeline``
@@ -230,12 +350,13 @@ class TimelineComposer:
         return self.supports_partial() and self.sel_seg is not None
 
     def _source(self, i: int, full: frozenset[int], selective: frozenset[int]
-                ) -> tuple[list[Event], Segments]:
+                ) -> tuple[EventColumns, Segments]:
+        """The columns and segments of the pass block ``i`` takes its segments from."""
         if i in full:
-            return self.ckpt.events, self.ckpt_seg
+            return self._columns["full"], self.ckpt_seg
         if i in selective:
-            return self.sel.events, self.sel_seg
-        return self.plain.events, self.plain_seg
+            return self._columns["selective"], self.sel_seg
+        return self._columns["none"], self.plain_seg
 
     def segment_delta(self, i: int, mode: str, part: str = "fw") -> tuple[int, float]:
         """Level and FLOP change over block ``i``'s forward (``part="fw"``) or backward
@@ -250,9 +371,10 @@ class TimelineComposer:
         return nxt.level - events[start].level, nxt.flops - events[start].flops
 
     def events(self, checkpointed: int | frozenset[int],
-               selective: frozenset[int] = frozenset()) -> list[Event]:
+               selective: frozenset[int] = frozenset()) -> EventColumns:
         """The composite timeline with blocks ``0..k-1`` (an int ``k``) or the given block
-        indices (a frozenset) fully checkpointed, and the ``selective`` indices selectively."""
+        indices (a frozenset) fully checkpointed, and the ``selective`` indices selectively
+        (as columns whose ``Event`` objects are made on first use: [Note: timeline columns])."""
         which = frozenset(range(checkpointed)) if isinstance(checkpointed, int) else checkpointed
         selective = frozenset(selective) - which
         key = (which, selective)
@@ -266,58 +388,106 @@ class TimelineComposer:
             self.released_delta(i, "selective") for i in selective)
         release_at = next((k for k in range(*p.middle)
                            if self.plain.events[k].kind in (AUTOCAST_EXIT, "pre_bw")), p.middle[1])
-        pieces: list[tuple[list[Event], int, int]] = [(self.plain.events, 0, p.prefix_end)]
+        plain = self._columns["none"]
+        pieces: list[tuple[EventColumns, int, int]] = [(plain, 0, p.prefix_end)]
         for i in range(len(self.blocks)):
             src, seg = self._source(i, which, selective)
             pieces.append((src, *seg.fw[i]))
-        pieces.append((self.plain.events, *p.middle))
+        pieces.append((plain, *p.middle))
         for i in reversed(range(len(self.blocks))):
             src, seg = self._source(i, which, selective)
             pieces.append((src, *seg.bw[i]))
-        pieces.append((self.plain.events, p.suffix_start, len(self.plain.events)))
-        out: list[Event] = []
-        level = 0
-        flops = 0.0
-        for src, start, end in pieces:
-            if start >= end:
-                continue
-            base_level, base_flops = src[start].level, src[start].flops
-            glue = src is self.plain.events and (start, end) == p.middle
-            if glue and cached:
-                out.extend(_release_in_glue(src, start, end, level - base_level,
-                                            flops - base_flops, cached, release_at))
-            else:
-                for e in src[start:end]:
-                    # Re-base on the composite's running level; a piece's first peak covered
-                    # the gap before it in its own pass, so it is at least the level it starts
-                    # from.
-                    peak = level + e.peak - base_level
-                    # built directly: dataclasses.replace took half the time of a search's
-                    # new checkpointing mixes (70B: 190,000 events per search)
-                    out.append(Event(kind=e.kind, module=e.module,
-                                     level=level + e.level - base_level,
-                                     peak=max(level, peak) if e is src[start] else peak,
-                                     flops=flops + e.flops - base_flops, ops=e.ops))
-            nxt = src[end] if end < len(src) else src[end - 1]
-            level += nxt.level - base_level - (cached if glue else 0)
-            flops += nxt.flops - base_flops
+        pieces.append((plain, p.suffix_start, len(plain)))
+        out = _compose(pieces, (plain, p.middle) if cached else None, cached, release_at)
         self._cache[key] = out
         return out
 
 
-def _release_in_glue(src: list[Event], start: int, end: int, shift: int, flops_shift: float,
-                     cached: int, release_at: int) -> list[Event]:
-    """The glue ``src[start:end]`` re-based by ``shift`` bytes and ``flops_shift`` FLOPs, with
-    the checkpointed blocks' autocast casts (``cached`` bytes) freed at event ``release_at``
-    ([Note: autocast and checkpointed blocks]; facts without an ``autocast_exit`` event: the
-    first backward event). The peak of the gap before that event still holds them."""
-    out = []
-    level = shift + src[start].level
-    for k in range(start, end):
-        e = src[k]
-        now = shift + e.level - (cached if k >= release_at else 0)
-        peak = shift + e.peak - (cached if k > release_at else 0)
-        out.append(Event(kind=e.kind, module=e.module, level=now,
-                         peak=max(level, peak) if k == start else max(peak, now),
-                         flops=flops_shift + e.flops, ops=e.ops))
-    return out
+def _compose(pieces: list[tuple[EventColumns, int, int]],
+             glue: tuple[EventColumns, tuple[int, int]] | None, cached: int, release_at: int
+             ) -> EventColumns:
+    """The events ``src[start:end]`` of each piece in turn, re-based on the running level and
+    FLOPs ([Note: composing checkpointed blocks]); in the ``glue`` piece (the plain pass's
+    middle, given when ``cached`` bytes of autocast casts are released) those are freed at
+    ``release_at`` (``_release_in_glue``). Column arithmetic as [Note: timeline columns]:
+    each piece's shifts are worked out in turn, then every event gathered at once."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    kinds: list[str] = []
+    modules: list[str] = []
+    ops: list[dict[str, float] | None] = []
+    used: list[tuple[EventColumns, int, int, int, float, float]] = []
+    """(src, start, end, level shift, FLOPs before it, its first event's FLOPs) per piece."""
+    glue_at = None
+    level = 0
+    flops = 0.0
+    for src, start, end in pieces:
+        if start >= end:
+            continue
+        events = src.as_list()  # a pass's own events: its Python ints and floats
+        base_level, base_flops = events[start].level, events[start].flops
+        is_glue = glue is not None and src is glue[0] and (start, end) == glue[1]
+        if is_glue:
+            glue_at = (len(kinds), len(used))
+        used.append((src, start, end, level - base_level, flops, base_flops))
+        kinds += src.kinds[start:end]
+        modules += src.modules[start:end]
+        ops += src.ops[start:end]
+        nxt = events[end] if end < len(events) else events[end - 1]
+        level += nxt.level - base_level - (cached if is_glue else 0)
+        flops += nxt.flops - base_flops
+    levels, peaks, flops_out = _gather(used)
+    codes = np.concatenate([src.codes[start:end] for src, start, end, *_ in used]
+                           or [np.zeros(0, dtype=np.int64)])
+    if glue_at is not None:
+        at, k = glue_at
+        src, start, end, shift, before, base_flops = used[k]
+        piece = _release_in_glue(src, start, end, shift, before - base_flops, cached,
+                                 release_at)
+        for column, values in zip((levels, peaks, flops_out), piece):
+            column[at:at + end - start] = values
+    return EventColumns(kinds=kinds, modules=modules, levels=levels, peaks=peaks,
+                        flops=flops_out, ops=ops, names=pieces[0][0].names, codes=codes)
+
+
+def _gather(used: list[tuple[EventColumns, int, int, int, float, float]]
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Levels, peaks and FLOPs of the pieces ``used`` (``_compose``), each event as the
+    per-event rule has it: ``level + e.level - base`` and ``level + e.peak - base`` (the
+    piece's first peak at least ``level``), and ``(flops + e.flops) - base_flops``."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    if not used:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0)
+    lengths = np.array([end - start for _, start, end, *_ in used], dtype=np.int64)
+    shifts = np.repeat(np.array([shift for *_, shift, _, _ in used], dtype=np.int64), lengths)
+    levels = np.concatenate([src.levels[start:end] for src, start, end, *_ in used]) + shifts
+    peaks = np.concatenate([src.peaks[start:end] for src, start, end, *_ in used]) + shifts
+    firsts = np.cumsum(lengths) - lengths
+    # levels[firsts] - the pieces' own first levels + their shift = the running level there
+    start_levels = np.array([src.levels[start] for src, start, *_ in used]) \
+        + shifts[firsts]
+    peaks[firsts] = np.maximum(start_levels, peaks[firsts])
+    before = np.repeat(np.array([b for *_, b, _ in used], dtype=np.float64), lengths)
+    bases = np.repeat(np.array([b for *_, b in used], dtype=np.float64), lengths)
+    flops = (before + np.concatenate([src.flops[start:end] for src, start, end, *_ in used])
+             ) - bases
+    return levels, peaks, flops
+
+
+def _release_in_glue(src: EventColumns, start: int, end: int, shift: int, flops_shift: float,
+                     cached: int, release_at: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Levels, peaks and FLOPs of the glue ``src[start:end]`` re-based by ``shift`` bytes and
+    ``flops_shift`` FLOPs, with the checkpointed blocks' autocast casts (``cached`` bytes) freed
+    at event ``release_at`` ([Note: autocast and checkpointed blocks]; facts without an
+    ``autocast_exit`` event: the first backward event). The peak of the gap before that event
+    still holds them."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    at = np.arange(start, end)
+    now = src.levels[start:end] + shift - cached * (at >= release_at)
+    peak = src.peaks[start:end] + shift - cached * (at > release_at)
+    out = np.maximum(peak, now)
+    out[0] = max(shift + int(src.levels[start]), int(peak[0]))
+    return now, out, flops_shift + src.flops[start:end]
