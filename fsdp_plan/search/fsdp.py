@@ -227,12 +227,17 @@ def _lowest_answer(along: list[tuple[int, Candidate]]) -> int:
     least-memory variant whose known points are ``along``: one past the last known point that
     does not fit before the first that does (0 when nothing is known or its first point fits).
     """
-    lowest = 0
-    for i, c in along:
-        if c.fits:
-            break
-        lowest = i + 1
-    return lowest
+    missed, _ = _bracket(along)
+    return missed[0] + 1 if missed is not None else 0
+
+
+def _bracket(known: list[tuple[int, Candidate]]
+             ) -> tuple[tuple[int, Candidate] | None, tuple[int, Candidate] | None]:
+    """Of known path points (ascending), the last that does not fit before the first that
+    does, and that first one (None where there is none): where a search between them starts."""
+    fitted = next(((i, c) for i, c in known if c.fits), None)
+    missed = [(i, c) for i, c in known if not c.fits and (fitted is None or i < fitted[0])]
+    return (missed[-1] if missed else None), fitted
 
 
 def _floor_s(along: list[list[tuple[int, Candidate]]], lowest: list[int]) -> float:
@@ -297,12 +302,11 @@ def fewest_checkpointed(at: Callable[[tuple[int, int]], Candidate], ks: list[tup
     lo, hi = 0, len(ks) - 1  # ks[lo] does not fit, ks[hi] fits
     best, worst = last, first
     if known:
-        inside = [(i, c) for i, c in known if 0 < i < hi]
-        fitting = [(i, c) for i, c in inside if c.fits]
-        if fitting:
-            hi, best = fitting[0]
-        lo, worst = max([(i, c) for i, c in inside if not c.fits and i < hi],
-                        key=lambda t: t[0], default=(lo, worst))
+        missed, fitted = _bracket([(i, c) for i, c in known if 0 < i < hi])
+        if fitted is not None:
+            hi, best = fitted
+        if missed is not None:
+            lo, worst = missed
     if limit_bytes is not None and hi - lo > 1:
         # where the straight line between the bracket's peaks meets the limit, and its
         # neighbour on the other side: the answer when the peak falls as a line
