@@ -180,3 +180,40 @@ def test_grouped_unit_collectives_match_gloo(mesh):
     for job, ranks, want in zip(jobs, measured, expected):
         assert {k: v for k, v in ranks[0].items() if v} == want, (job["fsdp_version"],
                                                                  job["plan"]["units"])
+
+
+def test_shortest_cut_answers_as_networkx_shortest_path_ties_included():
+    """``shortest_cut`` is networkx's bidirectional Dijkstra written out (no networkx import on
+    every plan): on cut graphs of identical blocks (many paths of equal weight) and on random
+    weighted DAGs it returns networkx's path, node for node."""
+    import random
+
+    import networkx as nx
+
+    from fsdp_plan.search.grouping import shortest_cut, unit_seconds
+
+    def both(succ, n):
+        pred = {j: {} for j in range(n + 1)}
+        dag = nx.DiGraph()
+        dag.add_nodes_from(range(n + 1))
+        for i in range(n + 1):
+            for j, w in succ[i].items():
+                pred[j][i] = w
+                dag.add_edge(i, j, weight=w)
+        return shortest_cut(succ, pred, 0, n), nx.shortest_path(dag, 0, n, weight="weight")
+
+    setup = _setup()
+    for n, allowance in ((12, 4), (80, 8), (7, 3)):  # identical blocks: ties everywhere
+        costs = _costs(n, compute_s=1e-6, gather_bytes=10_000)
+        succ = {i: {j: unit_seconds(costs[i:j], setup, first=i == 0, last=j == n)
+                    for j in range(i + 1, min(n, i + allowance) + 1)} for i in range(n + 1)}
+        mine, theirs = both(succ, n)
+        assert mine == theirs
+    rng = random.Random(7)
+    for trial in range(300):
+        n = rng.randint(1, 25)
+        succ = {i: {j: float(rng.choice([1, 2, 3, rng.random()]))
+                    for j in range(i + 1, min(n, i + rng.randint(1, 6)) + 1)}
+                for i in range(n + 1)}
+        mine, theirs = both(succ, n)
+        assert mine == theirs, (trial, mine, theirs)

@@ -83,6 +83,10 @@ class Evaluator:
         configuration."""
         self._strided: dict[int, Evaluator | None] = {}
         """Evaluators at other selective ``aten.mm`` strides (``with_mm_stride``)."""
+        self.grouped_cuts: dict[tuple[int, ...], dict[int, list[list[str]]]] = {}
+        """Grouped-unit cuts of the block stacks (search/layouts.py, [Note: grouped units]) by
+        the allowance multiples asked for, shared by budget copies: a cut depends on the
+        hardware, mesh and dtypes, never on the budget (the frontier's searches reuse them)."""
         self._seen: dict[tuple[Layout, str], tuple[Candidate, bool]] = {}
         """Every layout evaluated, with whether it can run at all: see [Note: evaluations
         across budgets]."""

@@ -14,8 +14,10 @@ parameters fit a memory allowance, and weighted by the time the unit adds to a p
 slower stream sets the pace), plus its all-gather when it is the first unit (nothing to hide it
 behind) and its reduce-scatter when it is the last (the tail after backward). Collective times
 come from ``cost.collective_time`` (latency and bandwidth). The edges go forward only, so the
-graph is a DAG and Dijkstra (``networkx.shortest_path``) finds the best cut exactly for this
-weight. The search then evaluates each resulting layout with the exact memory and step-time
+graph is a DAG and Dijkstra finds the best cut exactly for this weight (``shortest_cut``:
+networkx's bidirectional Dijkstra, which ``networkx.shortest_path`` runs, written out over this
+graph's adjacency, so its answer, ties included, is networkx's without the 0.15-0.3 s import on
+every plan). The search then evaluates each resulting layout with the exact memory and step-time
 models (search/evaluator.py), so the weight only has to rank cuts, not predict the step.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from heapq import heappop, heappush
 
 
 from fsdp_plan.cost.hardware import Hardware
@@ -103,19 +106,26 @@ def block_costs(graph: ModuleGraph, analysis: Analysis, stack: list[str], setup:
 
 def unit_seconds(group: list[BlockCost], setup: CommSetup, *, first: bool, last: bool) -> float:
     """The edge weight of one unit holding ``group`` (see [Note: grouped units])."""
-    gather = sum(c.gather_bytes for c in group)
-    reduce = sum(c.reduce_bytes for c in group)
+    return _edge_seconds(sum(c.gather_bytes for c in group), sum(c.reduce_bytes for c in group),
+                         sum(c.compute_s for c in group), len(group), setup, first=first,
+                         last=last)
+
+
+def _edge_seconds(gather: int, reduce: int, compute_s: float, blocks: int, setup: CommSetup, *,
+                  first: bool, last: bool) -> float:
+    """``unit_seconds`` of a group of ``blocks`` blocks from its sums (``cut_stack_weighted``
+    extends a group one block at a time and keeps them running: the same left-to-right sums)."""
     hw = setup.hardware
     all_gather = collective_time(hw, gather, setup.shard, ranks_per_node=setup.ranks_per_node)
     reduce_scatter = collective_time(hw, reduce, setup.shard, "reduce_scatter",
                                      ranks_per_node=setup.ranks_per_node)
     comm = all_gather * (2 if setup.regather else 1) + reduce_scatter
-    seconds = max(sum(c.compute_s for c in group), comm)
+    seconds = max(compute_s, comm)
     if first:
         seconds += all_gather
     if last:
         seconds += reduce_scatter
-    return seconds + _TIE_BREAK_S * (len(group) - 1)
+    return seconds + _TIE_BREAK_S * (blocks - 1)
 
 
 def cut_stack(costs: list[BlockCost], setup: CommSetup, allowance_bytes: float
@@ -131,22 +141,80 @@ def cut_stack_weighted(costs: list[BlockCost], setup: CommSetup, allowance_bytes
     n = len(costs)
     if n == 0:
         return [], 0.0, 0.0
-    import networkx as nx  # about 0.3 s to import: only models whose blocks are grouped
-
-    dag = nx.DiGraph()
-    dag.add_nodes_from(range(n + 1))
+    succ: dict[int, dict[int, float]] = {i: {} for i in range(n + 1)}
+    pred: dict[int, dict[int, float]] = {i: {} for i in range(n + 1)}
     for i in range(n):
-        gathered = 0
+        gathered = reduced = 0
+        compute_s = 0.0
         for j in range(i + 1, n + 1):
-            gathered += costs[j - 1].gather_bytes
+            block = costs[j - 1]
+            gathered += block.gather_bytes
             if j > i + 1 and gathered > allowance_bytes:
                 break
-            dag.add_edge(i, j, weight=unit_seconds(costs[i:j], setup, first=i == 0,
-                                                   last=j == n))
-    path = nx.shortest_path(dag, 0, n, weight="weight")
-    weight = sum(dag[a][b]["weight"] for a, b in itertools.pairwise(path))
-    per_block = sum(dag[i][i + 1]["weight"] for i in range(n))
+            reduced += block.reduce_bytes
+            compute_s += block.compute_s
+            succ[i][j] = pred[j][i] = _edge_seconds(gathered, reduced, compute_s, j - i, setup,
+                                                    first=i == 0, last=j == n)
+    path = shortest_cut(succ, pred, 0, n)
+    weight = sum(succ[a][b] for a, b in itertools.pairwise(path))
+    per_block = sum(succ[i][i + 1] for i in range(n))
     return [[c.fqn for c in costs[a:b]] for a, b in itertools.pairwise(path)], weight, per_block
+
+
+def shortest_cut(succ: dict[int, dict[int, float]], pred: dict[int, dict[int, float]],
+                 source: int, target: int) -> list[int]:
+    """The nodes of a shortest ``source`` -> ``target`` path over non-negative edge weights
+    (``succ[a][b] == pred[b][a]``: the weight of edge ``a -> b``; each dict in the order the
+    edges were added).
+
+    networkx's ``bidirectional_dijkstra`` (networkx 3.x, BSD-3-Clause), step for step: the same
+    alternating expansion, heap order and first-strictly-shorter relaxation, so among paths of
+    equal float weight it returns the one ``networkx.shortest_path`` did (tests/
+    test_grouped_units.py compares the two on ties and random graphs).
+    """
+    if source == target:
+        return [source]
+    dists: list[dict[int, float]] = [{}, {}]
+    preds: list[dict[int, int | None]] = [{source: None}, {target: None}]
+    seen: list[dict[int, float]] = [{source: 0}, {target: 0}]
+    fringe: list[list[tuple[float, int, int]]] = [[], []]
+    order = itertools.count()
+    heappush(fringe[0], (0, next(order), source))
+    heappush(fringe[1], (0, next(order), target))
+    neighbours = [succ, pred]
+    final: float | None = None
+    meet = source
+    direction = 1
+    while fringe[0] and fringe[1]:
+        direction = 1 - direction
+        dist, _, v = heappop(fringe[direction])
+        if v in dists[direction]:
+            continue
+        dists[direction][v] = dist
+        if v in dists[1 - direction]:
+            return _walk(preds[0], meet)[::-1] + _walk(preds[1], preds[1][meet])
+        for w, cost in neighbours[direction][v].items():
+            length = dist + cost
+            if w in dists[direction]:
+                continue
+            if w not in seen[direction] or length < seen[direction][w]:
+                seen[direction][w] = length
+                heappush(fringe[direction], (length, next(order), w))
+                preds[direction][w] = v
+                if w in seen[1 - direction]:
+                    through = length + seen[1 - direction][w]
+                    if final is None or final > through:
+                        final, meet = through, w
+    raise ValueError(f"no cut of the stack reaches block boundary {target}")
+
+
+def _walk(preds: dict[int, int | None], node: int | None) -> list[int]:
+    """``node`` and its predecessors in ``preds`` up to the search's start."""
+    out = []
+    while node is not None:
+        out.append(node)
+        node = preds[node]
+    return out
 
 
 def stacks(graph: ModuleGraph) -> list[list[str]]:

@@ -10,7 +10,7 @@ from fsdp_plan.cost.step_time import ranks_per_node_in
 from fsdp_plan.cost.units import check_tied, with_full_precision_units
 from fsdp_plan.facts.types import ModuleGraph
 from fsdp_plan.search.evaluator import Evaluator
-from fsdp_plan.search.grouping import CommSetup, grouped_block_layouts
+from fsdp_plan.search.grouping import ALLOWANCE_MULTIPLES, CommSetup, grouped_block_layouts
 
 FSDP1_DEFAULT_MIN_PARAMS = 100_000_000
 
@@ -52,14 +52,19 @@ def block_layouts(graph: ModuleGraph, full_precision_units: bool = True,
 
 def _grouped_layouts(evaluator: Evaluator) -> dict[int, list[list[str]]]:
     """Block groups for a few memory allowances ([Note: grouped units]), cut for full sharding
-    over the whole world (the search evaluates them under every strategy)."""
+    over the whole world (the search evaluates them under every strategy), cut once per
+    evaluator and its budget copies."""
     s = evaluator.settings
     if s.hardware is None or s.world_size <= 1:
         return {}
     setup = CommSetup(hardware=s.hardware, shard=s.world_size,
                       ranks_per_node=ranks_per_node_in(s.world_size, 1, s.gpus_per_node),
                       param_bytes=s.precision.param_bytes, reduce_bytes=s.precision.reduce_bytes)
-    return grouped_block_layouts(evaluator.graph, evaluator.analysis, setup)
+    found = evaluator.grouped_cuts.get(ALLOWANCE_MULTIPLES)
+    if found is None:
+        found = evaluator.grouped_cuts[ALLOWANCE_MULTIPLES] = grouped_block_layouts(
+            evaluator.graph, evaluator.analysis, setup, ALLOWANCE_MULTIPLES)
+    return found
 
 
 def _top_level_units(graph: ModuleGraph) -> list[list[str]]:
