@@ -115,3 +115,30 @@ def test_a_plan_from_cached_facts_imports_no_torch(cache, capsys):
                          cwd=ROOT, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "TORCH False" in out.stderr
+
+
+def _entry(cache: Path) -> dict:
+    (entry,) = list(cache.iterdir())
+    return json.loads(entry.read_text())
+
+
+def test_budgets_with_and_without_ddps_autocast_step_share_one_entry(cache, capsys,
+                                                                     monkeypatch):
+    """Whether DDP's autocast step is traced depends on the budget (DDP cannot fit below
+    twice the parameters' bytes): an entry holding it serves every budget, read without it
+    where tracing would leave it out, and is never replaced by one without it. (A budget that
+    left it out once made every later plan of the other kind trace again, and overwrite.)"""
+    # limits 2.0 and 3.0 MB; twice the parameters' bytes 2.1 MB
+    small = ("--mem", "3MB", "--headroom", "1MB", "--world-size", "16")
+    large = ("--mem", "3MB", "--headroom", "0", "--world-size", "16")
+    monkeypatch.setenv("FSDP_PLAN_NO_CACHE", "1")
+    fresh_small, fresh_large = _plan(capsys, *small), _plan(capsys, *large)
+    monkeypatch.delenv("FSDP_PLAN_NO_CACHE")
+    assert _plan(capsys, *small) == fresh_small
+    assert _entry(cache)["ddp_autocast"] is False
+    assert _plan(capsys, *large) == fresh_large  # traced again: the entry lacked the step
+    assert _entry(cache)["ddp_autocast"] is True
+    _no_tracing(monkeypatch)
+    assert _plan(capsys, *small) == fresh_small  # the step left out, as tracing leaves it
+    assert _entry(cache)["ddp_autocast"] is True  # and the entry kept
+    assert _plan(capsys, *large) == fresh_large

@@ -8,7 +8,9 @@ file per key, under ``$FSDP_PLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/fsdp-plan/f
 ``~/.cache/fsdp-plan/facts``. The key is a SHA-256 over everything the facts are made from:
 the model's kind, path, entry and arguments, the micro-batch shape, the analysis options
 (dtypes, autocast, compiled blocks, strides, ``--exact-analysis``; whether DDP's autocast step
-was traced is recorded in the entry and must match, since it depends on the budget), the
+was traced depends on the budget, so it is recorded in the entry instead: an entry with the
+step serves every budget, read without it where tracing would leave it out, and is never
+replaced by one without it; an entry without it serves only budgets that leave it out), the
 bytes of the model's file and of every ``.py`` file beside it (local imports), the versions of
 torch and transformers, and the code of fsdp-plan's stages that build and trace a model
 (``facts/``, ``model/``, ``common/``). An entry is read only when its format and stored key
@@ -25,6 +27,7 @@ module file's folder when it is found on ``sys.path``, and are not cached otherw
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
@@ -177,11 +180,25 @@ class FactsCache:
             if not isinstance(digest, str) or not all(isinstance(n, str) for n in notes):
                 return None
             facts = ModelFacts.from_dict(raw["facts"])
-            if raw.get("ddp_autocast") is not _ddp_autocast(options, facts):
-                return None  # traced with or without DDP's step where this budget differs
+            traced, wanted = raw.get("ddp_autocast"), _ddp_autocast(options, facts)
+            if not isinstance(traced, bool) or (wanted and not traced):
+                return None  # this budget needs DDP's autocast step, the entry lacks it
+            if traced and not wanted:  # what tracing at this budget gives: the step left out
+                facts = dataclasses.replace(facts, analysis=dataclasses.replace(
+                    facts.analysis, ddp_analysis=None))
             return CachedFacts(facts=facts, digest=digest, notes=list(notes), path=path)
         except Exception:  # noqa: BLE001 - a corrupt or foreign entry is ignored, never trusted
             return None
+
+    def _holds_ddp_step(self, key: str) -> bool:
+        """Whether the entry at ``key`` is readable and holds DDP's autocast step."""
+        try:
+            with open(self._path(key), encoding="utf-8") as f:
+                raw = json.load(f)
+            return (raw.get("format") == FORMAT and raw.get("key") == key
+                    and raw.get("ddp_autocast") is True)
+        except Exception:  # noqa: BLE001 - a corrupt or foreign entry is replaced
+            return False
 
     def store(self, source: ModelSource, options: dict[str, Any], facts: ModelFacts,
               digest: str, notes: list[str]) -> str | None:
@@ -189,6 +206,8 @@ class FactsCache:
         key = facts_key(source, options)
         if key is None:
             return None
+        if not _ddp_autocast(options, facts) and self._holds_ddp_step(key):
+            return self._path(key)  # the entry says more (DDP's step too): keep it
         text = json.dumps({"format": FORMAT, "key": key, "digest": digest, "notes": notes,
                            "ddp_autocast": _ddp_autocast(options, facts),
                            "facts": facts.to_dict()})
