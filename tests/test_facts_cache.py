@@ -142,3 +142,39 @@ def test_budgets_with_and_without_ddps_autocast_step_share_one_entry(cache, caps
     assert _plan(capsys, *small) == fresh_small  # the step left out, as tracing leaves it
     assert _entry(cache)["ddp_autocast"] is True  # and the entry kept
     assert _plan(capsys, *large) == fresh_large
+
+
+def test_facts_to_dict_is_dataclasses_asdict():
+    """``ModelFacts.to_dict`` converts without ``asdict``'s deep copies (facts/types.py
+    ``plain_data``) and gives ``asdict``'s dict: on a traced model's facts, and on the
+    values ``asdict`` treats specially (tuples, namedtuples, dict keys, nested dataclasses)."""
+    import collections
+    import dataclasses
+
+    from fsdp_plan.api import analyze_model
+    from fsdp_plan.facts.types import FACTS_VERSION, plain_data
+
+    facts = analyze_model(ModelSource(source=LLAMA, args={"size": "tiny"}, batch_size=2,
+                                      seq_len=64), ddp_limit_bytes=10**12).facts
+    assert facts.analysis.ddp_analysis is not None  # nested facts converted too
+    assert facts.to_dict() == {"facts_version": FACTS_VERSION,
+                               "graph": dataclasses.asdict(facts.graph),
+                               "analysis": dataclasses.asdict(facts.analysis)}
+    point = collections.namedtuple("point", "x y")
+
+    @dataclasses.dataclass
+    class Inner:
+        values: tuple = (1, 2.5)
+
+    @dataclasses.dataclass
+    class Outer:
+        inner: Inner
+        named: object
+        keyed: dict
+        items: list
+
+    value = Outer(inner=Inner(), named=point([1], {"a": Inner()}), keyed={(1, 2): [Inner()]},
+                  items=[None, True, "s", {"k": (Inner(),)}])
+    converted = plain_data(value)
+    assert converted == dataclasses.asdict(value)
+    assert type(converted["named"]) is point and converted["named"].x is not value.named.x
