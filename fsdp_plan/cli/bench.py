@@ -119,11 +119,14 @@ class _Progress:
         self.bar: Steps | None = None
 
     def __call__(self, rank: int, progress: dict[str, Any]) -> None:
-        if progress.get("phase") == "started":
+        # any report says the rank started: one forked from the fork server may be past its
+        # "started" before the first poll (measure/launch.py [Note: starting workers])
+        if rank not in self.started:
             self.started.add(rank)
             if len(self.started) == self.total_ranks and not self.quiet:
                 print(f"bench: {self.total_ranks} worker(s) started", file=sys.stderr,
                       flush=True)
+        if progress.get("phase") == "started":
             return
         if rank == 0 and "step" in progress:
             if self.bar is None:

@@ -1,7 +1,7 @@
 """Run one function on N local worker processes and notice, within a timeout, when one fails.
 
-``launch(target, payload, nproc=N, timeout_s=T)`` starts N ``torch.multiprocessing`` (spawn)
-processes with the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``
+``launch(target, payload, nproc=N, timeout_s=T)`` starts N ``torch.multiprocessing`` processes
+([Note: starting workers]) with the usual ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``
 environment, so the target initialises its process group exactly as under ``torchrun``.
 Each worker reports progress and its result through small files in a private folder; the
 parent polls them, so it needs no process group of its own and never blocks on a dead peer.
@@ -20,10 +20,25 @@ parent polls them, so it needs no process group of its own and never blocks on a
   Before killing, the parent asks every live worker for its Python stack (``faulthandler`` on
   SIGUSR1) and names the ranks with the least progress, with the frame each one is stuck in.
 
+[Note: starting workers]
+A worker that starts fresh (``spawn``) imports torch, ``torch.distributed.fsdp`` (and with it
+Dynamo) and fsdp-plan's measuring code before it does anything: about 4 s of CPU per rank on
+this machine, 8 of the 2-rank bench of a tiny model. So where the platform has it, workers
+start from ``multiprocessing``'s fork server: one process per launcher, started at its first
+launch, that imports those modules once (``WORKER_PRELOAD``) and forks each worker from
+itself. It is forked before any CUDA or process group exists and runs no threads, so its
+children start as clean as spawned ones, with the launcher's ``sys.path`` and working
+directory (``multiprocessing``'s preparation data) and, passed with each start, its current
+environment (the fork server's own is the launcher's at the first launch). Every later launch
+of the same process (``tune``'s rounds, the test suite) starts its workers in milliseconds.
+Where there is no fork server (not on Linux or macOS) workers are spawned as before.
+
 [Note: stopping]
 - Each worker leads its own process group, so ending a worker ends whatever it started too
   (``os.killpg``), and asks the kernel to kill it when its parent dies
-  (``PR_SET_PDEATHSIG``): a launcher killed with SIGKILL leaves no worker training on.
+  (``PR_SET_PDEATHSIG``): a launcher killed with SIGKILL leaves no worker training on. (A
+  worker's parent is the fork server where there is one, which is itself killed when its
+  launcher dies: measure/fork_server.py.)
 - SIGTERM, SIGHUP and SIGINT are held while a worker starts and let through once it is
   listed (``_start_whole``), so a signal never cuts its start-up pipe half-written (the
   worker would print an ``EOFError`` traceback) and ``kill_all`` knows every worker.
@@ -232,8 +247,11 @@ def _read_json(path: str) -> Any:
         return None
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Lead a process group of our own and be killed when the launcher dies (Linux)."""
+def _die_with_parent(launcher_pid: int) -> int:
+    """Lead a process group of our own and be killed when our parent dies (Linux): the
+    launcher, or the fork server that exits with it ([Note: starting workers]). Returns the
+    parent's pid."""
+    parent = os.getppid()
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     if sys.platform.startswith("linux"):
@@ -241,19 +259,61 @@ def _die_with_parent(parent_pid: int) -> None:
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the launcher died before the line above took effect
+    # the parent or the launcher died before the line above took effect
+    if os.getppid() != parent or not _alive(launcher_pid):
         os._exit(1)
+    return parent
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, owned by another user
+        return True
+    return True
+
+
+WORKER_PRELOAD = ("fsdp_plan.measure.fork_server", "torch", "torch.distributed", "torch.distributed.fsdp",
+                  "torch.distributed._tools", "fsdp_plan.measure.launch",
+                  "fsdp_plan.bench.worker", "fsdp_plan.bench.timing",
+                  "fsdp_plan.measure.collectives", "fsdp_plan.measure.ddp",
+                  "fsdp_plan.measure.calibrate")
+"""What the fork server imports once for every worker it forks ([Note: starting workers]):
+first measure/fork_server.py (the server dies with its launcher), then torch's distributed and
+FSDP code and the workers' own modules (one that fails to import is left to the worker, as
+``multiprocessing`` does)."""
+
+
+def _worker_context() -> Any:
+    """``torch.multiprocessing``'s fork server context where the platform has one (its
+    preload set before its first start), else spawn ([Note: starting workers])."""
+    import torch.multiprocessing as mp
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(WORKER_PRELOAD))
+    return ctx
 
 
 def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, workdir: str,
-                parent_pid: int | None = None) -> None:
-    """Entry point of each spawned worker: environment, stack dumps on SIGUSR1, run, report."""
+                parent_pid: int | None = None, environ: Mapping[str, str] | None = None
+                ) -> None:
+    """Entry point of each worker: environment, stack dumps on SIGUSR1, run, report.
+    ``environ``: the launcher's environment when the worker started ([Note: starting
+    workers])."""
     import faulthandler
 
     from fsdp_plan.model.user_process import end_forked_children
 
+    if environ is not None and dict(os.environ) != dict(environ):
+        os.environ.clear()
+        os.environ.update(environ)
     if parent_pid is not None:
-        _die_with_parent(parent_pid)
+        parent_pid = _die_with_parent(parent_pid)
     # The parent's stdout is its report (--format json must stay one document): whatever the
     # model or torch prints in a worker goes to stderr.
     sys.stdout.flush()
@@ -404,16 +464,14 @@ def _progress_key(progress: dict[str, Any]) -> tuple[int, float]:
 def launch(target: str, payload: Any, *, nproc: int, timeout_s: float = 300.0,
            startup_s: float = 180.0, on_progress: Callable[[int, dict[str, Any]], None] | None = None) -> list[Any]:
     """Run ``target`` (``"package.module:function"``, called as ``fn(ctx, payload)``) on ``nproc``
-    spawned workers; return each rank's (JSON) result in rank order.
+    workers ([Note: starting workers]); return each rank's (JSON) result in rank order.
 
     ``on_progress(rank, progress)`` is called whenever a rank reports something new.
     Raises ``WorkersFailed`` (exit code 1) naming the failing rank and its error when a worker
     raises, dies, or reports no progress for ``timeout_s`` seconds (``startup_s`` while it
     imports, see [Note: failure detection]); all workers are then killed.
     """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
+    ctx = _worker_context()
     with tempfile.TemporaryDirectory(prefix="fsdp-plan-workers-") as workdir:
         run = _Run(nproc, timeout_s, workdir, startup_s)
         port = free_port()
@@ -421,7 +479,8 @@ def launch(target: str, payload: Any, *, nproc: int, timeout_s: float = 300.0,
         try:
             for rank in range(nproc):
                 p = ctx.Process(target=_child_main, args=(rank, nproc, port, target, payload,
-                                                          workdir, os.getpid()),
+                                                          workdir, os.getpid(),
+                                                          dict(os.environ)),
                                 daemon=True, name=f"fsdp-plan-rank{rank}")
                 _start_whole(p, run.procs)
             while True:
