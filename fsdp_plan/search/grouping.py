@@ -28,7 +28,6 @@ import math
 from dataclasses import dataclass
 from heapq import heappop, heappush
 
-
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.step_time import collective_time
 from fsdp_plan.facts.types import Analysis, ModuleGraph
