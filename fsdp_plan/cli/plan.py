@@ -17,7 +17,7 @@ from typing import Any
 
 from fsdp_plan.api import PlanRequest, make_plan, predict, verify_by_measurement
 from fsdp_plan.common.autocast import AUTOCAST_DTYPES
-from fsdp_plan.common.collector import cycle_collector_off
+from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import check_outputs, check_writable
@@ -300,7 +300,8 @@ def _compile_mode(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with cycle_collector_off():  # one short process: [Note: pausing the cycle collector]
+    # one short process: [Note: pausing the cycle collector]
+    with cycle_collector_paused(collect_after=False):
         return _run(args)
 
 

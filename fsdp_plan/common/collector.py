@@ -11,8 +11,8 @@ are traced). Paused, a 10,006-module search took 18.5 s instead of 25.3 s, and p
 work leaves are all young (the collector was off while it ran), so one collection of the young
 generations at the end frees them without walking torch's objects.
 
-The plan command turns the collector off for its whole run (``cycle_collector_off``, no
-collection at the end): one short process that ends when the plan is written, whose cycles
+The plan command pauses the collector for its whole run with no collection at the end
+(``collect_after=False``): one short process that ends when the plan is written, whose cycles
 (torch's modules and the fake step's graphs) would only be walked, never worth freeing. Off,
 README's first command took 8.5 s of CPU instead of 9.6 when it traced the 70B shape and
 0.25 s less from cached facts, its peak RSS 723 MB instead of 706 (issue 29). In process
@@ -27,9 +27,10 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def cycle_collector_paused() -> Iterator[None]:
-    """Pause the cycle collector within the block, then collect the young generations once
-    ([Note: pausing the cycle collector]); a collector already off stays off."""
+def cycle_collector_paused(*, collect_after: bool = True) -> Iterator[None]:
+    """Pause the cycle collector within the block, then (``collect_after``) collect the young
+    generations once ([Note: pausing the cycle collector]); a collector already off stays off.
+    ``collect_after=False``: for one command's whole run, which ends the process."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -37,17 +38,5 @@ def cycle_collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-            gc.collect(1)
-
-
-@contextlib.contextmanager
-def cycle_collector_off() -> Iterator[None]:
-    """The cycle collector off within the block and, if it was on, on again after it, with no
-    collection ([Note: pausing the cycle collector]): for one command's whole run."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+            if collect_after:
+                gc.collect(1)
