@@ -28,18 +28,20 @@ def _imported_by_the_fork_server() -> bool:
     return False
 
 
-def die_with_launcher() -> None:
-    """Be killed when the parent (the launcher) dies (Linux), and exit now if it has."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
+def die_with_parent() -> int:
+    """Be killed when the parent process dies (Linux, ``PR_SET_PDEATHSIG``), and exit now if
+    it died already; returns the parent's pid. The fork server's rule here, and every worker's
+    (measure/launch.py ``_die_with_parent``)."""
     parent = os.getppid()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PDEATHSIG
-    if os.getppid() != parent:  # the launcher died before the line above took effect
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the line above took effect
         os._exit(1)
+    return parent
 
 
 if _imported_by_the_fork_server():
-    die_with_launcher()
+    die_with_parent()

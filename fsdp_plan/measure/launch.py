@@ -69,6 +69,7 @@ from typing import Any
 from fsdp_plan.common.errors import BadInput, CheckFailed, Stop
 from fsdp_plan.common.limits import MAX_WORLD_SIZE
 from fsdp_plan.common.safe_yaml import clip
+from fsdp_plan.measure.fork_server import die_with_parent
 
 FAULT_ENV = "FSDP_PLAN_BENCH_FAULT"
 """Test-only fault injection: ``crash:rank=1:step=2``, ``hang:rank=1:step=2`` or ``exit:...``."""
@@ -249,18 +250,12 @@ def _read_json(path: str) -> Any:
 
 def _die_with_parent(launcher_pid: int) -> int:
     """Lead a process group of our own and be killed when our parent dies (Linux): the
-    launcher, or the fork server that exits with it ([Note: starting workers]). Returns the
+    launcher, or the fork server that dies with it ([Note: starting workers]). Returns the
     parent's pid."""
-    parent = os.getppid()
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        import ctypes
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    # the parent or the launcher died before the line above took effect
-    if os.getppid() != parent or not _alive(launcher_pid):
+    parent = die_with_parent()
+    if not _alive(launcher_pid):  # the launcher died before the fork server's rule took hold
         os._exit(1)
     return parent
 
@@ -276,8 +271,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-WORKER_PRELOAD = ("fsdp_plan.measure.fork_server", "torch", "torch.distributed", "torch.distributed.fsdp",
-                  "torch.distributed._tools", "fsdp_plan.measure.launch",
+WORKER_PRELOAD = ("fsdp_plan.measure.fork_server", "torch", "torch.distributed",
+                  "torch.distributed.fsdp", "torch.distributed._tools", "fsdp_plan.measure.launch",
                   "fsdp_plan.bench.worker", "fsdp_plan.bench.timing",
                   "fsdp_plan.measure.collectives", "fsdp_plan.measure.ddp",
                   "fsdp_plan.measure.calibrate")
