@@ -37,6 +37,7 @@ from fsdp_plan.measure.launch import launch
 from fsdp_plan.measure.profile import bench_figures
 from fsdp_plan.measure.worker_setup import (
     build_planned_worker,
+    end_worker_process_group,
     init_worker_process_group,
     source_payload,
 )
@@ -100,7 +101,7 @@ def _time_worker(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
             times = [time_step(worker) for _ in range(payload["warmup"] + payload["steps"])]
             results.append(times[payload["warmup"]:])
             del worker
-    dist.destroy_process_group()
+    end_worker_process_group()
     return {"times": results, "overlap": overlap}
 
 

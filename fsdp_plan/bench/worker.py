@@ -41,6 +41,7 @@ from fsdp_plan.measure.profile import bench_figures
 from fsdp_plan.measure.worker_setup import (
     PlannedWorker,
     build_planned_worker,
+    end_worker_process_group,
     init_worker_process_group,
 )
 from fsdp_plan.model.load import load_model
@@ -250,5 +251,5 @@ def bench_rank(ctx: WorkerContext, payload: dict[str, Any]) -> dict[str, Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     dist.barrier()
-    dist.destroy_process_group()
+    end_worker_process_group()
     return {"ranks": gathered} if ctx.rank == 0 else {"rank": ctx.rank}

@@ -94,6 +94,7 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.step_time import collective_time
 from fsdp_plan.measure.launch import launch
+from fsdp_plan.measure.worker_setup import end_worker_process_group
 
 OPTIMIZER_PARAMS = 1 << 22
 """Parameters of the timed optimizer step: 4M fp32 (64 MiB with gradients and AdamW's two
@@ -620,7 +621,7 @@ def calibrate_rank(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, figures)
     dist.barrier()
-    dist.destroy_process_group()
+    end_worker_process_group()
     host: dict[str, float] = {}
     if not use_cuda:  # the per-parameter and checkpoint figures, where no collective runs,
         # every rank at once as the ranks of a run share the cores: [Note: the floor's figures]

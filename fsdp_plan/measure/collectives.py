@@ -28,6 +28,7 @@ from fsdp_plan.measure import runtime
 from fsdp_plan.measure.launch import launch
 from fsdp_plan.measure.worker_setup import (
     build_planned_worker,
+    end_worker_process_group,
     init_worker_process_group,
     source_payload,
 )
@@ -158,7 +159,7 @@ def _count_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, int]]:
         results.append(counter.counts())
         del worker
     dist.barrier()
-    dist.destroy_process_group()
+    end_worker_process_group()
     return results
 
 

@@ -57,7 +57,11 @@ from fsdp_plan.measure import runtime
 from fsdp_plan.measure.collectives import CollectiveCounter
 from fsdp_plan.measure.launch import launch
 from fsdp_plan.measure.measured import MeasuredMemory
-from fsdp_plan.measure.worker_setup import init_worker_process_group, source_payload
+from fsdp_plan.measure.worker_setup import (
+    end_worker_process_group,
+    init_worker_process_group,
+    source_payload,
+)
 from fsdp_plan.model.load import LoadedModel, load_model
 from fsdp_plan.model.source import ModelSource
 from fsdp_plan.plan.document import Plan
@@ -164,7 +168,7 @@ def _ddp_worker(ctx: Any, payload: dict[str, Any]) -> list[dict[str, Any]]:
             models[key] = load_model(ModelSource(**job["source"]))
         results.append(_run_job(job, models[key], device, ctx.rank))
     dist.barrier()
-    dist.destroy_process_group()
+    end_worker_process_group()
     return results
 
 

@@ -318,6 +318,8 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
     ctx = WorkerContext(rank=rank, world_size=nproc, local_rank=rank, workdir=workdir)
     ctx.report(phase="started")
     stack_file = open(_rank_file(workdir, rank, "stack.txt"), "w")  # noqa: SIM115
+    stack_file.write(f"{_MAIN_THREAD}{threading.get_ident():#x}\n")
+    stack_file.flush()
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
         module_name, _, func_name = target.partition(":")
@@ -356,15 +358,39 @@ def _wait_for_peers(workdir: str, nproc: int, parent_pid: int | None) -> None:
             time.sleep(_POLL_S)
 
 
+_MAIN_THREAD = "main thread "
+"""The first line of a worker's stack file, before any dump: its main thread's id, in hex."""
+
+
 def _stuck_frame(stack_text: str) -> str:
-    """The innermost frame of the main thread in a faulthandler dump (``file:line in func``)."""
-    blocks = stack_text.split("\n\n")
-    main = next((b for b in blocks if "Current thread" in b or "most recent call first" in b), "")
-    for line in main.splitlines():
-        line = line.strip()
-        if line.startswith("File "):
-            return line.replace("File ", "", 1)
+    """The innermost frame of the main thread in a faulthandler dump (``file:line in func``).
+
+    The signal is handled by whichever thread the kernel picks, often one of gloo's, so the
+    dump's "Current thread" need not be the main one: the main thread is the block headed by
+    the id the worker wrote first (``_MAIN_THREAD``). Before that line existed a hang in a
+    C++ destructor read "stuck at unknown frame": the first block was another Python thread's,
+    with no frame."""
+    head, _, dump = stack_text.partition("\n")
+    main_id = None
+    if head.startswith(_MAIN_THREAD):
+        main_id = int(head[len(_MAIN_THREAD):], 16)
+    else:
+        dump = stack_text
+    blocks = [b for b in dump.split("\n\n") if "most recent call first" in b]
+    if main_id is not None:
+        blocks = [b for b in blocks if _thread_id(b) == main_id] or blocks
+    for block in blocks:
+        for line in block.splitlines():
+            line = line.strip()
+            if line.startswith("File "):
+                return line.replace("File ", "", 1)
     return "unknown frame"
+
+
+def _thread_id(block: str) -> int | None:
+    """The thread id heading a faulthandler dump block (``Thread 0x... (most recent ...``)."""
+    match = re.search(r"[Tt]hread (0x[0-9a-fA-F]+)", block)
+    return int(match.group(1), 16) if match else None
 
 
 class _Run:

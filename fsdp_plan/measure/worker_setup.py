@@ -34,6 +34,36 @@ def worker_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+_kept_process_groups: list[Any] = []
+"""Every process group a worker destroyed, still referenced ([Note: ending a worker's process
+group])."""
+
+
+def end_worker_process_group() -> None:
+    """Destroy the default process group (and its subgroups) at the end of a worker target,
+    keeping their objects alive until the worker exits.
+
+    [Note: ending a worker's process group]
+    DDP's C++ ``Reducer`` holds its process group. A bench worker still held its DDP model
+    when it called ``destroy_process_group``, so the group's last reference went with the
+    model when the target returned: ``~Reducer`` ran ``~ProcessGroupGloo`` in the main thread
+    with the GIL held (pybind11 frees a ``Reducer`` without releasing it), and that destructor
+    joins gloo's run-loop threads, one of which was still freeing the last collective's work
+    and waited for the GIL to drop its tensors: a deadlock (py-spy's stacks; pytorch#56297).
+    It hung 1 bench in 10-20 on 2 ranks, after "done", and CI's suite with it. Workers end with
+    ``os._exit`` (measure/launch.py), which runs no destructor, so keeping every group
+    referenced here means ``~ProcessGroupGloo`` never runs at all, whoever held the group last.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        return
+    world = getattr(distributed_c10d, "_world", None)
+    _kept_process_groups.extend(getattr(world, "pg_map", None) or [dist.group.WORLD])
+    dist.destroy_process_group()
+
+
 def init_worker_process_group(local_rank: int) -> torch.device:
     """Initialise the default process group from the environment (``RANK``, ``WORLD_SIZE``,
     ``MASTER_ADDR``/``PORT``, as ``launch`` and torchrun set it): NCCL on GPUs, gloo on CPU.
