@@ -126,3 +126,39 @@ def test_a_bracketed_interpolated_search_answers_as_the_binary_search(limit, sha
     assert len(probes) <= plain_probes
     if shape == "line" and plain_at not in (None, 0):
         assert len(probes) <= 4  # the two path ends, the line's guess and its neighbour
+
+
+@pytest.mark.parametrize("budget", [3_000_000, 4_000_000, 6_000_000])
+@pytest.mark.parametrize("world_size", [4, 8, 16])
+def test_the_more_memory_line_searches_only_the_budgets_it_reads(facts, monkeypatch, budget,
+                                                                  world_size):
+    """[Note: the more-memory line's budgets]: the report's line stops at the first round
+    budget that pays, with the same line as the whole grid above the user's budget, and never
+    more evaluations."""
+    from fsdp_plan.common.errors import NoFeasiblePlan
+    from fsdp_plan.search import frontier as frontier_module
+
+    request = PlanRequest(source=SOURCE, budget_bytes=budget, world_size=world_size,
+                          strategy="auto")
+    try:
+        plan_from_facts(facts, request)
+    except NoFeasiblePlan:
+        pytest.skip("nothing fits this budget")
+    variant = Variant(micro_batch=2, grad_accum_steps=1, facts=facts)
+
+    def line(count: int) -> tuple[str, int, int]:
+        found = compute_frontier([variant], request.settings(), seq_len=64, count=count,
+                                 above_only=True)
+        return frontier_module.more_memory_line(found), len(found.points), found.plans_evaluated
+
+    stopped = False
+    for count in (3, 10):
+        short = line(count)
+        monkeypatch.setattr(frontier_module, "_line_settled", lambda *a: False)
+        whole = line(count)
+        monkeypatch.undo()
+        assert short[0] == whole[0]
+        assert short[1] <= whole[1] and short[2] <= whole[2]
+        stopped |= short[1] < whole[1]
+    if (world_size, budget) == (4, 3_000_000):  # its first round budget pays: the rest unsearched
+        assert stopped and "more memory: at " in short[0]
