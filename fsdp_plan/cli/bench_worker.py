@@ -18,6 +18,7 @@ import sys
 from fsdp_plan.bench import session
 from fsdp_plan.bench.worker import bench_rank
 from fsdp_plan.cli.bench import add_run_arguments, bench_request
+from fsdp_plan.cli.process import end_process
 from fsdp_plan.common.errors import BadInput, FsdpPlanError
 from fsdp_plan.measure.launch import Terminated, context_from_env, stop_on_signals
 
@@ -56,4 +57,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # os._exit after atexit and a flush ([Note: ending the process] in cli/process.py): the
+    # process groups bench_rank kept are never destructed at interpreter exit, where a gloo
+    # run loop freeing the last work's tensors would wait for the GIL ([Note: ending a
+    # worker's process group] in measure/worker_setup.py)
+    end_process(main())
