@@ -186,7 +186,7 @@ class ActivationProfile:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
         return self._index(self._first, kind, module, kind.endswith("bw"), default)
 
-    def _index(self, found: dict[int, int], kind: str, module: str, in_backward: bool,
+    def _index(self, found: _CodeIndex, kind: str, module: str, in_backward: bool,
                default: int) -> int:
         """The first or last (``found``: ``_first``, ``_last``) ``kind`` event of ``module``
         in backward or in forward, else ``default``."""
@@ -257,7 +257,7 @@ class ActivationProfile:
             fw_end = self._index(self._last, "post_fw", "", False, self.forward_end)
             return UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start, bw_end=end)
 
-        def found(first_or_last: dict[int, int], kind: str, in_backward: bool) -> list[int]:
+        def found(first_or_last: _CodeIndex, kind: str, in_backward: bool) -> list[int]:
             return [i for m in unit.modules
                     if (i := self._index(first_or_last, kind, m, in_backward, -1)) >= 0]
         fw_starts = found(self._first, "pre_fw", False)
@@ -321,7 +321,7 @@ def loss_parts(model: int, span: tuple[int, int] | None, lo: int, hi: int, activ
 
 
 def _first_and_last(codes: np.ndarray, backward_start: int
-                    ) -> tuple[dict[int, int], dict[int, int]]:
+                    ) -> tuple[_CodeIndex, _CodeIndex]:
     """The first and the last event index of each (kind, module, in backward), keyed by
     ``code << 1 | in_backward`` (``EventNames.code``): from one stable sort of the keys, so
     equal keys stay in event order."""
@@ -334,7 +334,29 @@ def _first_and_last(codes: np.ndarray, backward_start: int
     starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
     ends = np.append(starts[1:], len(keys)) - 1
     unique = ordered[starts].tolist()
-    return dict(zip(unique, order[starts].tolist())), dict(zip(unique, order[ends].tolist()))
+    return _CodeIndex(unique, order[starts].tolist()), _CodeIndex(unique, order[ends].tolist())
+
+
+class _CodeIndex:
+    """Event indices by code (``_first_and_last``), read as a dict's ``get``: by bisection of
+    the sorted codes. The search composes a profile per checkpointing mix and looks up a few
+    hundred codes in each; building two dicts over every event took longer than all of them."""
+
+    __slots__ = ("_codes", "_indices")
+
+    def __init__(self, codes: list[int], indices: list[int]) -> None:
+        self._codes = codes
+        """Sorted, each once."""
+        self._indices = indices
+
+    def get(self, code: int, default: int) -> int:
+        at = bisect.bisect_left(self._codes, code)
+        if at < len(self._codes) and self._codes[at] == code:
+            return self._indices[at]
+        return default
+
+    def __len__(self) -> int:
+        return len(self._codes)
 
 
 def _index_of(items: list[str], item: str, default: int) -> int:

@@ -303,52 +303,66 @@ ForwardCache = dict[tuple, tuple[Streams, float, float, float]]
 depth, the streams after it, its end, bubbles and contention (``simulate_step``)."""
 
 
+def forward_reads(units: list[UnitCost]) -> tuple:
+    """What the forward pass reads of ``units``: each one's key, forward compute and host
+    seconds and all-gather (``simulate_step``'s forward cache key, with the prefetch)."""
+    return tuple((u.key, u.fw_compute_s, u.fw_host_s, u.all_gather_s) for u in units)
+
+
 def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int = 0,
                   backward_prefetch: int = 1, optimizer_s: float = 0.0,
-                  forwards: ForwardCache | None = None) -> StepTime:
+                  forwards: ForwardCache | None = None,
+                  forward_key: tuple | None = None) -> StepTime:
     """Run the two-stream simulation over ``units`` given in forward order
     ([Note: two-stream simulation], on ``cost/streams.Streams``).
 
     ``forwards``: forward passes already run on ``hw`` (one clock's, the search's). Forward
     reads only each unit's forward compute, host seconds and all-gather, and the
     checkpointing a search varies changes only backward: a layout's candidates share one
-    forward, run once and continued from a copy of its streams."""
+    forward, run once and continued from a copy of its streams. ``forward_key``:
+    ``forward_reads(units)`` where the caller keeps it."""
     streams = Streams(hw)
 
     def run_pass(order: list[UnitCost], phase: str, now: float, prefetch: int,
                  gathers: list[bool]) -> tuple[float, float, float]:
-        ready: dict[int, float] = {}
+        ready: list[float] = []
         bubbles = contention = 0.0
-        issued = 0
+        n = len(order)
+        backward = phase == "bw"
+        tag = phase.upper() + " "
+        issue, compute = streams.issue, streams.compute
+        stream_blocks = not hw.comm_overlaps_compute
         for i, u in enumerate(order):
             # issue all-gathers up to ``prefetch`` units ahead of the one about to compute
-            while issued < len(order) and issued <= i + prefetch:
-                cost = order[issued]
-                ready[issued] = (streams.issue(f"AG {cost.key}", now, cost.all_gather_s)
-                                 if gathers[issued] else now)
-                issued += 1
+            while len(ready) < n and len(ready) <= i + prefetch:
+                cost = order[len(ready)]
+                ready.append(issue("AG " + cost.key, now, cost.all_gather_s)
+                             if gathers[len(ready)] else now)
             # without overlap (gloo) compute also waits for whatever the stream still runs
-            start = max(now, ready[i], streams.comm_free if not hw.comm_overlaps_compute else 0.0)
+            start = max(now, ready[i], streams.comm_free if stream_blocks else 0.0)
             if start > now:
-                streams.wait(f"wait AG {u.key}", now, start)
+                streams.wait("wait AG " + u.key, now, start)
             bubbles += start - now
-            duration, host = ((u.fw_compute_s, u.fw_host_s) if phase == "fw"
-                              else (u.bw_compute_s, u.bw_host_s))
-            now, slowdown = streams.compute(f"{phase.upper()} {u.key}", start, duration, host)
-            contention += slowdown
-            if phase == "bw":
-                reduced = streams.issue(f"RS {u.key}", now, u.reduce_scatter_s)
+            if backward:
+                now, slowdown = compute(tag + u.key, start, u.bw_compute_s, u.bw_host_s)
+                contention += slowdown
+                reduced = issue("RS " + u.key, now, u.reduce_scatter_s)
                 if u.all_reduce_s:
-                    reduced = streams.issue(f"AR {u.key}", streams.comm_free, u.all_reduce_s)
+                    reduced = issue("AR " + u.key, streams.comm_free, u.all_reduce_s)
                 if u.optimizer_s:
                     now, waited, slowdown = streams.step_in_backward(
                         f"optimizer {u.key}", now, reduced, u.optimizer_s)
                     bubbles += waited
                     contention += slowdown
+            else:
+                now, slowdown = compute(tag + u.key, start, u.fw_compute_s, u.fw_host_s)
+                contention += slowdown
         return now, bubbles, contention
 
-    key = (forward_prefetch, tuple((u.key, u.fw_compute_s, u.fw_host_s, u.all_gather_s)
-                                   for u in units)) if forwards is not None else None
+    if forwards is None:
+        key = None
+    else:
+        key = (forward_prefetch, forward_reads(units) if forward_key is None else forward_key)
     if key is not None and key in forwards:
         ran, fw_end, fw_bubbles, fw_cont = forwards[key]
         streams = ran.copy()

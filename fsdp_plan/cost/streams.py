@@ -75,11 +75,11 @@ class Streams:
     def issue(self, label: str, at: float, seconds: float) -> float:
         """A collective issued at ``at``; returns when it finishes."""
         start = max(at, self.comm_free)
-        self.comm_free = start + seconds
-        self._busy.append((start, self.comm_free))
-        self._ends.append(self.comm_free)
-        self.spans.append(("comm", label, start, self.comm_free))
-        return self.comm_free
+        self.comm_free = end = start + seconds
+        self._busy.append((start, end))
+        self._ends.append(end)
+        self.spans.append(("comm", label, start, end))
+        return end
 
     def step_in_backward(self, label: str, now: float, reduced: float, seconds: float
                          ) -> tuple[float, float, float]:
@@ -124,17 +124,21 @@ class Streams:
         it, whose ops the host issues in ``host_s`` seconds: it starts no earlier than the host
         began issuing it and ends no earlier than the host finished ([Note: the host floor]).
         Returns (its end, the slowdown in seconds)."""
-        begin, issued = start, start
+        begin = issued = start
+        spans = self.spans
         if host_s > 0:
-            self.spans.append(("host", f"issue {label}", self.host_free,
-                               self.host_free + host_s))
-            begin = max(start, self.host_free)
-            self.host_free = issued = self.host_free + host_s
-        slowed = seconds * (1 + self.hw.contention * min(
-            1.0, self.overlap(begin, begin + seconds) / max(seconds, 1e-12)))
+            free = self.host_free
+            spans.append(("host", "issue " + label, free, free + host_s))
+            begin = max(start, free)
+            self.host_free = issued = free + host_s
+        stop = begin + seconds
+        busy = _busy_within(self._busy, self._ends, begin, stop)  # ``overlap``, in line
+        if self._beside:
+            busy += _busy_within(self._beside, self._beside_ends, begin, stop)
+        slowed = seconds * (1 + self.hw.contention * min(1.0, busy / max(seconds, 1e-12)))
         end = max(begin + slowed, issued)
         self.host_wait_s += (begin - start) + max(0.0, issued - (begin + slowed))
-        self.spans.append(("compute", label, begin, end))
+        spans.append(("compute", label, begin, end))
         return end, slowed - seconds
 
     def wait(self, label: str, start: float, end: float) -> None:
@@ -158,12 +162,9 @@ def _busy_within(busy: list[tuple[float, float]], ends: list[float], start: floa
     """Seconds of ``[start, end)`` covered by ``busy`` (sorted, disjoint; ``ends`` their
     ends)."""
     total = 0.0
-    i = bisect.bisect_right(ends, start)
-    n = len(busy)
-    while i < n:
+    for i in range(bisect.bisect_right(ends, start), len(busy)):
         s, e = busy[i]
         if s >= end:
             break
         total += max(0.0, min(end, e) - max(start, s))
-        i += 1
     return total

@@ -18,7 +18,7 @@ Pure over the facts: no torch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 from fsdp_plan.cost.compiled_time import CompiledTimes, without_inside
@@ -33,6 +33,7 @@ from fsdp_plan.cost.step_time import (
     add_ops,
     collective_time,
     exclusive_ops,
+    forward_reads,
     fsdp_copy_time,
     optimizer_time,
     pass_time,
@@ -90,6 +91,10 @@ class UnitClock:
         (its ``id``: every such cost lives in ``_cost_cache``) and the recompute."""
         self.forwards: ForwardCache = {}
         """The forward passes simulated on this clock (``simulate_step``)."""
+        self._ordered: dict[tuple, tuple[list[UnitCost], tuple]] = {}
+        """Layouts' costs in forward order by layout key and recompute (``ordered_costs``)."""
+        self.rates = Rates.of(setup.hardware, setup.param_dtype)
+        """The compute dtype's rates on the hardware."""
 
     def flops(self, unit: UnitSpec) -> tuple[float, float, frozenset[str]]:
         """Forward and backward FLOPs of the modules a unit owns, and those modules."""
@@ -168,41 +173,71 @@ class UnitClock:
         return base
 
 
+    def ordered_costs(self, units: list[UnitSpec], *, shard: int, replicate: int,
+                      recompute: Mapping[str, tuple[float, float]], optimizer_overlap: bool,
+                      layout_key: Hashable | None) -> tuple[list[UnitCost], tuple]:
+        """``units``' costs in forward order (the root first, then the units as they run)
+        with their checkpointed blocks' recompute and, with ``optimizer_overlap``, their
+        optimizer step; and what forward reads of them (``simulate_step``'s
+        ``forward_key``). Cached by ``layout_key`` (None: not cached): the search times one
+        layout under many prefetch and checkpointing choices."""
+        key = None if layout_key is None else (layout_key, shard, replicate, optimizer_overlap,
+                                               tuple(recompute.items()))
+        found = self._ordered.get(key) if key is not None else None
+        if found is not None:
+            return found
+        s = self.setup
+        hw, rates = s.hardware, self.rates
+        costs: list[UnitCost] = []
+        for u in units:
+            base = self.unit_cost(u, rates, shard=shard, replicate=replicate)
+            _, _, owned = self.flops(u)
+            # A checkpointed block's forward (or, selective, its unsaved ops) runs again
+            # inside its unit's backward: [Note: recompute time] in search/evaluator.py.
+            replays = tuple(recompute[b] for b in owned if b in recompute) if recompute else ()
+            cost = self.replayed(base, replays) if replays else base
+            if optimizer_overlap and u.numel:  # [Note: optimizer overlap in the models]
+                cost = dataclasses.replace(cost, optimizer_s=optimizer_time(
+                    hw, rates, s.optimizer, u.shard_numel, s.precision.orig_bytes,
+                    u.num_params))
+            costs.append(cost)
+        # Forward order: the root gathers first, then units as they run.
+        root = [c for c in costs if c.key == "<root>"]
+        ordered = root + [c for c in costs if c.key != "<root>"]
+        found = (ordered, forward_reads(ordered))
+        if key is not None:
+            self._ordered[key] = found
+        return found
+
+
 def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, replicate: int,
                    recompute: Mapping[str, tuple[float, float]], forward_prefetch: int,
-                   backward_prefetch: int, optimizer_overlap: bool = False) -> StepTime:
+                   backward_prefetch: int, optimizer_overlap: bool = False,
+                   layout_key: Hashable | None = None) -> StepTime:
     """The step time of ``units`` (children first, the root last) on a ``(replicate, shard)``
     mesh: per-op unit times, then the two streams. ``recompute`` maps each checkpointed block
     to its recompute ``(seconds, host seconds)`` in its mode. ``optimizer_overlap``: each
     unit's parameters step after its reduce-scatter, in backward (cost/optimizer_overlap.py;
-    never with accumulation)."""
+    never with accumulation). ``layout_key``: a key that always names these same units (the
+    search's layout), so their costs are assembled once per key and recompute
+    (``UnitClock.ordered_costs``); None assembles them afresh."""
     s = clock.setup
     hw = s.hardware
-    rates = Rates.of(hw, s.param_dtype)
-    costs: list[UnitCost] = []
-    for u in units:
-        base = clock.unit_cost(u, rates, shard=shard, replicate=replicate)
-        _, _, owned = clock.flops(u)
-        # A checkpointed block's forward (or, selective, its unsaved ops) runs again inside
-        # its unit's backward: [Note: recompute time] in search/evaluator.py.
-        replays = tuple(recompute[b] for b in owned if b in recompute) if recompute else ()
-        cost = clock.replayed(base, replays) if replays else base
-        if optimizer_overlap and u.numel:  # [Note: optimizer overlap in the models]
-            cost = dataclasses.replace(cost, optimizer_s=optimizer_time(
-                hw, rates, s.optimizer, u.shard_numel, s.precision.orig_bytes, u.num_params))
-        costs.append(cost)
-    # Forward order: the root gathers first, then units as they run.
-    root = [c for c in costs if c.key == "<root>"]
-    ordered = root + [c for c in costs if c.key != "<root>"]
+    rates = clock.rates
+    ordered, forward_key = clock.ordered_costs(units, shard=shard, replicate=replicate,
+                                               recompute=recompute,
+                                               optimizer_overlap=optimizer_overlap,
+                                               layout_key=layout_key)
     if optimizer_overlap:  # its steps run in backward, and it never accumulates
         return simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
-                             backward_prefetch=backward_prefetch, forwards=clock.forwards)
+                             backward_prefetch=backward_prefetch, forwards=clock.forwards,
+                             forward_key=forward_key)
     total_shard = sum(u.shard_numel for u in units)
     optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, s.precision.orig_bytes,
                                  clock.param_tensors)
     step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
                          backward_prefetch=backward_prefetch, optimizer_s=optimizer_s,
-                         forwards=clock.forwards)
+                         forwards=clock.forwards, forward_key=forward_key)
     if s.grad_accum_steps == 1:
         return step
     earlier = step
@@ -211,5 +246,5 @@ def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, repli
                  for c in ordered]
         earlier = simulate_step(quiet, hw, forward_prefetch=forward_prefetch,
                                 backward_prefetch=backward_prefetch, optimizer_s=optimizer_s,
-                                forwards=clock.forwards)
+                                forwards=clock.forwards, forward_key=forward_key)
     return accumulated_step(step, earlier, s.grad_accum_steps)

@@ -81,6 +81,11 @@ class Evaluator:
         self._ddp_times: list[float] | None = None
         """DDP's parameter list with ready events, and its event clock: shared by every bucket
         configuration."""
+        self._unit_layouts: dict[tuple, tuple[list[UnitSpec], list[int]]] = {}
+        """Units and their forward calls by layout (``_units_and_calls``)."""
+        self._communicated: dict[tuple, tuple[dict[str, int], dict[str, int], int]] = {}
+        """Collectives and cross-node bytes by layout and which units ran
+        (``_communication``)."""
         self._strided: dict[int, Evaluator | None] = {}
         """Evaluators at other selective ``aten.mm`` strides (``with_mm_stride``)."""
         self.grouped_cuts: dict[tuple[int, ...], dict[int, list[list[str]]]] = {}
@@ -202,12 +207,13 @@ class Evaluator:
         s = self.settings
         replicate, shard = layout.mesh
         which, selective = layout.full, layout.selective - layout.full
-        units = self.units_of(layout)
+        key = (layout.groups, layout.reshard, layout.root_reshard, layout.mesh)
+        units, calls = self._units_and_calls(key, layout)
         ctx = self.step_context(shard, optimizer_overlap=layout.optimizer_overlap)
         profile = self.profile(which, selective)
         memory = estimate_peak(profile, units, ctx, forward_prefetch=layout.forward_prefetch,
                                backward_prefetch=layout.backward_prefetch)
-        ran = [profile.ran(u) for u in units]
+        ran = tuple(profile.ran(u) for u in units)
         blocks = self.graph.blocks
         block_modes = [self._block_mode(blocks[i], "selective" if i in selective else "full")
                        for i in sorted(which | selective)]
@@ -215,23 +221,47 @@ class Evaluator:
             self.clock, units, shard=shard, replicate=replicate,
             recompute={m.block: (m.recompute_s, m.recompute_host_s) for m in block_modes},
             forward_prefetch=layout.forward_prefetch, backward_prefetch=layout.backward_prefetch,
-            optimizer_overlap=layout.optimizer_overlap)
-        calls = self._calls(units)
+            optimizer_overlap=layout.optimizer_overlap, layout_key=key)
+        collectives, collectives_fsdp1, crossing = self._communication(key, layout, units, ran,
+                                                                       calls)
         return Candidate(
             name=name, layout=layout, units=units, memory=memory, time=time,
-            collectives=per_step(count_fsdp2(units, replicate=replicate, shard=shard, ran=ran,
-                                             calls=calls),
-                                 s.grad_accum_steps, s.gradient_sync),
-            collectives_fsdp1=per_step(count_fsdp1(units, strategy=layout.strategy,
-                                                   replicate=replicate, ran=ran, calls=calls),
-                                       s.grad_accum_steps, s.gradient_sync),
+            collectives=dict(collectives), collectives_fsdp1=dict(collectives_fsdp1),
             fits=runnable(units, ran) and memory.peak_bytes <= s.limit_bytes,
-            block_modes=block_modes,
-            cross_node_bytes=cross_node_bytes(units, replicate=replicate, shard=shard,
-                                              world_size=s.world_size,
-                                              gpus_per_node=s.gpus_per_node,
-                                              precision=s.precision),
+            block_modes=block_modes, cross_node_bytes=crossing,
         )
+
+    def _units_and_calls(self, key: tuple, layout: Layout) -> tuple[list[UnitSpec], list[int]]:
+        """The units of ``layout`` (named by ``key``: its groups, reshard choices and mesh)
+        and each one's forward calls, built once per key: the search evaluates one layout
+        under many checkpointing and prefetch choices, and nothing changes a candidate's
+        units."""
+        found = self._unit_layouts.get(key)
+        if found is None:
+            units = self.units_of(layout)
+            found = self._unit_layouts[key] = (units, self._calls(units))
+        return found
+
+    def _communication(self, key: tuple, layout: Layout, units: list[UnitSpec],
+                       ran: tuple[bool, ...], calls: list[int]
+                       ) -> tuple[dict[str, int], dict[str, int], int]:
+        """Collectives per step under FSDP2 and FSDP1 and the bytes crossing nodes of the
+        units of ``key`` (``_units_and_calls``) given which ran forward; cached by both and
+        the strategy (FSDP1's counts read it)."""
+        found = self._communicated.get((key, layout.strategy, ran))
+        if found is not None:
+            return found
+        s = self.settings
+        replicate, shard = layout.mesh
+        found = self._communicated[(key, layout.strategy, ran)] = (
+            per_step(count_fsdp2(units, replicate=replicate, shard=shard, ran=list(ran),
+                                 calls=calls), s.grad_accum_steps, s.gradient_sync),
+            per_step(count_fsdp1(units, strategy=layout.strategy, replicate=replicate,
+                                 ran=list(ran), calls=calls),
+                     s.grad_accum_steps, s.gradient_sync),
+            cross_node_bytes(units, replicate=replicate, shard=shard, world_size=s.world_size,
+                             gpus_per_node=s.gpus_per_node, precision=s.precision))
+        return found
 
     def step_context(self, shard: int, *, offload: bool = False,
                      optimizer_overlap: bool = False) -> StepContext:
