@@ -351,11 +351,21 @@ def event_times(events: list[Event], hw: Hardware, dtype: str) -> list[float]:
     return times
 
 
+def host_issue_times(events: list[Event], hw: Hardware) -> list[float]:
+    """Host seconds to issue the ops up to each event ([Note: the host floor] in streams.py;
+    the same for every bucket size)."""
+    rates = Rates.of(hw)
+    issued = [0.0] * len(events)
+    for i in range(1, len(events)):
+        issued[i] = issued[i - 1] + issue_time(rates, events[i].ops)
+    return issued
+
+
 def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, world_size: int,
                   gpus_per_node: int, optimizer_s: float, times: list[float],
                   chains: list[list[HookPhase]] | None = None, host_sync: bool = False,
-                  used_map_bytes: int = 0, steps_in_backward: list[float] | None = None
-                  ) -> tuple[StepTime, list[float]]:
+                  used_map_bytes: int = 0, steps_in_backward: list[float] | None = None,
+                  issued: list[float] | None = None) -> tuple[StepTime, list[float]]:
     """Forward, then backward with each bucket's all-reduce issued when it is ready and all
     earlier buckets were issued (the reducer launches buckets in order), on the two streams of
     cost/streams.py. Where the hardware file says collectives do not overlap compute
@@ -368,16 +378,15 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     own all-reduce of the bucket), placed as [Note: hooks on the clock] says; ``host_sync``:
     the host waits for each bucket's chain on a GPU (PowerSGD). ``steps_in_backward``: each
     bucket's optimizer seconds when its parameters step after its all-reduce
-    (``optimizer_overlap``; cost/optimizer_overlap.py), ``optimizer_s`` then 0.
+    (``optimizer_overlap``; cost/optimizer_overlap.py), ``optimizer_s`` then 0. ``issued``:
+    ``host_issue_times(events, hw)`` where the caller keeps it.
     Returns the step and when each bucket became ready."""
     n = len(events)
     bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
     forward = times[bw_start]
     rates = Rates.of(hw)
-    issued = [0.0] * n
-    """Host seconds to issue the ops up to each event."""
-    for i in range(1, n):
-        issued[i] = issued[i - 1] + issue_time(rates, events[i].ops)
+    if issued is None:
+        issued = host_issue_times(events, hw)
     local = ranks_per_node_in(world_size, 1, gpus_per_node)
     streams = Streams(hw)
     now, _ = streams.compute("FW", 0.0, forward, issued[bw_start])
@@ -637,12 +646,12 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
                  world_size: int, gpus_per_node: int, precision: Precision, optimizer: str,
                  dtype: str = "bfloat16", params: list[GradParam] | None = None,
                  times: list[float] | None = None, grad_accum_steps: int = 1,
-                 gradient_sync: str = "every", optimizer_overlap: bool = False
-                 ) -> DDPEvaluation:
+                 gradient_sync: str = "every", optimizer_overlap: bool = False,
+                 issued: list[float] | None = None) -> DDPEvaluation:
     """Buckets, memory, collectives and step time of one DDP configuration (``params``: the
     model's ``grad_parameters``, and ``times``: ``event_times``, computed once when several
-    configurations are evaluated) over one optimizer step of ``grad_accum_steps``
-    micro-batches ([Note: DDP and accumulation])."""
+    configurations are evaluated; ``issued``: ``host_issue_times`` likewise) over one
+    optimizer step of ``grad_accum_steps`` micro-batches ([Note: DDP and accumulation])."""
     events = analysis.timeline.events
     buckets, params = build_buckets(graph, events, config, params)
     unused = [p.index for p in params if p.ready_event is None]
@@ -650,7 +659,8 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
                                  precision.orig_bytes)
     times = event_times(events, hw, dtype) if times is None else times
     common = {"world_size": world_size, "gpus_per_node": gpus_per_node,
-              "optimizer_s": optimizer_s, "times": times}
+              "optimizer_s": optimizer_s, "times": times,
+              "issued": host_issue_times(events, hw) if issued is None else issued}
     kind = hook_kind(config.comm_hook)
     chains = None
     if kind is not None:

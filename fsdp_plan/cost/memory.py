@@ -257,9 +257,18 @@ class ActivationProfile:
             fw_end = self._index(self._last, "post_fw", "", False, self.forward_end)
             return UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start, bw_end=end)
 
+        ids = self._names.modules
+        known = [ids[m] for m in unit.modules if m in ids]
+
         def found(first_or_last: _CodeIndex, kind: str, in_backward: bool) -> list[int]:
-            return [i for m in unit.modules
-                    if (i := self._index(first_or_last, kind, m, in_backward, -1)) >= 0]
+            """``_index`` of each of the unit's modules that has a ``kind`` event, without
+            building each code anew: ``code << 1 | in_backward`` is ``kind id << 33 | module
+            id << 1 | in_backward``."""
+            k = self._names.kinds.get(kind)
+            if k is None:
+                return []
+            get, base = first_or_last.get, k << 33 | in_backward
+            return [i for m in known if (i := get(base | m << 1, -1)) >= 0]
         fw_starts = found(self._first, "pre_fw", False)
         fw_ends = found(self._last, "post_fw", False)
         bw_starts = found(self._first, "pre_bw", True)

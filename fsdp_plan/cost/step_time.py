@@ -198,9 +198,9 @@ def _fit(hw: Hardware, kind: str, group: int) -> Mapping[str, float] | None:
     fits = hw.collectives.get(kind) or {}
     if not fits:
         return None
-    sizes = sorted(int(g) for g in fits)
-    below = [g for g in sizes if g <= group]
-    return fits[str(below[-1] if below else sizes[0])]
+    sizes = hw.collective_groups[kind]
+    below = bisect.bisect_right(sizes, group)  # how many measured groups are <= group
+    return fits[str(sizes[below - 1] if below else sizes[0])]
 
 
 def collective_time(hw: Hardware, nbytes: float, group: int, kind: str = "all_gather", *,

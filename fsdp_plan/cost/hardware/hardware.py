@@ -50,6 +50,7 @@ Per-op fields (all optional):
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -122,6 +123,14 @@ class Hardware:
     """FSDP2's own seconds per byte around a unit's all-gather and reduce-scatter, by unit
     bytes (empty: two passes at ``memory_bandwidth``)."""
     source: str = ""
+
+    @functools.cached_property
+    def collective_groups(self) -> dict[str, list[int]]:
+        """Each collective kind's measured group sizes (``collectives``' keys), ascending:
+        the time model picks a curve per collective (cost/step_time.py ``_fit``), thousands
+        per DDP evaluation."""
+        return {kind: sorted(int(g) for g in fits)
+                for kind, fits in self.collectives.items() if fits}
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain YAML-able data (what ``write_hardware_file`` writes)."""
