@@ -93,6 +93,9 @@ class UnitClock:
         """The forward passes simulated on this clock (``simulate_step``)."""
         self._ordered: dict[tuple, tuple[list[UnitCost], tuple]] = {}
         """Layouts' costs in forward order by layout key and recompute (``ordered_costs``)."""
+        self._bases: dict[tuple, list[tuple[UnitCost, frozenset[str]]]] = {}
+        """Layouts' unit costs without recompute, with the modules each unit owns, by layout
+        key and mesh (``ordered_costs``)."""
         self.rates = Rates.of(setup.hardware, setup.param_dtype)
         """The compute dtype's rates on the hardware."""
 
@@ -172,7 +175,6 @@ class UnitClock:
         )
         return base
 
-
     def ordered_costs(self, units: list[UnitSpec], *, shard: int, replicate: int,
                       recompute: Mapping[str, tuple[float, float]], optimizer_overlap: bool,
                       layout_key: Hashable | None) -> tuple[list[UnitCost], tuple]:
@@ -188,10 +190,14 @@ class UnitClock:
             return found
         s = self.setup
         hw, rates = s.hardware, self.rates
+        bases = self._bases.get((layout_key, shard, replicate)) if key is not None else None
+        if bases is None:
+            bases = [(self.unit_cost(u, rates, shard=shard, replicate=replicate),
+                      self.flops(u)[2]) for u in units]
+            if key is not None:
+                self._bases[(layout_key, shard, replicate)] = bases
         costs: list[UnitCost] = []
-        for u in units:
-            base = self.unit_cost(u, rates, shard=shard, replicate=replicate)
-            _, _, owned = self.flops(u)
+        for u, (base, owned) in zip(units, bases):
             # A checkpointed block's forward (or, selective, its unsaved ops) runs again
             # inside its unit's backward: [Note: recompute time] in search/evaluator.py.
             replays = tuple(recompute[b] for b in owned if b in recompute) if recompute else ()
