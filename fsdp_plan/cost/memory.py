@@ -342,27 +342,41 @@ def _first_and_last(codes: np.ndarray, backward_start: int
     ordered = keys[order]
     starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
     ends = np.append(starts[1:], len(keys)) - 1
-    unique = ordered[starts].tolist()
-    return _CodeIndex(unique, order[starts].tolist()), _CodeIndex(unique, order[ends].tolist())
+    unique = ordered[starts]
+    return _CodeIndex(unique, order[starts]), _CodeIndex(unique, order[ends])
 
 
 class _CodeIndex:
-    """Event indices by code (``_first_and_last``), read as a dict's ``get``: by bisection of
-    the sorted codes. The search composes a profile per checkpointing mix and looks up a few
-    hundred codes in each; building two dicts over every event took longer than all of them."""
+    """Event indices by code (``_first_and_last``), read as a dict's ``get`` (by bisection
+    of the sorted codes) or for many codes at once (``get_many``). The search composes a
+    profile per checkpointing mix and looks up a few hundred codes in each: building two dicts
+    over every event took longer than all of them."""
 
-    __slots__ = ("_codes", "_indices")
+    __slots__ = ("_code_array", "_codes", "_index_array", "_indices")
 
-    def __init__(self, codes: list[int], indices: list[int]) -> None:
-        self._codes = codes
-        """Sorted, each once."""
-        self._indices = indices
+    def __init__(self, codes: np.ndarray, indices: np.ndarray) -> None:
+        self._code_array, self._index_array = codes, indices
+        """Sorted, each once; and the event index of each."""
+        self._codes: list[int] = codes.tolist()
+        self._indices: list[int] = indices.tolist()
 
     def get(self, code: int, default: int) -> int:
         at = bisect.bisect_left(self._codes, code)
         if at < len(self._codes) and self._codes[at] == code:
             return self._indices[at]
         return default
+
+    def get_many(self, codes: np.ndarray, default: int) -> np.ndarray:
+        """``get`` of each of ``codes`` (int64), as an int64 array."""
+        import numpy as np  # see [Note: numpy on first use]
+
+        at = np.searchsorted(self._code_array, codes)
+        inside = at < len(self._codes)
+        found = np.zeros(len(codes), dtype=bool)
+        found[inside] = self._code_array[at[inside]] == codes[inside]
+        out = np.full(len(codes), default, dtype=np.int64)
+        out[found] = self._index_array[at[found]]
+        return out
 
     def __len__(self) -> int:
         return len(self._codes)
@@ -716,11 +730,12 @@ def _gradient_modules(profile: ActivationProfile, units: list[UnitSpec], order: 
     import numpy as np  # see [Note: numpy on first use]
 
     modules = [units[i].param_modules for i in order.tolist()]
-    # ``first_event("post_bw", fqn, -1)`` for each, without two calls per module
-    first, ids = profile._first.get, profile._names.modules
+    # ``first_event("post_bw", fqn, -1)`` for each, looked up all at once
+    ids = profile._names.modules
     post_bw = profile._names.kinds.get("post_bw", -1) << 33 | 1  # the code's kind, in backward
-    return (np.array([first(post_bw | ids.get(fqn, -1) << 1, -1)
-                      for pm in modules for fqn, _ in pm], dtype=np.int64),
+    codes = np.array([post_bw | ids.get(fqn, -1) << 1 for pm in modules for fqn, _ in pm],
+                     dtype=np.int64)
+    return (profile._first.get_many(codes, -1),
             np.array([numel for pm in modules for _, numel in pm], dtype=np.int64),
             np.array([len(pm) for pm in modules], dtype=np.int64))
 
