@@ -2,7 +2,7 @@
 every prediction (issue 29: "predictions identical to today's").
 
     python benchmarks/evaluation_identity.py OUT_DIR           # write the record
-    diff -r BEFORE_DIR AFTER_DIR                                # nothing may differ
+    diff -r -x "*.stderr" BEFORE_DIR AFTER_DIR                 # nothing may differ
 
 Each case is a planning command run in a fresh process (``fsdp_plan.cli.main.main``, with the
 facts cache of ``$FSDP_PLAN_CACHE_DIR``), with ``Evaluator._evaluate`` wrapped to write one line
@@ -73,7 +73,8 @@ def record(out_dir: str, names: list[str]) -> None:
                             if "planned in" not in line))
         with open(os.path.join(out_dir, f"{name}.stderr"), "w") as f:  # paths, cache notes
             f.write(done.stderr)
-        lines = sum(1 for _ in open(os.path.join(out_dir, f"{name}.evaluations")))
+        with open(os.path.join(out_dir, f"{name}.evaluations")) as f:
+            lines = sum(1 for _ in f)
         print(f"{name}: {done.stdout.splitlines()[-1] if done.stdout else '?'}, "
               f"{lines} evaluations", flush=True)
 
