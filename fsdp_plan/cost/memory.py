@@ -586,8 +586,6 @@ class _Skeleton:
     """(event, unit): the unit's post-backward, where its reduce-scatter runs (in backward
     order), whether or not its sharded gradient stays."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    rates: dict[tuple, np.ndarray] = field(default_factory=dict)
-    """Per-unit rates by (shard size, dtype sizes, shard numels): ``_unit_rates``."""
 
 
 def _unit_rates(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
@@ -883,14 +881,23 @@ def _unique(values: np.ndarray) -> np.ndarray:
     return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
 
 
-def _rates_of(skeleton: _Skeleton, units: list[UnitSpec], p: Precision, shard: int
-              ) -> np.ndarray:
-    key = (shard, p.param_bytes, p.orig_bytes, p.reduce_bytes,
-           tuple(u.shard_numel for u in units), tuple(u.full_precision for u in units),
-           tuple(u.largest_shard_numel for u in units))
-    rates = skeleton.rates.get(key)
+_RATES: dict[tuple, np.ndarray] = {}
+"""``_unit_rates`` by everything they read (``_rates_of``): one layout's are the same under
+every checkpointing mix and prefetch, so they are kept across profiles and skeletons (read
+only: the arrays are not writeable). Emptied when it holds ``_RATES_KEPT``."""
+_RATES_KEPT = 4096
+
+
+def _rates_of(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
+    """``_unit_rates`` of ``units``, cached in ``_RATES``."""
+    key = (shard, p, tuple((u.numel, u.shard_numel, u.full_precision, u.largest_shard_numel)
+                           for u in units))
+    rates = _RATES.get(key)
     if rates is None:
-        rates = skeleton.rates[key] = _unit_rates(units, p, shard)
+        if len(_RATES) >= _RATES_KEPT:
+            _RATES.clear()
+        rates = _RATES[key] = _unit_rates(units, p, shard)
+        rates.flags.writeable = False
     return rates
 
 
@@ -910,7 +917,7 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     a = _sweep_of(profile, skeleton)
-    rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size)
+    rates = _rates_of(units, ctx.precision, ctx.shard_size)
     inst = a["inst"]
     nbytes, grad_bytes = _buffer_bytes(a, rates)
     running = np.concatenate(([0], np.cumsum(
@@ -1042,7 +1049,7 @@ def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
     the sweep: ``estimate_peak`` takes their highest total, ``memory_timeline`` all of them."""
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
-    rates = _rates_of(skeleton, units, ctx.precision, ctx.shard_size).tolist()
+    rates = _rates_of(units, ctx.precision, ctx.shard_size).tolist()
     live, extra = skeleton.live, skeleton.instants
     assert live.end is not None, "live buffers end"
     return StepBuffers(
@@ -1115,7 +1122,7 @@ def memory_timeline(profile: ActivationProfile, units: list[UnitSpec], ctx: Step
     if ctx.optimizer_overlap and not ctx.offload:  # the points estimate_peak adds
         skeleton = _skeleton_of(profile, units, ctx, b.held, forward_prefetch, backward_prefetch)
         steps = _steps_in_backward(skeleton, _sweep_of(profile, skeleton),
-                                   _rates_of(skeleton, units, ctx.precision, ctx.shard_size),
+                                   _rates_of(units, ctx.precision, ctx.shard_size),
                                    {**b.static, **b.held}, ctx.optimizer)
     return MemoryTimeline(events=profile.events, forward_end=profile.forward_end, points=points,
                           activations=activations, static=b.static, held=b.held, live=live,
