@@ -175,12 +175,8 @@ class ActivationProfile:
         import numpy as np  # see [Note: numpy on first use]
 
         level = np.frexp((hi - lo + 1).astype(np.float64))[1] - 1  # exact floor(log2)
-        out = np.zeros(len(lo), dtype=np.int64)
-        for j in _unique(level).tolist():
-            at = level == j
-            row = self._table[j]
-            out[at] = np.maximum(row[lo[at]], row[hi[at] - (1 << j) + 1])
-        return out
+        table = self._table
+        return np.maximum(table[level, lo], table[level, hi - np.left_shift(1, level) + 1])
 
     def first_event(self, kind: str, module: str, default: int) -> int:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
@@ -390,15 +386,22 @@ def _index_of(items: list[str], item: str, default: int) -> int:
         return default
 
 
-def _sparse_table(peaks: np.ndarray) -> list[np.ndarray]:
-    """Row ``j``: the highest of ``peaks`` over the ``2**j`` events from each index."""
+def _sparse_table(peaks: np.ndarray) -> np.ndarray:
+    """Row ``j``: the highest of ``peaks`` over the ``2**j`` events from each index, for every
+    ``2**j`` up to the number of events; one 2-D array, so the sweep reads all its range
+    maxima in one gather (``_range_max``). Row ``j`` holds ``n - 2**j + 1`` such maxima; its
+    last ``2**j - 1`` entries copy the row above and no query reads them."""
     import numpy as np  # see [Note: numpy on first use]
 
-    table = [peaks]
+    n = len(peaks)
+    table = np.empty((max(1, n.bit_length()), n), dtype=peaks.dtype)
+    table[0] = peaks
     span = 1
-    while 2 * span <= len(peaks):
-        prev = table[-1]
-        table.append(np.maximum(prev[:len(prev) - span], prev[span:]))
+    for j in range(1, len(table)):
+        prev, row = table[j - 1], table[j]
+        row[:] = prev
+        valid = n - 2 * span + 1
+        np.maximum(prev[:valid], prev[span:span + valid], out=row[:valid])
         span *= 2
     return table
 
