@@ -1,0 +1,114 @@
+"""The evaluator's caches change no answer (issue 29 item 3).
+
+The search and the frontier evaluate one layout under many checkpointing, prefetch and
+strategy choices, and the evaluator keeps what they share: a layout's units, forward calls,
+collectives and cross-node bytes (search/evaluator.py), its unit costs in forward order
+(cost/unit_time.py ``UnitClock.ordered_costs``), the units' byte rates across profiles
+(cost/memory.py ``_rates_of``), DDP's host issue times. A candidate evaluated after many
+others must equal, field for field, the same layout evaluated first on a fresh evaluator: a
+cache key that leaves out something its value reads fails here. Fixture-level (the tiny
+Llama facts), no torch model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsdp_plan.cost.ddp_buckets import DDPConfig
+from fsdp_plan.cost.hardware import hardware_for
+from fsdp_plan.cost.memory import _rates_of, _unit_rates
+from fsdp_plan.cost.precision import Precision
+from fsdp_plan.cost.units import build_units
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.search.candidate import Layout, SearchSettings
+from fsdp_plan.search.evaluator import Evaluator
+from tests.layouts import layout
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny_llama_facts.json"
+
+
+@pytest.fixture(scope="module")
+def facts() -> ModelFacts:
+    with open(FIXTURE) as f:
+        return ModelFacts.from_dict(json.load(f))
+
+
+def _settings(**overrides) -> SearchSettings:
+    return SearchSettings(budget_bytes=10**9, headroom_bytes=0, world_size=8, gpus_per_node=4,
+                          hardware=hardware_for("h100"), **overrides)
+
+
+def _layouts(blocks: list[str]) -> list[Layout]:
+    """Layouts that share units, meshes and checkpointing in every combination the caches
+    tell apart: the same groups, reshard choices and mesh under two strategies (FSDP1's
+    counts read the strategy), every prefetch depth, checkpointing counts both ways."""
+    groupings = [[[b] for b in blocks], [blocks[:2], blocks[2:]],
+                 [["tok_embeddings"], *[[b] for b in blocks], ["output"]]]
+    out = []
+    for groups in groupings:
+        for strategy, replicate, shard, reshard in (("full", 1, 8, True), ("full", 1, 8, False),
+                                                    ("grad-op", 1, 8, False),
+                                                    ("hybrid", 2, 4, True)):
+            for k in (0, 2, len(blocks), 1):
+                for fwp, bwp in ((0, 1), (1, 2), (0, 2)):
+                    out.append(layout(strategy=strategy, replicate=replicate, shard=shard,
+                                      groups=groups, reshard=[reshard] * len(groups),
+                                      root_reshard=reshard and strategy != "grad-op", k=k,
+                                      forward_prefetch=fwp, backward_prefetch=bwp))
+    return out
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"optimizer_overlap": True},
+    {"precision": Precision.of("bfloat16", "bfloat16"), "grad_accum_steps": 2,
+     "gradient_sync": "last"},
+], ids=["plain", "optimizer-overlap", "bf16-accumulation"])
+def test_a_warm_evaluator_answers_as_a_fresh_one(facts, overrides):
+    settings = _settings(**overrides)
+    layouts = _layouts(facts.graph.blocks)
+    warm = Evaluator(facts.graph, facts.analysis, settings)
+    answers = [warm.evaluate(lay, f"c{i}") for i, lay in enumerate(layouts)]
+    backwards = Evaluator(facts.graph, facts.analysis, settings)
+    reversed_answers = [backwards.evaluate(lay, f"c{i}")
+                        for i, lay in reversed(list(enumerate(layouts)))][::-1]
+    for i, lay in enumerate(layouts):
+        fresh = Evaluator(facts.graph, facts.analysis, settings).evaluate(lay, f"c{i}")
+        assert repr(answers[i]) == repr(fresh), lay
+        assert repr(reversed_answers[i]) == repr(fresh), lay
+    # the grouping and strategy pairs really differ where the caches must tell them apart
+    full = next(a for a in answers if a.layout.strategy == "full" and not a.layout.reshard[0])
+    grad_op = next(a for a in answers if a.layout.strategy == "grad-op"
+                   and a.layout.groups == full.layout.groups)
+    assert full.collectives_fsdp1 != grad_op.collectives_fsdp1
+
+
+def test_ddp_layouts_answer_as_on_a_fresh_evaluator(facts):
+    settings = _settings(precision=Precision.of("float32", "float32"))
+    configs = [DDPConfig(bucket_cap_mb=cap, first_bucket_mb=first)
+               for cap, first in ((1, 1), (0.05, 0.01), (0.01, 0.01))]
+    layouts = [Layout(strategy="ddp", mesh=(8, 1), ddp=c) for c in configs]
+    warm = Evaluator(facts.graph, facts.analysis, settings)
+    answers = [warm.evaluate(lay, f"d{i}") for i, lay in enumerate(layouts)]
+    for i, lay in enumerate(layouts):
+        fresh = Evaluator(facts.graph, facts.analysis, settings).evaluate(lay, f"d{i}")
+        assert repr(answers[i]) == repr(fresh)
+    assert len({len(a.detail.buckets) for a in answers}) > 1
+
+
+def test_unit_rates_are_kept_by_everything_they_read(facts):
+    blocks = facts.graph.blocks
+    precisions = [Precision.of("bfloat16", "float32"), Precision.of("bfloat16", "bfloat16"),
+                  Precision.of("float32", "float32")]
+    cases = [(build_units(facts.graph, [[b] for b in blocks], [True] * len(blocks), shard), p,
+              shard) for shard in (1, 2, 8) for p in precisions]
+    cases.append((build_units(facts.graph, [blocks[:2], blocks[2:]], [True, True], 8),
+                  precisions[0], 8))
+    for units, p, shard in cases + cases[::-1]:
+        rates = _rates_of(units, p, shard)
+        assert np.array_equal(rates, _unit_rates(units, p, shard))
+        assert not rates.flags.writeable
