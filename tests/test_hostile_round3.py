@@ -470,6 +470,25 @@ def test_a_thread_the_model_leaves_running_does_not_hold_up_the_exit(tmp_path, s
     assert [n for n in os.listdir(temporary) if n != "torchinductor_root"] == []
 
 
+@pytest.mark.parametrize("with_torch", [False, True])
+def test_the_end_runs_the_exit_handlers_flushes_and_keeps_the_code(tmp_path, with_torch):
+    """[Note: ending the process]: with torch imported or not (a plan from cached facts), the
+    process ends by ``os._exit`` after the ``atexit`` handlers ran and the buffered report was
+    flushed, with the command's exit code."""
+    flag = tmp_path / "handlers-ran"
+    code = ("import atexit, sys\n"
+            + ("import torch\n" if with_torch else "")
+            + "from fsdp_plan.cli.process import end_process\n"
+            "atexit.register(lambda: open(sys.argv[1], 'w').write('ran'))\n"
+            "sys.stdout.write('the report, still buffered')\n"
+            "assert ('torch' in sys.modules) == " + str(with_torch) + "\n"
+            "end_process(3)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(flag)], capture_output=True,
+                          text=True, timeout=120, env=ENV, check=False)
+    assert (done.returncode, done.stdout) == (3, "the report, still buffered"), done.stderr
+    assert flag.read_text() == "ran" and "Traceback" not in done.stderr
+
+
 def test_a_lingering_thread_keeps_a_failures_exit_code(tmp_path):
     model = tmp_path / "threads.py"
     model.write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(600,))"
