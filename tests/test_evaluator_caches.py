@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from layouts import layout
 
 from fsdp_plan.cost.ddp_buckets import DDPConfig
 from fsdp_plan.cost.hardware import hardware_for
@@ -26,7 +27,6 @@ from fsdp_plan.cost.units import build_units
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.search.candidate import Layout, SearchSettings
 from fsdp_plan.search.evaluator import Evaluator
-from tests.layouts import layout
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_llama_facts.json"
 
