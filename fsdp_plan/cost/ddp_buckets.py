@@ -659,8 +659,7 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
                                  precision.orig_bytes)
     times = event_times(events, hw, dtype) if times is None else times
     common = {"world_size": world_size, "gpus_per_node": gpus_per_node,
-              "optimizer_s": optimizer_s, "times": times,
-              "issued": host_issue_times(events, hw) if issued is None else issued}
+              "optimizer_s": optimizer_s, "times": times, "issued": issued}
     kind = hook_kind(config.comm_hook)
     chains = None
     if kind is not None:

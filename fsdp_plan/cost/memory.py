@@ -186,8 +186,13 @@ class ActivationProfile:
                default: int) -> int:
         """The first or last (``found``: ``_first``, ``_last``) ``kind`` event of ``module``
         in backward or in forward, else ``default``."""
-        code = self._names.code(kind, module)
-        return default if code is None else found.get(code << 1 | in_backward, default)
+        return found.get(self._event_keys(kind, [module], in_backward)[0], default)
+
+    def _event_keys(self, kind: str, modules: Sequence[str], in_backward: bool) -> list[int]:
+        """The keys ``_first`` and ``_last`` hold ``kind`` events of ``modules`` by,
+        ``EventNames.code << 1 | in_backward``; -1 (no key) for a name no event has."""
+        code = self._names.code
+        return [-1 if (c := code(kind, m)) is None else c << 1 | in_backward for m in modules]
 
     def _backward_left(self, modules: tuple[str, ...], start: int, stop: int) -> int:
         """Where backward has left a unit: see [Note: post-backward of shared inputs].
@@ -253,18 +258,9 @@ class ActivationProfile:
             fw_end = self._index(self._last, "post_fw", "", False, self.forward_end)
             return UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start, bw_end=end)
 
-        ids = self._names.modules
-        known = [ids[m] for m in unit.modules if m in ids]
-
         def found(first_or_last: _CodeIndex, kind: str, in_backward: bool) -> list[int]:
-            """``_index`` of each of the unit's modules that has a ``kind`` event, without
-            building each code anew: ``code << 1 | in_backward`` is ``kind id << 33 | module
-            id << 1 | in_backward``."""
-            k = self._names.kinds.get(kind)
-            if k is None:
-                return []
-            get, base = first_or_last.get, k << 33 | in_backward
-            return [i for m in known if (i := get(base | m << 1, -1)) >= 0]
+            return [i for key in self._event_keys(kind, unit.modules, in_backward)
+                    if (i := first_or_last.get(key, -1)) >= 0]
         fw_starts = found(self._first, "pre_fw", False)
         fw_ends = found(self._last, "post_fw", False)
         bw_starts = found(self._first, "pre_bw", True)
@@ -732,11 +728,8 @@ def _gradient_modules(profile: ActivationProfile, units: list[UnitSpec], order: 
 
     modules = [units[i].param_modules for i in order.tolist()]
     # ``first_event("post_bw", fqn, -1)`` for each, looked up all at once
-    ids = profile._names.modules
-    post_bw = profile._names.kinds.get("post_bw", -1) << 33 | 1  # the code's kind, in backward
-    codes = np.array([post_bw | ids.get(fqn, -1) << 1 for pm in modules for fqn, _ in pm],
-                     dtype=np.int64)
-    return (profile._first.get_many(codes, -1),
+    keys = profile._event_keys("post_bw", [fqn for pm in modules for fqn, _ in pm], True)
+    return (profile._first.get_many(np.array(keys, dtype=np.int64), -1),
             np.array([numel for pm in modules for _, numel in pm], dtype=np.int64),
             np.array([len(pm) for pm in modules], dtype=np.int64))
 

@@ -131,11 +131,8 @@ class Streams:
             spans.append(("host", "issue " + label, free, free + host_s))
             begin = max(start, free)
             self.host_free = issued = free + host_s
-        stop = begin + seconds
-        busy = _busy_within(self._busy, self._ends, begin, stop)  # ``overlap``, in line
-        if self._beside:
-            busy += _busy_within(self._beside, self._beside_ends, begin, stop)
-        slowed = seconds * (1 + self.hw.contention * min(1.0, busy / max(seconds, 1e-12)))
+        slowed = seconds * (1 + self.hw.contention * min(
+            1.0, self.overlap(begin, begin + seconds) / max(seconds, 1e-12)))
         end = max(begin + slowed, issued)
         self.host_wait_s += (begin - start) + max(0.0, issued - (begin + slowed))
         spans.append(("compute", label, begin, end))

@@ -136,11 +136,11 @@ class UnitClock:
                 bw_host_s=base.bw_host_s + sum(r[1] for r in replays))
         return found
 
-    def unit_cost(self, unit: UnitSpec, rates: Rates, *, shard: int, replicate: int) -> UnitCost:
+    def unit_cost(self, unit: UnitSpec, *, shard: int, replicate: int) -> UnitCost:
         """``unit``'s times without recompute on a ``(replicate, shard)`` mesh, cached: they
         depend only on what it owns, its bytes and the mesh."""
         s = self.setup
-        hw, p = s.hardware, s.precision
+        hw, p, rates = s.hardware, s.precision, self.rates
         _, _, owned = self.flops(unit)
         key = (owned, unit.key, unit.numel, unit.shard_numel, p.unit_param_bytes(unit),
                unit.reshard_after_forward, shard, replicate)
@@ -183,19 +183,19 @@ class UnitClock:
         optimizer step; and what forward reads of them (``simulate_step``'s
         ``forward_key``). Cached by ``layout_key`` (None: not cached): the search times one
         layout under many prefetch and checkpointing choices."""
-        key = None if layout_key is None else (layout_key, shard, replicate, optimizer_overlap,
-                                               tuple(recompute.items()))
-        found = self._ordered.get(key) if key is not None else None
-        if found is not None:
-            return found
+        mesh_key = (layout_key, shard, replicate)
+        key = (mesh_key, optimizer_overlap, tuple(recompute.items()))
+        cached = layout_key is not None
+        if cached and key in self._ordered:
+            return self._ordered[key]
         s = self.setup
         hw, rates = s.hardware, self.rates
-        bases = self._bases.get((layout_key, shard, replicate)) if key is not None else None
+        bases = self._bases.get(mesh_key) if cached else None
         if bases is None:
-            bases = [(self.unit_cost(u, rates, shard=shard, replicate=replicate),
-                      self.flops(u)[2]) for u in units]
-            if key is not None:
-                self._bases[(layout_key, shard, replicate)] = bases
+            bases = [(self.unit_cost(u, shard=shard, replicate=replicate), self.flops(u)[2])
+                     for u in units]
+            if cached:
+                self._bases[mesh_key] = bases
         costs: list[UnitCost] = []
         for u, (base, owned) in zip(units, bases):
             # A checkpointed block's forward (or, selective, its unsaved ops) runs again
@@ -211,7 +211,7 @@ class UnitClock:
         root = [c for c in costs if c.key == "<root>"]
         ordered = root + [c for c in costs if c.key != "<root>"]
         found = (ordered, forward_reads(ordered))
-        if key is not None:
+        if cached:
             self._ordered[key] = found
         return found
 

@@ -105,6 +105,12 @@ class Layout:
     def shard(self) -> int:
         return self.mesh[1]
 
+    @property
+    def units_key(self) -> tuple:
+        """What fixes the layout's ``fully_shard`` units: their groups, reshard choices and
+        mesh (the evaluator builds and times a layout's units once per key)."""
+        return (self.groups, self.reshard, self.root_reshard, self.mesh)
+
 
 @dataclass(kw_only=True, frozen=True)
 class BlockMode:

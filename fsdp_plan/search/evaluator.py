@@ -214,8 +214,7 @@ class Evaluator:
         s = self.settings
         replicate, shard = layout.mesh
         which, selective = layout.full, layout.selective - layout.full
-        key = (layout.groups, layout.reshard, layout.root_reshard, layout.mesh)
-        units, calls = self._units_and_calls(key, layout)
+        units, calls = self._units_and_calls(layout)
         ctx = self.step_context(shard, optimizer_overlap=layout.optimizer_overlap)
         profile = self.profile(which, selective)
         memory = estimate_peak(profile, units, ctx, forward_prefetch=layout.forward_prefetch,
@@ -228,9 +227,8 @@ class Evaluator:
             self.clock, units, shard=shard, replicate=replicate,
             recompute={m.block: (m.recompute_s, m.recompute_host_s) for m in block_modes},
             forward_prefetch=layout.forward_prefetch, backward_prefetch=layout.backward_prefetch,
-            optimizer_overlap=layout.optimizer_overlap, layout_key=key)
-        collectives, collectives_fsdp1, crossing = self._communication(key, layout, units, ran,
-                                                                       calls)
+            optimizer_overlap=layout.optimizer_overlap, layout_key=layout.units_key)
+        collectives, collectives_fsdp1, crossing = self._communication(layout, units, ran, calls)
         return Candidate(
             name=name, layout=layout, units=units, memory=memory, time=time,
             collectives=dict(collectives), collectives_fsdp1=dict(collectives_fsdp1),
@@ -238,29 +236,28 @@ class Evaluator:
             block_modes=block_modes, cross_node_bytes=crossing,
         )
 
-    def _units_and_calls(self, key: tuple, layout: Layout) -> tuple[list[UnitSpec], list[int]]:
-        """The units of ``layout`` (named by ``key``: its groups, reshard choices and mesh)
-        and each one's forward calls, built once per key: the search evaluates one layout
-        under many checkpointing and prefetch choices, and nothing changes a candidate's
-        units."""
-        found = self._unit_layouts.get(key)
+    def _units_and_calls(self, layout: Layout) -> tuple[list[UnitSpec], list[int]]:
+        """The units of ``layout`` and each one's forward calls, built once per
+        ``Layout.units_key``: the search evaluates one layout under many checkpointing and
+        prefetch choices, and nothing changes a candidate's units."""
+        found = self._unit_layouts.get(layout.units_key)
         if found is None:
             units = self.units_of(layout)
-            found = self._unit_layouts[key] = (units, self._calls(units))
+            found = self._unit_layouts[layout.units_key] = (units, self._calls(units))
         return found
 
-    def _communication(self, key: tuple, layout: Layout, units: list[UnitSpec],
-                       ran: tuple[bool, ...], calls: list[int]
-                       ) -> tuple[dict[str, int], dict[str, int], int]:
-        """Collectives per step under FSDP2 and FSDP1 and the bytes crossing nodes of the
-        units of ``key`` (``_units_and_calls``) given which ran forward; cached by both and
-        the strategy (FSDP1's counts read it)."""
-        found = self._communicated.get((key, layout.strategy, ran))
+    def _communication(self, layout: Layout, units: list[UnitSpec], ran: tuple[bool, ...],
+                       calls: list[int]) -> tuple[dict[str, int], dict[str, int], int]:
+        """Collectives per step under FSDP2 and FSDP1 and the bytes crossing nodes of
+        ``layout``'s units (``_units_and_calls``) given which ran forward; cached by its
+        ``units_key``, which ran and the strategy (FSDP1's counts read it)."""
+        key = (layout.units_key, layout.strategy, ran)
+        found = self._communicated.get(key)
         if found is not None:
             return found
         s = self.settings
         replicate, shard = layout.mesh
-        found = self._communicated[(key, layout.strategy, ran)] = (
+        found = self._communicated[key] = (
             per_step(count_fsdp2(units, replicate=replicate, shard=shard, ran=list(ran),
                                  calls=calls), s.grad_accum_steps, s.gradient_sync),
             per_step(count_fsdp1(units, strategy=layout.strategy, replicate=replicate,
