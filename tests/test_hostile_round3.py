@@ -497,3 +497,34 @@ def test_a_lingering_thread_keeps_a_failures_exit_code(tmp_path):
     assert done.returncode == 3, done.stderr
     assert "no plan fits" in done.stderr and "exits with code 3" in done.stderr
     assert sorted(os.listdir(tmp_path)) == ["threads.py"]
+
+
+def test_a_thread_printing_while_the_report_closes_does_not_crash_the_planner():
+    """[Note: streams taken off sys.stdout stay alive]: a model's thread in print() while the
+    main thread takes the report off ``sys.stdout`` wrote through a freed stream (a segfault
+    at exit; this script failed 6 runs in 6 before the fix). Each cycle is one command's open
+    and close; the thread's lines all reach stderr, the first report stdout."""
+    code = ("import sys, threading\n"
+            "from fsdp_plan.cli.process import ReportChannel, end_process\n"
+            "opened = threading.Event()\n"
+            "def tick():\n"
+            "    opened.wait()\n"  # as in a command: the model runs with the report open
+            "    while True:\n"
+            "        print('TICK', flush=True)\n"
+            "threading.Thread(target=tick, daemon=True).start()\n"
+            "for _ in range(2000):\n"
+            "    channel = ReportChannel()\n"
+            "    channel.open()\n"
+            "    opened.set()\n"
+            "    print('report')\n"
+            "    channel.close()\n"
+            "print('done', file=sys.stderr)\n"
+            # as a command ends: no interpreter shutdown under a printing daemon thread, which
+            # CPython may abort ('could not acquire lock for <stderr> at interpreter shutdown')
+            "end_process(0)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=ENV, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # descriptor 1 stays on stderr after the first command, so only its report is on stdout
+    assert done.stdout == "report\n" and "done\n" in done.stderr
+    assert re.sub("TICK|report|done", "", done.stderr).strip() == "", done.stderr[-2000:]

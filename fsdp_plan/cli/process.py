@@ -27,6 +27,16 @@ imported (a plan that traced, every GPU and gloo verb; 1.3-1.8 s of the 11 s tha
 first command took when it traced, issue 29), else of the facts and the search's caches (0.1 s
 of that command from cached facts here). Every file fsdp-plan writes is complete and closed
 (written atomically) before the command returns.
+
+[Note: streams taken off sys.stdout stay alive]
+CPython 3.11's ``print()`` holds ``sys.stdout`` as a borrowed reference while it writes and
+flushes, with the GIL released around the write. A model's thread printing while the main
+thread replaces ``sys.stdout`` (``ReportChannel.close`` at the end of every command) would so
+write through a freed stream if the old one were released: the planner segfaulted at exit
+after the plan was written (rc -11, 3 runs in 8 of
+test_json_is_alone_on_stdout_whatever_the_model_writes[plan]). Every stream this module takes
+off ``sys.stdout`` is therefore kept in ``_RETIRED_STREAMS`` to the end of the process (one
+small object per command).
 """
 
 from __future__ import annotations
@@ -40,6 +50,16 @@ import threading
 from typing import Any, TextIO
 
 from fsdp_plan.model.user_process import end_forked_children
+
+_RETIRED_STREAMS: list[Any] = []
+"""Streams taken off ``sys.stdout``, never released ([Note: streams taken off sys.stdout stay
+alive])."""
+
+
+def _replace_stdout(stream: Any) -> None:
+    """``sys.stdout = stream``, keeping the stream it replaces alive."""
+    _RETIRED_STREAMS.append(sys.stdout)
+    sys.stdout = stream
 
 
 class _MainThreadReport(io.TextIOBase):
@@ -58,7 +78,7 @@ class _MainThreadReport(io.TextIOBase):
         return self._target().write(text)
 
     def flush(self) -> None:
-        self._report.flush()
+        self._target().flush()
 
     def fileno(self) -> int:
         return self._report.fileno()
@@ -103,7 +123,7 @@ class ReportChannel:
         encoding = getattr(out, "encoding", None) or "utf-8"
         errors = getattr(out, "errors", None) or "strict"
         self._report = open(saved, "w", encoding=encoding, errors=errors)  # noqa: SIM115
-        sys.stdout = _MainThreadReport(self._report)
+        _replace_stdout(_MainThreadReport(self._report))
 
     def close(self) -> None:
         """The report is complete: flush and close it; later output (``atexit``, threads)
@@ -112,7 +132,7 @@ class ReportChannel:
             return
         with contextlib.suppress(OSError, ValueError):  # a reader that went away (head -c)
             self._report.flush()
-        sys.stdout = sys.stderr
+        _replace_stdout(sys.stderr)
         with contextlib.suppress(OSError, ValueError):
             self._report.close()
         self._report = None
