@@ -22,8 +22,9 @@ from __future__ import annotations
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.compiled import analyze_compiled
 from fsdp_plan.facts.depth import expand_pass, reduced_copy
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
+from fsdp_plan.facts.forked import ForkedPasses
 from fsdp_plan.facts.graph import keeps_full_precision
 from fsdp_plan.facts.op_classes import ATTENTION_PACKETS as _ATTENTION_PACKETS
 from fsdp_plan.facts.op_classes import CPU_ATTENTION_FLOP_RULES  # noqa: F401 (tests import it here)
@@ -404,25 +406,38 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     """
     compute = _Compute(param_dtype=None if autocast_dtype is not None else param_dtype,
                        autocast=autocast_dtype)
-    timeline, modules, input_bytes = _pass(loaded, compute, blocks, None, exact)
+    checkpointed = with_checkpointing and bool(blocks)
+
+    def full_pass() -> tuple[Timeline, dict[str, ModuleCompute], int]:
+        return _pass(loaded, compute, blocks, blocks, exact)
+
+    def selective_pass(stride: int) -> Callable[[], tuple[Timeline, dict[str, ModuleCompute], int]]:
+        return lambda: _pass(loaded, compute, blocks, blocks, exact, DEFAULT_SELECTIVE_OPS, stride)
+
     ckpt = None
     selective: tuple[Timeline | None, dict[str, float], str] = (None, {}, "")
     variants: list[SelectivePass] = []
-    if with_checkpointing and blocks:
-        if progress:
-            progress("analysing activation checkpointing")
-        try:
-            ckpt, _, _ = _pass(loaded, compute, blocks, blocks, exact)
-        except BadInput:
-            ckpt = None  # checkpointing cannot be traced here: plan without it
-        if ckpt is not None:
-            selective = _selective_pass(loaded, compute, blocks, exact, modules,
-                                        selective_mm_stride)
+    # the checkpointed passes run beside the plain one: [Note: passes in forked children]
+    with ForkedPasses(loaded.notes, enabled=None if checkpointed else False) as passes:
+        passes.start("full", full_pass)
+        passes.start("selective", selective_pass(selective_mm_stride))
+        timeline, modules, input_bytes = _pass(loaded, compute, blocks, None, exact)
+        if checkpointed:
+            if progress:
+                progress("analysing activation checkpointing")
+            try:
+                ckpt, _, _ = passes.result("full", full_pass)
+            except BadInput:
+                ckpt = None  # checkpointing cannot be traced here: plan without it
+            if ckpt is not None:
+                selective = _selective_pass(loaded, blocks, modules, lambda: passes.result(
+                    "selective", selective_pass(selective_mm_stride)))
+    if checkpointed:
         # compiled blocks are partitioned for the plan's own selective policy only
         for stride in sorted(set(selective_strides) - {selective_mm_stride}):
             if selective[0] is None or compile_blocks:
                 break
-            other = _selective_pass(loaded, compute, blocks, exact, modules, stride)
+            other = _selective_pass(loaded, blocks, modules, selective_pass(stride))
             if other[0] is not None:
                 variants.append(SelectivePass(mm_stride=stride, timeline=other[0],
                                               recompute_flops=other[1]))
@@ -483,15 +498,15 @@ def _plain_analysis(timeline: Timeline, modules: dict[str, ModuleCompute], input
         autocast_dtype=name if autocast else None)
 
 
-def _selective_pass(loaded: LoadedModel, compute: _Compute, blocks: list[str],
-                    exact: bool, plain: dict[str, ModuleCompute], mm_stride: int = 1
+def _selective_pass(loaded: LoadedModel, blocks: list[str], plain: dict[str, ModuleCompute],
+                    run: Callable[[], tuple[Timeline, dict[str, ModuleCompute], int]]
                     ) -> tuple[Timeline | None, dict[str, float], str]:
-    """The pass with every block selectively checkpointed (the replay probe), each block's
-    recompute FLOPs (its backward FLOPs over the plain pass's), and why it is unavailable."""
+    """The pass with every block selectively checkpointed (the replay probe; ``run`` runs it),
+    each block's recompute FLOPs (its backward FLOPs over the plain pass's), and why it is
+    unavailable."""
     kind = type(loaded.model.get_submodule(blocks[0])).__name__
     try:
-        timeline, modules, _ = _pass(loaded, compute, blocks, blocks, exact,
-                                     DEFAULT_SELECTIVE_OPS, mm_stride)
+        timeline, modules, _ = run()
     except BadInput as e:
         cause = e.__cause__ if e.__cause__ is not None else e
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__

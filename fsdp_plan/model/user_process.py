@@ -79,6 +79,19 @@ def process_guarded() -> Iterator[None]:
         _depth -= 1
 
 
+def fork_planner_child() -> int:
+    """``os.fork()`` for the planner's own children (facts/forked.py [Note: passes in forked
+    children]), even while user code is guarded: not recorded as the model's, since the
+    planner reaps them itself."""
+    return _real_fork()
+
+
+def end_planner_child(code: int) -> None:
+    """End a child of ``fork_planner_child`` at once with ``code`` (``os._exit``, even while
+    user code is guarded): no ``atexit`` handler of the planner's runs in it."""
+    _real_exit(code)
+
+
 def end_forked_children() -> list[int]:
     """End (SIGKILL) and reap the children that user code forked and that still run; returns
     their pids. Called when the command is done, planned or not."""

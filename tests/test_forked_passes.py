@@ -1,0 +1,127 @@
+"""The checkpointed analysis passes in forked children (facts/forked.py [Note: passes in forked
+children]): the same facts as in process, and every way a child can fail falls back to the
+pass run in process."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import fsdp_plan.facts.forked as forked
+from fsdp_plan.facts.analyze import analyze_model
+from fsdp_plan.facts.forked import SERIAL_ENV, ForkedPasses, forking_allowed
+from fsdp_plan.model.source import ModelSource
+
+LLAMA = str(Path(__file__).resolve().parents[1] / "examples" / "llama.py")
+
+needs_fork = pytest.mark.skipif(not forking_allowed(),
+                                reason="passes run in process here (one CPU, or not Linux)")
+
+
+def _gone(pid: int) -> bool:
+    """Reaped (not a child of this process any more)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+@needs_fork
+def test_forked_passes_give_the_facts_of_the_passes_in_process(monkeypatch):
+    sent = []
+    unpickled = forked._unpickled
+    monkeypatch.setattr(forked, "_unpickled", lambda payload: sent.append(1) or unpickled(payload))
+    source = ModelSource(source=LLAMA, args={"size": "tiny"}, batch_size=2, seq_len=32)
+    monkeypatch.setenv(SERIAL_ENV, "1")
+    serial = analyze_model(source).facts.analysis
+    assert sent == []
+    monkeypatch.setenv(SERIAL_ENV, "0")
+    both = analyze_model(source).facts.analysis
+    assert len(sent) == 2  # the checkpointed and the selective pass came from children
+    for name in ("timeline", "checkpointed_timeline", "selective_timeline"):
+        a, b = getattr(serial, name), getattr(both, name)
+        assert a is not None and b is not None
+        assert dataclasses.replace(a, seconds=0.0) == dataclasses.replace(b, seconds=0.0), name
+    for f in dataclasses.fields(serial):
+        if not f.name.endswith("timeline"):
+            assert getattr(serial, f.name) == getattr(both, f.name), f.name
+
+
+@needs_fork
+def test_a_childs_result_is_its_own_and_its_notes_come_back():
+    notes = ["kept"]
+
+    def run():
+        notes.append("from the child")
+        notes.append("kept")
+        return os.getpid()
+
+    with ForkedPasses(notes, enabled=True) as passes:
+        passes.start("pid", run)
+        assert notes == ["kept"]  # the child changed its own copy
+        pid = passes.result("pid", lambda: pytest.fail("ran in process"))
+    assert pid != os.getpid() and _gone(pid)
+    assert notes == ["kept", "from the child"]  # new notes once, in order
+
+
+@needs_fork
+@pytest.mark.parametrize("how", ["raises", "exits", "unpicklable"])
+def test_a_child_that_sends_nothing_usable_leaves_the_pass_to_the_process(how):
+    def run():
+        if how == "raises":
+            raise ValueError("only in the child")
+        if how == "exits":
+            os._exit(0)
+        return threading.Lock()  # cannot be pickled
+
+    with ForkedPasses([], enabled=True) as passes:
+        passes.start("pass", run)
+        assert passes.result("pass", lambda: "in process") == "in process"
+
+
+@needs_fork
+def test_a_child_past_its_deadline_is_killed_and_the_pass_runs_here(monkeypatch):
+    monkeypatch.setattr(forked, "_MIN_WAIT_S", 0.5)
+    monkeypatch.setattr(forked, "_WAIT_FACTOR", 0.0)
+    pids = []
+    with ForkedPasses([], enabled=True) as passes:
+        passes.start("hangs", lambda: time.sleep(600))
+        pids.extend(c.pid for c in passes._children.values())
+        started = time.monotonic()
+        assert passes.result("hangs", lambda: "in process") == "in process"
+        assert time.monotonic() - started < 10
+    assert _gone(pids[0])
+
+
+@needs_fork
+def test_children_still_running_when_the_work_fails_are_ended():
+    pids = []
+    with pytest.raises(RuntimeError), ForkedPasses([], enabled=True) as passes:
+        passes.start("a", lambda: time.sleep(600))
+        passes.start("b", lambda: time.sleep(600))
+        pids.extend(c.pid for c in passes._children.values())
+        raise RuntimeError("the plain pass failed")
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+
+
+def test_no_fork_with_threads_alive_or_when_asked_not_to(monkeypatch):
+    monkeypatch.delenv(SERIAL_ENV, raising=False)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait, daemon=True)
+    thread.start()
+    try:
+        assert not forking_allowed()  # a fork would copy a thread mid-way (a held lock)
+    finally:
+        stop.set()
+        thread.join()
+    monkeypatch.setenv(SERIAL_ENV, "1")
+    assert not forking_allowed()
+    with ForkedPasses([]) as passes:  # not enabled: start does nothing, result runs here
+        passes.start("pass", lambda: pytest.fail("forked"))
+        assert passes.result("pass", lambda: 7) == 7
