@@ -407,20 +407,32 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     compute = _Compute(param_dtype=None if autocast_dtype is not None else param_dtype,
                        autocast=autocast_dtype)
     checkpointed = with_checkpointing and bool(blocks)
+    under_autocast = ddp_autocast and autocast_dtype is None and param_dtype is not None and (
+        param_dtype.itemsize < 4)
+    Pass = tuple[Timeline, dict[str, ModuleCompute], int]
 
-    def full_pass() -> tuple[Timeline, dict[str, ModuleCompute], int]:
+    def full_pass() -> Pass:
         return _pass(loaded, compute, blocks, blocks, exact)
 
-    def selective_pass(stride: int) -> Callable[[], tuple[Timeline, dict[str, ModuleCompute], int]]:
+    def selective_pass(stride: int) -> Callable[[], Pass]:
         return lambda: _pass(loaded, compute, blocks, blocks, exact, DEFAULT_SELECTIVE_OPS, stride)
+
+    def autocast_pass() -> Pass:  # how DDP computes: float32 parameters under autocast
+        return _pass(loaded, _Compute(None, param_dtype), blocks, None, exact)
 
     ckpt = None
     selective: tuple[Timeline | None, dict[str, float], str] = (None, {}, "")
     variants: list[SelectivePass] = []
-    # the checkpointed passes run beside the plain one: [Note: passes in forked children]
-    with ForkedPasses(loaded.notes, enabled=None if checkpointed else False) as passes:
-        passes.start("full", full_pass)
-        passes.start("selective", selective_pass(selective_mm_stride))
+    compiled = None
+    ddp, ddp_unavailable = None, ""
+    # the passes after the plain one run beside it: [Note: passes in forked children]
+    with ForkedPasses(loaded.notes, enabled=None if checkpointed or under_autocast else False
+                      ) as passes:
+        if checkpointed:
+            passes.start("full", full_pass)
+            passes.start("selective", selective_pass(selective_mm_stride))
+        if under_autocast:
+            passes.start("autocast", autocast_pass)
         timeline, modules, input_bytes = _pass(loaded, compute, blocks, None, exact)
         if checkpointed:
             if progress:
@@ -432,44 +444,41 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
             if ckpt is not None:
                 selective = _selective_pass(loaded, blocks, modules, lambda: passes.result(
                     "selective", selective_pass(selective_mm_stride)))
-    if checkpointed:
-        # compiled blocks are partitioned for the plan's own selective policy only
-        for stride in sorted(set(selective_strides) - {selective_mm_stride}):
-            if selective[0] is None or compile_blocks:
-                break
-            other = _selective_pass(loaded, blocks, modules, selective_pass(stride))
-            if other[0] is not None:
-                variants.append(SelectivePass(mm_stride=stride, timeline=other[0],
-                                              recompute_flops=other[1]))
-    compiled = None
-    if compile_blocks:
-        if not blocks:
-            raise BadInput("--compile compiles the model's repeated blocks, and this model has "
-                           "none (no container of same-class children); plan without --compile.")
-        if autocast_dtype is not None:
-            raise BadInput("--compile with --autocast is not modelled: the compiled blocks' "
-                           "partition is traced with the parameters in param_dtype. Plan "
-                           "compiled blocks with --param-dtype bf16, or autocast without "
-                           "--compile.")
-        if progress:
-            progress("tracing the compiled blocks' partition")
-        compiled = analyze_compiled(loaded, param_dtype=param_dtype, blocks=blocks,
-                                    activation_memory_budget=activation_memory_budget,
-                                    selective_mm_stride=selective_mm_stride)
-    ddp, ddp_unavailable = None, ""
-    if ddp_autocast and autocast_dtype is None and param_dtype is not None and (
-            param_dtype.itemsize < 4):
-        if progress:
-            progress("analysing the step under torch.autocast (how DDP computes)")
-        try:
-            ddp = _plain_analysis(*_pass(loaded, _Compute(None, param_dtype), blocks, None,
-                                         exact), dtype=param_dtype, autocast=True)
-        except BadInput as e:  # e.g. a kernel that takes bfloat16 only, fed float32 by autocast
-            cause = e.__cause__ if e.__cause__ is not None else e
-            text = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
-            ddp_unavailable = (f"DDP computes under torch.autocast with float32 parameters, "
-                               f"where this model fails ({type(cause).__name__}: {text}); "
-                               "DDP is not planned")
+            # compiled blocks are partitioned for the plan's own selective policy only
+            for stride in sorted(set(selective_strides) - {selective_mm_stride}):
+                if selective[0] is None or compile_blocks:
+                    break
+                other = _selective_pass(loaded, blocks, modules, selective_pass(stride))
+                if other[0] is not None:
+                    variants.append(SelectivePass(mm_stride=stride, timeline=other[0],
+                                                  recompute_flops=other[1]))
+        if compile_blocks:
+            if not blocks:
+                raise BadInput("--compile compiles the model's repeated blocks, and this model "
+                               "has none (no container of same-class children); plan without "
+                               "--compile.")
+            if autocast_dtype is not None:
+                raise BadInput("--compile with --autocast is not modelled: the compiled blocks' "
+                               "partition is traced with the parameters in param_dtype. Plan "
+                               "compiled blocks with --param-dtype bf16, or autocast without "
+                               "--compile.")
+            if progress:
+                progress("tracing the compiled blocks' partition")
+            compiled = analyze_compiled(loaded, param_dtype=param_dtype, blocks=blocks,
+                                        activation_memory_budget=activation_memory_budget,
+                                        selective_mm_stride=selective_mm_stride)
+        if under_autocast:
+            if progress:
+                progress("analysing the step under torch.autocast (how DDP computes)")
+            try:
+                ddp = _plain_analysis(*passes.result("autocast", autocast_pass),
+                                      dtype=param_dtype, autocast=True)
+            except BadInput as e:  # e.g. a kernel that takes bfloat16 only, fed float32
+                cause = e.__cause__ if e.__cause__ is not None else e
+                text = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
+                ddp_unavailable = (f"DDP computes under torch.autocast with float32 parameters, "
+                                   f"where this model fails ({type(cause).__name__}: {text}); "
+                                   "DDP is not planned")
     analysis = _plain_analysis(timeline, modules, input_bytes,
                                dtype=autocast_dtype or param_dtype,
                                autocast=autocast_dtype is not None)
