@@ -465,9 +465,22 @@ _SPAWNED: list[str] = []
 _WATCHING = [False]
 
 
+def _planners_own_fork() -> bool:
+    """Whether the fork being audited is the planner's own, for an analysis pass (facts/forked.py
+    [Note: passes in forked children]), not one the untrusted names made."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if (frame.f_code.co_name == "fork_planner_child"
+                and frame.f_code.co_filename.endswith(os.path.join("model", "user_process.py"))):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _audit(event: str, _args: tuple) -> None:
     if _WATCHING[0] and event in ("os.system", "subprocess.Popen", "os.exec", "os.posix_spawn",
-                                  "os.spawn", "os.fork"):
+                                  "os.spawn", "os.fork") and not (
+            event == "os.fork" and _planners_own_fork()):
         _SPAWNED.append(event)
 
 

@@ -4,18 +4,17 @@ pass run in process."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-import fsdp_plan.facts.forked as forked
-from fsdp_plan.facts.analyze import analyze_model
+from fsdp_plan.facts import forked
 from fsdp_plan.facts.forked import SERIAL_ENV, ForkedPasses, forking_allowed
-from fsdp_plan.model.source import ModelSource
 
 LLAMA = str(Path(__file__).resolve().parents[1] / "examples" / "llama.py")
 
@@ -32,28 +31,43 @@ def _gone(pid: int) -> bool:
     return False
 
 
+_SAME_FACTS = """
+import dataclasses, os, sys
+from fsdp_plan.facts import forked
+from fsdp_plan.facts.analyze import analyze_model
+from fsdp_plan.model.source import ModelSource
+
+sent = []
+unpickled = forked._unpickled
+forked._unpickled = lambda payload: sent.append(1) or unpickled(payload)
+source = ModelSource(source=sys.argv[1], args={"size": "tiny"}, batch_size=2, seq_len=32)
+os.environ[forked.SERIAL_ENV] = "1"
+serial = analyze_model(source, ddp_limit_bytes=10**12).facts.analysis
+assert sent == [], sent
+os.environ[forked.SERIAL_ENV] = "0"
+assert forked.forking_allowed()
+both = analyze_model(source, ddp_limit_bytes=10**12).facts.analysis
+assert serial.ddp_analysis is not None and both.ddp_analysis is not None
+assert serial.checkpointed_timeline is not None and serial.selective_timeline is not None
+for a, b in ((serial, both), (serial.ddp_analysis, both.ddp_analysis)):
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name.endswith("timeline") and x is not None:
+            x, y = dataclasses.replace(x, seconds=0.0), dataclasses.replace(y, seconds=0.0)
+        if f.name != "ddp_analysis":
+            assert x == y, f.name
+print("children", len(sent))
+"""
+
+
 @needs_fork
-def test_forked_passes_give_the_facts_of_the_passes_in_process(monkeypatch):
-    sent = []
-    unpickled = forked._unpickled
-    monkeypatch.setattr(forked, "_unpickled", lambda payload: sent.append(1) or unpickled(payload))
-    source = ModelSource(source=LLAMA, args={"size": "tiny"}, batch_size=2, seq_len=32)
-    monkeypatch.setenv(SERIAL_ENV, "1")
-    serial = analyze_model(source, ddp_limit_bytes=10**12).facts.analysis
-    assert sent == []
-    monkeypatch.setenv(SERIAL_ENV, "0")
-    both = analyze_model(source, ddp_limit_bytes=10**12).facts.analysis
-    # the checkpointed, the selective and DDP's autocast pass came from children
-    assert len(sent) == 3
-    assert serial.ddp_analysis is not None and both.ddp_analysis is not None
-    for a, b in ((serial, both), (serial.ddp_analysis, both.ddp_analysis)):
-        for f in dataclasses.fields(a):
-            x, y = getattr(a, f.name), getattr(b, f.name)
-            if f.name.endswith("timeline") and x is not None:
-                x, y = dataclasses.replace(x, seconds=0.0), dataclasses.replace(y, seconds=0.0)
-            if f.name != "ddp_analysis":
-                assert x == y, f.name
-    assert serial.checkpointed_timeline is not None and serial.selective_timeline is not None
+def test_forked_passes_give_the_facts_of_the_passes_in_process():
+    """In a fresh process (no thread of the suite's alive): the checkpointed, the selective and
+    DDP's autocast pass come from children, and every fact equals the serial analysis's."""
+    done = subprocess.run([sys.executable, "-c", _SAME_FACTS, LLAMA], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["children", "3"], done.stdout
 
 
 @needs_fork

@@ -526,5 +526,5 @@ def test_a_thread_printing_while_the_report_closes_does_not_crash_the_planner():
                           timeout=120, env=ENV, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     # descriptor 1 stays on stderr after the first command, so only its report is on stdout
-    assert done.stdout == "report\n" and "done\n" in done.stderr
+    assert done.stdout == "report\n" and "done" in done.stderr  # its newline may come later
     assert re.sub("TICK|report|done", "", done.stderr).strip() == "", done.stderr[-2000:]

@@ -43,15 +43,18 @@ import contextlib
 import functools
 import logging
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.hub
 from torch import fx, nn
 
 from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.depth import reduced_copy
+from fsdp_plan.facts.forked import ForkedPasses
 from fsdp_plan.facts.fused import fused_counters
 from fsdp_plan.facts.graph import keeps_full_precision
 from fsdp_plan.facts.types import CompiledBlock, CompiledBlocks
@@ -259,19 +262,50 @@ def trace_modes(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,
     """``trace_block`` for ``block`` as it is and in each checkpointing mode's wrapper (the
     policy's ``checkpoint_module``, selective with the plan's ``selective_mm_stride``: the
     wrapper is what the policy compiles, checkpoint inside the graph). A checkpointed mode that
-    does not compile is left out (not offered)."""
-    out = {"none": trace_block(block, args, kwargs, fqn=fqn,
-                               activation_memory_budget=activation_memory_budget)}
-    for mode, ops in (("full", None), ("selective", resolve_ops(list(DEFAULT_SELECTIVE_OPS)))):
-        try:
+    does not compile is left out (not offered). The plain trace runs first: it warms Dynamo up
+    (some 2.5 s of lazy set-up in a fresh process, which a child forked before it would pay
+    again), then the selective mode is traced in a forked child while the full mode is traced
+    here (forked.py [Note: passes in forked children]; ``_no_tqdm_monitor`` keeps the process
+    free of threads for it)."""
+    def in_mode(mode: str, ops: list | None) -> Callable[[], CompiledBlock]:
+        def trace() -> CompiledBlock:
             wrapped = checkpoint_module(block, ops, mm_stride=selective_mm_stride)
             with _quiet_selective_warning():
-                out[mode] = trace_block(wrapped, args, kwargs, fqn=fqn,
-                                        activation_memory_budget=activation_memory_budget,
-                                        mode=mode)
-        except BadInput:
-            continue
+                return trace_block(wrapped, args, kwargs, fqn=fqn,
+                                   activation_memory_budget=activation_memory_budget, mode=mode)
+        return trace
+
+    modes = {"full": in_mode("full", None),
+             "selective": in_mode("selective", resolve_ops(list(DEFAULT_SELECTIVE_OPS)))}
+    with _no_tqdm_monitor():
+        out = {"none": trace_block(block, args, kwargs, fqn=fqn,
+                                   activation_memory_budget=activation_memory_budget)}
+        with ForkedPasses([]) as passes:
+            passes.start("selective", modes["selective"])
+            for mode, trace in modes.items():
+                try:
+                    out[mode] = passes.result(mode, trace)  # "full" was not started: runs here
+                except BadInput:
+                    continue
     return out
+
+
+@contextlib.contextmanager
+def _no_tqdm_monitor():
+    """fx's ``Interpreter.run`` makes a (disabled) ``tqdm`` bar, and tqdm starts its monitor
+    thread with the first bar of the process; a thread alive keeps the process from forking
+    (forked.py [Note: passes in forked children]). With the monitor's interval 0 tqdm starts
+    none; the interval is restored after."""
+    bar = getattr(torch.hub, "tqdm", None)  # tqdm's own class, or torch's stand-in without it
+    interval = getattr(bar, "monitor_interval", None)
+    if bar is None or interval is None:
+        yield
+        return
+    bar.monitor_interval = 0
+    try:
+        yield
+    finally:
+        bar.monitor_interval = interval
 
 
 @contextlib.contextmanager
