@@ -10,8 +10,9 @@ the checkpointed passes start in forked children (copies of the process with the
 loaded) while the planner runs the plain pass, and each child sends its pass's result back,
 pickled, through a pipe: README's first command traced in about 0.6 s less wall time here,
 more on a machine with more cores (issue 29). DDP's pass under autocast (models whose
-parameters and gradients fit the budget) runs in a child too, and so do ``--compile``'s
-checkpointed modes of each block class (compiled.py ``trace_modes``).
+parameters and gradients fit the budget) runs in a child too, and so does ``--compile``'s
+selective trace of each block class, forked once the plain trace has warmed Dynamo up
+(compiled.py ``trace_modes``).
 
 A child never changes what a pass returns or raises, only when it is known. If anything goes
 otherwise (no ``fork`` on this system, one CPU, threads alive in the process that a fork
