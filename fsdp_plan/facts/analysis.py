@@ -420,6 +420,11 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     def autocast_pass() -> Pass:  # how DDP computes: float32 parameters under autocast
         return _pass(loaded, _Compute(None, param_dtype), blocks, None, exact)
 
+    def selective_at(stride: int) -> tuple[Timeline | None, dict[str, float], str]:
+        """The selective pass at ``stride`` (a child's, when started), after the plain one."""
+        return _selective_pass(loaded, blocks, modules, lambda: passes.result(
+            f"selective {stride}", selective_pass(stride)))
+
     ckpt = None
     selective: tuple[Timeline | None, dict[str, float], str] = (None, {}, "")
     variants: list[SelectivePass] = []
@@ -428,9 +433,13 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     # the passes after the plain one run beside it: [Note: passes in forked children]
     with ForkedPasses(loaded.notes, enabled=None if checkpointed or under_autocast else False
                       ) as passes:
+        # compiled blocks are partitioned for the plan's own selective policy only
+        other_strides = ([] if compile_blocks
+                         else sorted(set(selective_strides) - {selective_mm_stride}))
         if checkpointed:
             passes.start("full", full_pass)
-            passes.start("selective", selective_pass(selective_mm_stride))
+            for stride in [selective_mm_stride, *other_strides]:
+                passes.start(f"selective {stride}", selective_pass(stride))
         if under_autocast:
             passes.start("autocast", autocast_pass)
         timeline, modules, input_bytes = _pass(loaded, compute, blocks, None, exact)
@@ -442,13 +451,11 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
             except BadInput:
                 ckpt = None  # checkpointing cannot be traced here: plan without it
             if ckpt is not None:
-                selective = _selective_pass(loaded, blocks, modules, lambda: passes.result(
-                    "selective", selective_pass(selective_mm_stride)))
-            # compiled blocks are partitioned for the plan's own selective policy only
-            for stride in sorted(set(selective_strides) - {selective_mm_stride}):
-                if selective[0] is None or compile_blocks:
+                selective = selective_at(selective_mm_stride)
+            for stride in other_strides:
+                if selective[0] is None:
                     break
-                other = _selective_pass(loaded, blocks, modules, selective_pass(stride))
+                other = selective_at(stride)
                 if other[0] is not None:
                     variants.append(SelectivePass(mm_stride=stride, timeline=other[0],
                                                   recompute_flops=other[1]))
