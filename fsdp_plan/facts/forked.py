@@ -1,18 +1,17 @@
 """Analysis passes that need nothing from each other, run at once in forked children.
 
 [Note: passes in forked children]
-A plan's facts come from up to three fake passes over the model: plain, every block
-checkpointed, every block selectively checkpointed (analysis.py). Each is a FakeTensor forward
-and backward (about 0.9 s of CPU for the depth-cut 70B shape on a 2-core machine, 2.6 s for
-the three), and none reads another's result: what the selective pass adds is worked out from
-the plain pass after both ran, and it is kept only when the checkpointed pass succeeded. So
-the checkpointed passes start in forked children (copies of the process with the model
-loaded) while the planner runs the plain pass, and each child sends its pass's result back,
-pickled, through a pipe: README's first command traced in about 0.6 s less wall time here,
-more on a machine with more cores (issue 29). DDP's pass under autocast (models whose
-parameters and gradients fit the budget) runs in a child too, and so does ``--compile``'s
-selective trace of each block class, forked once the plain trace has warmed Dynamo up
-(compiled.py ``trace_modes``).
+A plan's facts come from several fake passes over the model (analysis.py): plain, every block
+checkpointed, every block selectively checkpointed (at the plan's matmul stride and at
+torchtitan's), and, for models whose parameters and gradients fit the budget, the plain step
+under autocast as DDP computes it. Each is a FakeTensor forward and backward (about 0.9 s of
+CPU for the depth-cut 70B shape on a 2-core machine), and none reads another's result: what a
+selective pass adds is worked out from the plain pass after both ran, and it is kept only when
+the checkpointed pass succeeded. So every pass but the plain one starts in a forked child (a
+copy of the process with the model loaded) while the planner runs the plain pass, and each
+child sends its pass's result back, pickled, through a pipe (issue 29; the figures are in
+benchmarks/results/planning_speed_stop40.txt). ``--compile``'s selective trace of each block
+class is forked too, once the plain trace has warmed Dynamo up (compiled.py ``trace_modes``).
 
 A child never changes what a pass returns or raises, only when it is known. If anything goes
 otherwise (no ``fork`` on this system, one CPU, threads alive in the process that a fork
