@@ -153,3 +153,24 @@ def test_no_fork_with_threads_alive_or_when_asked_not_to(monkeypatch):
     with ForkedPasses([]) as passes:  # not enabled: start does nothing, result runs here
         passes.start("pass", lambda: pytest.fail("forked"))
         assert passes.result("pass", lambda: 7) == 7
+
+
+@needs_fork
+def test_a_result_comes_back_to_a_process_with_many_files_open():
+    """A child's pipe above descriptor 1,023 (a process with many files open): ``select``
+    cannot watch it, ``poll`` can."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"at most {hard} open files here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with ForkedPasses([], enabled=True) as passes:
+            passes.start("pid", os.getpid)
+            assert max(c.fd for c in passes._children.values()) > 1023
+            assert passes.result("pid", lambda: pytest.fail("ran in process")) != os.getpid()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

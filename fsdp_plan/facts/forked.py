@@ -164,15 +164,18 @@ def _unpickled(payload: bytes) -> tuple[Any, list[str]] | None:
 
 
 def _read_all(fd: int, deadline: float) -> bytes | None:
-    """Everything written to ``fd`` until its writer closes it, or None past ``deadline``."""
+    """Everything written to ``fd`` until its writer closes it, or None past ``deadline``
+    (``poll``, not ``select``: a process with 1,024 files open has descriptors ``select``
+    cannot watch)."""
     chunks = []
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN)
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             return None
         try:
-            ready, _, _ = select.select([fd], [], [], left)
-            if not ready:
+            if not waiting.poll(max(1, int(left * 1000))):
                 return None
             chunk = os.read(fd, 1 << 20)
         except InterruptedError:
