@@ -174,3 +174,39 @@ def test_a_result_comes_back_to_a_process_with_many_files_open():
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+_COMPILED_MODES = """
+import os, sys, threading
+import torch
+from fsdp_plan.facts import forked
+from fsdp_plan.facts.analyze import _torch_stages
+from fsdp_plan.facts.compiled import analyze_compiled
+from fsdp_plan.model.source import ModelSource
+
+sent = []
+unpickled = forked._unpickled
+forked._unpickled = lambda payload: sent.append(1) or unpickled(payload)
+_, graph_of, load = _torch_stages()
+loaded = load.load_model(ModelSource(source=sys.argv[1], args={"size": "tiny"}, batch_size=2,
+                                     seq_len=32))
+blocks = graph_of.build_module_graph(loaded.model).blocks
+result = {}
+for serial in ("1", "0"):
+    os.environ[forked.SERIAL_ENV] = serial
+    result[serial] = analyze_compiled(loaded, param_dtype=torch.bfloat16, blocks=blocks)
+assert result["1"] == result["0"]
+assert sorted(result["0"].by_mode) == ["full", "selective"]
+print("children", len(sent), "threads", threading.active_count())
+"""
+
+
+@needs_fork
+def test_compiled_selective_mode_comes_from_a_child_and_tqdm_starts_no_thread():
+    """--compile's selective trace runs in a child once the plain one has warmed Dynamo up: fx's
+    disabled tqdm bar must not have started tqdm's monitor thread (which turns forking off),
+    and the partitions equal the serial ones."""
+    done = subprocess.run([sys.executable, "-c", _COMPILED_MODES, LLAMA], capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["children", "1", "threads", "1"], done.stdout
