@@ -431,8 +431,7 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     compiled = None
     ddp, ddp_unavailable = None, ""
     # the passes after the plain one run beside it: [Note: passes in forked children]
-    with ForkedPasses(loaded.notes, enabled=None if checkpointed or under_autocast else False
-                      ) as passes:
+    with ForkedPasses(loaded.notes) as passes:
         # compiled blocks are partitioned for the plan's own selective policy only
         other_strides = ([] if compile_blocks
                          else sorted(set(selective_strides) - {selective_mm_stride}))

@@ -298,7 +298,7 @@ def _no_tqdm_monitor():
     none; the interval is restored after."""
     bar = getattr(torch.hub, "tqdm", None)  # tqdm's own class, or torch's stand-in without it
     interval = getattr(bar, "monitor_interval", None)
-    if bar is None or interval is None:
+    if interval is None:
         yield
         return
     bar.monitor_interval = 0

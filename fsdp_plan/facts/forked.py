@@ -32,7 +32,6 @@ import contextlib
 import os
 import pickle
 import select
-import signal
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fsdp_plan.model.user_process import end_planner_child, fork_planner_child
+from fsdp_plan.model.user_process import end_child, end_planner_child, fork_planner_child
 
 T = TypeVar("T")
 
@@ -63,10 +62,7 @@ def forking_allowed() -> bool:
         return False  # macOS forks a process that has loaded torch's frameworks badly
     if threading.active_count() > 1:
         return False
-    try:
-        return len(os.sched_getaffinity(0)) > 1
-    except (AttributeError, OSError):
-        return (os.cpu_count() or 1) > 1
+    return len(os.sched_getaffinity(0)) > 1  # the CPUs this process may run on (Linux)
 
 
 @dataclass
@@ -143,15 +139,7 @@ class ForkedPasses:
         still runs, and reap it."""
         child = self._children.pop(name)
         os.close(child.fd)
-        try:
-            while os.waitpid(child.pid, os.WNOHANG)[0] == 0:
-                if time.monotonic() >= exit_by:
-                    os.kill(child.pid, signal.SIGKILL)
-                    os.waitpid(child.pid, 0)
-                    return
-                time.sleep(0.001)
-        except (ChildProcessError, ProcessLookupError):  # reaped already
-            return
+        end_child(child.pid, exit_by=exit_by)
 
 
 def _unpickled(payload: bytes) -> tuple[Any, list[str]] | None:
@@ -174,12 +162,10 @@ def _read_all(fd: int, deadline: float) -> bytes | None:
         left = deadline - time.monotonic()
         if left <= 0:
             return None
-        try:
+        try:  # an interrupted poll or read is retried by Python itself (PEP 475)
             if not waiting.poll(max(1, int(left * 1000))):
                 return None
             chunk = os.read(fd, 1 << 20)
-        except InterruptedError:
-            continue
         except OSError:
             return None
         if not chunk:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 from fsdp_plan.common.errors import Stop
@@ -92,18 +93,28 @@ def end_planner_child(code: int) -> None:
     _real_exit(code)
 
 
+def end_child(pid: int, *, exit_by: float = 0.0) -> bool:
+    """Reap child ``pid``, letting it exit by itself until ``exit_by`` (``time.monotonic()``),
+    then ending it (SIGKILL); whether it had to be ended. A pid already reaped, or not a
+    child of this process, is left alone."""
+    try:
+        while os.waitpid(pid, os.WNOHANG)[0] == 0:
+            if time.monotonic() >= exit_by:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                return True
+            time.sleep(0.001)
+    except (ChildProcessError, ProcessLookupError):
+        pass
+    return False
+
+
 def end_forked_children() -> list[int]:
     """End (SIGKILL) and reap the children that user code forked and that still run; returns
     their pids. Called when the command is done, planned or not."""
     ended = []
     while _forked:
         pid = _forked.pop()
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if done == 0:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                ended.append(pid)
-        except (ChildProcessError, ProcessLookupError):  # already reaped, or not ours
-            continue
+        if end_child(pid):
+            ended.append(pid)
     return ended
