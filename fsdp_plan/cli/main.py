@@ -31,6 +31,7 @@ import traceback
 import types
 
 from fsdp_plan.cli import plan as plan_verb
+from fsdp_plan.cli.process import ReportChannel, end_process
 from fsdp_plan.common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError, Stop
 from fsdp_plan.common.files import forget_umask, remember_umask
 
@@ -193,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The console script: the command, with stdout kept for its report and an end that the
     model's threads and forked children cannot hold up (process.py)."""
-    from fsdp_plan.cli.process import ReportChannel, end_process
     channel = ReportChannel()
     channel.open()
     try:

@@ -70,6 +70,7 @@ from fsdp_plan.common.errors import BadInput, CheckFailed, Stop
 from fsdp_plan.common.limits import MAX_WORLD_SIZE
 from fsdp_plan.common.safe_yaml import clip
 from fsdp_plan.measure.fork_server import die_with_parent
+from fsdp_plan.model.user_process import end_forked_children
 
 FAULT_ENV = "FSDP_PLAN_BENCH_FAULT"
 """Test-only fault injection: ``crash:rank=1:step=2``, ``hang:rank=1:step=2`` or ``exit:...``."""
@@ -301,8 +302,6 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
     ``environ``: the launcher's environment when the worker started ([Note: starting
     workers])."""
     import faulthandler
-
-    from fsdp_plan.model.user_process import end_forked_children
 
     if environ is not None and dict(os.environ) != dict(environ):
         os.environ.clear()
