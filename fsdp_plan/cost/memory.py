@@ -189,10 +189,9 @@ class ActivationProfile:
         return found.get(self._event_keys(kind, [module], in_backward)[0], default)
 
     def _event_keys(self, kind: str, modules: Sequence[str], in_backward: bool) -> list[int]:
-        """The keys ``_first`` and ``_last`` hold ``kind`` events of ``modules`` by,
-        ``EventNames.code << 1 | in_backward``; -1 (no key) for a name no event has."""
-        code = self._names.code
-        return [-1 if (c := code(kind, m)) is None else c << 1 | in_backward for m in modules]
+        """The keys ``_first`` and ``_last`` hold ``kind`` events of ``modules`` by
+        (``EventNames.keys``; read only)."""
+        return self._names.keys(kind, tuple(modules), in_backward)
 
     def _backward_left(self, modules: tuple[str, ...], start: int, stop: int) -> int:
         """Where backward has left a unit: see [Note: post-backward of shared inputs].
@@ -248,34 +247,63 @@ class ActivationProfile:
     def _cached_windows(self, unit: UnitSpec) -> UnitWindows:
         """The shared windows of ``unit``: callers must not change them."""
         key = tuple(unit.modules)
-        if key not in self._windows:
-            self._windows[key] = self._find_windows(unit)
-        return self._windows[key]
+        found = self._windows.get(key)
+        if found is None:
+            found = self._windows[key] = self._find_windows([unit])[0]
+        return found
 
-    def _find_windows(self, unit: UnitSpec) -> UnitWindows:
+    def cached_windows_of(self, units: list[UnitSpec]) -> list[UnitWindows]:
+        """``_cached_windows`` of each of ``units``, those not cached yet looked up together
+        (a layout's units are met in a new checkpointing mix all at once)."""
+        keys = [tuple(u.modules) for u in units]
+        cached = self._windows
+        missing = [u for u, key in zip(units, keys) if key not in cached]
+        if missing:
+            for u, w in zip(missing, self._find_windows(missing)):
+                cached[tuple(u.modules)] = w
+        return [cached[key] for key in keys]
+
+    def _find_windows(self, units: list[UnitSpec]) -> list[UnitWindows]:
+        """The windows of each of ``units``: its modules' first pre-forward to last
+        post-forward, first pre-backward to last post-backward (FSDP2's early post-backward:
+        ``_backward_left``), the four kinds of event of all their modules looked up at once."""
+        import numpy as np  # see [Note: numpy on first use]
+
         end = self.num_events - 1
-        if unit.modules == [""]:
-            fw_end = self._index(self._last, "post_fw", "", False, self.forward_end)
-            return UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start, bw_end=end)
+        modules = [m for u in units for m in u.modules]
 
         def found(first_or_last: _CodeIndex, kind: str, in_backward: bool) -> list[int]:
-            return [i for key in self._event_keys(kind, unit.modules, in_backward)
-                    if (i := first_or_last.get(key, -1)) >= 0]
-        fw_starts = found(self._first, "pre_fw", False)
-        fw_ends = found(self._last, "post_fw", False)
-        bw_starts = found(self._first, "pre_bw", True)
-        bw_ends = found(self._last, "post_bw", True)
-        if not fw_starts:
-            return UnitWindows(fw_start=0, fw_end=0, bw_start=end, bw_end=end, ran=False)
-        fw_start, fw_end = min(fw_starts), max(fw_ends or fw_starts)
-        bw_start = min(bw_starts) if bw_starts else self.backward_start
-        # A unit whose inputs need no gradient (an embedding) gets its post-backward from
-        # FSDP's end-of-backward callback.
-        bw_end = max(bw_ends) if bw_ends and len(bw_ends) == len(bw_starts) else end
-        if bw_ends and len(bw_ends) == len(bw_starts):
-            bw_end = min(bw_end, self._backward_left(tuple(unit.modules), bw_start, bw_end))
-        return UnitWindows(fw_start=fw_start, fw_end=fw_end, bw_start=bw_start,
-                           bw_end=max(bw_end, bw_start))
+            keys = np.array(self._event_keys(kind, modules, in_backward), dtype=np.int64)
+            return first_or_last.get_many(keys, -1).tolist()
+        fw_first, fw_last = found(self._first, "pre_fw", False), found(self._last, "post_fw", False)
+        bw_first, bw_last = found(self._first, "pre_bw", True), found(self._last, "post_bw", True)
+        out = []
+        at = 0
+        for unit in units:
+            lo, at = at, at + len(unit.modules)
+            if unit.modules == [""]:
+                fw_end = self._index(self._last, "post_fw", "", False, self.forward_end)
+                out.append(UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start,
+                                       bw_end=end))
+                continue
+            fw_starts = [i for i in fw_first[lo:at] if i >= 0]
+            if not fw_starts:
+                out.append(UnitWindows(fw_start=0, fw_end=0, bw_start=end, bw_end=end,
+                                       ran=False))
+                continue
+            fw_ends = [i for i in fw_last[lo:at] if i >= 0]
+            bw_starts = [i for i in bw_first[lo:at] if i >= 0]
+            bw_ends = [i for i in bw_last[lo:at] if i >= 0]
+            fw_start, fw_end = min(fw_starts), max(fw_ends or fw_starts)
+            bw_start = min(bw_starts) if bw_starts else self.backward_start
+            # A unit whose inputs need no gradient (an embedding) gets its post-backward from
+            # FSDP's end-of-backward callback.
+            bw_end = max(bw_ends) if bw_ends and len(bw_ends) == len(bw_starts) else end
+            if bw_ends and len(bw_ends) == len(bw_starts):
+                bw_end = min(bw_end, self._backward_left(tuple(unit.modules), bw_start, bw_end))
+            out.append(UnitWindows(fw_start=fw_start, fw_end=fw_end, bw_start=bw_start,
+                                   bw_end=max(bw_end, bw_start)))
+        return out
 
 
 def loss_span(events: Sequence[Event], backward_start: int) -> tuple[int, int] | None:
@@ -668,7 +696,7 @@ def _layout(profile: ActivationProfile, units: list[UnitSpec]) -> _Layout:
     buffers whose place their modules fix."""
     import numpy as np  # see [Note: numpy on first use]
 
-    windows = [profile._cached_windows(u) for u in units]  # shared: read, never changed
+    windows = profile.cached_windows_of(units)  # shared: read, never changed
     fw_start = np.array([w.fw_start for w in windows], dtype=np.int64)
     fw_end = np.array([w.fw_end for w in windows], dtype=np.int64)
     bw_start = np.array([w.bw_start for w in windows], dtype=np.int64)

@@ -326,6 +326,8 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     def run_pass(order: list[UnitCost], phase: str, now: float, prefetch: int,
                  gathers: list[bool]) -> tuple[float, float, float]:
         ready: list[float] = []
+        issued = 0
+        """How many all-gathers (or units that need none) are in ``ready``."""
         bubbles = contention = 0.0
         n = len(order)
         backward = phase == "bw"
@@ -334,12 +336,16 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
         stream_blocks = not hw.comm_overlaps_compute
         for i, u in enumerate(order):
             # issue all-gathers up to ``prefetch`` units ahead of the one about to compute
-            while len(ready) < n and len(ready) <= i + prefetch:
-                cost = order[len(ready)]
+            ahead = min(n, i + prefetch + 1)
+            while issued < ahead:
+                cost = order[issued]
                 ready.append(issue("AG " + cost.key, now, cost.all_gather_s)
-                             if gathers[len(ready)] else now)
+                             if gathers[issued] else now)
+                issued += 1
             # without overlap (gloo) compute also waits for whatever the stream still runs
-            start = max(now, ready[i], streams.comm_free if stream_blocks else 0.0)
+            start = max(now, ready[i])
+            if stream_blocks and streams.comm_free > start:
+                start = streams.comm_free
             if start > now:
                 streams.wait("wait AG " + u.key, now, start)
             bubbles += start - now

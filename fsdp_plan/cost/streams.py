@@ -52,6 +52,9 @@ class Streams:
         """When the communication stream finishes what was issued so far."""
         self._busy: list[tuple[float, float]] = []
         self._ends: list[float] = []
+        self._busy_s = 0.0
+        """The communication stream's busy seconds so far (``finish``'s total, summed as the
+        collectives are issued, in the same order)."""
         self._beside: list[tuple[float, float]] = []
         """Work on a stream of its own beside the collectives: the optimizer stepped in
         backward on a GPU ([Note: optimizer overlap in the models] in
@@ -74,10 +77,11 @@ class Streams:
 
     def issue(self, label: str, at: float, seconds: float) -> float:
         """A collective issued at ``at``; returns when it finishes."""
-        start = max(at, self.comm_free)
+        start = max(self.comm_free, at)
         self.comm_free = end = start + seconds
         self._busy.append((start, end))
         self._ends.append(end)
+        self._busy_s += end - start
         self.spans.append(("comm", label, start, end))
         return end
 
@@ -128,13 +132,17 @@ class Streams:
         spans = self.spans
         if host_s > 0:
             free = self.host_free
-            spans.append(("host", "issue " + label, free, free + host_s))
-            begin = max(start, free)
-            self.host_free = issued = free + host_s
-        slowed = seconds * (1 + self.hw.contention * min(
-            1.0, self.overlap(begin, begin + seconds) / max(seconds, 1e-12)))
-        end = max(begin + slowed, issued)
-        self.host_wait_s += (begin - start) + max(0.0, issued - (begin + slowed))
+            issued = free + host_s
+            spans.append(("host", "issue " + label, free, issued))
+            if free > start:
+                begin = free
+            self.host_free = issued
+        share = self.overlap(begin, begin + seconds) / max(1e-12, seconds)
+        slowed = seconds * (1 + self.hw.contention * min(1.0, share))
+        finished = begin + slowed
+        end = max(issued, finished)
+        late = issued - finished
+        self.host_wait_s += (begin - start) + max(0.0, late)
         spans.append(("compute", label, begin, end))
         return end, slowed - seconds
 
@@ -145,13 +153,14 @@ class Streams:
     def finish(self, backward_end: float, optimizer_s: float) -> tuple[float, float]:
         """Close the step: the communication tail after ``backward_end``, then the optimizer.
         Returns (tail seconds, total communication seconds)."""
-        comm_finish = max([e for _, e in self._busy], default=backward_end)
+        # collectives run in issue order, each after the last: the last one ends last
+        comm_finish = self._ends[-1] if self._ends else backward_end
         tail = max(0.0, comm_finish - backward_end)
         if tail > 0:
             self.wait("wait: communication tail", backward_end, comm_finish)
         end = backward_end + tail
         self.spans.append(("compute", "optimizer", end, end + optimizer_s))
-        return tail, sum(e - s for s, e in self._busy)
+        return tail, self._busy_s
 
 
 def _busy_within(busy: list[tuple[float, float]], ends: list[float], start: float, end: float
@@ -163,5 +172,7 @@ def _busy_within(busy: list[tuple[float, float]], ends: list[float], start: floa
         s, e = busy[i]
         if s >= end:
             break
-        total += max(0.0, min(end, e) - max(start, s))
+        covered = min(end, e) - max(start, s)
+        if covered > 0.0:
+            total += covered
     return total

@@ -80,6 +80,9 @@ class EventNames:
     def __init__(self) -> None:
         self.kinds: dict[str, int] = {}
         self.modules: dict[str, int] = {}
+        self._keys: dict[tuple, list[int]] = {}
+        """``keys`` by its arguments and how many names there were (a name added later
+        would change what a lookup of it gives)."""
 
     def codes(self, kinds: list[str], modules: list[str]) -> np.ndarray:
         """``code(kind, module)`` of each event (new names get the next ids)."""
@@ -94,6 +97,19 @@ class EventNames:
         (None for a name no event has)."""
         k, m = self.kinds.get(kind), self.modules.get(module)
         return None if k is None or m is None else k << 32 | m
+
+    def keys(self, kind: str, modules: tuple[str, ...], in_backward: bool) -> list[int]:
+        """``code(kind, m) << 1 | in_backward`` of each of ``modules``, -1 for a name no event
+        has: how the memory model indexes a pass's first and last events (cost/memory.py
+        ``_first_and_last``). Cached: every mix of a composer's passes asks for the same
+        units' modules (read only)."""
+        key = (kind, modules, in_backward, len(self.kinds), len(self.modules))
+        found = self._keys.get(key)
+        if found is None:
+            code = self.code
+            found = self._keys[key] = [-1 if (c := code(kind, m)) is None
+                                       else c << 1 | in_backward for m in modules]
+        return found
 
 
 class EventColumns(Sequence[Event]):
