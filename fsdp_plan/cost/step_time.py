@@ -343,7 +343,7 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
                              if gathers[issued] else now)
                 issued += 1
             # without overlap (gloo) compute also waits for whatever the stream still runs
-            start = max(now, ready[i])
+            start = ready[i] if ready[i] > now else now  # noqa: FURB136 (streams.py)
             if stream_blocks and streams.comm_free > start:
                 start = streams.comm_free
             if start > now:
