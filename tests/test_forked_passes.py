@@ -47,6 +47,7 @@ serial = analyze_model(source, **options).facts.analysis
 assert sent == [], sent
 os.environ[forked.SERIAL_ENV] = "0"
 assert forked.forking_allowed()
+forked.spare_cpus = lambda: int(sys.argv[2])  # the CPUs the children are shared out by
 both = analyze_model(source, **options).facts.analysis
 assert serial.ddp_analysis is not None and both.ddp_analysis is not None
 assert serial.checkpointed_timeline is not None and serial.selective_timeline is not None
@@ -71,14 +72,62 @@ print("children", len(sent))
 
 
 @needs_fork
-def test_forked_passes_give_the_facts_of_the_passes_in_process():
-    """In a fresh process (no thread of the suite's alive): the checkpointed pass, the selective
-    passes (the plan's stride and another) and DDP's autocast pass come from children, and every
-    fact equals the serial analysis's."""
-    done = subprocess.run([sys.executable, "-c", _SAME_FACTS, LLAMA], capture_output=True,
-                          text=True, timeout=300, check=False)
+@pytest.mark.parametrize(("spare", "from_children"), [(8, 4), (1, 2)])
+def test_forked_passes_give_the_facts_of_the_passes_in_process(spare, from_children):
+    """In a fresh process (no thread of the suite's alive), with CPUs for a child per pass or
+    for one child: the checkpointed pass, the selective passes (the plan's stride and another)
+    and DDP's autocast pass come from children (one child: the last two, the planner runs the
+    first two itself), and every fact equals the serial analysis's."""
+    done = subprocess.run([sys.executable, "-c", _SAME_FACTS, LLAMA, str(spare)],
+                          capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["children", "4"], done.stdout
+    assert done.stdout.split() == ["children", str(from_children)], done.stdout
+
+
+@pytest.mark.parametrize(("passes", "spare", "expected"), [
+    (4, 1, (2, [2])),              # 2 CPUs, 5 passes: plain + 2 here, 2 in one child
+    (3, 1, (1, [2])),              # README's 70B: plain and full here, both selective there
+    (1, 1, (0, [1])),              # --compile's selective trace
+    (2, 1, (1, [1])),
+    (5, 2, (1, [2, 2])),
+    (4, 8, (0, [1, 1, 1, 1])),     # a child per pass, the planner runs the plain one
+    (4, 0, (4, [])),               # no spare CPU: every pass here
+    (0, 3, (0, [])),
+])
+def test_passes_are_shared_with_a_child_per_spare_cpu(passes, spare, expected):
+    own, children = forked.shares(passes, spare)
+    assert (own, children) == expected
+    assert own + sum(children) == passes
+
+
+@needs_fork
+def test_a_child_sends_each_result_when_done_and_what_it_did_not_send_runs_here(monkeypatch):
+    """One child with the last three of five passes: its first result comes back while it
+    still runs, a pass that raises there runs here, and the pass it never finished runs here
+    once the child is past its deadline (killed and reaped)."""
+    monkeypatch.setattr(forked, "spare_cpus", lambda: 1)
+    monkeypatch.setattr(forked, "_MIN_WAIT_S", 3.0)
+    monkeypatch.setattr(forked, "_WAIT_FACTOR", 0.0)
+
+    def fails():
+        raise ValueError("only in the child")
+
+    with ForkedPasses([], enabled=True) as passes:
+        for name, run in [("here", os.getpid), ("here too", os.getpid), ("pid", os.getpid),
+                          ("fails", fails), ("hangs", lambda: time.sleep(600))]:
+            passes.start(name, run)
+        passes.launch()
+        (child,) = passes._children
+        assert child.names == ["pid", "fails", "hangs"]  # the planner keeps the first two
+        assert passes.result("here", os.getpid) == os.getpid()
+        assert passes.result("here too", os.getpid) == os.getpid()
+        assert passes.result("pid", lambda: pytest.fail("ran in process")) == child.pid
+        assert passes.result("fails", lambda: "in process") == "in process"
+        started = time.monotonic()
+        assert passes.result("hangs", lambda: "in process") == "in process"
+        assert time.monotonic() - started < 10
+        assert passes._children == []
+    assert _gone(child.pid)
 
 
 @needs_fork
@@ -120,7 +169,8 @@ def test_a_child_past_its_deadline_is_killed_and_the_pass_runs_here(monkeypatch)
     pids = []
     with ForkedPasses([], enabled=True) as passes:
         passes.start("hangs", lambda: time.sleep(600))
-        pids.extend(c.pid for c in passes._children.values())
+        passes.launch()
+        pids.extend(c.pid for c in passes._children)
         started = time.monotonic()
         assert passes.result("hangs", lambda: "in process") == "in process"
         assert time.monotonic() - started < 10
@@ -128,12 +178,14 @@ def test_a_child_past_its_deadline_is_killed_and_the_pass_runs_here(monkeypatch)
 
 
 @needs_fork
-def test_children_still_running_when_the_work_fails_are_ended():
+def test_children_still_running_when_the_work_fails_are_ended(monkeypatch):
+    monkeypatch.setattr(forked, "spare_cpus", lambda: 2)  # a child each
     pids = []
     with pytest.raises(RuntimeError), ForkedPasses([], enabled=True) as passes:
         passes.start("a", lambda: time.sleep(600))
         passes.start("b", lambda: time.sleep(600))
-        pids.extend(c.pid for c in passes._children.values())
+        passes.launch()
+        pids.extend(c.pid for c in passes._children)
         raise RuntimeError("the plain pass failed")
     assert len(pids) == 2 and all(_gone(pid) for pid in pids)
 
@@ -168,7 +220,8 @@ def test_a_result_comes_back_to_a_process_with_many_files_open():
     try:
         with ForkedPasses([], enabled=True) as passes:
             passes.start("pid", os.getpid)
-            assert max(c.fd for c in passes._children.values()) > 1023
+            passes.launch()
+            assert max(c.fd for c in passes._children) > 1023
             assert passes.result("pid", lambda: pytest.fail("ran in process")) != os.getpid()
     finally:
         for fd in held:

@@ -441,6 +441,7 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
                 passes.start(f"selective {stride}", selective_pass(stride))
         if under_autocast:
             passes.start("autocast", autocast_pass)
+        passes.launch()  # the children run their share while the planner runs the plain pass
         timeline, modules, input_bytes = _pass(loaded, compute, blocks, None, exact)
         if checkpointed:
             if progress:

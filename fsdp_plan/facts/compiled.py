@@ -282,6 +282,7 @@ def trace_modes(block: nn.Module, args: tuple, kwargs: dict, *, fqn: str,
                                    activation_memory_budget=activation_memory_budget)}
         with ForkedPasses([]) as passes:
             passes.start("selective", modes["selective"])
+            passes.launch()
             for mode, trace in modes.items():
                 try:
                     out[mode] = passes.result(mode, trace)  # "full" was not started: runs here

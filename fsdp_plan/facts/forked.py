@@ -7,17 +7,20 @@ torchtitan's), and, for models whose parameters and gradients fit the budget, th
 under autocast as DDP computes it. Each is a FakeTensor forward and backward (about 0.9 s of
 CPU for the depth-cut 70B shape on a 2-core machine), and none reads another's result: what a
 selective pass adds is worked out from the plain pass after both ran, and it is kept only when
-the checkpointed pass succeeded. So every pass but the plain one starts in a forked child (a
-copy of the process with the model loaded) while the planner runs the plain pass, and each
-child sends its pass's result back, pickled, through a pipe (issue 29; the figures are in
-benchmarks/results/planning_speed_stop40.txt). ``--compile``'s selective trace of each block
-class is forked too, once the plain trace has warmed Dynamo up (compiled.py ``trace_modes``).
+the checkpointed pass succeeded. So the passes after the plain one are shared out with forked
+children (copies of the process with the model loaded; one per spare CPU, [Note: a child per
+spare CPU]) that run while the planner runs the plain pass, and each child sends each pass's
+result back, pickled, through a pipe as soon as it is done (issue 29; the figures are in
+benchmarks/results/planning_speed_stop40.txt and _stop41.txt). ``--compile``'s selective trace
+of each block class is forked too, once the plain trace has warmed Dynamo up (compiled.py
+``trace_modes``).
 
 A child never changes what a pass returns or raises, only when it is known. If anything goes
 otherwise (no ``fork`` on this system, one CPU, threads alive in the process that a fork
-would copy in the middle of whatever they do, ``FSDP_PLAN_SERIAL_PASSES`` set, a child that
-raises, exits, is killed, hangs past its deadline or sends nothing readable), the planner runs
-that pass itself, as it did before; a pass that failed in a child fails again in process with
+would copy in the middle of whatever they do, ``FSDP_PLAN_SERIAL_PASSES`` set, a pass that
+raises in a child or returns what cannot be pickled, a child that exits, is killed, hangs past
+its deadline or sends nothing readable), the planner runs that pass (and those the child did
+not send) itself, as it did before; a pass that failed in a child fails again in process with
 its own exception and message. The child runs inside the planner's guard on user code
 ([Note: user code and the process]), so the model's ``os._exit`` there ends only the child; it
 sends back the notes its pass added to the model's (a causal mask it could not recognise), and
@@ -36,9 +39,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.model.user_process import end_child, end_planner_child, fork_planner_child
 
 T = TypeVar("T")
@@ -65,21 +69,56 @@ def forking_allowed() -> bool:
     return len(os.sched_getaffinity(0)) > 1  # the CPUs this process may run on (Linux)
 
 
+def spare_cpus() -> int:
+    """CPUs this process may run on beside the one the planner uses (Linux affinity)."""
+    return len(os.sched_getaffinity(0)) - 1
+
+
+def shares(passes: int, spare: int) -> tuple[int, list[int]]:
+    """How ``passes`` passes (in the order the planner asks for them) are shared out with
+    ``spare`` CPUs beside the planner's: how many of the first ones the planner runs itself
+    after its own (the plain pass), and how many of the rest each child runs, in turn.
+
+    [Note: a child per spare CPU]
+    A child's pass costs about 1.5 times its CPU in process (copy-on-write faults as Python
+    touches the parent's objects) and its result must be unpickled by the planner, so more
+    processes than CPUs only add work: five passes in four children on two CPUs planned the
+    10,006-module model 1.7 s slower than one process. So there is one child per spare CPU at
+    most, and the ``passes + 1`` passes (the plain one too) are split into that many shares
+    plus the planner's: the planner takes the first passes it asks for (it runs them while
+    the children run the later ones, and never waits for a pass it could have run), the
+    children the rest, a contiguous run each, sending each result as soon as it is done."""
+    children = max(0, min(spare, passes))
+    if children == 0:
+        return passes, []
+    own = -(-(passes + 1) // (children + 1)) - 1  # ceil((passes + 1) / processes) - plain
+    each, extra = divmod(passes - own, children)
+    return own, [each + (i < extra) for i in range(children)]
+
+
 @dataclass
 class _Child:
     pid: int
     fd: int
+    names: list[str]
+    """The passes it runs, in order."""
+    received: dict[str, tuple[Any, list[str]] | None] = field(default_factory=dict)
+    """What it sent for each pass read so far: (result, notes), or None where the pass is
+    left to the planner (it failed there, or the child stopped before it)."""
+    buffer: bytearray = field(default_factory=bytearray)
 
 
 class ForkedPasses:
-    """Passes started in forked children (``start``) and collected later (``result``), as a
-    context manager that ends every child still running when it exits."""
+    """Passes queued (``start``), started in forked children (``launch``: [Note: a child per
+    spare CPU]) and collected later (``result``), as a context manager that ends every child
+    still running when it exits."""
 
     def __init__(self, notes: list[str], *, enabled: bool | None = None) -> None:
         self._notes = notes
         """The model's notes (``LoadedModel.notes``): a child's pass may add to its copy."""
         self._enabled = forking_allowed() if enabled is None else enabled
-        self._children: dict[str, _Child] = {}
+        self._queued: list[tuple[str, Callable[[], Any]]] = []
+        self._children: list[_Child] = []
         self._started = 0.0
         self._deadline: float | None = None
 
@@ -87,101 +126,153 @@ class ForkedPasses:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for name in list(self._children):
-            self._end(name)
+        for child in list(self._children):
+            self._end(child)
 
     def start(self, name: str, run: Callable[[], Any]) -> None:
-        """Start ``run`` in a forked child, when forking is allowed; else do nothing (``result``
-        runs it then)."""
-        if not self._enabled or name in self._children:
+        """Queue ``run`` for a child at ``launch``, when forking is allowed; else do nothing
+        (``result`` runs it then). Passes are queued in the order ``result`` asks for them."""
+        if self._enabled and all(name != queued for queued, _ in self._queued):
+            self._queued.append((name, run))
+
+    def launch(self) -> None:
+        """Fork the children for the queued passes: the planner keeps the first ones, which
+        ``result`` runs here ([Note: a child per spare CPU])."""
+        queued, self._queued = self._queued, []
+        if not queued:
             return
-        for stream in (sys.stdout, sys.stderr):  # the child must not write them again
+        own, runs = shares(len(queued), spare_cpus())
+        for stream in (sys.stdout, sys.stderr):  # the children must not write them again
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 stream.flush()
-        try:
-            read, write = os.pipe()
-        except OSError:
-            return
-        try:
-            pid = fork_planner_child()
-        except OSError:
-            os.close(read)
+        at = own
+        for count in runs:
+            mine, at = queued[at:at + count], at + count
+            try:
+                read, write = os.pipe()
+            except OSError:
+                return
+            try:
+                pid = fork_planner_child()
+            except OSError:
+                os.close(read)
+                os.close(write)
+                return
+            if pid == 0:  # the child: never returns
+                os.close(read)
+                _run_in_child(mine, write, self._notes)
             os.close(write)
-            return
-        if pid == 0:  # the child: never returns
-            os.close(read)
-            _run_in_child(run, write, self._notes)
-        os.close(write)
-        if not self._children:
-            self._started = time.monotonic()
-        self._children[name] = _Child(pid=pid, fd=read)
+            if not self._children:
+                self._started = time.monotonic()
+            self._children.append(_Child(pid=pid, fd=read, names=[n for n, _ in mine]))
 
     def result(self, name: str, run: Callable[[], T]) -> T:
-        """What ``run`` returns (or raises): the child's result for ``name`` when it sent one,
-        else ``run()`` here."""
-        child = self._children.get(name)
+        """What ``run`` returns (or raises): a child's result for ``name`` when it sent one,
+        else ``run()`` here. Launches what is queued first."""
+        self.launch()
+        child = next((c for c in self._children if name in c.names), None)
         if child is not None:
             if self._deadline is None:
                 waited = time.monotonic() - self._started
                 self._deadline = time.monotonic() + max(_MIN_WAIT_S, _WAIT_FACTOR * waited)
-            payload = _read_all(child.fd, self._deadline)
-            # a whole payload is the child's last act: it exits at once (else it is killed)
-            self._end(name, time.monotonic() + _EXIT_WAIT_S if payload else 0.0)
-            sent = _unpickled(payload) if payload else None
+            sent = self._receive(child, name)
             if sent is not None:
                 value, notes = sent
                 self._notes.extend(n for n in notes if n not in self._notes)
                 return value
         return run()
 
-    def _end(self, name: str, exit_by: float = 0.0) -> None:
-        """Stop waiting for ``name``'s child: let it exit until ``exit_by``, then kill it if it
-        still runs, and reap it."""
-        child = self._children.pop(name)
-        os.close(child.fd)
-        end_child(child.pid, exit_by=exit_by)
+    def _receive(self, child: _Child, name: str) -> tuple[Any, list[str]] | None:
+        """What ``child`` sent for ``name``, reading its results in order until that one;
+        None when it failed there or the child stopped sending (killed past the deadline):
+        the passes it did not send run here. The child is ended once all are read."""
+        while name not in child.received:
+            frame = _read_frame(child, self._deadline or 0.0)
+            sent = _unpickled(frame) if frame is not None else None
+            if sent is None:
+                child.received.update((n, None) for n in child.names if n not in child.received)
+                self._end(child)
+                break
+            done, ok, value, notes = sent
+            child.received[done] = (value, notes) if ok else None
+        else:
+            if len(child.received) == len(child.names):
+                # its last result was its last act: it exits at once (else it is killed)
+                self._end(child, time.monotonic() + _EXIT_WAIT_S)
+        found = child.received[name]
+        child.received[name] = None  # each result is taken once
+        return found
+
+    def _end(self, child: _Child, exit_by: float = 0.0) -> None:
+        """Stop waiting for ``child``: let it exit until ``exit_by``, then kill it if it still
+        runs, and reap it."""
+        if child in self._children:
+            self._children.remove(child)
+            os.close(child.fd)
+            end_child(child.pid, exit_by=exit_by)
 
 
-def _unpickled(payload: bytes) -> tuple[Any, list[str]] | None:
-    """A child's ``(result, notes)``, or None when the bytes are not one."""
+def _unpickled(payload: bytes) -> tuple[str, bool, Any, list[str]] | None:
+    """A child's frame, ``(pass name, whether it ran, result, notes)``, or None when the bytes
+    are not one."""
     try:
-        value, notes = pickle.loads(payload)
+        # a result is many small objects and no cycle: [Note: pausing the cycle collector]
+        with cycle_collector_paused(collect_after=False):
+            name, ok, value, notes = pickle.loads(payload)
     except Exception:  # noqa: BLE001  (anything unreadable: the pass runs in process)
         return None
-    return value, notes
+    return name, ok, value, notes
 
 
-def _read_all(fd: int, deadline: float) -> bytes | None:
-    """Everything written to ``fd`` until its writer closes it, or None past ``deadline``
-    (``poll``, not ``select``: a process with 1,024 files open has descriptors ``select``
-    cannot watch)."""
-    chunks = []
+_LENGTH = 8
+"""Bytes of the length that leads each frame a child writes (big-endian)."""
+
+
+def _read_frame(child: _Child, deadline: float) -> bytes | None:
+    """The next frame ``child`` wrote to its pipe, or None when it closed the pipe first or
+    ``deadline`` passed (``poll``, not ``select``: a process with 1,024 files open has
+    descriptors ``select`` cannot watch)."""
     waiting = select.poll()
-    waiting.register(fd, select.POLLIN)
+    waiting.register(child.fd, select.POLLIN)
+    buffer = child.buffer
     while True:
+        if len(buffer) >= _LENGTH:
+            size = int.from_bytes(buffer[:_LENGTH], "big")
+            if len(buffer) >= _LENGTH + size:
+                frame = bytes(buffer[_LENGTH:_LENGTH + size])
+                del buffer[:_LENGTH + size]
+                return frame
         left = deadline - time.monotonic()
         if left <= 0:
             return None
         try:  # an interrupted poll or read is retried by Python itself (PEP 475)
             if not waiting.poll(max(1, int(left * 1000))):
                 return None
-            chunk = os.read(fd, 1 << 20)
+            chunk = os.read(child.fd, 1 << 20)
         except OSError:
             return None
         if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
+            return None
+        buffer += chunk
 
 
-def _run_in_child(run: Callable[[], Any], fd: int, notes: list[str]) -> None:
-    """The child's whole life: run the pass, write ``(result, notes)`` pickled to ``fd``, end
-    with status 0; with 1 on anything else (the parent then runs the pass itself)."""
+def _run_in_child(runs: list[tuple[str, Callable[[], Any]]], fd: int, notes: list[str]
+                  ) -> None:
+    """The child's whole life: run its passes in turn, writing a frame for each (its length,
+    then ``(name, ok, result, notes)`` pickled; ``ok`` False where the pass raised or its
+    result cannot be pickled: the parent runs that one itself), and end with status 0; with 1
+    when a frame cannot be written (the parent runs what it did not get)."""
     code = 1
     try:
-        payload = pickle.dumps((run(), list(notes)), protocol=pickle.HIGHEST_PROTOCOL)
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view):]
+        for name, run in runs:
+            try:
+                payload = pickle.dumps((name, True, run(), list(notes)),
+                                       protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException:  # noqa: BLE001  (the parent runs this pass again)
+                payload = pickle.dumps((name, False, None, []))
+            view = memoryview(len(payload).to_bytes(_LENGTH, "big") + payload)
+            while view:
+                view = view[os.write(fd, view):]
         code = 0
     except BaseException:  # noqa: BLE001  (whatever it was, the parent runs the pass again)
         code = 1
