@@ -286,46 +286,70 @@ class TimelineComposer:
     pass (none), the all-blocks-checkpointed pass (full) or the all-blocks-selective pass
     (selective); the glue (embedding, head, loss) from the plain pass."""
 
-    def __init__(self, analysis: Analysis, blocks: list[str]) -> None:
-        self.plain = analysis.timeline
-        self.ckpt = analysis.checkpointed_timeline
-        self.sel = getattr(analysis, "selective_timeline", None)
-        self.blocks = blocks
-        self.plain_seg = find_segments(self.plain, blocks)
+    def __init__(self, analysis: Analysis, blocks: list[str], *,
+                 like: TimelineComposer | None = None) -> None:
+        """``like``: a composer of the same analysis whose selective pass differs (another
+        matmul stride: ``Analysis.with_selective_stride``); its plain and fully checkpointed
+        passes, their segments and columns are this one's too, worked out once."""
         compiled = getattr(analysis, "compiled", None)
-        if compiled is not None and self.plain_seg is None:
-            raise BadInput("--compile needs the model's repeated blocks to run one after the "
-                           "other in forward and in reverse in backward (aligned block "
-                           "segments); this model's do not, so compiled blocks cannot be "
-                           "planned. Plan without --compile.")
-        self.ckpt_seg = find_segments(self.ckpt, blocks) if self.ckpt else None
-        self.sel_seg = find_segments(self.sel, blocks) if self.sel else None
-        if compiled is not None:  # [Note: compiled timeline], each mode from its own pass
-            self.plain = compiled_timeline(self.plain, self.plain_seg,
-                                           [compiled.kept_bytes(b) for b in blocks],
-                                           [compiled.bw_peak_bytes(b) for b in blocks])
-            self.ckpt, self.sel = (
-                compiled_timeline(src, seg, [compiled.kept_bytes(b, mode) for b in blocks],
-                                  [compiled.bw_peak_bytes(b, mode) for b in blocks])
-                if src is not None and seg is not None and mode in compiled.by_mode else None
-                for src, seg, mode in ((self.ckpt, self.ckpt_seg, "full"),
-                                       (self.sel, self.sel_seg, "selective")))
-            self.ckpt_seg, self.sel_seg = (self.ckpt_seg if self.ckpt else None,
-                                           self.sel_seg if self.sel else None)
-        self._released = {mode: self._released_per_block(timeline) for mode, timeline in
-                          (("none", self.plain), ("full", self.ckpt), ("selective", self.sel))}
+        self.blocks = blocks
+        self._sources = (analysis.timeline, analysis.checkpointed_timeline, compiled)
+        """What the plain and full passes are made of (``like`` shares them when the same)."""
+        if like is not None and like.blocks == blocks and all(
+                a is b for a, b in zip(like._sources, self._sources)):
+            self.plain, self.plain_seg, self.ckpt, self.ckpt_seg = (
+                like.plain, like.plain_seg, like.ckpt, like.ckpt_seg)
+            names = like._columns["none"].names
+            self._released = {mode: like._released[mode] for mode in ("none", "full")}
+            self._columns = {mode: like._columns[mode] for mode in ("none", "full")
+                             if mode in like._columns}
+        else:
+            self.plain, self.plain_seg = analysis.timeline, find_segments(analysis.timeline,
+                                                                          blocks)
+            if compiled is not None and self.plain_seg is None:
+                raise BadInput("--compile needs the model's repeated blocks to run one after "
+                               "the other in forward and in reverse in backward (aligned block "
+                               "segments); this model's do not, so compiled blocks cannot be "
+                               "planned. Plan without --compile.")
+            self.ckpt, self.ckpt_seg = self._mode_pass(analysis.checkpointed_timeline, "full",
+                                                       compiled)
+            if compiled is not None:  # [Note: compiled timeline]
+                self.plain = compiled_timeline(self.plain, self.plain_seg,
+                                               [compiled.kept_bytes(b) for b in blocks],
+                                               [compiled.bw_peak_bytes(b) for b in blocks])
+            # each pass's columns ([Note: timeline columns]), which the composites slice
+            names = EventNames()
+            self._released = {mode: self._released_per_block(timeline) for mode, timeline in
+                              (("none", self.plain), ("full", self.ckpt))}
+            self._columns = {mode: EventColumns.of(t.events, names) for mode, t in
+                             (("none", self.plain), ("full", self.ckpt)) if t is not None}
+        self.sel, self.sel_seg = self._mode_pass(getattr(analysis, "selective_timeline", None),
+                                                 "selective", compiled)
+        self._released["selective"] = self._released_per_block(self.sel)
+        if self.sel is not None:
+            self._columns["selective"] = EventColumns.of(self.sel.events, names)
         every = frozenset(range(len(blocks)))
-        # each pass's columns ([Note: timeline columns]), which the composites slice
-        names = EventNames()
-        self._columns = {mode: EventColumns.of(t.events, names) for mode, t in
-                         (("none", self.plain), ("full", self.ckpt), ("selective", self.sel))
-                         if t is not None}
         self._cache: dict[tuple[frozenset[int], frozenset[int]], EventColumns] = {
             (frozenset(), frozenset()): self._columns["none"]}
         if self.ckpt is not None:
             self._cache[(every, frozenset())] = self._columns["full"]
         if self.sel is not None:
             self._cache[(frozenset(), every)] = self._columns["selective"]
+
+    def _mode_pass(self, timeline: Timeline | None, mode: str, compiled
+                   ) -> tuple[Timeline | None, Segments | None]:
+        """The pass of a checkpointing ``mode`` and its block segments, with compiled blocks
+        the pass derived for them ([Note: compiled timeline]; None, None where their
+        checkpoint wrapper did not compile)."""
+        segments = find_segments(timeline, self.blocks) if timeline is not None else None
+        if compiled is None or timeline is None:
+            return timeline, segments
+        if segments is None or mode not in compiled.by_mode:
+            return None, None
+        return compiled_timeline(timeline, segments,
+                                 [compiled.kept_bytes(b, mode) for b in self.blocks],
+                                 [compiled.bw_peak_bytes(b, mode) for b in self.blocks]
+                                 ), segments
 
     def _released_per_block(self, timeline: Timeline | None) -> list[int]:
         """Per block: the bytes its modules' forward left to the autocast cache in ``timeline``

@@ -58,31 +58,47 @@ from fsdp_plan.search.candidate import (
 class Evaluator:
     """Evaluates layouts against one analysis and one set of settings."""
 
-    def __init__(self, graph: ModuleGraph, analysis: Analysis, settings: SearchSettings) -> None:
+    def __init__(self, graph: ModuleGraph, analysis: Analysis, settings: SearchSettings, *,
+                 like: Evaluator | None = None) -> None:
+        """``like``: the evaluator of the same facts and settings at another selective matmul
+        stride (``with_mm_stride``), whose timelines, per-module times and unit clock are
+        this one's: only the selective pass differs."""
         self.graph = graph
         self.analysis = analysis
         self.settings = settings
-        self.composer = TimelineComposer(analysis, graph.blocks)
+        self.composer = TimelineComposer(analysis, graph.blocks,
+                                         like=like.composer if like is not None else None)
         self._profiles: dict[tuple[frozenset[int], frozenset[int]], ActivationProfile] = {}
-        self.exclusive_fw, self.exclusive_bw = _exclusive_flops(graph, analysis)
         hw = settings.hardware
-        self.compiled_s = (compiled_times(Rates.of(hw, analysis.param_dtype), analysis.compiled,
-                                          set(graph.modules))
-                           if hw is not None and analysis.compiled is not None else None)
-        """Compiled blocks' graph times ([Note: compiled block time]); None for eager blocks."""
-        self.exclusive_fw = without_inside(self.exclusive_fw, self.compiled_s)
-        self.exclusive_bw = without_inside(self.exclusive_bw, self.compiled_s)
-        self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks if b in analysis.modules}
-        self.clock = UnitClock(
-            StepSetup(hardware=hw, param_dtype=analysis.param_dtype, precision=settings.precision,
-                      optimizer=settings.optimizer, gpus_per_node=settings.gpus_per_node,
-                      grad_accum_steps=settings.grad_accum_steps,
-                      gradient_sync=settings.gradient_sync),
-            module_names=frozenset(graph.modules), modules=analysis.modules,
-            fw_flops=self.exclusive_fw, bw_flops=self.exclusive_bw, compiled=self.compiled_s,
-            param_tensors=sum(len(i.param_shapes) for i in graph.modules.values()))
-        """The per-unit cost model and its caches (cost/unit_time.py), shared by budget copies:
-        the budget is the only setting ``with_budget`` changes, and no time depends on it."""
+        if like is not None and like.analysis.modules is analysis.modules and (
+                like.analysis.compiled is analysis.compiled and like.settings == settings):
+            self.exclusive_fw, self.exclusive_bw = like.exclusive_fw, like.exclusive_bw
+            self.compiled_s, self.block_fw, self.clock = like.compiled_s, like.block_fw, like.clock
+        else:
+            self.exclusive_fw, self.exclusive_bw = _exclusive_flops(graph, analysis)
+            self.compiled_s = (compiled_times(Rates.of(hw, analysis.param_dtype),
+                                              analysis.compiled, set(graph.modules))
+                               if hw is not None and analysis.compiled is not None else None)
+            """Compiled blocks' graph times ([Note: compiled block time]); None for eager
+            blocks."""
+            self.exclusive_fw = without_inside(self.exclusive_fw, self.compiled_s)
+            self.exclusive_bw = without_inside(self.exclusive_bw, self.compiled_s)
+            self.block_fw = {b: analysis.modules[b].fw_flops for b in graph.blocks
+                             if b in analysis.modules}
+            self.clock = UnitClock(
+                StepSetup(hardware=hw, param_dtype=analysis.param_dtype,
+                          precision=settings.precision, optimizer=settings.optimizer,
+                          gpus_per_node=settings.gpus_per_node,
+                          grad_accum_steps=settings.grad_accum_steps,
+                          gradient_sync=settings.gradient_sync),
+                module_names=frozenset(graph.modules), modules=analysis.modules,
+                fw_flops=self.exclusive_fw, bw_flops=self.exclusive_bw,
+                compiled=self.compiled_s,
+                param_tensors=sum(len(i.param_shapes) for i in graph.modules.values()))
+            """The per-unit cost model and its caches (cost/unit_time.py), shared by budget
+            copies (the budget is the only setting ``with_budget`` changes, and no time depends
+            on it) and by the evaluator at another stride (no unit's time without recompute
+            depends on the selective pass, and the recompute is passed in)."""
         self._ddp_params: list[GradParam] | None = None
         self._ddp_times: list[float] | None = None
         self._ddp_issued: list[float] | None = None
@@ -113,7 +129,7 @@ class Evaluator:
         """A budget copy's fastest fitting step so far (rounded as ``rank`` rounds it): the
         frontier's searches leave out what cannot beat it ([Note: bounded frontier searches]
         in search/fsdp.py)."""
-        self.block_cost = self._block_costs()
+        self.block_cost = self._block_costs(like)
 
     def evaluate(self, layout: Layout, name: str) -> Candidate:
         """Memory, collectives and step time of ``layout``, named ``name``.
@@ -201,7 +217,8 @@ class Evaluator:
             analysis = self.analysis.with_selective_stride(stride)
             self._strided[stride] = (None if analysis is None else self
                                      if analysis is self.analysis
-                                     else Evaluator(self.graph, analysis, self.settings))
+                                     else Evaluator(self.graph, analysis, self.settings,
+                                                    like=self))
         found = self._strided[stride]  # shared by budget copies, which judge fits at theirs
         if found is None or found.analysis is self.analysis:
             return None if found is None else self
@@ -350,8 +367,10 @@ class Evaluator:
             detail=DDPDetail(config=e.config, buckets=e.buckets, unused=e.unused,
                              ready_s=e.ready_s))
 
-    def _block_costs(self) -> dict[str, dict[str, BlockMode]]:
-        """Per block and mode: bytes saved and recompute seconds ([Note: recompute time])."""
+    def _block_costs(self, like: Evaluator | None = None) -> dict[str, dict[str, BlockMode]]:
+        """Per block and mode: bytes saved and recompute seconds ([Note: recompute time]);
+        a fully checkpointed block's from ``like`` when it shares this one's passes and
+        clock."""
         hw = self.settings.hardware
         rates = Rates.of(hw, self.analysis.param_dtype) if hw else None
         c = self.composer
@@ -360,10 +379,14 @@ class Evaluator:
         out: dict[str, dict[str, BlockMode]] = {}
         if c.plain_seg is None:
             return out
+        shared = like is not None and like.clock is self.clock and like.composer.ckpt is c.ckpt
         for i, b in enumerate(self.graph.blocks):
             kept, _ = c.segment_delta(i, "none")
             per: dict[str, BlockMode] = {}
             for mode in modes:
+                if shared and mode == "full" and "full" in like.block_cost.get(b, {}):
+                    per[mode] = like.block_cost[b]["full"]
+                    continue
                 level, _ = c.segment_delta(i, mode)
                 # under autocast the cached weight casts a checkpointed block's forward made are
                 # freed before backward: [Note: autocast and checkpointed blocks]
