@@ -98,6 +98,8 @@ class UnitClock:
         key and mesh (``ordered_costs``)."""
         self.rates = Rates.of(setup.hardware, setup.param_dtype)
         """The compute dtype's rates on the hardware."""
+        self._collectives: dict[tuple[str, int, int, int], float] = {}
+        """A collective's seconds by kind, bytes, group and ranks per node (``_collective_s``)."""
 
     def flops(self, unit: UnitSpec) -> tuple[float, float, frozenset[str]]:
         """Forward and backward FLOPs of the modules a unit owns, and those modules."""
@@ -140,7 +142,7 @@ class UnitClock:
         """``unit``'s times without recompute on a ``(replicate, shard)`` mesh, cached: they
         depend only on what it owns, its bytes and the mesh."""
         s = self.setup
-        hw, p, rates = s.hardware, s.precision, self.rates
+        p, rates = s.precision, self.rates
         _, _, owned = self.flops(unit)
         key = (owned, unit.key, unit.numel, unit.shard_numel, p.unit_param_bytes(unit),
                unit.reshard_after_forward, shard, replicate)
@@ -162,18 +164,30 @@ class UnitClock:
             fw_compute_s=fw_s + (compiled.forward_s(owned) if compiled else 0.0),
             bw_compute_s=bw_s + (compiled.backward_s(owned) if compiled else 0.0),
             fw_host_s=fw_host, bw_host_s=bw_host,
-            all_gather_s=collective_time(hw, ag_bytes, shard, ranks_per_node=shard_local)
-            + fsdp_copy_time(hw, rates, ag_bytes, "all_gather") if unit.numel else 0.0,
-            reduce_scatter_s=collective_time(hw, rs_bytes, shard, "reduce_scatter",
-                                             ranks_per_node=shard_local)
-            + fsdp_copy_time(hw, rates, rs_bytes, "reduce_scatter")
+            all_gather_s=self._collective_s("all_gather", ag_bytes, shard, shard_local)
             if unit.numel else 0.0,
-            all_reduce_s=collective_time(hw, unit.shard_numel * p.reduce_bytes, replicate,
-                                         "all_reduce", ranks_per_node=replicate_local)
+            reduce_scatter_s=self._collective_s("reduce_scatter", rs_bytes, shard, shard_local)
+            if unit.numel else 0.0,
+            all_reduce_s=self._collective_s("all_reduce", unit.shard_numel * p.reduce_bytes,
+                                            replicate, replicate_local)
             if replicate > 1 and unit.numel else 0.0,
             regather=unit.reshard_after_forward,
         )
         return base
+
+    def _collective_s(self, kind: str, nbytes: int, group: int, ranks_per_node: int) -> float:
+        """Seconds of one of a unit's collectives: ``collective_time``, with FSDP's copy-in or
+        copy-out for an all-gather or reduce-scatter; cached by its arguments (units of the
+        same size move the same bytes: thousands per search of a deep model)."""
+        key = (kind, nbytes, group, ranks_per_node)
+        found = self._collectives.get(key)
+        if found is None:
+            hw = self.setup.hardware
+            found = collective_time(hw, nbytes, group, kind, ranks_per_node=ranks_per_node)
+            if kind != "all_reduce":
+                found += fsdp_copy_time(hw, self.rates, nbytes, kind)
+            self._collectives[key] = found
+        return found
 
     def ordered_costs(self, units: list[UnitSpec], *, shard: int, replicate: int,
                       recompute: Mapping[str, tuple[float, float]], optimizer_overlap: bool,
