@@ -86,8 +86,8 @@ def shares(passes: int, spare: int) -> tuple[int, list[int]]:
     10,006-module model 1.7 s slower than one process. So there is one child per spare CPU at
     most, and the ``passes + 1`` passes (the plain one too) are split into that many shares
     plus the planner's: the planner takes the first passes it asks for (it runs them while
-    the children run the later ones, and never waits for a pass it could have run), the
-    children the rest, a contiguous run each, sending each result as soon as it is done."""
+    the children run the later ones, which are done or nearly so when it asks), the children
+    the rest, a contiguous run each, sending each result as soon as it is done."""
     children = max(0, min(spare, passes))
     if children == 0:
         return passes, []
