@@ -58,6 +58,7 @@ on the import path of ``fsdp-plan --help`` and ``emit`` (about 0.3 s of numpy th
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -205,30 +206,31 @@ class ActivationProfile:
         (and not around it) after the last pre-backward of a module inside it.
         """
         key = (modules, start, stop)
-        if key in self._left:
-            return self._left[key]
-        names = set(modules)
-        prefixes = tuple(m + "." for m in modules)
-
-        def inside(fqn: str) -> bool:
-            return fqn in names or fqn.startswith(prefixes)
-
-        def around(fqn: str) -> bool:
-            return fqn == "" or any(m.startswith(fqn + ".") for m in modules)
-
+        left = self._left.get(key)
+        if left is not None:
+            return left
+        names, prefixes = _inside_test(modules)
         # only pre-backward events matter: visit those in ``start..stop`` (by bisection)
         if self._pre_bw is None:
             import numpy as np  # see [Note: numpy on first use]
 
             kind = self._names.kinds.get("pre_bw", -1)
             self._pre_bw = np.flatnonzero(self._codes >> 32 == kind).tolist()
-        pre_bw = self._pre_bw
+        pre_bw, fqns = self._pre_bw, self.modules
         lo, hi = bisect.bisect_left(pre_bw, start), bisect.bisect_right(pre_bw, stop)
-        last_inside = next((pre_bw[j] for j in range(hi - 1, lo - 1, -1)
-                            if inside(self.modules[pre_bw[j]])), start)
-        left = next((pre_bw[j] for j in range(bisect.bisect_right(pre_bw, last_inside), hi)
-                     if not inside(self.modules[pre_bw[j]])
-                     and not around(self.modules[pre_bw[j]])), stop)
+        last_inside = start
+        for j in range(hi - 1, lo - 1, -1):  # the last pre-backward inside the unit
+            fqn = fqns[pre_bw[j]]
+            if fqn in names or fqn.startswith(prefixes):
+                last_inside = pre_bw[j]
+                break
+        left = stop
+        for j in range(bisect.bisect_right(pre_bw, last_inside), hi):
+            fqn = fqns[pre_bw[j]]  # the first after it neither inside nor around the unit
+            if not (fqn in names or fqn.startswith(prefixes)) and not (
+                    fqn == "" or any(m.startswith(fqn + ".") for m in modules)):
+                left = pre_bw[j]
+                break
         self._left[key] = left
         return left
 
@@ -304,6 +306,13 @@ class ActivationProfile:
             out.append(UnitWindows(fw_start=fw_start, fw_end=fw_end, bw_start=bw_start,
                                    bw_end=max(bw_end, bw_start)))
         return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _inside_test(modules: tuple[str, ...]) -> tuple[frozenset[str], tuple[str, ...]]:
+    """The names and the prefixes a module inside a unit of ``modules`` has one of (its own
+    name, or a descendant's): the same units are met in every checkpointing mix."""
+    return frozenset(modules), tuple(m + "." for m in modules)
 
 
 def loss_span(events: Sequence[Event], backward_start: int) -> tuple[int, int] | None:
