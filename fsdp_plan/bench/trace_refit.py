@@ -48,6 +48,7 @@ import itertools
 import statistics
 from typing import Any
 
+from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.bench.refit import check_refit_path, scaled
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import GPUS, Hardware, hardware_for, hardware_yaml
@@ -64,7 +65,6 @@ _ROUNDS = 4
 
 def _start(analysis: TraceAnalysis, plan_path: str | None) -> Hardware:
     if plan_path is not None:
-        from fsdp_plan.api import plan_hardware
         return plan_hardware(read_plan(plan_path))
     device = analysis.ranks[0].device.lower()
     return hardware_for(next((name for name in GPUS if name in device), "h100"))
@@ -157,8 +157,7 @@ def _matched_compute(hw: Hardware, plan: Any, plan_path: str, target_s: float,
     """``hw`` with its compute rescaled until the plan predicted on it computes for
     ``target_s`` (within 1%, at most ``_ROUNDS`` predictions; [Note: compute refit from a
     trace]); the rounds run, 0 when the plan's model cannot be loaded."""
-    from fsdp_plan.api import analyze_for_plan, predict
-    from fsdp_plan.measure import runtime
+    from fsdp_plan.measure import runtime  # imports torch: only to load the plan's model
     try:
         facts = analyze_for_plan(plan, runtime.load_planned_model(plan, None, plan_path))
     except BadInput:

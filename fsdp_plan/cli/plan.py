@@ -393,7 +393,7 @@ def _user_code_guard(request: PlanRequest, cache: FactsCache | None):
     if cache is not None and one_batch and not request.search.compile_auto and cache.has(
             request.source, request.analysis_options()):
         return contextlib.nullcontext()
-    from fsdp_plan.model.load import user_code_output_to_stderr
+    from fsdp_plan.model.load import user_code_output_to_stderr  # torch: see above
     return user_code_output_to_stderr()
 
 

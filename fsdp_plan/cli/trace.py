@@ -15,9 +15,12 @@ import argparse
 import json
 import os
 
+from fsdp_plan.bench.trace_refit import refit_text
+from fsdp_plan.cli.trace_plan import attach_plan
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all, check_writable
 from fsdp_plan.measure.trace_ranks import TraceAnalysis, analyze_traces, median_of
+from fsdp_plan.pictures.trace_page import trace_page
 
 _MS = 1e3
 
@@ -72,7 +75,6 @@ def gather_data(args: argparse.Namespace) -> TraceAnalysis:
                        "shape and DDP settings the buckets are predicted with); give --plan.")
     analysis = analyze_traces(traces)
     if args.plan is not None:
-        from fsdp_plan.cli.trace_plan import attach_plan  # imports torch: only when asked
         attach_plan(analysis, args.plan, model)
     return analysis
 
@@ -157,10 +159,8 @@ def run(args: argparse.Namespace) -> int:
     analysis = gather_data(args)
     outputs = []
     if args.refit is not None:
-        from fsdp_plan.bench.trace_refit import refit_text
         outputs.append((args.refit, refit_text(analysis, args.plan, args.refit)))
     if args.html is not None:
-        from fsdp_plan.pictures.trace_page import trace_page
         outputs.append((args.html, trace_page(analysis)))
     if outputs:
         for path, _ in outputs:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fsdp_plan.api import analyze_for_plan
+from fsdp_plan.cost.ddp_buckets import grad_parameters, rebuilt_order
 from fsdp_plan.measure.bucket_cap import cap_that_built
 from fsdp_plan.measure.trace_ranks import TraceAnalysis
 from fsdp_plan.plan.document import Plan, read_plan
@@ -27,9 +29,7 @@ def predicted_figures(plan: Plan) -> dict[str, Any]:
 def ready_ordered_sizes(plan: Plan, plan_path: str, model: str | None) -> list[int]:
     """The gradients' bytes in the order DDP's reducer records them ready, from the model's
     facts (cost/ddp_buckets.py [Note: gradient ready order])."""
-    from fsdp_plan.api import analyze_for_plan  # analysis imports torch
-    from fsdp_plan.cost.ddp_buckets import grad_parameters, rebuilt_order
-    from fsdp_plan.measure import runtime
+    from fsdp_plan.measure import runtime  # imports torch: only to load the plan's model
     loaded = runtime.load_planned_model(plan, model, plan_path)
     facts = analyze_for_plan(plan, loaded)
     params = grad_parameters(facts.graph, facts.analysis.timeline.events)

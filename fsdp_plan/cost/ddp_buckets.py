@@ -757,7 +757,7 @@ def buffer_broadcasts(graph: ModuleGraph) -> int:
 def ddp_api_kwargs(config: DDPConfig) -> dict[str, Any]:
     """The ``DistributedDataParallel`` keyword arguments that build ``config``'s buckets: the
     generated policy's own rule (``policy_runtime.ddp_kwargs``), so both sides agree."""
-    from fsdp_plan.policy_runtime import ddp_kwargs
+    from fsdp_plan.policy_runtime import ddp_kwargs  # torch: the cost model imports none
     return ddp_kwargs(config.to_dict())
 
 

@@ -52,6 +52,7 @@ def lost_with_hook(shape: PlanShape) -> list[Gap]:
 
 def trainer_config(plan: Plan, shape: PlanShape) -> dict[str, Any]:
     """LightningCLI's ``trainer:`` section for the plan."""
+    # torch.distributed's FSDP and DDP (~1 s): only for a Lightning export
     from fsdp_plan.policy_runtime import ddp_kwargs
 
     gpus_per_node = min(shape.world_size, plan.node_gpus)

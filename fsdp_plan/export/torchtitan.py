@@ -33,6 +33,7 @@ from fsdp_plan.export.common import (
     readme,
 )
 from fsdp_plan.model.source import TORCHTITAN_ENTRY
+from fsdp_plan.model.torchtitan_models import base_config, flex_differences
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.plan.emit import doc_safe
 from fsdp_plan.search.framework import TITAN_TAIL, TITAN_TIED_TAIL
@@ -209,7 +210,6 @@ def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
     titan = titan_model(plan)
     base = options.get("torchtitan_config")
     if not base and titan is not None:  # torchtitan's own config of the planned flavour
-        from fsdp_plan.model.torchtitan_models import base_config
         base = base_config(titan["name"], titan["flavor"])
     base = check_config_name(base)
     result = Export("torchtitan", config_gaps=config_gaps(shape))
@@ -229,7 +229,6 @@ def render(plan: Plan, shape: PlanShape, options: dict[str, Any]) -> Export:
     text = readme(f"torchtitan export of {shape.model_source or 'a plan'}", result, launch,
                   hook_text, files)
     if titan is not None:
-        from fsdp_plan.model.torchtitan_models import flex_differences
         differences = flex_differences(titan["name"], titan["flavor"], titan["batch_size"],
                                        titan["seq_len"], titan["rope_sized"])
         if differences:
