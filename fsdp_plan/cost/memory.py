@@ -242,21 +242,18 @@ class ActivationProfile:
         (``_place_buffers`` reads the cached windows themselves and changes none)."""
         return self._cached_windows(unit).copy()
 
-    def ran(self, unit: UnitSpec) -> bool:
-        """Whether ``unit``'s modules ran forward (no copy made)."""
-        return self._cached_windows(unit).ran
-
     def _cached_windows(self, unit: UnitSpec) -> UnitWindows:
         """The shared windows of ``unit``: callers must not change them."""
-        key = tuple(unit.modules)
-        found = self._windows.get(key)
-        if found is None:
-            found = self._windows[key] = self._find_windows([unit])[0]
-        return found
+        return self.cached_windows_of([unit])[0]
+
+    def ran_of(self, units: list[UnitSpec]) -> tuple[bool, ...]:
+        """Whether each of ``units`` ran forward (its modules did)."""
+        return tuple(w.ran for w in self.cached_windows_of(units))
 
     def cached_windows_of(self, units: list[UnitSpec]) -> list[UnitWindows]:
-        """``_cached_windows`` of each of ``units``, those not cached yet looked up together
-        (a layout's units are met in a new checkpointing mix all at once)."""
+        """The shared windows of each of ``units`` (callers must not change them), those not
+        cached yet looked up together (a layout's units are met in a new checkpointing mix
+        all at once)."""
         keys = [tuple(u.modules) for u in units]
         cached = self._windows
         missing = [u for u, key in zip(units, keys) if key not in cached]

@@ -186,19 +186,20 @@ class ForkedPasses:
         """What ``child`` sent for ``name``, reading its results in order until that one;
         None when it failed there or the child stopped sending (killed past the deadline):
         the passes it did not send run here. The child is ended once all are read."""
+        stopped = False
         while name not in child.received:
             frame = _read_frame(child, self._deadline or 0.0)
             sent = _unpickled(frame) if frame is not None else None
-            if sent is None:
+            if sent is None:  # it sends nothing more: killed below
+                stopped = True
                 child.received.update((n, None) for n in child.names if n not in child.received)
-                self._end(child)
                 break
             done, ok, value, notes = sent
             child.received[done] = (value, notes) if ok else None
-        else:
-            if len(child.received) == len(child.names):
-                # its last result was its last act: it exits at once (else it is killed)
-                self._end(child, time.monotonic() + _EXIT_WAIT_S)
+        if len(child.received) == len(child.names):
+            # a last result was its last act: it exits at once (else it is killed); one that
+            # stopped sending is killed now
+            self._end(child, 0.0 if stopped else time.monotonic() + _EXIT_WAIT_S)
         found = child.received[name]
         child.received[name] = None  # each result is taken once
         return found

@@ -236,7 +236,7 @@ class Evaluator:
         profile = self.profile(which, selective)
         memory = estimate_peak(profile, units, ctx, forward_prefetch=layout.forward_prefetch,
                                backward_prefetch=layout.backward_prefetch)
-        ran = tuple(profile.ran(u) for u in units)
+        ran = profile.ran_of(units)
         blocks = self.graph.blocks
         block_modes = [self._block_mode(blocks[i], "selective" if i in selective else "full")
                        for i in sorted(which | selective)]
@@ -333,7 +333,7 @@ class Evaluator:
         orig = s.precision.orig_bytes
         copy_s, exposed, cpu_optimizer_s = offload_seconds(candidate.units, candidate.time,
                                                            s.hardware, s.optimizer, orig)
-        ran = [profile.ran(u) for u in candidate.units]
+        ran = list(profile.ran_of(candidate.units))
         return dataclasses.replace(
             candidate, memory=memory,
             time=offloaded_time(candidate.time, copy_s, exposed, cpu_optimizer_s),
