@@ -304,6 +304,10 @@ def test_a_signal_during_a_workers_start_waits_until_it_is_listed():
 
 
 def test_a_signal_during_a_start_outside_stop_on_signals_still_interrupts():
+    # SIGINT as Python sets it up from a terminal: a suite started as a shell's background
+    # job (``CMD &``) inherits it ignored, and there is no KeyboardInterrupt to hand on
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+
     class Interrupted(_SignalledStart):
         def start(self) -> None:
             os.kill(os.getpid(), signal.SIGINT)
@@ -311,10 +315,13 @@ def test_a_signal_during_a_start_outside_stop_on_signals_still_interrupts():
             self.started = True
     started: list = []
     process = Interrupted()
-    with pytest.raises(KeyboardInterrupt):
-        launch_module._start_whole(process, started)
-    assert process.started and started == [process]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch_module._start_whole(process, started)
+        assert process.started and started == [process]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # --- S4-14: outputs' modes come from the umask the command started with ---------------------
