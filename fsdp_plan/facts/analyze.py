@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fsdp_plan.common.arguments import require_type
+from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.progress import Progress
@@ -36,10 +37,12 @@ def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: 
     ``compile_blocks``: with the repeated blocks compiled (``--compile``); ``options`` as
     ``analyze_loaded`` takes them."""
     require_type(source, ModelSource, "analyze_model(source)")  # [Note: API arguments]
-    _, _, load = _torch_stages()
-    return analyze_loaded(load.load_model(source), param_dtype=param_dtype, exact=exact,
-                          progress=progress, compile_blocks=compile_blocks,
-                          activation_memory_budget=activation_memory_budget, **options)
+    # importing torch and tracing: [Note: pausing the cycle collector]
+    with cycle_collector_paused():
+        _, _, load = _torch_stages()
+        return analyze_loaded(load.load_model(source), param_dtype=param_dtype, exact=exact,
+                              progress=progress, compile_blocks=compile_blocks,
+                              activation_memory_budget=activation_memory_budget, **options)
 
 
 def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact: bool = False,
