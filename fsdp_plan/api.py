@@ -38,9 +38,10 @@ from fsdp_plan.common.progress import Progress
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.hardware import Hardware, hardware_for, read_hardware_file
 from fsdp_plan.cost.hardware.stored import hardware_of
+from fsdp_plan.export.common import Gap, framework_gaps
 from fsdp_plan.facts.analyze import Analyzed, analyze_loaded, analyze_model
 from fsdp_plan.facts.cache import FactsCache
-from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.facts.types import ModelFacts, ModelOutline
 from fsdp_plan.plan.build import layout_of, predicted_block, throughput_fields, to_plan
 from fsdp_plan.plan.document import Plan, plan_to_yaml
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
@@ -174,6 +175,8 @@ def make_plan(request: PlanRequest, progress: Progress | None = None, *,
             if facts_cache is not None:
                 facts_cache.store(source, options, analyzed.facts, analyzed.digest,
                                   analyzed.notes)
+                if analyzed.outline is not None:  # export reads it without building the model
+                    facts_cache.store_outline(source, analyzed.outline)
         analyses[batch] = analyzed
         if progress and not batching:
             graph = analyzed.facts.graph
@@ -189,7 +192,7 @@ def make_plan(request: PlanRequest, progress: Progress | None = None, *,
         cost = None
     else:
         choice, cost = _framework_choice(request, facts_at,
-                                         lambda: next(iter(analyses.values())).loaded.model)
+                                         lambda: next(iter(analyses.values())).outline)
     analyzed = analyses[choice.request.source.batch_size]
     result = _result(choice, digest=analyzed.digest, notes=analyzed.notes)
     if request.framework is not None:  # the plan is made for it, restricted or not
@@ -214,7 +217,7 @@ def _check_progress(progress: Any, where: str) -> None:
                         f"{type(progress).__name__}.")
 
 
-def _framework_choice(request: PlanRequest, facts_at, loaded_model
+def _framework_choice(request: PlanRequest, facts_at, outline_of
                       ) -> tuple[BatchChoice, FrameworkCost]:
     """``--framework``: the search kept to the framework's configuration and, on the same
     facts, the unrestricted one it is priced against. The restricted plan is checked against
@@ -239,7 +242,7 @@ def _framework_choice(request: PlanRequest, facts_at, loaded_model
                                                 search=_search_for(free_request))
     except NoFeasiblePlan:
         free = None
-    gaps = _framework_gaps(name, restricted, loaded_model())
+    gaps = _framework_gaps(name, restricted, outline_of())
     if gaps:
         return free or restricted, FrameworkCost(
             framework=name, restricted=False,
@@ -253,14 +256,13 @@ def _framework_choice(request: PlanRequest, facts_at, loaded_model
         free_name=free.best.name if free else "")
 
 
-def _framework_gaps(framework: str, choice: BatchChoice, model: Any) -> list[Any]:
+def _framework_gaps(framework: str, choice: BatchChoice, outline: ModelOutline | None
+                    ) -> list[Gap]:
     """What ``framework``'s configuration cannot say of the plan written for ``choice``
-    (export/common ``framework_gaps``, read on the model built on ``meta``)."""
-    # export reads the model's classes with torch: imported only when planning --framework
-    from fsdp_plan.export.common import framework_gaps
+    (export/common ``framework_gaps``, read on the model's outline)."""
     plan = to_plan(choice.best, choice.request, choice.facts,
                    global_batch_size=choice.global_batch_size)
-    return framework_gaps(framework, plan, model) if model is not None else []
+    return framework_gaps(framework, plan, outline) if outline is not None else []
 
 
 def plan_from_facts(facts: ModelFacts, request: PlanRequest, *, digest: str = "",

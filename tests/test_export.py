@@ -22,6 +22,7 @@ from test_measure_helpers import LLAMA, plan_file, run_cli, tiny_llama_plan
 
 from fsdp_plan.export import accelerate as acc_export
 from fsdp_plan.export import plan_shape
+from fsdp_plan.facts.graph import model_outline
 from fsdp_plan.plan.document import Plan, Unit, read_plan
 
 STEPS = 10
@@ -59,7 +60,7 @@ def config_only_plan() -> Plan:
 
 def shape_of(plan: Plan):
     from fsdp_plan.measure import runtime
-    return plan_shape(plan, runtime.load_planned_model(plan).model)
+    return plan_shape(plan, model_outline(runtime.load_planned_model(plan).model))
 
 
 def export(tmp_path: Path, plan: Plan, framework: str, *extra: str) -> Path:

@@ -49,16 +49,22 @@ def test_the_suite_runs_with_the_cache_off():
     assert os.environ.get("FSDP_PLAN_NO_CACHE") == "1" and cache_dir() is None
 
 
+def _facts_entries(cache: Path) -> list[Path]:
+    """The folder's facts entries (beside them: the model's outline, ``<key>.outline.json``)."""
+    return sorted(p for p in cache.iterdir() if not p.name.endswith(".outline.json"))
+
+
 def test_a_second_plan_reads_the_facts_and_plans_the_same(cache, capsys, monkeypatch):
     first = _plan(capsys, "--mem", "3MB")
-    entries = list(cache.iterdir())
-    assert len(entries) == 1 and entries[0].suffix == ".json"
+    entries = sorted(cache.iterdir())
+    assert len(_facts_entries(cache)) == 1 and len(entries) == 2  # the facts and the outline
+    assert all(p.suffix == ".json" for p in entries)
     _no_tracing(monkeypatch)
     assert _plan(capsys, "--mem", "3MB") == first
     # another budget and world size: the same facts, no tracing
     other = _plan(capsys, "--mem", "50MB", "--world-size", "8")
     assert other["plan"]["world_size"] == 8
-    assert list(cache.iterdir()) == entries
+    assert sorted(cache.iterdir()) == entries
 
 
 def test_no_cache_traces_and_writes_nothing(cache, capsys):
@@ -68,14 +74,15 @@ def test_no_cache_traces_and_writes_nothing(cache, capsys):
 
 def test_a_corrupt_or_foreign_entry_is_ignored_and_replaced(cache, capsys, monkeypatch):
     first = _plan(capsys, "--mem", "3MB")
-    (entry,) = cache.iterdir()
+    (entry,) = _facts_entries(cache)
+    names = sorted(p.name for p in cache.iterdir())
     for bad in ("{not json", json.dumps({"format": 1, "key": "another", "facts": {}}),
                 json.dumps({"format": 1, "key": entry.stem, "digest": "x", "notes": [],
                             "facts": {"facts_version": -1}})):
         entry.write_text(bad)
         assert _plan(capsys, "--mem", "3MB") == first  # traced again
         assert json.loads(entry.read_text())["key"] == entry.stem  # and replaced
-    assert [p.name for p in cache.iterdir()] == [entry.name]  # no temporary file left
+    assert sorted(p.name for p in cache.iterdir()) == names  # no temporary file left
 
 
 def test_the_key_covers_the_model_its_shape_and_the_options(tmp_path):
@@ -118,7 +125,7 @@ def test_a_plan_from_cached_facts_imports_no_torch(cache, capsys):
 
 
 def _entry(cache: Path) -> dict:
-    (entry,) = list(cache.iterdir())
+    (entry,) = _facts_entries(cache)
     return json.loads(entry.read_text())
 
 
@@ -178,3 +185,53 @@ def test_facts_to_dict_is_dataclasses_asdict():
     converted = plain_data(value)
     assert converted == dataclasses.asdict(value)
     assert type(converted["named"]) is point and converted["named"].x is not value.named.x
+
+
+def _export(plan: Path, out: Path, **env: str) -> tuple[subprocess.CompletedProcess, bool]:
+    """``fsdp-plan export --to accelerate`` in a fresh process: its result, and whether it
+    imported torch."""
+    code = ("import sys; from fsdp_plan.cli.main import main; "
+            f"code = main(['export', '--to', 'accelerate', '-o', {str(out)!r}, {str(plan)!r}]); "
+            "sys.stderr.write('TORCH ' + str('torch' in sys.modules) + '\\n'); sys.exit(code)")
+    out_env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=out_env, cwd=ROOT, timeout=600, check=False)
+    return done, "TORCH True" in done.stderr
+
+
+def test_an_export_of_a_planned_model_builds_nothing_and_writes_the_same_files(cache, capsys,
+                                                                              tmp_path):
+    """Planning leaves the model's outline beside its facts; export reads the plan against
+    it without importing torch (issue 29), and writes what building the model writes."""
+    plan = tmp_path / "plan.yaml"
+    _plan(capsys, "--mem", "3MB", "-o", str(tmp_path / "policy.py"), "--plan", str(plan))
+    (outline,) = cache.glob("*.outline.json")
+    done, torch_imported = _export(plan, tmp_path / "cached")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not torch_imported
+    built, torch_imported = _export(plan, tmp_path / "built", FSDP_PLAN_NO_CACHE="1")
+    assert built.returncode == 0 and torch_imported, built.stderr[-2000:]
+    files = sorted(p.name for p in (tmp_path / "built").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "cached").iterdir()) and files
+    for name in files:
+        assert (tmp_path / "cached" / name).read_bytes() == (tmp_path / "built" / name).read_bytes()
+    # a corrupt outline is not trusted: the model is built again and the entry replaced
+    outline.write_text('{"format": 1, "key": "x", "outline": {}}')
+    again, torch_imported = _export(plan, tmp_path / "again")
+    assert again.returncode == 0 and torch_imported, again.stderr[-2000:]
+    assert json.loads(outline.read_text())["key"] == outline.name.split(".")[0]
+    assert _export(plan, tmp_path / "last")[1] is False
+
+
+def test_a_model_outline_reads_back_what_it_writes():
+    from fsdp_plan.facts.graph import model_outline
+    from fsdp_plan.facts.types import ModelOutline
+    from fsdp_plan.model.load import load_model
+
+    model = load_model(ModelSource(source=LLAMA, args={"size": "tiny"})).model
+    outline = model_outline(model)
+    assert outline.params == sum(p.numel() for p in model.parameters())
+    assert "layers" in outline.containers and "Linear" in outline.torch_classes
+    assert ModelOutline.from_dict(json.loads(json.dumps(outline.to_dict()))) == outline
+    with pytest.raises(ValueError):
+        ModelOutline.from_dict({**outline.to_dict(), "facts_version": -1})

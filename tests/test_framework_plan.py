@@ -33,6 +33,7 @@ from fsdp_plan.export import torchtitan as titan_export
 from fsdp_plan.export import trainer as trainer_export
 from fsdp_plan.export.common import framework_gaps, plan_shape
 from fsdp_plan.facts.analyze import analyze_model
+from fsdp_plan.facts.graph import model_outline
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.plan.document import Plan, read_plan
 from fsdp_plan.search.candidate import Layout
@@ -119,8 +120,8 @@ def test_each_restricted_plan_has_no_gap_for_its_framework(tiny_facts) -> None:
     for framework, module in (("accelerate", acc_export), ("trainer", trainer_export)):
         result = plan_from_facts(facts, _request(source, framework))
         assert result.plan.framework == framework
-        assert module.config_gaps(plan_shape(result.plan, model)) == [], framework
-        assert framework_gaps(framework, result.plan, model) == []
+        assert module.config_gaps(plan_shape(result.plan, model_outline(model))) == [], framework
+        assert framework_gaps(framework, result.plan, model_outline(model)) == []
     titan_source = ModelSource(source=TITAN_SHAPED, batch_size=2, seq_len=128)
     titan = analyze_model(titan_source, param_dtype="bfloat16")
     result = plan_from_facts(titan.facts, _request(titan_source, "torchtitan",
@@ -131,7 +132,7 @@ def test_each_restricted_plan_has_no_gap_for_its_framework(tiny_facts) -> None:
                                                + [["norm", "lm_head"], [""]])
     assert plan.mixed_precision.to_dict() == {"param_dtype": "bfloat16",
                                               "reduce_dtype": "float32"}
-    shape = plan_shape(plan, titan.loaded.model)
+    shape = plan_shape(plan, model_outline(titan.loaded.model))
     assert titan_export.config_gaps(shape) == []
     assert titan_export.reshard_policy(shape) in ("always", "default", "never")
 
@@ -142,8 +143,8 @@ def test_the_unrestricted_search_finds_plans_configs_cannot_say(tiny_facts) -> N
     source, facts, model = tiny_facts
     free = plan_from_facts(facts, _request(source, None, budget_bytes=10**8))
     kept = plan_from_facts(facts, _request(source, "accelerate", budget_bytes=10**8))
-    assert framework_gaps("accelerate", free.plan, model) != []
-    assert framework_gaps("accelerate", kept.plan, model) == []
+    assert framework_gaps("accelerate", free.plan, model_outline(model)) != []
+    assert framework_gaps("accelerate", kept.plan, model_outline(model)) == []
     # at the same precision the restricted space is a subset of the unrestricted one
     same = plan_from_facts(facts, PlanRequest(source=source, budget_bytes=10**8, world_size=2,
                                               gpus_per_node=2, reduce_dtype="bfloat16"))

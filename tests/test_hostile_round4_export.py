@@ -190,8 +190,9 @@ def test_every_plan_string_is_encoded_for_where_it_lands_in_every_export(tmp_pat
     assert report["titan"] == {"batch": 2, "shard": 2}
 
     from fsdp_plan.export import accelerate, lightning, plan_shape, trainer
+    from fsdp_plan.facts.graph import model_outline
     from fsdp_plan.measure import runtime
-    shape = plan_shape(plan, runtime.load_planned_model(plan, str(model)).model)
+    shape = plan_shape(plan, model_outline(runtime.load_planned_model(plan, str(model)).model))
     assert shape.model_source == name
     accelerate_config = yaml.safe_load((folders["accelerate"] / accelerate.CONFIG_FILE)
                                        .read_text())
@@ -236,10 +237,11 @@ def test_md_text_keeps_one_line_and_escapes_what_opens_markup():
 def test_a_block_class_named_with_a_comma_is_sent_through_the_code_hook(tmp_path):
     from fsdp_plan.export import accelerate, trainer
     from fsdp_plan.export.common import plan_shape
+    from fsdp_plan.facts.graph import model_outline
     from fsdp_plan.measure import runtime
 
     model, plan, folders, stdout = hostile_export(tmp_path, "Block,Linear")
-    shape = plan_shape(plan, runtime.load_planned_model(plan, str(model)).model)
+    shape = plan_shape(plan, model_outline(runtime.load_planned_model(plan, str(model)).model))
     assert shape.block_classes == ("Block,Linear Block",)
     for module in (accelerate, trainer):
         gaps = [g for g in module.config_gaps(shape) if "cannot carry" in g.instead]

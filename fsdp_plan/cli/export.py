@@ -9,8 +9,9 @@ DIR gets the framework's own configuration (accelerate config YAML; Trainer ``fs
 JSON and ``TrainingArguments`` fields; Lightning Trainer arguments; a torchtitan config
 module), the plan's policy module, the shortest code hook that keeps what the configuration
 cannot say (only when there is something), and ``README.md``: how to launch and what, if
-anything, is lost. The model is built on ``meta`` to learn its block classes (no weights, no
-framework imported). Exit 2 for an invalid plan or model, for ``--torchtitan-config`` with
+anything, is lost. The plan is read against the model's outline (its module tree and block
+classes): kept on disk when the model was planned or exported before (no torch imported), else
+from the model built on ``meta`` (no weights, no framework imported) and kept. Exit 2 for an invalid plan or model, for ``--torchtitan-config`` with
 another ``--to``, and for a folder where a file the export may write is an input (the plan,
 the model it names or MODEL, through links too) — checked before the model is loaded; nothing
 is written unless all is.
@@ -23,17 +24,21 @@ import os
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all, check_outputs, check_writable
-from fsdp_plan.export import torchtitan
 from fsdp_plan.export.common import (
     FRAMEWORKS,
     check_exportable,
     export_plan,
     file_names,
+    framework_module,
     plain_text,
     plan_shape,
 )
+from fsdp_plan.facts.cache import FactsCache
+from fsdp_plan.facts.types import ModelOutline
+from fsdp_plan.model.source import ModelSource
 from fsdp_plan.plan.document import read_plan
 from fsdp_plan.plan.emit import render_policy_module
+from fsdp_plan.plan.model_match import check_outline_matches, source_from_plan
 from fsdp_plan.plan.read import plan_input_files
 
 
@@ -61,10 +66,6 @@ def _check_folder(path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # loading the model imports torch (~6 s): deferred so --help and the flag checks answer at
-    # once
-    from fsdp_plan.measure import runtime
-
     _check_folder(args.output)
     plan = read_plan(args.plan)
     if args.framework is None:  # a plan made with --framework names its framework
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     file_names(args.framework)  # a known framework, before the plan is judged for it
     check_exportable(plan, args.framework)
     if args.framework == "torchtitan":  # torchtitan's own model names its config itself
+        torchtitan = framework_module("torchtitan")
         if args.torchtitan_config is not None or torchtitan.titan_model(plan) is None:
             torchtitan.check_config_name(args.torchtitan_config)
     elif args.torchtitan_config is not None:  # S4-12: an option that does nothing is refused
@@ -83,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     # every file this export may write, checked against every input before any work (S4-02)
     possible = [("-o", os.path.join(args.output, name)) for name in file_names(args.framework)]
     check_outputs(plan_input_files(plan, args.plan, args.model), possible)
-    loaded = runtime.load_planned_model(plan, args.model, args.plan)
-    shape = plan_shape(plan, loaded.model)
+    source = source_from_plan(plan, args.model, args.plan)
+    outline = _outline(source)
+    check_outline_matches(plan, outline, source)
+    shape = plan_shape(plan, outline)
     result = export_plan(plan, shape, args.framework, render_policy_module(plan),
                          {"torchtitan_config": args.torchtitan_config})
     paths = {name: os.path.join(args.output, name) for name in result.files}
@@ -104,3 +108,19 @@ def run(args: argparse.Namespace) -> int:
     for gap in result.lost:
         print(f"lost: {plain_text(gap.line())}")
     return 0
+
+
+def _outline(source: ModelSource) -> ModelOutline:
+    """The model's outline: kept on disk when the model was planned or exported before (facts/
+    cache.py [Note: the facts cache]; no torch imported), else the model built on ``meta``
+    (torch), whose outline is kept for the next export."""
+    cache = FactsCache.default()
+    outline = cache.load_outline(source) if cache is not None else None
+    if outline is not None:
+        return outline
+    from fsdp_plan.measure import runtime  # torch (seconds): only when the model is built
+
+    outline = runtime.built_outline(source)
+    if cache is not None:
+        cache.store_outline(source, outline)
+    return outline

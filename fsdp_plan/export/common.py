@@ -15,8 +15,10 @@ hook cannot close either. Planning for a framework (``--framework``) keeps the s
 without configuration gaps, through the same ``config_gaps`` functions.
 
 [Note: PlanShape]
-``plan_shape`` reads the plan together with the model built on ``meta`` (class names are
-not in the plan): which classes the units' modules have, and whether "every module of those
+``plan_shape`` reads the plan together with the model's outline (``ModelOutline``: what the
+model built on ``meta`` says; class names are not in the plan, and the outline is kept on disk
+beside the model's facts, so an export imports no torch when the model was planned or exported
+before): which classes the units' modules have, and whether "every module of those
 classes, one unit each, plus the root" is exactly the plan's units. Everything after it is a
 pure function of ``PlanShape``, so the frameworks' rules are tested without a model. What a
 framework makes of the model (accelerate's final-norm unit, its Hugging Face embedding units,
@@ -46,11 +48,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
-
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.ddp_buckets import DDPConfig
-from fsdp_plan.facts.graph import build_module_graph
+from fsdp_plan.facts.types import ModelOutline
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.search.framework import FRAMEWORKS, class_tail, final_norm, titan_units
 
@@ -167,16 +167,17 @@ def _autocast_dtype(plan: Plan) -> str | None:
     return None
 
 
-def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
-    """Read ``plan`` against ``model`` (built on ``meta``) as a framework configuration sees it."""
-    modules = dict(model.named_modules())
+def plan_shape(plan: Plan, outline: ModelOutline) -> PlanShape:
+    """Read ``plan`` against its model (``outline``: what the model built on ``meta`` says,
+    ``facts.graph.model_outline``) as a framework configuration sees it."""
+    graph = outline.graph
+    modules = graph.modules
     units = [unit for unit in plan.units if unit.modules != [""]]
     missing = sorted({fqn for unit in units for fqn in unit.modules} - set(modules))
     if missing:
         raise BadInput(f"the plan's units name {missing[:5]!r}, which the model does not have; "
                        "give the model the plan was made for.")
     # what each framework makes of the model, as the search read it (search/framework.py)
-    graph = build_module_graph(model)
     norm, hf, tail = final_norm(graph), graph.hf_embeddings, class_tail(graph)
     norm_unit = [unit for unit in units if tail and sorted(unit.modules) == sorted(tail)]
     embedding = (hf or {}).get("input") if not (hf or {}).get("tied") else None
@@ -186,11 +187,10 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
     classes: list[str] = []
     for unit in inner:
         for fqn in unit.modules:
-            name = type(modules[fqn]).__name__
+            name = modules[fqn].class_name
             if name not in classes:
                 classes.append(name)
-    class_fqns = {fqn for fqn, module in modules.items()
-                  if fqn and type(module).__name__ in classes}
+    class_fqns = {fqn for fqn, info in modules.items() if fqn and info.class_name in classes}
     unit_fqns = [fqn for unit in inner for fqn in unit.modules]
     checkpointed = (dict(plan.activation_checkpointing)
                     if isinstance(plan.activation_checkpointing, dict)
@@ -222,29 +222,27 @@ def plan_shape(plan: Plan, model: nn.Module) -> PlanShape:
         gradient_sync=plan.gradient_sync,
         offload=plan.offload is not None,
         ddp=plan.ddp,
-        hf_model=callable(getattr(model, "get_input_embeddings", None)),
+        hf_model=outline.has_input_embeddings,
         model_source=plan.model.source,
-        model_class=type(model).__name__,
+        model_class=modules[""].class_name,
         unit_modules=tuple(tuple(unit.modules) for unit in units),
         unit_reshard=tuple(bool(unit.reshard_after_forward) for unit in units),
         titan_units=tuple(tuple(unit) for unit in titan_units(graph)),
-        wrap_classes=wrap_class_names(model, classes),
+        wrap_classes=wrap_class_names(outline, classes),
         hf_layout=hf is not None and bool(norm_unit) and (bool(embedding_unit) or not embedding),
         final_norm=norm,
         final_norm_reshard=(bool(norm_unit[0].reshard_after_forward) if norm_unit else None),
     )
 
 
-def wrap_class_names(model: nn.Module, classes: list[str]) -> tuple[str, ...]:
+def wrap_class_names(outline: ModelOutline, classes: list[str]) -> tuple[str, ...]:
     """What ``transformer_layer_cls_to_wrap`` may name of ``classes`` (the units' classes):
     block classes only. A plan for a Hugging Face model may give ``lm_head`` a unit, whose
     class ``Linear`` in a class list wraps every linear layer of the model; torch's own
     classes are left out, and with nothing left the model's ``_no_split_modules`` (its
     decoder-layer classes) stand in."""
-    torch_classes = {type(module).__name__ for module in model.modules()
-                     if type(module).__module__.startswith("torch.")}
-    kept = tuple(name for name in classes if name not in torch_classes)
-    return kept or tuple(getattr(model, "_no_split_modules", None) or ())
+    kept = tuple(name for name in classes if name not in outline.torch_classes)
+    return kept or tuple(outline.no_split_modules)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,12 +339,18 @@ def _precision_text(shape: PlanShape) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def framework_gaps(framework: str, plan: Plan, model: nn.Module) -> list[Gap]:
-    """What ``framework``'s configuration alone cannot say of ``plan`` for ``model`` (built on
-    ``meta``): ``--framework`` planning checks its restricted plan with this, so that export
-    writes no code hook for it."""
-    module = importlib.import_module(f"fsdp_plan.export.{framework}")
-    return list(module.config_gaps(plan_shape(plan, model)))
+def framework_gaps(framework: str, plan: Plan, outline: ModelOutline) -> list[Gap]:
+    """What ``framework``'s configuration alone cannot say of ``plan`` for its model
+    (``outline``): ``--framework`` planning checks its restricted plan with this, so that
+    export writes no code hook for it."""
+    return list(framework_module(framework).config_gaps(plan_shape(plan, outline)))
+
+
+def framework_module(framework: str) -> Any:
+    """``fsdp_plan.export.<framework>`` (``config_gaps``, ``render``, ``FILE_NAMES``), imported
+    when a framework is exported to: torchtitan's reads torchtitan's own configs (and torch),
+    which no other export needs."""
+    return importlib.import_module(f"fsdp_plan.export.{framework}")
 
 
 def file_names(framework: str) -> tuple[str, ...]:
@@ -355,8 +359,7 @@ def file_names(framework: str) -> tuple[str, ...]:
     if framework not in FRAMEWORKS:
         raise BadInput(f"--to {framework!r} is not a framework fsdp-plan exports to; choose one "
                        f"of {', '.join(FRAMEWORKS)}.")
-    module = importlib.import_module(f"fsdp_plan.export.{framework}")
-    return (*module.FILE_NAMES, POLICY_FILE, README_FILE)
+    return (*framework_module(framework).FILE_NAMES, POLICY_FILE, README_FILE)
 
 
 def check_exportable(plan: Plan, framework: str) -> None:
@@ -377,8 +380,7 @@ def export_plan(plan: Plan, shape: PlanShape, framework: str, policy_source: str
         raise BadInput(f"--to {framework!r} is not a framework fsdp-plan exports to; choose one "
                        f"of {', '.join(FRAMEWORKS)}.")
     check_exportable(plan, framework)
-    module = importlib.import_module(f"fsdp_plan.export.{framework}")
-    result: Export = module.render(plan, shape, dict(options or {}))
+    result: Export = framework_module(framework).render(plan, shape, dict(options or {}))
     result.files[POLICY_FILE] = policy_source
     return result
 

@@ -12,7 +12,7 @@ from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.progress import Progress
-from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.facts.types import ModelFacts, ModelOutline
 from fsdp_plan.model.source import ModelSource, source_digest
 
 if TYPE_CHECKING:  # loading imports torch: named here for the annotations only
@@ -28,6 +28,8 @@ class Analyzed:
     facts: ModelFacts
     digest: str
     notes: list[str] = field(default_factory=list)
+    outline: ModelOutline | None = None
+    """What the model says for reading a plan against it (None: from the cache)."""
 
 
 def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: bool = False,
@@ -85,7 +87,8 @@ def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact:
                                     selective_strides=selective_strides,
                                     ddp_autocast=ddp_autocast)
     return Analyzed(loaded=loaded, facts=ModelFacts(graph=graph, analysis=analysed),
-                    digest=source_digest(source), notes=list(loaded.notes))
+                    digest=source_digest(source), notes=list(loaded.notes),
+                    outline=graph_of.model_outline(loaded.model, graph))
 
 
 def _torch_stages():

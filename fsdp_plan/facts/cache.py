@@ -15,9 +15,13 @@ bytes of the model's file and of every ``.py`` file beside it (local imports), t
 torch and transformers, and the code of fsdp-plan's stages that build and trace a model
 (``facts/``, ``model/``, ``common/``). An entry is read only when its format and stored key
 match and it parses into ``ModelFacts``; anything else (a truncated, corrupt or foreign file)
-is ignored and replaced, never trusted. Entries are written to a temporary file and renamed
-over the old one, so a reader never sees half an entry; a cache that cannot be written (a
-read-only home) only costs the tracing next time.
+is ignored and replaced, never trusted. Beside the facts, each model built for a plan or an
+export leaves its outline (``ModelOutline``: the module tree, classes and parameter count) in
+``<key>.outline.json``, keyed the same way without the batch shape and analysis options (the
+model is built from its arguments alone); ``export`` reads a plan against it and imports no
+torch. Entries are written to a temporary file and renamed over the old one, so a reader never
+sees half an entry; a cache that cannot be written (a read-only home) only costs the tracing
+(or the model's build) next time.
 
 Known limitations: code the model imports from outside its own folder (an installed package
 other than torch and transformers) is not part of the key; ``--no-cache`` (or
@@ -36,7 +40,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.facts.types import ModelFacts, ModelOutline
 from fsdp_plan.model.source import ModelSource, _module_file
 
 FORMAT = 1
@@ -103,6 +107,19 @@ def _own_code_digest() -> str:
 
 def facts_key(source: ModelSource, options: dict[str, Any]) -> str | None:
     """The entry's key ([Note: the facts cache]); None when the model's code cannot be read."""
+    return _key(source, {"batch_size": source.batch_size, "seq_len": source.seq_len,
+                         "options": _key_options(options)})
+
+
+def outline_key(source: ModelSource) -> str | None:
+    """The key of the model's outline entry: what builds the model, not how it is traced (the
+    model is built from its arguments alone, never from the batch shape)."""
+    return _key(source, {"outline": True})
+
+
+def _key(source: ModelSource, traced: dict[str, Any]) -> str | None:
+    """SHA-256 over the model's recipe, code and versions and ``traced``; None when the
+    model's code cannot be read."""
     try:
         if source.kind == "import":
             found = _module_file(source.source.partition(":")[0])
@@ -116,9 +133,7 @@ def facts_key(source: ModelSource, options: dict[str, Any]) -> str | None:
         h = hashlib.sha256()
         h.update(json.dumps({"format": FORMAT, "kind": source.kind,
                              "source": os.path.abspath(source.source), "entry": source.entry,
-                             "args": source.args, "batch_size": source.batch_size,
-                             "seq_len": source.seq_len, "options": _key_options(options),
-                             "torch": _version("torch"),
+                             "args": source.args, **traced, "torch": _version("torch"),
                              "transformers": _version("transformers"),
                              "fsdp_plan": _own_code_digest()},
                             sort_keys=True, default=str).encode())
@@ -158,6 +173,9 @@ class FactsCache:
 
     def _path(self, key: str) -> str:
         return os.path.join(self.folder, f"{key}.json")
+
+    def _outline_path(self, key: str) -> str:
+        return os.path.join(self.folder, f"{key}.outline.json")
 
     def has(self, source: ModelSource, options: dict[str, Any]) -> bool:
         """Whether a readable entry exists for the model (without parsing it)."""
@@ -208,17 +226,44 @@ class FactsCache:
             return None
         if not _ddp_autocast(options, facts) and self._holds_ddp_step(key):
             return self._path(key)  # the entry says more (DDP's step too): keep it
-        text = json.dumps({"format": FORMAT, "key": key, "digest": digest, "notes": notes,
-                           "ddp_autocast": _ddp_autocast(options, facts),
-                           "facts": facts.to_dict()})
+        return self._write(self._path(key), json.dumps({
+            "format": FORMAT, "key": key, "digest": digest, "notes": notes,
+            "ddp_autocast": _ddp_autocast(options, facts), "facts": facts.to_dict()}))
+
+    def load_outline(self, source: ModelSource) -> ModelOutline | None:
+        """The model's outline (``facts.graph.model_outline``), when an entry for it can be
+        trusted (the same rules as facts)."""
+        key = outline_key(source)
+        if key is None:
+            return None
+        try:
+            with open(self._outline_path(key), encoding="utf-8") as f:
+                raw = json.load(f)
+            if raw.get("format") != FORMAT or raw.get("key") != key:
+                return None
+            return ModelOutline.from_dict(raw["outline"])
+        except Exception:  # noqa: BLE001 - a corrupt or foreign entry is ignored, never trusted
+            return None
+
+    def store_outline(self, source: ModelSource, outline: ModelOutline) -> str | None:
+        """Write the model's outline entry atomically; its path, or None."""
+        key = outline_key(source)
+        if key is None:
+            return None
+        return self._write(self._outline_path(key), json.dumps(
+            {"format": FORMAT, "key": key, "outline": outline.to_dict()}))
+
+    def _write(self, path: str, text: str) -> str | None:
+        """``text`` as the entry at ``path``: a temporary file renamed over the old entry, so a
+        reader never sees half of one; the entry's path, or None when it cannot be written."""
         tmp = None
         try:
             os.makedirs(self.folder, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".facts-", suffix=".tmp")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
-            os.replace(tmp, self._path(key))
-            return self._path(key)
+            os.replace(tmp, path)
+            return path
         except OSError:
             if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fsdp_plan.facts.types import ModuleGraph, ModuleInfo
+from fsdp_plan.facts.types import ModelOutline, ModuleGraph, ModuleInfo
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -71,6 +71,22 @@ def build_module_graph(model: nn.Module) -> ModuleGraph:
         total_buffer_bytes=sum(m.buffer_bytes for m in modules.values()),
         hf_embeddings=hf_embeddings(model),
     )
+
+
+def model_outline(model: nn.Module, graph: ModuleGraph | None = None) -> ModelOutline:
+    """What ``model`` (on ``meta``) says for reading a plan against it (``ModelOutline``);
+    ``graph``: its ``build_module_graph``, when built already."""
+    modules = dict(model.named_modules())
+    return ModelOutline(
+        graph=graph if graph is not None else build_module_graph(model),
+        params=sum(p.numel() for p in model.parameters()),
+        torch_classes=sorted({type(m).__name__ for m in modules.values()
+                              if type(m).__module__.startswith("torch.")}),
+        no_split_modules=[str(n) for n in getattr(model, "_no_split_modules", None) or ()],
+        has_input_embeddings=callable(getattr(model, "get_input_embeddings", None)),
+        containers=[fqn for fqn, m in modules.items()
+                    if isinstance(m, (nn.ModuleList, nn.ModuleDict))
+                    and type(m).forward is nn.Module.forward])
 
 
 def hf_embeddings(model: nn.Module) -> dict | None:

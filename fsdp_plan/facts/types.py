@@ -307,17 +307,57 @@ class ModelFacts:
         if raw.get("facts_version") != FACTS_VERSION:
             raise ValueError(f"model facts version {raw.get('facts_version')!r}; expected "
                              f"{FACTS_VERSION}.")
-        g = raw["graph"]
-        graph = ModuleGraph(
-            modules={k: ModuleInfo(**v) for k, v in g["modules"].items()},
-            tied_groups=[list(t) for t in g["tied_groups"]], blocks=list(g["blocks"]),
-            total_numel=g["total_numel"], total_param_bytes=g["total_param_bytes"],
-            total_buffer_bytes=g["total_buffer_bytes"], hf_embeddings=g.get("hf_embeddings"))
-        return cls(graph=graph, analysis=_analysis(raw["analysis"]))
+        return cls(graph=_graph(raw["graph"]), analysis=_analysis(raw["analysis"]))
 
     @classmethod
     def from_json(cls, text: str) -> ModelFacts:
         return cls.from_dict(json.loads(text))
+
+
+@dataclass(kw_only=True)
+class ModelOutline:
+    """What a model built on ``meta`` says besides its facts, for reading a plan against it
+    without building it again: ``export`` reads the plan's units against the module tree and
+    classes (export/common.py [Note: PlanShape]), and every command checks that the model is
+    the planned one (plan/model_match.py). Built with the model (``facts.graph.model_outline``)
+    and kept beside the facts on disk (facts/cache.py [Note: the facts cache]), so an export of
+    a plan whose model was planned or exported before imports no torch (issue 29)."""
+
+    graph: ModuleGraph
+    params: int
+    """Parameters counted once each (tied parameters are one), as ``model.parameters()``."""
+    torch_classes: list[str]
+    """Names of the model's module classes that torch defines (``nn.Linear``...), sorted."""
+    no_split_modules: list[str]
+    """The model's ``_no_split_modules`` (a Hugging Face model's decoder-layer classes)."""
+    has_input_embeddings: bool
+    """The model has a callable ``get_input_embeddings`` (accelerate adds units for it)."""
+    containers: list[str]
+    """FQNs of the ``nn.ModuleList``/``nn.ModuleDict`` modules without a ``forward`` of their
+    own (the model calls their children, never them)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"facts_version": FACTS_VERSION, **plain_data(self)}
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelOutline:
+        if raw.get("facts_version") != FACTS_VERSION:
+            raise ValueError(f"model outline version {raw.get('facts_version')!r}; expected "
+                             f"{FACTS_VERSION}.")
+        return cls(graph=_graph(raw["graph"]), params=int(raw["params"]),
+                   torch_classes=[str(n) for n in raw["torch_classes"]],
+                   no_split_modules=[str(n) for n in raw["no_split_modules"]],
+                   has_input_embeddings=bool(raw["has_input_embeddings"]),
+                   containers=[str(n) for n in raw["containers"]])
+
+
+def _graph(g: dict[str, Any]) -> ModuleGraph:
+    """A ``ModuleGraph`` from its JSON form."""
+    return ModuleGraph(
+        modules={k: ModuleInfo(**v) for k, v in g["modules"].items()},
+        tied_groups=[list(t) for t in g["tied_groups"]], blocks=list(g["blocks"]),
+        total_numel=g["total_numel"], total_param_bytes=g["total_param_bytes"],
+        total_buffer_bytes=g["total_buffer_bytes"], hf_embeddings=g.get("hf_embeddings"))
 
 
 def _analysis(a: dict[str, Any]) -> Analysis:

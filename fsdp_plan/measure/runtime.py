@@ -8,10 +8,6 @@ never in how the plan was applied.
 
 from __future__ import annotations
 
-import difflib
-import os
-import re
-import shlex
 import types
 from typing import Any
 
@@ -21,121 +17,29 @@ from torch import nn
 from fsdp_plan.common.autocast import autocast_context, device_type_of, plan_autocast_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.precision import OPTIMIZERS
-from fsdp_plan.model.load import LoadedModel, load_model, source_digest
-from fsdp_plan.model.source import ModelSource, source_kind
+from fsdp_plan.facts.graph import model_outline
+from fsdp_plan.facts.types import ModelOutline
+from fsdp_plan.model.load import LoadedModel, load_model
+from fsdp_plan.model.source import ModelSource
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
-from fsdp_plan.plan.read import resolve_candidates
+from fsdp_plan.plan.model_match import (
+    check_outline_matches,
+    source_from_plan,
+)
 from fsdp_plan.policy_runtime import OPTIMIZER_CLASSES
 
 
-def source_from_plan(plan: Plan, model_path: str | None = None,
-                     plan_path: str | None = None) -> ModelSource:
-    """The ``ModelSource`` to rebuild the planned model from, before anything is imported.
-
-    ``model_path`` (the command line's MODEL) is the authority when given: a model file,
-    ``package.module:attr`` or a config, as for planning. Otherwise the plan's ``model`` is
-    used, and a plan is data: it may name a model file (``.py``) or a Hugging Face config
-    (``.json``) that exists as a regular file, but never a module to import (``kind: import``
-    would run whatever the plan names). A relative path is looked up next to the plan file
-    first, then in the working folder, and nowhere else (``plan/read.resolve_candidates``).
-    """
-    recipe = plan.model
-    common: dict[str, Any] = {"entry": recipe.entry or "build_model",
-                              "args": dict(recipe.args or {}), "batch_size": recipe.batch_size,
-                              "seq_len": recipe.seq_len}
-    if model_path is not None:
-        return ModelSource(source=model_path, kind=source_kind(model_path), **common)
-    source = recipe.source
-    kind = recipe.kind or source_kind(source)
-    if kind == "import":
-        raise BadInput(f"the plan names the model {source!r} as a module to import (kind: "
-                       "import); fsdp-plan does not import what a plan file names, since that "
-                       "would run code the plan chose. If you trust it, give it on the command "
-                       f"line as MODEL, after the plan (e.g. fsdp-plan verify PLAN.yaml "
-                       f"{shlex.quote(source)}).")
-    suffix = ".json" if kind == "hf-config" else ".py"
-    what = "Hugging Face config" if kind == "hf-config" else "model file"
-    if not source.endswith(suffix):
-        raise BadInput(f"the plan's model.source {source!r} (kind: {kind}) is not a {suffix} "
-                       f"path; a plan names a model file (.py) or a Hugging Face config (.json). "
-                       "Fix model.source, or give the model on the command line as MODEL, after "
-                       "the plan.")
-    candidates = resolve_candidates(source, plan_path)
-    for candidate in candidates:
-        if os.path.isfile(candidate):
-            return ModelSource(source=candidate, kind=kind, **common)
-    looked = " and ".join(repr(c) for c in candidates)
-    name = os.path.basename(source)
-    name = name if re.fullmatch(r"[\w.-]+", name) else "model" + suffix
-    raise BadInput(f"the plan's {what} {source!r} was not found as a file (looked at {looked}); "
-                   "pass it as the optional MODEL argument after the plan (e.g. fsdp-plan verify "
-                   f"PLAN.yaml path/to/{name}), or fix model.source (a relative path is read "
-                   "from the plan file's folder, else the working folder; folders above them are "
-                   "never searched).")
-
-
-def count_params(model: nn.Module) -> int:
-    """Parameters counted once each (tied parameters are one parameter)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def check_model_matches(plan: Plan, loaded: LoadedModel) -> None:
-    """Refuse to measure a model other than the planned one: parameter count, the module names
-    the plan shards and checkpoints, then the code digest (all before anything is applied)."""
-    expected = plan.model.params
-    actual = count_params(loaded.model)
-    if expected is not None and int(expected) != actual:
-        raise BadInput(f"the model has {actual:,} parameters but the plan was made for "
-                       f"{int(expected):,}; re-plan it (fsdp-plan {loaded.source.source} ...) or "
-                       "pass the model file the plan was made for.")
-    check_module_names(plan, loaded.model)
-    digest = plan.model.digest
-    if digest and digest != source_digest(loaded.source):
-        raise BadInput(f"the model code or arguments changed since the plan was made (digest "
-                       f"{source_digest(loaded.source)} != {digest} in the plan); re-plan it so "
-                       "the plan matches the model.")
+    """Refuse to measure a model other than the planned one (plan/model_match.py), before
+    anything is applied."""
+    check_outline_matches(plan, model_outline(loaded.model), loaded.source)
 
 
-def check_module_names(plan: Plan, model: nn.Module) -> None:
-    """Every unit module and checkpointed module is a module of ``model``; says which are not."""
-    names = {fqn for fqn, _ in model.named_modules()}
-    named = [(f"units[{i}].modules[{k}]", fqn) for i, unit in enumerate(plan.units)
-             for k, fqn in enumerate(unit.modules)]
-    named += [(f"activation_checkpointing[{i}]", fqn)
-              for i, fqn in enumerate(plan.activation_checkpointing)]
-    missing = [(path, fqn) for path, fqn in named if fqn not in names]
-    if not missing:
-        check_no_containers(named, dict(model.named_modules()))
-        return
-    shown = ", ".join(f"{path} {fqn!r}" for path, fqn in missing[:5])
-    if len(missing) > 5:
-        shown += f" and {len(missing) - 5} more"
-    close = difflib.get_close_matches(missing[0][1], sorted(names - {""}), n=3)
-    hint = (f" (did you mean {', '.join(repr(c) for c in close)}?)" if close
-            else f" (its modules include {', '.join(repr(n) for n in sorted(names - {''})[:3])})")
-    raise BadInput(f"the plan names modules the model does not have: {shown}{hint}. Unit and "
-                   "checkpointed modules are FQNs as model.named_modules() spells them; fix "
-                   "them in the plan, re-plan, or pass the model the plan was made for as MODEL.")
-
-
-def check_no_containers(named: list[tuple[str, str]], modules: dict[str, nn.Module]) -> None:
-    """No unit and no checkpointed module is an ``nn.ModuleList`` or ``nn.ModuleDict`` without
-    a ``forward`` of its own: the model calls its children, never the container, so
-    ``fully_shard`` refuses it and a checkpoint wrapper around it would never run (issue 21,
-    S3-19: predict priced it as if nothing were gathered, verify failed inside FSDP)."""
-    for path, fqn in named:
-        module = modules[fqn]
-        if (isinstance(module, (nn.ModuleList, nn.ModuleDict))
-                and type(module).forward is nn.Module.forward):
-            children = [f"{fqn}.{name}" for name, _ in module.named_children()]
-            shown = ", ".join(repr(c) for c in children[:3]) + (", ..." if len(children) > 3
-                                                                 else "")
-            raise BadInput(f"{path} {fqn!r} is a {type(module).__name__} container, which "
-                           "the model never calls (it has no forward of its own): fully_shard "
-                           "refuses it and checkpointing it would recompute nothing. Name its "
-                           f"children instead ({shown or 'it has none'}), one unit each or "
-                           "several in one unit's modules.")
+def built_outline(source: ModelSource) -> ModelOutline:
+    """The outline of the model ``source`` builds on ``meta`` (``export`` reads a plan against
+    it, when none is kept on disk)."""
+    return model_outline(load_model(source).model)
 
 
 def load_planned_model(plan: Plan, model_path: str | None = None,
