@@ -15,7 +15,7 @@ import pytest
 
 from fsdp_plan.cli.main import main
 from fsdp_plan.facts import analyze
-from fsdp_plan.facts.cache import FactsCache, cache_dir, facts_key
+from fsdp_plan.facts.cache import FORMAT, FactsCache, cache_dir, facts_key
 from fsdp_plan.model.source import ModelSource
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,8 +76,10 @@ def test_a_corrupt_or_foreign_entry_is_ignored_and_replaced(cache, capsys, monke
     first = _plan(capsys, "--mem", "3MB")
     (entry,) = _facts_entries(cache)
     names = sorted(p.name for p in cache.iterdir())
-    for bad in ("{not json", json.dumps({"format": 1, "key": "another", "facts": {}}),
-                json.dumps({"format": 1, "key": entry.stem, "digest": "x", "notes": [],
+    for bad in ("{not json", json.dumps({"format": FORMAT, "key": "another", "facts": {}}),
+                json.dumps({"format": FORMAT - 1, "key": entry.stem, "digest": "x",
+                            "notes": [], "ddp_autocast": False, "facts": _entry(cache)["facts"]}),
+                json.dumps({"format": FORMAT, "key": entry.stem, "digest": "x", "notes": [],
                             "facts": {"facts_version": -1}})):
         entry.write_text(bad)
         assert _plan(capsys, "--mem", "3MB") == first  # traced again
@@ -167,6 +169,11 @@ def test_facts_to_dict_is_dataclasses_asdict():
     assert facts.to_dict() == {"facts_version": FACTS_VERSION,
                                "graph": dataclasses.asdict(facts.graph),
                                "analysis": dataclasses.asdict(facts.analysis)}
+    # the cache's form (events as columns) reads back the same facts, DDP's analysis too
+    from fsdp_plan.facts.types import ModelFacts
+    compact = json.loads(json.dumps(facts.to_dict(columns=True)))
+    assert "event_columns" in compact["analysis"]["ddp_analysis"]["timeline"]
+    assert ModelFacts.from_dict(compact) == facts
     point = collections.namedtuple("point", "x y")
 
     @dataclasses.dataclass
@@ -216,7 +223,7 @@ def test_an_export_of_a_planned_model_builds_nothing_and_writes_the_same_files(c
     for name in files:
         assert (tmp_path / "cached" / name).read_bytes() == (tmp_path / "built" / name).read_bytes()
     # a corrupt outline is not trusted: the model is built again and the entry replaced
-    outline.write_text('{"format": 1, "key": "x", "outline": {}}')
+    outline.write_text(json.dumps({"format": FORMAT, "key": "x", "outline": {}}))
     again, torch_imported = _export(plan, tmp_path / "again")
     assert again.returncode == 0 and torch_imported, again.stderr[-2000:]
     assert json.loads(outline.read_text())["key"] == outline.name.split(".")[0]

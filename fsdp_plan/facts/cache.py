@@ -43,8 +43,9 @@ from typing import Any
 from fsdp_plan.facts.types import ModelFacts, ModelOutline
 from fsdp_plan.model.source import ModelSource, _module_file
 
-FORMAT = 1
-"""The entry layout; an entry of another format is ignored."""
+FORMAT = 2
+"""The entry layout (2: timelines' events as columns, ``ModelFacts.to_dict(columns=True)``);
+an entry of another format is ignored."""
 DIR_ENV = "FSDP_PLAN_CACHE_DIR"
 OFF_ENV = "FSDP_PLAN_NO_CACHE"
 """Set to anything but ``""``/``0`` to plan without the cache (tests/conftest.py does)."""
@@ -228,7 +229,7 @@ class FactsCache:
             return self._path(key)  # the entry says more (DDP's step too): keep it
         return self._write(self._path(key), json.dumps({
             "format": FORMAT, "key": key, "digest": digest, "notes": notes,
-            "ddp_autocast": _ddp_autocast(options, facts), "facts": facts.to_dict()}))
+            "ddp_autocast": _ddp_autocast(options, facts), "facts": facts.to_dict(columns=True)}))
 
     def load_outline(self, source: ModelSource) -> ModelOutline | None:
         """The model's outline (``facts.graph.model_outline``), when an entry for it can be
