@@ -4,6 +4,7 @@ search/evaluator.py), and the best plan at each budget is the one re-planning th
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,34 @@ def test_the_more_memory_line_searches_only_the_budgets_it_reads(facts, monkeypa
         stopped |= short[1] < whole[1]
     if (world_size, budget) == (4, 3_000_000):  # its first round budget pays: the rest unsearched
         assert stopped and "more memory: at " in short[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forks only on Linux")
+@pytest.mark.parametrize("spare", [1, 3])
+def test_the_pages_budgets_searched_beside_the_planner_give_the_same_frontier(facts, monkeypatch,
+                                                                            spare):
+    """[Note: the page's budgets beside the planner]: forked children search the later round
+    budgets; every point is the one the planner alone finds, and what the children searched
+    and evaluated is counted."""
+    from fsdp_plan.facts import forked
+    from fsdp_plan.search import frontier as frontier_module
+
+    request = PlanRequest(source=SOURCE, budget_bytes=3_000_000, world_size=4, strategy="auto")
+    variant = Variant(micro_batch=2, grad_accum_steps=1, facts=facts)
+    monkeypatch.setattr(forked, "forking_allowed", lambda: False)
+    alone = compute_frontier([variant], request.settings(), seq_len=64)
+    monkeypatch.setattr(forked, "forking_allowed", lambda: True)
+    monkeypatch.setattr(forked, "spare_cpus", lambda: spare)
+    elsewhere = []
+    searched = frontier_module._Searcher.points_beside
+
+    def counted(self, budgets):
+        found = searched(self, budgets)
+        elsewhere.append(self._evaluated_elsewhere)
+        return found
+    monkeypatch.setattr(frontier_module._Searcher, "points_beside", counted)
+    beside = compute_frontier([variant], request.settings(), seq_len=64)
+    assert elsewhere and elsewhere[0] > 0, "no child searched a budget"
+    assert beside.points == alone.points and len(alone.points) >= 5
+    assert beside.searches == alone.searches
+    assert beside.plans_evaluated >= alone.plans_evaluated > 0

@@ -13,7 +13,8 @@ spare CPU]) that run while the planner runs the plain pass, and each child sends
 result back, pickled, through a pipe as soon as it is done (issue 29; the figures are in
 benchmarks/results/planning_speed_stop40.txt and _stop41.txt). ``--compile``'s selective trace
 of each block class is forked too, once the plain trace has warmed Dynamo up (compiled.py
-``trace_modes``).
+``trace_modes``), and so are the HTML page's frontier budgets (search/frontier.py [Note: the
+page's budgets beside the planner]).
 
 A child never changes what a pass returns or raises, only when it is known. If anything goes
 otherwise (no ``fork`` on this system, one CPU, threads alive in the process that a fork
@@ -48,7 +49,8 @@ from fsdp_plan.model.user_process import end_child, end_planner_child, fork_plan
 T = TypeVar("T")
 
 SERIAL_ENV = "FSDP_PLAN_SERIAL_PASSES"
-"""Set to anything but ``""``/``0`` to run every pass in the planner's process."""
+"""Set to anything but ``""``/``0`` to run every pass (and every budget of the page's frontier,
+search/frontier.py) in the planner's process."""
 
 _MIN_WAIT_S = 60.0
 """A child's result is waited for at least this long after the first one is asked for..."""
