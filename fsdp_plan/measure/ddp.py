@@ -8,7 +8,8 @@ keyword arguments), and then:
 1. runs one step (the reducer records the order gradients became ready);
 2. runs a second step, whose forward rebuilds the buckets;
 3. counts one more forward + backward with ``CollectiveCounter`` (``c10d.allreduce_``) and
-   reads the buckets in use (see [Note: DDP's bucket rebuild]);
+   reads the buckets in use (see [Note: DDP's bucket rebuild]), unless the job asks for its
+   peak alone (``memory_only``: verify's real run, a step shorter);
 4. times ``steps`` further steps, and measures the peak of one steady step with
    ``MemTracker`` (see [Note: DDP peak on a CPU]).
 
@@ -100,11 +101,17 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
         runtime.finish_step(ddp, optimizer)
     step()
     step()  # its forward rebuilds the buckets: see [Note: DDP's bucket rebuild]
-    with CollectiveCounter() as counter, _python_all_reduces() as hook_calls:
-        forward_backward()
-    runtime.finish_step(ddp, optimizer)
-    first = _bucket_sizes(ddp, "bucket_sizes")
-    rebuilt = buckets_in_use(ddp)
+    counts: dict[str, int] = {}
+    first: list[int] = []
+    rebuilt: list[int] = []
+    hook_all_reduces = 0
+    if not job.get("memory_only"):  # verify's peak reads none of it: a whole step spared
+        with CollectiveCounter() as counter, _python_all_reduces() as hook_calls:
+            forward_backward()
+        runtime.finish_step(ddp, optimizer)
+        counts, hook_all_reduces = counter.counts(), len(hook_calls)
+        first = _bucket_sizes(ddp, "bucket_sizes")
+        rebuilt = buckets_in_use(ddp)
     times = []
     for _ in range(int(job.get("steps", 0))):
         dist.barrier()
@@ -113,9 +120,9 @@ def _run_job(job: dict[str, Any], loaded: Any, device: Any, rank: int) -> dict[s
         times.append(time.perf_counter() - started)
     peak, breakdown = (peak_of_step(ddp, optimizer, forward_backward, inputs) if job.get("memory")
                        else (None, {}))
-    return {"rebuilt_bucket_sizes": rebuilt, "bucket_sizes": first, "counts": counter.counts(),
+    return {"rebuilt_bucket_sizes": rebuilt, "bucket_sizes": first, "counts": counts,
             "step_times_s": times, "peak_bytes": peak, "peak_breakdown": breakdown,
-            "comm_hook": registered_hook(ddp), "hook_all_reduces": len(hook_calls)}
+            "comm_hook": registered_hook(ddp), "hook_all_reduces": hook_all_reduces}
 
 
 @contextlib.contextmanager
@@ -231,8 +238,9 @@ def measure_ddp_many(jobs: list[dict[str, Any]], *, nproc: int = 2,
 
     A job is ``{"source": ModelSource, "ddp_kwargs": {...}}`` or ``{"source": ...,
     "policy_source": text}`` (a plan's policy module; ``apply_ddp`` is used), with optional
-    ``optimizer`` (default adamw), ``steps`` (timed steps, default 0) and ``memory`` (True:
-    measure one steady step's peak with MemTracker)."""
+    ``optimizer`` (default adamw), ``steps`` (timed steps, default 0), ``memory`` (True:
+    measure one steady step's peak with MemTracker) and ``memory_only`` (True: no counts and
+    no buckets, only the peak)."""
     prepared = []
     for job in jobs:
         item = {k: v for k, v in job.items() if k != "source"}
@@ -262,7 +270,8 @@ def measure_ddp_peak(loaded: LoadedModel, plan: Plan, *, timeout_s: float = 600.
     autocast = plan_autocast_dtype(plan)  # [Note: autocast precision]
     started = time.perf_counter()
     job = {"source": loaded.source, "policy_source": runtime.policy_source(plan),
-           "optimizer": plan.optimizer, "memory": True, "autocast": autocast}
+           "optimizer": plan.optimizer, "memory": True, "memory_only": True,
+           "autocast": autocast}
     result = measure_ddp_many([job], nproc=1, timeout_s=timeout_s)[0][0]
     notes = [("measured with MemTracker on a real one-rank gloo run of the model (a DDP "
               "rank's memory does not depend on the world size)")]
