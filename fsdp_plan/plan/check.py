@@ -11,8 +11,8 @@ precision, offload, compile, predicted) keep their checkers beside it in plan/se
 
 Every refusal is a ``BadInput`` (exit 2) naming the field path (``units[3].modules[0]``) and
 the fix, written for someone editing the plan file, never a command-line flag. Whether the
-named modules exist is checked later, once the model is built
-(``fsdp_plan.measure.runtime.check_model_matches``).
+named modules exist is checked later, against the model's outline
+(``fsdp_plan.plan.model_match.check_outline_matches``).
 
 Unknown keys are refused at every level with the closest known key named (issue 31, S4-10);
 only ``predicted``, the planner's report, keeps keys it does not know (other fsdp-plan
