@@ -160,9 +160,14 @@ def make_plan(request: PlanRequest, progress: Progress | None = None, *,
             progress(f"micro-batch {batch} x {steps} accumulation step(s)")
         options = request.analysis_options()
         cached = facts_cache.load(source, options) if facts_cache is not None else None
+        outline = None
+        if cached is not None and request.framework is not None:
+            # --framework reads the plan against the model's outline: traced without one
+            outline = facts_cache.load_outline(source)
+            cached = cached if outline is not None else None
         if cached is not None:
             analyzed = Analyzed(loaded=None, facts=cached.facts, digest=cached.digest,
-                                notes=cached.notes)
+                                notes=cached.notes, outline=outline)
             if progress and not batching:
                 for note in cached.notes:
                     progress(f"note: {note}")

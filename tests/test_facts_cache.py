@@ -242,3 +242,20 @@ def test_a_model_outline_reads_back_what_it_writes():
     assert ModelOutline.from_dict(json.loads(json.dumps(outline.to_dict()))) == outline
     with pytest.raises(ValueError):
         ModelOutline.from_dict({**outline.to_dict(), "facts_version": -1})
+
+
+def test_a_framework_plan_reads_the_facts_and_the_outline(cache, capsys, monkeypatch):
+    """``--framework`` checks its plan against the model's outline: from the cache when both
+    the facts and the outline are there (no tracing, the same plan), traced when the outline
+    is missing."""
+    flags = ("--mem", "3MB", "--framework", "accelerate")
+    first = _plan(capsys, *flags)
+    (outline,) = cache.glob("*.outline.json")
+    outline.unlink()
+    traced = []
+    real = analyze.analyze_loaded
+    monkeypatch.setattr(analyze, "analyze_loaded", lambda *a, **k: traced.append(1) or real(*a, **k))
+    assert _plan(capsys, *flags) == first
+    assert traced and outline.exists()  # traced again, and the outline kept this time
+    _no_tracing(monkeypatch)
+    assert _plan(capsys, *flags) == first

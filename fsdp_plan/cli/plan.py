@@ -378,9 +378,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def facts_cache_for(args: argparse.Namespace) -> FactsCache | None:
     """The facts cache ([Note: the facts cache] in facts/cache.py), unless ``--no-cache`` or
-    ``FSDP_PLAN_NO_CACHE``, or the command needs the live model: ``--verify`` measures it and
-    ``--framework`` reads its modules to check the export."""
-    if args.no_cache or args.verify or args.framework:
+    ``FSDP_PLAN_NO_CACHE``, or the command needs the live model: ``--verify`` measures it
+    (``--framework`` reads the model's outline, kept beside its facts)."""
+    if args.no_cache or args.verify:
         return None
     return FactsCache.default()
 
@@ -391,7 +391,8 @@ def _user_code_guard(request: PlanRequest, cache: FactsCache | None):
     wait: see the note under the imports); facts from the cache run no model code."""
     one_batch = request.global_batch_size is None and not request.search.auto_batch
     if cache is not None and one_batch and not request.search.compile_auto and cache.has(
-            request.source, request.analysis_options()):
+            request.source, request.analysis_options()) and (
+            request.framework is None or cache.load_outline(request.source) is not None):
         return contextlib.nullcontext()
     from fsdp_plan.model.load import user_code_output_to_stderr  # torch: see above
     return user_code_output_to_stderr()
