@@ -21,7 +21,10 @@ import faulthandler
 import importlib.util
 import multiprocessing
 import os
+import pathlib
+import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -48,6 +51,19 @@ def pytest_collection_modifyitems(config, items):
                     reason=f"needs the {marker} extra ({', '.join(names)} not installed)"))
                 break
 
+
+
+@pytest.fixture
+def short_tmp():
+    """An empty folder with a short path, for the ``TMPDIR`` of a command that starts workers:
+    multiprocessing's forkserver listens on an AF_UNIX socket in a folder it makes there, and
+    such a path holds at most 107 bytes. ``tmp_path`` runs past that once pytest's run counter
+    has three digits (``/tmp/pytest-of-root/pytest-104/popen-gw0/test_.../tmp/pymp-.../...``:
+    ``AF_UNIX path too long``)."""
+    folder = tempfile.mkdtemp(prefix="fsdp-plan-test-", dir="/tmp" if os.path.isdir("/tmp")
+                              else None)
+    yield pathlib.Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 HANG_S = 900

@@ -337,10 +337,10 @@ def _as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def _start_bench(plan: str, tmp_path: Path) -> tuple[subprocess.Popen, str, Path, Path, list]:
+def _start_bench(plan: str, tmp_path: Path, private: Path
+                 ) -> tuple[subprocess.Popen, str, Path, Path, list]:
+    """A real bench on two gloo workers, its TMPDIR ``private`` (``short_tmp``)."""
     marker = uuid.uuid4().hex
-    private = tmp_path / "tmp"
-    private.mkdir(exist_ok=True)
     out = tmp_path / "results"
     env = {**os.environ, "FSDP_PLAN_TEST_MARKER": marker, "TMPDIR": str(private),
            "PYTHONUNBUFFERED": "1"}
@@ -381,8 +381,8 @@ def _wait_gone(marker: str, seconds: float = 30) -> list[int]:
                                            (signal.SIGINT, "interrupted")],
                          ids=["SIGTERM", "SIGHUP", "SIGINT"])
 def test_a_signalled_bench_ends_its_workers_and_removes_its_temporaries(plan, tmp_path, signum,
-                                                                        said):
-    proc, marker, private, out, lines = _start_bench(plan, tmp_path)
+                                                                        said, short_tmp):
+    proc, marker, private, out, lines = _start_bench(plan, tmp_path, short_tmp)
     assert len(_marked_pids(marker)) >= 3  # the bench and its two training workers
     proc.send_signal(signum)
     assert proc.wait(timeout=60) == 128 + signum, "".join(lines)
@@ -396,9 +396,9 @@ def test_a_signalled_bench_ends_its_workers_and_removes_its_temporaries(plan, tm
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, PR_SET_PDEATHSIG")
-def test_workers_die_with_a_killed_bench(plan, tmp_path):
+def test_workers_die_with_a_killed_bench(plan, tmp_path, short_tmp):
     """SIGKILL cannot be handled: the kernel ends the workers (PR_SET_PDEATHSIG)."""
-    proc, marker, _, _, _ = _start_bench(plan, tmp_path)
+    proc, marker, _, _, _ = _start_bench(plan, tmp_path, short_tmp)
     proc.kill()
     assert proc.wait(timeout=60) == -signal.SIGKILL
     assert _wait_gone(marker) == [], "workers outlived a killed bench"

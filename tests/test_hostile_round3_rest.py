@@ -156,13 +156,13 @@ def test_s3_12_a_signal_during_tune_exits_with_its_code_and_leaves_nothing(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_s3_12_sigterm_to_a_real_tune_ends_its_workers_and_their_folder(plan, tmp_path):
+def test_s3_12_sigterm_to_a_real_tune_ends_its_workers_and_their_folder(plan, tmp_path,
+                                                                          short_tmp):
     """A real ``fsdp-plan tune`` benching its baseline on two gloo workers gets SIGTERM: it
     exits 143 saying so, no worker outlives it, and no ``fsdp-plan-workers-*`` folder stays
     in TMPDIR."""
     marker = uuid.uuid4().hex
-    private = tmp_path / "tmp"
-    private.mkdir()
+    private = short_tmp
     out = tmp_path / "results"
     env = {**os.environ, "FSDP_PLAN_TEST_MARKER": marker, "TMPDIR": str(private),
            "PYTHONUNBUFFERED": "1"}
@@ -363,9 +363,8 @@ def _torchrun_env(**changes: str | None) -> dict[str, str]:
 ], ids=["world-abc", "world-unicode-digit", "no-rank", "no-master-addr", "rank-5-of-2",
         "world-0", "port"])
 def test_s3_17_the_worker_refuses_a_broken_torchrun_environment(plan, tmp_path, changes,
-                                                                needles):
-    private = tmp_path / "tmp"
-    private.mkdir()
+                                                                needles, short_tmp):
+    private = short_tmp
     out = tmp_path / "results"
     env = {**_torchrun_env(**changes), "TMPDIR": str(private)}
     done = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.bench_worker", plan, "--out",
