@@ -134,6 +134,8 @@ timed(analyze, "analyze_loaded", "tracing and analysis")
 timed(plan_verb, "make_plan", "make_plan")
 timed(plan_verb, "plan_frontier", "frontier (more memory)")
 timed(plan_verb, "format_report", "report")
+from fsdp_plan.cli.process import mark_process_ends_after_command
+mark_process_ends_after_command()  # as the console script (fsdp_plan.cli.main.entry) does
 code = main_module.main(sys.argv[1:])
 for d in (spent, cpu):
     d["make_plan"] = d.get("make_plan", 0.0) - d.get("tracing and analysis", 0.0) - d.get(

@@ -81,3 +81,27 @@ def test_a_failed_write_leaves_no_output_and_no_traceback(tmp_path, capsys, monk
     assert "disk is full" in err and str(plan_path) in err and "Traceback" not in err
     assert plan_path.read_text() == "keep me\n"
     assert [p.name for p in tmp_path.iterdir()] == ["p.yaml"]
+
+
+def test_the_plan_verb_leaves_the_collector_off_only_where_the_process_ends(monkeypatch,
+                                                                           capsys):
+    """[Note: ending the process]: in the console script's process (``entry``), which ends
+    with ``os._exit`` once the command returns, the plan verb leaves the cycle collector off
+    (on again, its first collection walked everything the run made: 0.4 s of README's first
+    command); a command run in process (``main()``) turns it on again, as it was."""
+    import gc
+
+    from fsdp_plan.cli import process
+
+    argv = [LLAMA, "--model-arg", "size=tiny", "--seq-len", "64", "--mem", "3MB",
+            "--world-size", "4", "--format", "json"]
+    assert gc.isenabled()
+    assert main(argv) == 0
+    assert gc.isenabled()
+    monkeypatch.setattr(process, "_ENDS_AFTER_COMMAND", [True])
+    try:
+        assert main(argv) == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    capsys.readouterr()

@@ -31,7 +31,7 @@ import traceback
 import types
 
 from fsdp_plan.cli import plan as plan_verb
-from fsdp_plan.cli.process import ReportChannel, end_process
+from fsdp_plan.cli.process import ReportChannel, end_process, mark_process_ends_after_command
 from fsdp_plan.common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError, Stop
 from fsdp_plan.common.files import forget_umask, remember_umask
 
@@ -196,6 +196,7 @@ def entry() -> None:
     model's threads and forked children cannot hold up (process.py)."""
     channel = ReportChannel()
     channel.open()
+    mark_process_ends_after_command()
     try:
         code = main()
     finally:

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from fsdp_plan.api import PlanRequest, make_plan, predict, verify_by_measurement
+from fsdp_plan.cli.process import process_ends_after_command
 from fsdp_plan.common.autocast import AUTOCAST_DTYPES
 from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.dtypes import canonical_dtype
@@ -300,8 +301,8 @@ def _compile_mode(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # one short process: [Note: pausing the cycle collector]
-    with cycle_collector_paused(collect_after=False):
+    # one short process: [Note: pausing the cycle collector], [Note: ending the process]
+    with cycle_collector_paused(collect_after=False, resume=not process_ends_after_command()):
         return _run(args)
 
 

@@ -25,7 +25,10 @@ without joining them; a model thread's work is never part of a plan. Otherwise t
 interpreter's teardown is all that is left: of torch's modules and objects where torch was
 imported (a plan that traced, every GPU and gloo verb; 1.3-1.8 s of the 11 s that README's
 first command took when it traced, issue 29), else of the facts and the search's caches (0.1 s
-of that command from cached facts here). Every file fsdp-plan writes is complete and closed
+of that command from cached facts here). For the same reason the plan verb leaves the cycle
+collector paused when it returns in such a process (``process_ends_after_command``): turned on
+again, its first collection walked everything the run made, 0.4 s of README's first command
+when it traced, before ``os._exit`` (stop 42). Every file fsdp-plan writes is complete and closed
 (written atomically) before the command returns.
 
 [Note: streams taken off sys.stdout stay alive]
@@ -142,6 +145,21 @@ def lingering_threads() -> list[threading.Thread]:
     """Threads that would keep the interpreter from exiting: alive, not daemon, not main."""
     return [t for t in threading.enumerate() if t.is_alive() and not t.daemon
             and t is not threading.main_thread()]
+
+
+_ENDS_AFTER_COMMAND: list[bool] = []
+"""Set by ``entry`` (the console script): the process ends once the command returns."""
+
+
+def mark_process_ends_after_command() -> None:
+    """The console script's process ends with ``end_process`` once the command returns."""
+    _ENDS_AFTER_COMMAND.append(True)
+
+
+def process_ends_after_command() -> bool:
+    """Whether the process ends once the command returns (the console script), as opposed to
+    a command run in process (``main()`` from tests or a notebook), whose process goes on."""
+    return bool(_ENDS_AFTER_COMMAND)
 
 
 def end_process(code: int) -> None:

@@ -33,16 +33,19 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def cycle_collector_paused(*, collect_after: bool = True) -> Iterator[None]:
+def cycle_collector_paused(*, collect_after: bool = True, resume: bool = True
+                           ) -> Iterator[None]:
     """Pause the cycle collector within the block, then (``collect_after``) collect the young
     generations once ([Note: pausing the cycle collector]); a collector already off stays off.
-    ``collect_after=False``: for one command's whole run, which ends the process."""
+    ``collect_after=False``: for one command's whole run; ``resume=False``: the process ends
+    right after it, so the collector stays off (on again, it would walk everything the run
+    made before the process ends)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if was_enabled:
+        if was_enabled and resume:
             gc.enable()
             if collect_after:
                 gc.collect(1)
