@@ -237,7 +237,7 @@ def test_a_model_outline_reads_back_what_it_writes():
 
     model = load_model(ModelSource(source=LLAMA, args={"size": "tiny"})).model
     outline = model_outline(model)
-    assert outline.params == sum(p.numel() for p in model.parameters())
+    assert outline.graph.total_numel == sum(p.numel() for p in model.parameters())
     assert "layers" in outline.containers and "Linear" in outline.torch_classes
     assert ModelOutline.from_dict(json.loads(json.dumps(outline.to_dict()))) == outline
     with pytest.raises(ValueError):
@@ -254,7 +254,8 @@ def test_a_framework_plan_reads_the_facts_and_the_outline(cache, capsys, monkeyp
     outline.unlink()
     traced = []
     real = analyze.analyze_loaded
-    monkeypatch.setattr(analyze, "analyze_loaded", lambda *a, **k: traced.append(1) or real(*a, **k))
+    monkeypatch.setattr(analyze, "analyze_loaded",
+                        lambda *a, **k: traced.append(1) or real(*a, **k))
     assert _plan(capsys, *flags) == first
     assert traced and outline.exists()  # traced again, and the outline kept this time
     _no_tracing(monkeypatch)

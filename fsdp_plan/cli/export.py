@@ -11,10 +11,10 @@ module), the plan's policy module, the shortest code hook that keeps what the co
 cannot say (only when there is something), and ``README.md``: how to launch and what, if
 anything, is lost. The plan is read against the model's outline (its module tree and block
 classes): kept on disk when the model was planned or exported before (no torch imported), else
-from the model built on ``meta`` (no weights, no framework imported) and kept. Exit 2 for an invalid plan or model, for ``--torchtitan-config`` with
-another ``--to``, and for a folder where a file the export may write is an input (the plan,
-the model it names or MODEL, through links too) — checked before the model is loaded; nothing
-is written unless all is.
+from the model built on ``meta`` (no weights, no framework imported) and kept. Exit 2 for an
+invalid plan or model, for ``--torchtitan-config`` with another ``--to``, and for a folder
+where a file the export may write is an input (the plan, the model it names or MODEL, through
+links too) — checked before the model is loaded; nothing is written unless all is.
 """
 
 from __future__ import annotations

@@ -393,7 +393,7 @@ def _user_code_guard(request: PlanRequest, cache: FactsCache | None):
     one_batch = request.global_batch_size is None and not request.search.auto_batch
     if cache is not None and one_batch and not request.search.compile_auto and cache.has(
             request.source, request.analysis_options()) and (
-            request.framework is None or cache.load_outline(request.source) is not None):
+            request.framework is None or cache.has_outline(request.source)):
         return contextlib.nullcontext()
     from fsdp_plan.model.load import user_code_output_to_stderr  # torch: see above
     return user_code_output_to_stderr()

@@ -28,8 +28,8 @@ first command took when it traced, issue 29), else of the facts and the search's
 of that command from cached facts here). For the same reason the plan verb leaves the cycle
 collector paused when it returns in such a process (``process_ends_after_command``): turned on
 again, its first collection walked everything the run made, 0.4 s of README's first command
-when it traced, before ``os._exit`` (stop 42). Every file fsdp-plan writes is complete and closed
-(written atomically) before the command returns.
+when it traced, before ``os._exit`` (stop 42). Every file fsdp-plan writes is complete and
+closed (written atomically) before the command returns.
 
 [Note: streams taken off sys.stdout stay alive]
 CPython 3.11's ``print()`` holds ``sys.stdout`` as a borrowed reference while it writes and

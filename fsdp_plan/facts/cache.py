@@ -183,6 +183,23 @@ class FactsCache:
         key = facts_key(source, options)
         return key is not None and os.path.isfile(self._path(key))
 
+    def has_outline(self, source: ModelSource) -> bool:
+        """Whether an outline entry exists for the model (without parsing it)."""
+        key = outline_key(source)
+        return key is not None and os.path.isfile(self._outline_path(key))
+
+    @staticmethod
+    def _trusted(path: str, key: str) -> dict[str, Any] | None:
+        """The entry at ``path`` when it parses and holds this format and ``key``; None
+        otherwise (missing, corrupt or foreign: never trusted). Raises nothing."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except Exception:  # noqa: BLE001 - unreadable, not JSON, not text
+            return None
+        ok = isinstance(raw, dict) and raw.get("format") == FORMAT and raw.get("key") == key
+        return raw if ok else None
+
     def load(self, source: ModelSource, options: dict[str, Any]) -> CachedFacts | None:
         """The entry for ``source`` traced with ``options``; None when there is none or it
         cannot be trusted (wrong format or key, unreadable, not facts)."""
@@ -190,11 +207,10 @@ class FactsCache:
         if key is None:
             return None
         path = self._path(key)
+        raw = self._trusted(path, key)
+        if raw is None:
+            return None
         try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-            if raw.get("format") != FORMAT or raw.get("key") != key:
-                return None
             digest, notes = raw["digest"], raw["notes"]
             if not isinstance(digest, str) or not all(isinstance(n, str) for n in notes):
                 return None
@@ -211,13 +227,8 @@ class FactsCache:
 
     def _holds_ddp_step(self, key: str) -> bool:
         """Whether the entry at ``key`` is readable and holds DDP's autocast step."""
-        try:
-            with open(self._path(key), encoding="utf-8") as f:
-                raw = json.load(f)
-            return (raw.get("format") == FORMAT and raw.get("key") == key
-                    and raw.get("ddp_autocast") is True)
-        except Exception:  # noqa: BLE001 - a corrupt or foreign entry is replaced
-            return False
+        raw = self._trusted(self._path(key), key)
+        return raw is not None and raw.get("ddp_autocast") is True
 
     def store(self, source: ModelSource, options: dict[str, Any], facts: ModelFacts,
               digest: str, notes: list[str]) -> str | None:
@@ -237,11 +248,10 @@ class FactsCache:
         key = outline_key(source)
         if key is None:
             return None
+        raw = self._trusted(self._outline_path(key), key)
+        if raw is None:
+            return None
         try:
-            with open(self._outline_path(key), encoding="utf-8") as f:
-                raw = json.load(f)
-            if raw.get("format") != FORMAT or raw.get("key") != key:
-                return None
             return ModelOutline.from_dict(raw["outline"])
         except Exception:  # noqa: BLE001 - a corrupt or foreign entry is ignored, never trusted
             return None

@@ -79,7 +79,6 @@ def model_outline(model: nn.Module, graph: ModuleGraph | None = None) -> ModelOu
     modules = dict(model.named_modules())
     return ModelOutline(
         graph=graph if graph is not None else build_module_graph(model),
-        params=sum(p.numel() for p in model.parameters()),
         torch_classes=sorted({type(m).__name__ for m in modules.values()
                               if type(m).__module__.startswith("torch.")}),
         no_split_modules=[str(n) for n in getattr(model, "_no_split_modules", None) or ()],

@@ -336,8 +336,8 @@ class ModelOutline:
     a plan whose model was planned or exported before imports no torch (issue 29)."""
 
     graph: ModuleGraph
-    params: int
-    """Parameters counted once each (tied parameters are one), as ``model.parameters()``."""
+    """The module tree; its ``total_numel`` counts each parameter once, as
+    ``model.parameters()`` does (tied parameters are one)."""
     torch_classes: list[str]
     """Names of the model's module classes that torch defines (``nn.Linear``...), sorted."""
     no_split_modules: list[str]
@@ -356,7 +356,7 @@ class ModelOutline:
         if raw.get("facts_version") != FACTS_VERSION:
             raise ValueError(f"model outline version {raw.get('facts_version')!r}; expected "
                              f"{FACTS_VERSION}.")
-        return cls(graph=_graph(raw["graph"]), params=int(raw["params"]),
+        return cls(graph=_graph(raw["graph"]),
                    torch_classes=[str(n) for n in raw["torch_classes"]],
                    no_split_modules=[str(n) for n in raw["no_split_modules"]],
                    has_input_embeddings=bool(raw["has_input_embeddings"]),

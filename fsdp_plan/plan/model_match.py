@@ -70,9 +70,9 @@ def check_outline_matches(plan: Plan, outline: ModelOutline, source: ModelSource
     """Refuse a model other than the planned one: parameter count, the module names the plan
     shards and checkpoints (none a container the model never calls), then the code digest of
     ``source``, the model's recipe."""
-    expected = plan.model.params
-    if expected is not None and int(expected) != outline.params:
-        raise BadInput(f"the model has {outline.params:,} parameters but the plan was made for "
+    expected, actual = plan.model.params, outline.graph.total_numel
+    if expected is not None and int(expected) != actual:
+        raise BadInput(f"the model has {actual:,} parameters but the plan was made for "
                        f"{int(expected):,}; re-plan it (fsdp-plan {source.source} ...) or "
                        "pass the model file the plan was made for.")
     check_module_names(plan, outline)

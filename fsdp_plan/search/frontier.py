@@ -173,6 +173,21 @@ def round_budgets(low: int, high: int, count: int) -> list[int]:
     return list(range(first, high + 1, step))
 
 
+@dataclass(frozen=True, kw_only=True)
+class _BudgetSearch:
+    """One budget's search, as the process that ran it reports it (``points_beside``)."""
+
+    point: FrontierPoint
+    pid: int
+    """The process that searched it (a forked child's counts are added to the planner's)."""
+    searches: int
+    evaluations: int
+    """Searches and plans evaluated by it."""
+    smallest: int
+    """The searcher's smallest peak where nothing fitted, after it."""
+    cpu_s: float
+
+
 class _Searcher:
     """The search at any budget for each micro-batch variant, on shared evaluators."""
 
@@ -222,7 +237,8 @@ class _Searcher:
         searches the first ones, a child forked with every cache searched so far the later
         ones and sends back each point with what it searched, evaluated and spent; whatever
         goes wrong there, the planner searches that budget itself. The 70B shape's page on a
-        2-core machine: its frontier in 0.9 s instead of 1.4 (issue 29). A budget searched
+        2-core machine: its frontier in 1.0-1.1 s instead of 1.4-1.5 (issue 29; stop 42's
+        results file). A budget searched
         beside the planner does not bound the planner's later searches, which may evaluate
         a few more plans."""
         found: dict[int, FrontierPoint] = {}
@@ -231,24 +247,25 @@ class _Searcher:
                 forked.start(f"budget {budget}", functools.partial(self._searched, budget))
             forked.launch()
             for budget in budgets:
-                point, pid, searches, evaluations, smallest, cpu = forked.result(
-                    f"budget {budget}", functools.partial(self._searched, budget))
-                if pid != os.getpid():  # a child's: what it did, counted here
-                    self.searches += searches
-                    self._evaluated_elsewhere += evaluations
-                    self.smallest = min(self.smallest, smallest)
-                    self.cpu_elsewhere += cpu
-                found[budget] = point
+                done = forked.result(f"budget {budget}",
+                                     functools.partial(self._searched, budget))
+                if done.pid != os.getpid():  # a child's: what it did, counted here
+                    self.searches += done.searches
+                    self._evaluated_elsewhere += done.evaluations
+                    self.smallest = min(self.smallest, done.smallest)
+                    self.cpu_elsewhere += done.cpu_s
+                found[budget] = done.point
         return found
 
-    def _searched(self, budget: int) -> tuple[FrontierPoint, int, int, int, int, float]:
-        """``point(budget)`` with the process that searched it and what that search added to
-        the counts: searches, plans evaluated, the smallest peak, CPU seconds."""
+    def _searched(self, budget: int) -> _BudgetSearch:
+        """``point(budget)``, with the process that searched it and what it added to the
+        counts."""
         searches, evaluations = self.searches, self.evaluations
         cpu = clock.process_time()
         point = self.point(budget)
-        return (point, os.getpid(), self.searches - searches, self.evaluations - evaluations,
-                self.smallest, clock.process_time() - cpu)
+        return _BudgetSearch(point=point, pid=os.getpid(), searches=self.searches - searches,
+                             evaluations=self.evaluations - evaluations,
+                             smallest=self.smallest, cpu_s=clock.process_time() - cpu)
 
     def ranked_at(self, budget: int) -> list[tuple[Variant, Candidate]]:
         """Every variant's ranking at ``budget`` (best first within each)."""
