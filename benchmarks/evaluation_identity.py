@@ -8,8 +8,11 @@ Each case is a planning command run in a fresh process (``fsdp_plan.cli.main.mai
 facts cache of ``$FSDP_PLAN_CACHE_DIR``), with ``Evaluator._evaluate`` wrapped to write one line
 per evaluation: the layout's name and the ``repr`` of the whole candidate (peak and memory
 categories, every field of the step time, collectives, fits, units, block modes, detail;
-``repr`` of a float round-trips, so equal lines mean equal numbers). The report on stdout, the
-plan YAML and the policy module are kept beside it.
+``repr`` of a float round-trips, so equal lines mean equal numbers), written when the command
+has ended: a step time the command never read is computed then, the others when the command
+first read them ([Note: step times when asked] in fsdp_plan/common/deferred.py), and the line
+reads as it did before times were deferred. The report on stdout, the plan YAML and the policy
+module are kept beside it.
 """
 
 from __future__ import annotations
@@ -45,16 +48,20 @@ CASES = {
 _CHILD = """
 import sys
 from fsdp_plan.search.evaluator import Evaluator
-out = open(sys.argv[1], "w")
+evaluated = []
 inner = Evaluator._evaluate
 def recorded(self, layout, name):
     candidate = inner(self, layout, name)
-    out.write(f"{name}\\t{candidate!r}\\n")
+    evaluated.append((name, candidate))
     return candidate
 Evaluator._evaluate = recorded
 from fsdp_plan.cli.main import main
 code = main(sys.argv[2:])
-out.close()
+with open(sys.argv[1], "w") as out:  # after the command: its step times computed when asked
+    for name, candidate in evaluated:
+        time = repr(candidate.time)  # the rest now ([Note: step times when asked])
+        line = repr(candidate).replace(f"deferred_time=Deferred({time})", f"time={time}", 1)
+        out.write(f"{name}\\t{line}\\n")
 print(f"exit {code}")
 """
 

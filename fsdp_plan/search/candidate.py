@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from fsdp_plan.common.deferred import Deferred
 from fsdp_plan.common.limits import budget_limit
 from fsdp_plan.cost.ddp_buckets import Bucket, DDPConfig
 from fsdp_plan.cost.hardware import Hardware
@@ -155,7 +156,9 @@ class Candidate:
     layout: Layout
     units: list[UnitSpec]
     memory: MemoryEstimate
-    time: StepTime
+    deferred_time: Deferred[StepTime]
+    """Its step time, simulated when first read (``time``; [Note: step times when asked] in
+    common/deferred.py)."""
     collectives: dict[str, int]
     collectives_fsdp1: dict[str, int]
     fits: bool
@@ -164,6 +167,11 @@ class Candidate:
     block_modes: list[BlockMode] = field(default_factory=list)
     """Per checkpointed block, in stack order: its mode, what it saves and what it costs."""
     detail: DDPDetail | OffloadDetail | None = None
+
+    @property
+    def time(self) -> StepTime:
+        """The step time (the clock's simulation runs on the first read)."""
+        return self.deferred_time.get()
 
     @property
     def strategy(self) -> str:

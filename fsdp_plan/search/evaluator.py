@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 
+from fsdp_plan.common.deferred import Deferred
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.collectives import count_fsdp1, count_fsdp2, cross_node_bytes, per_step
 from fsdp_plan.cost.compiled_time import compiled_times, without_inside
@@ -240,14 +242,14 @@ class Evaluator:
         blocks = self.graph.blocks
         block_modes = [self._block_mode(blocks[i], "selective" if i in selective else "full")
                        for i in sorted(which | selective)]
-        time = unit_step_time(
-            self.clock, units, shard=shard, replicate=replicate,
+        time = Deferred(functools.partial(  # [Note: step times when asked]
+            unit_step_time, self.clock, units, shard=shard, replicate=replicate,
             recompute={m.block: (m.recompute_s, m.recompute_host_s) for m in block_modes},
             forward_prefetch=layout.forward_prefetch, backward_prefetch=layout.backward_prefetch,
-            optimizer_overlap=layout.optimizer_overlap, layout_key=layout.units_key)
+            optimizer_overlap=layout.optimizer_overlap, layout_key=layout.units_key))
         collectives, collectives_fsdp1, crossing = self._communication(layout, units, ran, calls)
         return Candidate(
-            name=name, layout=layout, units=units, memory=memory, time=time,
+            name=name, layout=layout, units=units, memory=memory, deferred_time=time,
             collectives=dict(collectives), collectives_fsdp1=dict(collectives_fsdp1),
             fits=runnable(units, ran) and memory.peak_bytes <= s.limit_bytes,
             block_modes=block_modes, cross_node_bytes=crossing,
@@ -336,7 +338,8 @@ class Evaluator:
         ran = list(profile.ran_of(candidate.units))
         return dataclasses.replace(
             candidate, memory=memory,
-            time=offloaded_time(candidate.time, copy_s, exposed, cpu_optimizer_s),
+            deferred_time=Deferred.known(offloaded_time(candidate.time, copy_s, exposed,
+                                                        cpu_optimizer_s)),
             fits=runnable(candidate.units, ran) and memory.peak_bytes <= s.limit_bytes,
             detail=OffloadDetail(host_bytes=host_bytes(candidate.units, s.optimizer, orig),
                                  copy_s=copy_s))
@@ -361,7 +364,8 @@ class Evaluator:
                          optimizer_overlap=layout.optimizer_overlap)
         return Candidate(
             name=name, layout=layout, units=build_units(self.graph, [[""]], [False], 1),
-            memory=e.memory, time=e.time, collectives=dict(e.collectives),
+            memory=e.memory, deferred_time=Deferred.known(e.time),
+            collectives=dict(e.collectives),
             collectives_fsdp1=dict(e.collectives),
             fits=e.memory.peak_bytes <= s.limit_bytes,
             detail=DDPDetail(config=e.config, buckets=e.buckets, unused=e.unused,
