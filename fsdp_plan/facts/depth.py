@@ -76,11 +76,6 @@ def _rename(fqn: str, src: str, dst: str) -> str:
     return fqn
 
 
-def _rename_either(fqn: str, src_a: str, dst_a: str, src_b: str, dst_b: str) -> str:
-    renamed = _rename(fqn, src_a, dst_a)
-    return renamed if renamed != fqn else _rename(fqn, src_b, dst_b)
-
-
 def _index_of(events: list[Event], kind: str, module: str) -> int | None:
     for i, ev in enumerate(events):
         if ev.kind == kind and ev.module == module:
@@ -118,16 +113,35 @@ def _expand_one(events: list[Event], modules: dict[str, ModuleCompute], stack: s
     d_level_bw, d_flops_bw = events[r0].level - events[r1].level, events[r0].flops - events[r1].flops
     extra = count - KEEP
 
-    def shifted(seg: list[Event], dl: int, df: float, dst: int) -> list[Event]:
+    def renaming(seg: list[Event]) -> list[tuple[int, str]]:
+        """Per event of ``seg``, where its module sits: (1, the rest of its name) under block
+        1, (2, the rest) under block 2, else (0, its name). ``shifted`` renames thousands of
+        copies of a segment (a deep stack): the names are split once, not per copy."""
+        out = []
+        for e in seg:
+            m = e.module
+            if m == b1 or m.startswith(b1 + "."):
+                out.append((1, m[len(b1):]))
+            elif m == b2 or m.startswith(b2 + "."):
+                out.append((2, m[len(b2):]))
+            else:
+                out.append((0, m))
+        return out
+
+    def shifted(seg: list[Event], split: list[tuple[int, str]], dl: int, df: float, dst: int
+                ) -> list[Event]:
         # A backward segment also holds the previous block's post-backward (it fires when this
         # block's output gradient is ready), so block 2's name maps to the block after ``dst``.
-        return [Event(kind=e.kind, module=_rename_either(e.module, b1, name(dst), b2, name(dst + 1)),
+        # (dst >= 2: a name under block 1 never maps to block 1 itself.)
+        heads = ("", name(dst), name(dst + 1))
+        return [Event(kind=e.kind, module=heads[under] + rest if under else rest,
                       level=e.level + dl, peak=e.peak + dl, flops=e.flops + df, ops=e.ops)
-                for e in seg]
+                for e, (under, rest) in zip(seg, split)]
 
+    fw_split, bw_split = renaming(fw_seg), renaming(bw_seg)
     out = events[:f2]
     for j in range(extra):
-        out += shifted(fw_seg, (j + 1) * d_level_fw, (j + 1) * d_flops_fw, 2 + j)
+        out += shifted(fw_seg, fw_split, (j + 1) * d_level_fw, (j + 1) * d_flops_fw, 2 + j)
     lvl, fl = extra * d_level_fw, extra * d_flops_fw
     last = name(count - 1)
     for e in events[f2:r1]:
@@ -135,7 +149,8 @@ def _expand_one(events: list[Event], modules: dict[str, ModuleCompute], stack: s
                          peak=e.peak + lvl, flops=e.flops + fl, ops=e.ops))
     # backward: block 2 (now last) already emitted; repeat block 1's backward for count-2 .. 2
     for j in range(extra):
-        out += shifted(bw_seg, lvl + j * d_level_bw, fl + j * d_flops_bw, count - 2 - j)
+        out += shifted(bw_seg, bw_split, lvl + j * d_level_bw, fl + j * d_flops_bw,
+                       count - 2 - j)
     lvl2, fl2 = lvl + extra * d_level_bw, fl + extra * d_flops_bw
     for e in events[r1:]:
         out.append(Event(kind=e.kind, module=e.module, level=e.level + lvl2, peak=e.peak + lvl2,
