@@ -190,6 +190,54 @@ def test_children_still_running_when_the_work_fails_are_ended(monkeypatch):
     assert len(pids) == 2 and all(_gone(pid) for pid in pids)
 
 
+@needs_fork
+@pytest.mark.parametrize("store", [True, False], ids=["beside the pipe", "in the pipe"])
+def test_results_larger_than_a_pipe_come_back_whole(monkeypatch, store):
+    """Results of several MB (a deep model's pass is 4.5 MB) arrive whole, beside the pipe
+    ([Note: results beside the pipe]) or, where no anonymous file can be made, in it."""
+    if not store:
+        monkeypatch.setattr(forked, "_result_store", lambda: None)
+    monkeypatch.setattr(forked, "spare_cpus", lambda: 1)
+    big = [bytes([i]) * (3 << 20) for i in range(2)]
+    with ForkedPasses([], enabled=True) as passes:
+        passes.start("here", os.getpid)  # the planner keeps the first
+        passes.start("first", lambda: big[0])
+        passes.start("second", lambda: big[1])
+        passes.launch()
+        assert (passes._children[0].store is not None) == store
+        assert passes.result("first", lambda: pytest.fail("ran in process")) == big[0]
+        assert passes.result("second", lambda: pytest.fail("ran in process")) == big[1]
+
+
+@needs_fork
+def test_a_child_goes_on_while_the_planner_has_not_read_its_large_result(monkeypatch):
+    """A child whose first result is more than a pipe holds starts its next pass at once,
+    not when the planner, busy with its own passes, reads the first."""
+    monkeypatch.setattr(forked, "spare_cpus", lambda: 1)
+    with ForkedPasses([], enabled=True) as passes:
+        passes.start("here", os.getpid)  # the planner keeps the first
+        passes.start("large", lambda: b"x" * (3 << 20))
+        passes.start("when", time.monotonic)
+        passes.launch()
+        time.sleep(2.0)  # the planner's own pass
+        asked = time.monotonic()
+        assert len(passes.result("large", lambda: pytest.fail("ran in process"))) == 3 << 20
+        started = passes.result("when", lambda: pytest.fail("ran in process"))
+    assert started < asked - 1.0
+
+
+def a_store_that_lies(store, frame):
+    return None
+
+
+@needs_fork
+def test_a_result_the_store_does_not_hold_runs_here(monkeypatch):
+    monkeypatch.setattr(forked, "_stored", a_store_that_lies)
+    with ForkedPasses([], enabled=True) as passes:
+        passes.start("pass", os.getpid)
+        assert passes.result("pass", lambda: "in process") == "in process"
+
+
 def test_no_fork_with_threads_alive_or_when_asked_not_to(monkeypatch):
     monkeypatch.delenv(SERIAL_ENV, raising=False)
     stop = threading.Event()

@@ -10,8 +10,9 @@ selective pass adds is worked out from the plain pass after both ran, and it is 
 the checkpointed pass succeeded. So the passes after the plain one are shared out with forked
 children (copies of the process with the model loaded; one per spare CPU, [Note: a child per
 spare CPU]) that run while the planner runs the plain pass, and each child sends each pass's
-result back, pickled, through a pipe as soon as it is done (issue 29; the figures are in
-benchmarks/results/planning_speed_stop40.txt and _stop41.txt). ``--compile``'s selective trace
+result back, pickled, as soon as it is done (issue 29; the figures are in
+benchmarks/results/planning_speed_stop40.txt and _stop41.txt; [Note: results beside the
+pipe]). ``--compile``'s selective trace
 of each block class is forked too, once the plain trace has warmed Dynamo up (compiled.py
 ``trace_modes``), and so are the HTML page's frontier budgets (search/frontier.py [Note: the
 page's budgets beside the planner]).
@@ -108,6 +109,9 @@ class _Child:
     """What it sent for each pass read so far: (result, notes), or None where the pass is
     left to the planner (it failed there, or the child stopped before it)."""
     buffer: bytearray = field(default_factory=bytearray)
+    store: int | None = None
+    """The anonymous file the child writes its results into (None: they come in the pipe's
+    frames; [Note: results beside the pipe])."""
 
 
 class ForkedPasses:
@@ -154,19 +158,21 @@ class ForkedPasses:
                 read, write = os.pipe()
             except OSError:
                 return
+            store = _result_store()
             try:
                 pid = fork_planner_child()
             except OSError:
-                os.close(read)
-                os.close(write)
+                for fd in (read, write) if store is None else (read, write, store):
+                    os.close(fd)
                 return
             if pid == 0:  # the child: never returns
                 os.close(read)
-                _run_in_child(mine, write, self._notes)
+                _run_in_child(mine, write, self._notes, store)
             os.close(write)
             if not self._children:
                 self._started = time.monotonic()
-            self._children.append(_Child(pid=pid, fd=read, names=[n for n, _ in mine]))
+            self._children.append(_Child(pid=pid, fd=read, names=[n for n, _ in mine],
+                                         store=store))
 
     def result(self, name: str, run: Callable[[], T]) -> T:
         """What ``run`` returns (or raises): a child's result for ``name`` when it sent one,
@@ -191,6 +197,8 @@ class ForkedPasses:
         stopped = False
         while name not in child.received:
             frame = _read_frame(child, self._deadline or 0.0)
+            if frame is not None and child.store is not None:
+                frame = _stored(child.store, frame)
             sent = _unpickled(frame) if frame is not None else None
             if sent is None:  # it sends nothing more: killed below
                 stopped = True
@@ -212,7 +220,58 @@ class ForkedPasses:
         if child in self._children:
             self._children.remove(child)
             os.close(child.fd)
+            if child.store is not None:
+                os.close(child.store)
             end_child(child.pid, exit_by=exit_by)
+
+
+# [Note: results beside the pipe]
+# A pipe holds 64 KiB (1 MiB at most, /proc/sys/fs/pipe-max-size), and a pass's result is
+# more: 0.5 MB for the depth-cut 70B shape, 0.8 MB for 405B, 4.5 MB for 10,006 modules. A
+# child writing one into the pipe waited, blocked, until the planner read it, which the
+# planner does only once its own passes are done: the 70B's child stood idle 0.4 s between
+# its two passes. So each child writes its results into an anonymous in-memory file
+# (``os.memfd_create``, made by the planner before the fork, so both hold it) and sends in
+# the pipe only where each one lies (offset and length, 16 bytes: a pipe never blocks on
+# that). Only the child writes the file (its own offset, at the end), the planner only reads
+# it at given offsets (``os.pread``, which moves no offset), so the two never race. Where no
+# such file can be made, the results go through the pipe as before.
+
+
+def _result_store() -> int | None:
+    """A new anonymous in-memory file for a child's results, or None (no ``memfd_create``
+    here, or it failed)."""
+    make = getattr(os, "memfd_create", None)
+    if make is None:
+        return None
+    try:
+        return make("fsdp-plan-pass-results", getattr(os, "MFD_CLOEXEC", 0))
+    except OSError:
+        return None
+
+
+def _where(offset: int, size: int) -> bytes:
+    """The frame that tells the planner where a result lies in the store."""
+    return offset.to_bytes(_LENGTH, "big") + size.to_bytes(_LENGTH, "big")
+
+
+def _stored(store: int, frame: bytes) -> bytes | None:
+    """The result bytes ``frame`` (``_where``) points at in ``store``; None when the frame
+    is not such a pointer or the bytes are not all there (the pass then runs here)."""
+    if len(frame) != 2 * _LENGTH:
+        return None
+    offset, size = int.from_bytes(frame[:_LENGTH], "big"), int.from_bytes(frame[_LENGTH:], "big")
+    chunks, got = [], 0
+    try:
+        while got < size:
+            chunk = os.pread(store, size - got, offset + got)
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError:
+        return None
+    return b"".join(chunks)
 
 
 def _unpickled(payload: bytes) -> tuple[str, bool, Any, list[str]] | None:
@@ -259,23 +318,26 @@ def _read_frame(child: _Child, deadline: float) -> bytes | None:
         buffer += chunk
 
 
-def _run_in_child(runs: list[tuple[str, Callable[[], Any]]], fd: int, notes: list[str]
-                  ) -> None:
+def _run_in_child(runs: list[tuple[str, Callable[[], Any]]], fd: int, notes: list[str],
+                  store: int | None = None) -> None:
     """The child's whole life: run its passes in turn, writing a frame for each (its length,
     then ``(name, ok, result, notes)`` pickled; ``ok`` False where the pass raised or its
     result cannot be pickled: the parent runs that one itself), and end with status 0; with 1
-    when a frame cannot be written (the parent runs what it did not get)."""
+    when a frame cannot be written (the parent runs what it did not get). With a ``store``
+    the pickled bytes go there and the frame says where ([Note: results beside the pipe])."""
     code = 1
     try:
+        offset = 0
         for name, run in runs:
             try:
                 payload = pickle.dumps((name, True, run(), list(notes)),
                                        protocol=pickle.HIGHEST_PROTOCOL)
             except BaseException:  # noqa: BLE001  (the parent runs this pass again)
                 payload = pickle.dumps((name, False, None, []))
-            view = memoryview(len(payload).to_bytes(_LENGTH, "big") + payload)
-            while view:
-                view = view[os.write(fd, view):]
+            if store is not None:
+                _write_all(store, payload)
+                payload, offset = _where(offset, len(payload)), offset + len(payload)
+            _write_all(fd, len(payload).to_bytes(_LENGTH, "big") + payload)
         code = 0
     except BaseException:  # noqa: BLE001  (whatever it was, the parent runs the pass again)
         code = 1
@@ -286,3 +348,9 @@ def _run_in_child(runs: list[tuple[str, Callable[[], Any]]], fd: int, notes: lis
             with contextlib.suppress(BaseException):
                 stream.flush()
         end_planner_child(code)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
