@@ -225,6 +225,10 @@ class ForkedPasses:
             end_child(child.pid, exit_by=exit_by)
 
 
+_LENGTH = 8
+"""Bytes of the length that leads each frame a child writes (big-endian)."""
+
+
 # [Note: results beside the pipe]
 # A pipe holds 64 KiB (1 MiB at most, /proc/sys/fs/pipe-max-size), and a pass's result is
 # more: 0.5 MB for the depth-cut 70B shape, 0.8 MB for 405B, 4.5 MB for 10,006 modules. A
@@ -284,10 +288,6 @@ def _unpickled(payload: bytes) -> tuple[str, bool, Any, list[str]] | None:
     except Exception:  # noqa: BLE001  (anything unreadable: the pass runs in process)
         return None
     return name, ok, value, notes
-
-
-_LENGTH = 8
-"""Bytes of the length that leads each frame a child writes (big-endian)."""
 
 
 def _read_frame(child: _Child, deadline: float) -> bytes | None:
