@@ -1,9 +1,25 @@
-"""Test shorthand: a ``Layout`` from the keywords a test reads best, evaluated by name."""
+"""Test shorthand: a ``Layout`` from the keywords a test reads best, evaluated by name; the
+tiny Llama's facts fixture and the source it was traced from."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from fsdp_plan.facts.types import ModelFacts
+from fsdp_plan.model.source import ModelSource
 from fsdp_plan.search.candidate import Candidate, Layout
 from fsdp_plan.search.evaluator import Evaluator
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_LLAMA_FACTS = ROOT / "tests" / "fixtures" / "tiny_llama_facts.json"
+TINY_LLAMA = ModelSource(source=str(ROOT / "examples" / "llama.py"), args={"size": "tiny"},
+                         batch_size=2, seq_len=64)
+"""The source ``TINY_LLAMA_FACTS`` holds the facts of."""
+
+
+def tiny_llama_facts() -> ModelFacts:
+    """A fresh copy of the tiny Llama's facts (no torch model)."""
+    return ModelFacts.from_json(TINY_LLAMA_FACTS.read_text())
 
 
 def layout(*, strategy: str = "full", replicate: int = 1, shard: int = 1,

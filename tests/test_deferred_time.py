@@ -7,27 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from pathlib import Path
 
 import pytest
+from layouts import TINY_LLAMA, tiny_llama_facts
 
 from fsdp_plan.api import plan_from_facts
 from fsdp_plan.common.deferred import Deferred
 from fsdp_plan.cost.unit_time import unit_step_time
 from fsdp_plan.facts.types import ModelFacts
-from fsdp_plan.model.source import ModelSource
 from fsdp_plan.search.evaluator import Evaluator
 from fsdp_plan.search.request import PlanRequest
-
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_llama_facts.json"
-SOURCE = ModelSource(source=str(ROOT / "examples" / "llama.py"), args={"size": "tiny"},
-                     batch_size=2, seq_len=64)
 
 
 @pytest.fixture(scope="module")
 def facts() -> ModelFacts:
-    return ModelFacts.from_json(FIXTURE.read_text())
+    return tiny_llama_facts()
 
 
 def test_a_deferred_value_is_computed_once_for_every_copy():
@@ -48,7 +42,7 @@ def test_a_deferred_value_is_computed_once_for_every_copy():
 
 
 def test_the_search_leaves_what_does_not_fit_untimed_and_a_late_time_is_the_same(facts):
-    request = PlanRequest(source=SOURCE, budget_bytes=3_000_000, world_size=4, strategy="full")
+    request = PlanRequest(source=TINY_LLAMA, budget_bytes=3_000_000, world_size=4, strategy="full")
     result = plan_from_facts(facts, request)
     evaluator = result.evaluator
     seen = [c for c, _ in evaluator._seen.values()]

@@ -5,25 +5,21 @@ search/evaluator.py), and the best plan at each budget is the one re-planning th
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
+from layouts import TINY_LLAMA, tiny_llama_facts
 
 from fsdp_plan.api import plan_from_facts
 from fsdp_plan.facts.types import ModelFacts
-from fsdp_plan.model.source import ModelSource
 from fsdp_plan.search.frontier import Variant, compute_frontier
 from fsdp_plan.search.request import PlanRequest
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = ROOT / "tests" / "fixtures" / "tiny_llama_facts.json"
-SOURCE = ModelSource(source=str(ROOT / "examples" / "llama.py"), args={"size": "tiny"},
-                     batch_size=2, seq_len=64)
+SOURCE = TINY_LLAMA
 
 
 @pytest.fixture(scope="module")
 def facts() -> ModelFacts:
-    return ModelFacts.from_json(FIXTURE.read_text())
+    return tiny_llama_facts()
 
 
 @pytest.mark.parametrize("strategy", ["full", "auto"])

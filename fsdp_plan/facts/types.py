@@ -35,6 +35,7 @@ The op-class counters (``Event.ops``, [Note: op classes]) are attributed the sam
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
@@ -438,7 +439,7 @@ def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
     innermosts: dict[tuple[str, ...], str] = {}
     chains: dict[str, list[str]] = {}
     in_backward = False
-    for ev, nxt in zip(events, events[1:]):
+    for ev, nxt in itertools.pairwise(events):
         kind = ev.kind
         if kind in ("pre_fw", "pre_bw"):
             open_modules.append(ev.module)
