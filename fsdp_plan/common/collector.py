@@ -22,7 +22,12 @@ README's first command took 8.5 s of CPU instead of 9.6 when it traced the 70B s
 compiler stack (which the first fake op imports) and the fake passes allocate about a million
 objects that live on, and with the collector on each full pass walked all of them again. The
 library's ``make_plan`` of the 70B shape took 5.2 s instead of 6.0, peak RSS unchanged
-(448 MB), the same as the plan command's paused run (issue 29, stop 42).
+(448 MB), the same as the plan command's paused run (issue 29, stop 42). But torch's modules,
+imported inside that pause, were young too, and the one collection at its end walked them
+all: 0.31 s of that ``make_plan``. So what is alive once torch is imported is frozen for the
+passes (``alive_now_frozen``) and handed back as the oldest generation before that collection,
+which then walks only what the passes made (stop 43). What torch's import left unreachable is
+freed by the next full collection instead (in the library; the plan command never collects).
 """
 
 from __future__ import annotations
@@ -49,3 +54,16 @@ def cycle_collector_paused(*, collect_after: bool = True, resume: bool = True
             gc.enable()
             if collect_after:
                 gc.collect(1)
+
+
+@contextlib.contextmanager
+def alive_now_frozen() -> Iterator[None]:
+    """Every object alive now kept out of the collector's generations within the block
+    (``gc.freeze``), then handed back as its oldest generation (``gc.unfreeze``): a
+    collection of the young generations at the block's end walks only what the block made
+    ([Note: pausing the cycle collector])."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

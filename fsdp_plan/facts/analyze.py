@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fsdp_plan.common.arguments import require_type
-from fsdp_plan.common.collector import cycle_collector_paused
+from fsdp_plan.common.collector import alive_now_frozen, cycle_collector_paused
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.progress import Progress
@@ -42,9 +42,11 @@ def analyze_model(source: ModelSource, *, param_dtype: str = "bfloat16", exact: 
     # importing torch and tracing: [Note: pausing the cycle collector]
     with cycle_collector_paused():
         _, _, load = _torch_stages()
-        return analyze_loaded(load.load_model(source), param_dtype=param_dtype, exact=exact,
-                              progress=progress, compile_blocks=compile_blocks,
-                              activation_memory_budget=activation_memory_budget, **options)
+        with alive_now_frozen():  # torch's modules, imported just now, are no young cycles
+            return analyze_loaded(load.load_model(source), param_dtype=param_dtype,
+                                  exact=exact, progress=progress, compile_blocks=compile_blocks,
+                                  activation_memory_budget=activation_memory_budget,
+                                  **options)
 
 
 def analyze_loaded(loaded: LoadedModel, *, param_dtype: str = "bfloat16", exact: bool = False,
