@@ -17,7 +17,7 @@ from typing import Any
 from fsdp_plan.api import PlanRequest, make_plan, predict, verify_by_measurement
 from fsdp_plan.cli.process import process_ends_after_command
 from fsdp_plan.common.autocast import AUTOCAST_DTYPES
-from fsdp_plan.common.collector import alive_now_frozen, cycle_collector_paused
+from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.dtypes import canonical_dtype
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import check_outputs, check_writable
@@ -332,8 +332,7 @@ def _run(args: argparse.Namespace) -> int:
                              auto_batch=args.batch_size == "auto",
                              compile_auto=args.compile == "auto"))
     cache = facts_cache_for(args)
-    # what is alive now stays out of any collection the run sets off (collector.py)
-    with alive_now_frozen(), _user_code_guard(request, cache):
+    with _user_code_guard(request, cache):
         result = make_plan(request, progress, facts_cache=cache)
         if args.verify and result.loaded is not None and result.plan.offload:
             if progress:  # [Note: offload as the last resort]: one memory on a CPU
