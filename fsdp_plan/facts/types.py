@@ -428,8 +428,8 @@ def fill_flops(events: list[Event], modules: dict[str, ModuleCompute]) -> None:
 
     The innermost open module is worked out once per set of open modules, and each module's
     chain of ancestors once: a deep model's expanded pass (facts/depth.py) has 40,000 events
-    (10,006 modules), and working both out per event took most of this function's 0.16 s a
-    pass. The sums are added in event order as before."""
+    (10,006 modules), and working both out per event made the pass 0.119 s instead of 0.095.
+    The sums are added in event order as before."""
     for comp in modules.values():
         comp.fw_flops = comp.bw_flops = comp.own_fw_flops = comp.own_bw_flops = 0.0
         comp.own_fw_ops, comp.own_bw_ops = {}, {}
