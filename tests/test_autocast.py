@@ -111,11 +111,12 @@ def test_the_default_tiny_plan_at_world_2_passes_its_own_verify(tmp_path):
         code, _, err = run_cli([LLAMA, "--model-arg", "size=tiny", "--mem", "1GB",
                                 "--world-size", "2", "--strategy", strategy, "--plan", str(plan)])
         assert code == 0, err
-        if plan.read_bytes() in verified:
+        written = plan.read_bytes()
+        if written in verified:
             continue
         code, out, err = run_cli(["verify", str(plan), "--tolerance", "0.03", "--format", "json"])
         assert code == 0, (strategy, out, err)
-        verified.add(plan.read_bytes())
+        verified.add(written)
 
 
 def test_the_plan_records_autocast_and_validation_guards_it(tmp_path):

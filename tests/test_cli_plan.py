@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import yaml
 
@@ -105,9 +107,6 @@ def test_tracing_collects_only_what_its_passes_made():
     the end of its pause walks the passes' objects, not every torch module (0.31 s of the 70B
     shape's make_plan), and nothing stays frozen. (Before: 542,000 objects walked of 305,000
     left; now about 95,000 of 465,000.)"""
-    import subprocess
-    import sys
-
     done = subprocess.run([sys.executable, "-c", _WALKED, LLAMA], capture_output=True,
                           text=True, check=True, env={**os.environ, "FSDP_PLAN_NO_CACHE": "1"})
     seen = json.loads(done.stdout.splitlines()[-1])
