@@ -306,23 +306,40 @@ def _result(choice: BatchChoice, *, digest: str, notes: list[str] | None) -> Pla
                       evaluator=search.evaluator)
 
 
-def analyze_for_plan(plan: Plan, loaded: LoadedModel) -> ModelFacts:
+def analyze_for_plan(plan: Plan, loaded: LoadedModel, *,
+                     facts_cache: FactsCache | None = None) -> ModelFacts:
     """The facts a plan is predicted from: ``loaded`` analysed as the plan computes (FSDP
     mixed precision at its ``param_dtype``, or float32 parameters under ``torch.autocast``:
     [Note: autocast precision]) with its selective stride (``predict``, ``verify`` and
-    ``tune`` all start here)."""
+    ``tune`` all start here). ``facts_cache``: facts kept on disk for this model and these
+    options are read instead of tracing, and new ones written ([Note: the facts cache] in
+    facts/cache.py): predicting the same plan again (another GPU, a refitted hardware file)
+    traces nothing."""
     require_type(plan, Plan, "analyze_for_plan(plan)")
     if loaded is None or not hasattr(loaded, "model"):
         raise TypeError(f"analyze_for_plan(loaded) must be a LoadedModel (model/load.py), got "
                         f"{type(loaded).__name__}.")
+    require_type(facts_cache, (FactsCache, type(None)), "analyze_for_plan(facts_cache)")
+    options = plan_analysis_options(plan)
+    cached = facts_cache.load(loaded.source, options) if facts_cache is not None else None
+    if cached is not None:
+        return cached.facts
+    analyzed = analyze_loaded(loaded, **options)
+    if facts_cache is not None:
+        facts_cache.store(loaded.source, options, analyzed.facts, analyzed.digest,
+                          analyzed.notes)
+    return analyzed.facts
+
+
+def plan_analysis_options(plan: Plan) -> dict[str, Any]:
+    """How ``analyze_for_plan`` traces for ``plan`` (``analyze_loaded``'s options, and the
+    facts cache's key): the plan's precision, its selective stride and compiled blocks."""
     compiled = plan.compile
     autocast = plan_autocast_dtype(plan)
-    param = "float32" if autocast else plan.mixed_precision.param_dtype or "float32"
-    return analyze_loaded(loaded, param_dtype=param, autocast_dtype=autocast,
-                          selective_mm_stride=plan.selective_mm_stride,
-                          compile_blocks=compiled is not None,
-                          activation_memory_budget=compiled.activation_memory_budget
-                          if compiled else None).facts
+    return {"param_dtype": "float32" if autocast else plan.mixed_precision.param_dtype or "float32",
+            "autocast_dtype": autocast, "selective_mm_stride": plan.selective_mm_stride,
+            "compile_blocks": compiled is not None,
+            "activation_memory_budget": compiled.activation_memory_budget if compiled else None}
 
 
 def plan_hardware(plan: Plan, *, gpu: str | None = None, hardware_file: str | None = None

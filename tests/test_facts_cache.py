@@ -260,3 +260,37 @@ def test_a_framework_plan_reads_the_facts_and_the_outline(cache, capsys, monkeyp
     assert traced and outline.exists()  # traced again, and the outline kept this time
     _no_tracing(monkeypatch)
     assert _plan(capsys, *flags) == first
+
+
+def test_predict_verify_and_tune_read_the_facts_a_first_predict_wrote(cache, capsys, monkeypatch,
+                                                                       tmp_path):
+    """A plan predicted again (another GPU, a refitted hardware file) traces nothing: predict,
+    verify and tune key the facts by the plan's own analysis options (its precision and
+    selective stride), and --no-cache traces afresh and writes nothing."""
+    import fsdp_plan.api as api
+    plan = tmp_path / "p.yaml"
+    assert main([*ARGS, "--mem", "3MB", "--plan", str(plan), "-o", str(tmp_path / "p.py")]) == 0
+    capsys.readouterr()
+    planned = set(cache.iterdir())
+
+    def predicted(*extra: str) -> dict:
+        assert main(["predict", str(plan), "--format", "json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    first = predicted("--gpu", "a100")
+    added = _facts_entries(cache)
+    assert len(added) == len(_facts_entries_of(planned)) + 1  # the plan's options differ
+    traced = []
+    real = api.analyze_loaded
+    monkeypatch.setattr(api, "analyze_loaded", lambda *a, **k: traced.append(1) or real(*a, **k))
+    assert predicted("--gpu", "a100") == first and not traced
+    assert predicted("--gpu", "h100")["predicted"] != first["predicted"] and not traced
+    assert main(["verify", str(plan), "--format", "json"]) == 0 and not traced
+    assert json.loads(capsys.readouterr().out)["ok"]
+    before = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert predicted("--gpu", "a100", "--no-cache") == first and traced == [1]
+    assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == before  # nothing written
+
+
+def _facts_entries_of(paths) -> list[Path]:
+    return sorted(p for p in paths if not p.name.endswith(".outline.json"))

@@ -26,6 +26,7 @@ from fsdp_plan.common.sizes import format_bytes, parse_bytes, parse_share_of
 from fsdp_plan.cost.hardware import GPUS, hardware_for, read_hardware_file
 from fsdp_plan.cost.hardware.stored import file_origin
 from fsdp_plan.cost.precision import OPTIMIZERS
+from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.model.source import (
     MAX_BATCH_SIZE,
@@ -129,10 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the chosen plan with FSDPMemTracker before writing")
     parser.add_argument("--exact-analysis", action="store_true",
                         help="analyse every block instead of three per stack")
-    parser.add_argument("--no-cache", action="store_true",
-                        help="trace the model afresh instead of reading its facts from the "
-                        "cache (~/.cache/fsdp-plan, $XDG_CACHE_HOME or $FSDP_PLAN_CACHE_DIR), "
-                        "and write none; FSDP_PLAN_NO_CACHE=1 does the same")
+    add_no_cache(parser)
     parser.add_argument("--compile", nargs="?", const="on", default=None, metavar="auto",
                         help="plan each repeated block compiled as torchtitan does "
                         "(torch.compile(block.forward, fullgraph=True) after checkpointing, "
@@ -380,9 +378,7 @@ def facts_cache_for(args: argparse.Namespace) -> FactsCache | None:
     """The facts cache ([Note: the facts cache] in facts/cache.py), unless ``--no-cache`` or
     ``FSDP_PLAN_NO_CACHE``, or the command needs the live model: ``--verify`` measures it
     (``--framework`` reads the model's outline, kept beside its facts)."""
-    if args.no_cache or args.verify:
-        return None
-    return FactsCache.default()
+    return None if args.verify else facts_cache_of(args)
 
 
 def _user_code_guard(request: PlanRequest, cache: FactsCache | None):

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
+from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.common.limits import MAX_GPUS_PER_NODE
@@ -43,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPUs per node, for which collectives cross nodes (default: the "
                         "plan's gpus_per_node key, else 8)")
     parser.add_argument("--format", choices=("table", "json"), default="table")
+    add_no_cache(parser)
     pictures.add_arguments(parser, measured=False)
 
 
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     # loading imports torch (~6 s): deferred so --help and the flag checks answer at once
     from fsdp_plan.measure import runtime
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
-    facts = analyze_for_plan(plan, loaded)
+    facts = analyze_for_plan(plan, loaded, facts_cache=facts_cache_of(args))
     prediction = predict(plan, facts, hardware=hardware, gpus_per_node=gpus_per_node)
     data = gather_data(plan, prediction.predicted, prediction.limit_bytes, prediction.fits)
     files = []

@@ -35,6 +35,7 @@ from tabulate import tabulate
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.bench.inputs import check_nproc, check_out_folder
+from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.bench.overlap import overlap_figures, report_lines
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, plan_hash
 from fsdp_plan.bench.tune import HeldBaseline, tune
@@ -81,6 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the training loop lets each parameter step in backward (no "
                         "clipping by the global norm): the optimizer overlap stage may try it")
     parser.add_argument("--format", choices=("table", "json"), default="table")
+    add_no_cache(parser)
     pictures.add_arguments(parser, measured=False)
 
 
@@ -122,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     from fsdp_plan.bench import timing
     from fsdp_plan.measure import runtime
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
-    facts = analyze_for_plan(plan, loaded)
+    facts = analyze_for_plan(plan, loaded, facts_cache=facts_cache_of(args))
     replicate, shard = plan.mesh.replicate, plan.mesh.shard
     mesh = (1, args.nproc) if replicate == 1 else (args.nproc // shard, shard)
     if mesh[0] * mesh[1] != args.nproc:

@@ -19,11 +19,13 @@ from typing import Any
 from tabulate import tabulate
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
+from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.common.errors import BadInput, CheckFailed
 from fsdp_plan.common.files import atomic_write_all, check_outputs
 from fsdp_plan.common.progress import Steps
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.cost.memory_categories import tracker_to_breakdown
+from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.measure import runtime
 from fsdp_plan.measure.measured import MeasuredMemory
 from fsdp_plan.measure.peak import measured_peak
@@ -44,6 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="largest accepted |measured - predicted| / measured (default 0.05)")
     parser.add_argument("--format", choices=("table", "json"), default="table")
+    add_no_cache(parser)
     pictures.add_arguments(parser, measured=True)
 
 
@@ -178,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = runtime.load_planned_model(plan, args.model, args.plan)
     progress = Steps(total=3, quiet=args.format == "json", what="verify")
     progress.step("analysing the model at the plan's precision")
-    fresh, fresh_note, facts, prediction = fresh_prediction(plan, loaded)
+    fresh, fresh_note, facts, prediction = fresh_prediction(plan, loaded, facts_cache_of(args))
     if prediction is None:  # before the measurement: nothing to draw the measurement over
         pictures.refuse_with(args, "the plan cannot be predicted as written, so there is no "
                              "predicted step to draw")
@@ -202,13 +205,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def fresh_prediction(plan: Plan, loaded: LoadedModel
+def fresh_prediction(plan: Plan, loaded: LoadedModel, facts_cache: FactsCache | None = None
                      ) -> tuple[dict[str, Any] | None, str | None, Any, Any]:
     """The plan's prediction as it is now (its ``predicted`` block, or None and the reason it
-    cannot be predicted), and the facts and ``Prediction`` behind it (for the pictures)."""
+    cannot be predicted), and the facts and ``Prediction`` behind it (for the pictures);
+    ``facts_cache`` as ``analyze_for_plan`` reads it."""
     facts = None
     try:
-        facts = analyze_for_plan(plan, loaded)
+        facts = analyze_for_plan(plan, loaded, facts_cache=facts_cache)
         prediction = predict(plan, facts)
     except BadInput as e:
         return None, (f"the plan cannot be predicted as written ({e}); the measurement is held "
