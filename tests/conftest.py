@@ -1,9 +1,16 @@
 """Shared test setup.
 
-The plan verb reads and writes model facts in a cache on disk (facts/cache.py). Tests must not
-depend on what earlier runs left there, nor write to the real home cache: the cache is off for
-the whole suite (and for the CLI processes the tests start, which inherit the environment);
-tests/test_facts_cache.py switches it on explicitly in a temporary folder.
+The plan, predict, verify and tune verbs read and write model facts in a cache on disk
+(facts/cache.py). Tests must not depend on what earlier runs left there, nor write to the real
+home cache: the cache is off for the suite (and for the CLI processes the tests start, which
+inherit the environment). tests/test_facts_cache.py switches it on explicitly in a temporary
+folder per test, and a test file that plans and predicts the same small model many times, none
+of its tests about tracing itself, shares its analyses through a folder of its own
+(``pytestmark = pytest.mark.usefixtures("facts_cache_per_file")``): the first test to trace a
+model with given options writes the entry, the later ones in that file read it, in the file's
+own order (pytest-xdist's ``--dist loadfile`` keeps a file on one worker), so no test depends on
+another file or another run. What a cached plan gives is what tracing gives
+(tests/test_facts_cache.py checks both ways).
 
 The extras' markers (pyproject.toml) mean what they say: a test marked ``hf``, ``frameworks``
 or ``html`` is skipped, with the reason, where its extra is not installed. CI's first run is
@@ -51,6 +58,16 @@ def pytest_collection_modifyitems(config, items):
                     reason=f"needs the {marker} extra ({', '.join(names)} not installed)"))
                 break
 
+
+
+@pytest.fixture(scope="module")
+def facts_cache_per_file(tmp_path_factory):
+    """The facts cache switched on, in a fresh folder, for the tests of one file (the module
+    docstring says when a file asks for it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("FSDP_PLAN_NO_CACHE", raising=False)
+        patch.setenv("FSDP_PLAN_CACHE_DIR", str(tmp_path_factory.mktemp("facts")))
+        yield
 
 
 @pytest.fixture

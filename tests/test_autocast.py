@@ -33,6 +33,9 @@ HF = os.path.join(ROOT, "examples", "hf")
 HAVE_HF = importlib.util.find_spec("transformers") is not None
 AUTOCAST = {"autocast_dtype": "bfloat16", "param_dtype": "float32"}
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 def _hf(name: str, batch: int = 2, seq: int = 64) -> ModelSource:
     return ModelSource(source=os.path.join(HF, f"{name}.json"), kind="hf-config",

@@ -51,6 +51,9 @@ MEASURED = {
     (UNUSED, None, 0.25, 0.01): [79488, 297600, 297600, 297600, 296832, 36864],
 }
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 def source(path: str, size: str | None, batch: int = 2, seq: int = 16) -> ModelSource:
     return ModelSource(source=path, args={"size": size} if size else {}, batch_size=batch,

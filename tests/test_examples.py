@@ -18,6 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NAMES = ["llama", "gpt2", "vit", "mixed", "resnet", "deep_narrow"]
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 def load_example(name: str):
     path = EXAMPLES / f"{name}.py"

@@ -48,6 +48,9 @@ SMALL = ["--model-arg", "size=tiny", "--mem", BUDGET, "--world-size", "2",
          "--gpus-per-node", "2", "--seq-len", "128", "--batch-size", "2"]
 STEPS = 10
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 @pytest.fixture(scope="module")
 def accelerate_plan(tmp_path_factory) -> tuple[Path, str]:

@@ -22,6 +22,9 @@ from fsdp_plan.cost.hardware import GPUS
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory) -> str:

@@ -26,6 +26,9 @@ LLAMA = os.path.join(ROOT, "examples", "llama.py")
 BUNDLED = os.path.join(ROOT, "policies", "llama8b_h100x8.yaml")
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 def tree(folder) -> dict[str, bytes]:
     """Every file under ``folder`` with its bytes (a refused run must change none)."""

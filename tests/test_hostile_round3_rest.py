@@ -33,6 +33,9 @@ from fsdp_plan.plan.document import Plan, read_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 def snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
     """Every file under ``folder`` (recursively): bytes and mode. A refused run changes none,

@@ -36,6 +36,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = os.path.join(ROOT, "examples", "gpt2.py")
 LLAMA8 = [LLAMA, "--model-arg", "size=tiny", "--model-arg", "n_layers=8", "--seq-len", "8"]
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 def _plan(tmp_path, *argv: str, name: str = "plan.yaml") -> Plan:
     path = str(tmp_path / name)

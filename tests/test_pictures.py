@@ -36,6 +36,9 @@ SOURCE = ModelSource(source=str(ROOT / "examples" / "llama.py"), args={"size": "
                      batch_size=2, seq_len=64)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 @pytest.fixture(scope="module")
 def facts() -> ModelFacts:

@@ -26,6 +26,9 @@ VIT = os.path.join(ROOT, "examples", "vit.py")
 GPT2 = os.path.join(ROOT, "examples", "gpt2.py")
 MIXED = os.path.join(ROOT, "examples", "mixed.py")
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 def plan_for(tmp_path, model: str, *extra: str) -> str:
     out = tmp_path / "plan.yaml"

@@ -26,6 +26,9 @@ from fsdp_plan.search.fsdp import standard_recipes
 
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 def _with_modes(plan: Plan, modes: dict[str, str]) -> Plan:
     return dataclasses.replace(plan, fsdp_plan_version=2, activation_checkpointing=modes,
