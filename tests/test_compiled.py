@@ -3,6 +3,7 @@ what the compiled forward really hands to autograd at run time."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -101,7 +102,10 @@ def test_budget_saves_less_and_recomputes_more():
     assert "mm.default" in tight.recomputed and "mm.default" not in default.recomputed
 
 
-def _plan(compile_blocks: bool, n_full: int | None = None, name: str = "llama"):
+@functools.cache  # one plan per model and mode for the file's tests: they only read it
+def _plan(compile_blocks: bool, name: str = "llama"):
+    """The plan of ``name`` at 2 GB on 2 ranks (``loaded``: its model, which measuring
+    rebuilds and never changes)."""
     from fsdp_plan.api import make_plan
     from fsdp_plan.search.request import PlanRequest
     source = ModelSource(source=MODELS[name], args={"size": "tiny"}, batch_size=2,
