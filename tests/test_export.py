@@ -28,14 +28,20 @@ from fsdp_plan.plan.document import Plan, Unit, read_plan
 STEPS = 10
 TITAN_BASE = "torchtitan.models.llama3.config_registry:llama3_debugmodel"
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 def predicted(plan: Plan) -> Plan:
-    """``plan`` with the planner's own prediction (collective counts) filled in."""
+    """``plan`` with the planner's own prediction (collective counts) filled in, from facts
+    the file's earlier tests traced where they match (the file's facts cache, conftest)."""
     from fsdp_plan.api import analyze_for_plan, predict
+    from fsdp_plan.facts.cache import FactsCache
     from fsdp_plan.measure import runtime
 
     loaded = runtime.load_planned_model(plan)
-    plan.predicted = predict(plan, analyze_for_plan(plan, loaded)).predicted
+    facts = analyze_for_plan(plan, loaded, facts_cache=FactsCache.default())
+    plan.predicted = predict(plan, facts).predicted
     return plan
 
 
