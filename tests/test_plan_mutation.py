@@ -29,6 +29,9 @@ from fsdp_plan.plan.document import read_plan
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LLAMA = os.path.join(ROOT, "examples", "llama.py")
 
+# its plans and predictions of the same small models share their analyses (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("facts_cache_per_file")
+
 
 @pytest.fixture(scope="module")
 def base_doc(tmp_path_factory) -> dict:
