@@ -42,9 +42,11 @@ from fsdp_plan.export.common import Gap, framework_gaps
 from fsdp_plan.facts.analyze import Analyzed, analyze_loaded, analyze_model
 from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.facts.types import ModelFacts, ModelOutline
+from fsdp_plan.model.source import ModelSource
 from fsdp_plan.plan.build import layout_of, predicted_block, throughput_fields, to_plan
 from fsdp_plan.plan.document import Plan, plan_to_yaml
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
+from fsdp_plan.plan.model_match import check_outline_matches
 from fsdp_plan.plan.read import plan_model_file
 from fsdp_plan.plan.report import chrome_trace
 from fsdp_plan.plan.schema import needed_version
@@ -328,7 +330,27 @@ def analyze_for_plan(plan: Plan, loaded: LoadedModel, *,
     if facts_cache is not None:
         facts_cache.store(loaded.source, options, analyzed.facts, analyzed.digest,
                           analyzed.notes)
+        if analyzed.outline is not None:  # cached_facts_for_plan reads the plan against it
+            facts_cache.store_outline(loaded.source, analyzed.outline)
     return analyzed.facts
+
+
+def cached_facts_for_plan(plan: Plan, source: ModelSource,
+                          facts_cache: FactsCache | None) -> ModelFacts | None:
+    """The facts ``analyze_for_plan`` gives ``plan``, read from ``facts_cache`` with the
+    model's outline, and the plan checked against that outline as export checks it
+    (plan/model_match.py): no model built, no torch imported. None when either entry is
+    missing (or the cache is off): build the model and call ``analyze_for_plan`` then."""
+    require_type(plan, Plan, "cached_facts_for_plan(plan)")
+    require_type(source, ModelSource, "cached_facts_for_plan(source)")
+    if facts_cache is None:
+        return None
+    cached = facts_cache.load(source, plan_analysis_options(plan))
+    outline = facts_cache.load_outline(source) if cached is not None else None
+    if cached is None or outline is None:
+        return None
+    check_outline_matches(plan, outline, source)
+    return cached.facts
 
 
 def plan_analysis_options(plan: Plan) -> dict[str, Any]:

@@ -266,7 +266,9 @@ def test_predict_verify_and_tune_read_the_facts_a_first_predict_wrote(cache, cap
                                                                        tmp_path):
     """A plan predicted again (another GPU, a refitted hardware file) traces nothing: predict,
     verify and tune key the facts by the plan's own analysis options (its precision and
-    selective stride), and --no-cache traces afresh and writes nothing."""
+    selective stride), and --no-cache traces afresh and writes nothing. predict from cached
+    facts builds no model and imports no torch, and still refuses a plan the kept outline
+    does not match."""
     import fsdp_plan.api as api
     plan = tmp_path / "p.yaml"
     assert main([*ARGS, "--mem", "3MB", "--plan", str(plan), "-o", str(tmp_path / "p.py")]) == 0
@@ -290,6 +292,23 @@ def test_predict_verify_and_tune_read_the_facts_a_first_predict_wrote(cache, cap
     before = {p: p.stat().st_mtime_ns for p in cache.iterdir()}
     assert predicted("--gpu", "a100", "--no-cache") == first and traced == [1]
     assert {p: p.stat().st_mtime_ns for p in cache.iterdir()} == before  # nothing written
+
+    # from the cached facts and outline, predict builds no model and imports no torch
+    code = ("import json, sys; from fsdp_plan.cli.main import main; "
+            f"code = main(['predict', {str(plan)!r}, '--gpu', 'a100', '--format', 'json']); "
+            "sys.stderr.write('TORCH ' + str('torch' in sys.modules) + '\\n'); sys.exit(code)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TORCH False" in out.stderr and json.loads(out.stdout) == first
+    # and the plan is still read against the model: a plan for another model is refused
+    edited = plan.read_text().replace("\n  params: ", "\n  params: 1")
+    assert edited != plan.read_text()
+    other = tmp_path / "other.yaml"
+    other.write_text(edited)
+    assert main(["predict", str(other), "--format", "json"]) == 2
+    assert "parameters but the plan was made for" in capsys.readouterr().err and traced == [1]
 
 
 def _facts_entries_of(paths) -> list[Path]:
