@@ -269,7 +269,7 @@ def test_predict_verify_and_tune_read_the_facts_a_first_predict_wrote(cache, cap
     selective stride), and --no-cache traces afresh and writes nothing. predict from cached
     facts builds no model and imports no torch, and still refuses a plan the kept outline
     does not match."""
-    import fsdp_plan.api as api
+    from fsdp_plan import api
     plan = tmp_path / "p.yaml"
     assert main([*ARGS, "--mem", "3MB", "--plan", str(plan), "-o", str(tmp_path / "p.py")]) == 0
     capsys.readouterr()

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from fsdp_plan.api import PlanRequest, make_plan, predict, verify_by_measurement
+from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.cli.process import process_ends_after_command
 from fsdp_plan.common.autocast import AUTOCAST_DTYPES
 from fsdp_plan.common.collector import cycle_collector_paused
@@ -26,7 +27,6 @@ from fsdp_plan.common.sizes import format_bytes, parse_bytes, parse_share_of
 from fsdp_plan.cost.hardware import GPUS, hardware_for, read_hardware_file
 from fsdp_plan.cost.hardware.stored import file_origin
 from fsdp_plan.cost.precision import OPTIMIZERS
-from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.model.source import (
     MAX_BATCH_SIZE,

@@ -35,11 +35,11 @@ from tabulate import tabulate
 
 from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
 from fsdp_plan.bench.inputs import check_nproc, check_out_folder
-from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.bench.overlap import overlap_figures, report_lines
 from fsdp_plan.bench.results import DEFAULT_RESULTS_DIR, plan_hash
 from fsdp_plan.bench.tune import HeldBaseline, tune
 from fsdp_plan.bench.tune_stages import STAGES, Permissions
+from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all, check_outputs, write_failed
 from fsdp_plan.common.progress import Steps
