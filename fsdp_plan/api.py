@@ -46,7 +46,7 @@ from fsdp_plan.model.source import ModelSource
 from fsdp_plan.plan.build import layout_of, predicted_block, throughput_fields, to_plan
 from fsdp_plan.plan.document import Plan, plan_to_yaml
 from fsdp_plan.plan.emit import load_policy_module, render_policy_module
-from fsdp_plan.plan.model_match import check_outline_matches
+from fsdp_plan.plan.model_match import check_outline_matches, source_from_plan
 from fsdp_plan.plan.read import plan_model_file
 from fsdp_plan.plan.report import chrome_trace
 from fsdp_plan.plan.schema import needed_version
@@ -351,6 +351,23 @@ def cached_facts_for_plan(plan: Plan, source: ModelSource,
         return None
     check_outline_matches(plan, outline, source)
     return cached.facts
+
+
+def facts_for_plan(plan: Plan, *, model: str | None = None, plan_path: str | None = None,
+                   facts_cache: FactsCache | None = None) -> ModelFacts:
+    """The facts ``plan`` is predicted from, for a command that needs no live model (``predict``,
+    ``trace --plan``): read from ``facts_cache`` with the kept outline where they are there
+    (``cached_facts_for_plan``: no model built, no torch imported), else the plan's model built
+    on ``meta``, checked against the plan and traced (``analyze_for_plan``, which keeps them).
+    ``model`` (the command line's MODEL) and ``plan_path`` say where the model is, as
+    ``source_from_plan`` reads them."""
+    facts = cached_facts_for_plan(plan, source_from_plan(plan, model, plan_path), facts_cache)
+    if facts is not None:
+        return facts
+    from fsdp_plan.measure import runtime  # torch (seconds): only when the model is built
+
+    return analyze_for_plan(plan, runtime.load_planned_model(plan, model, plan_path),
+                            facts_cache=facts_cache)
 
 
 def plan_analysis_options(plan: Plan) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """``--no-cache``, the same flag on every verb that analyses a model (plan, predict, verify,
-tune): each reads the model's facts from the cache on disk, and writes those it traced, unless
-told not to ([Note: the facts cache] in facts/cache.py)."""
+tune, and trace for ``--plan``'s DDP bucket cap): each reads the model's facts from the cache on
+disk, and writes those it traced, unless told not to ([Note: the facts cache] in
+facts/cache.py)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from fsdp_plan.api import analyze_for_plan, cached_facts_for_plan, plan_hardware, predict
+from fsdp_plan.api import facts_for_plan, plan_hardware, predict
 from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.common.files import atomic_write_all, check_outputs
@@ -26,7 +26,6 @@ from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.model.source import check_count
 from fsdp_plan.pictures import files as pictures
 from fsdp_plan.plan.document import Plan, read_plan
-from fsdp_plan.plan.model_match import source_from_plan
 from fsdp_plan.plan.read import plan_input_files
 
 
@@ -118,13 +117,9 @@ def run(args: argparse.Namespace) -> int:
     pictures.check(args)
     hardware = plan_hardware(plan, gpu=args.gpu, hardware_file=args.hardware)
     gpus_per_node = check_gpus_per_node(args.gpus_per_node, plan)
-    cache = facts_cache_of(args)
-    facts = cached_facts_for_plan(plan, source_from_plan(plan, args.model, args.plan), cache)
-    if facts is None:  # not predicted from these facts before: build the model and trace
-        # loading imports torch (~6 s): deferred so --help and the flag checks answer at once
-        from fsdp_plan.measure import runtime
-        loaded = runtime.load_planned_model(plan, args.model, args.plan)
-        facts = analyze_for_plan(plan, loaded, facts_cache=cache)
+    # torch (seconds) only where the model is built: --help and the flag checks answer at once
+    facts = facts_for_plan(plan, model=args.model, plan_path=args.plan,
+                           facts_cache=facts_cache_of(args))
     prediction = predict(plan, facts, hardware=hardware, gpus_per_node=gpus_per_node)
     data = gather_data(plan, prediction.predicted, prediction.limit_bytes, prediction.fits)
     files = []

@@ -16,6 +16,7 @@ import json
 import os
 
 from fsdp_plan.bench.trace_refit import refit_text
+from fsdp_plan.cli.cache_flag import add_no_cache, facts_cache_of
 from fsdp_plan.cli.trace_plan import attach_plan
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.common.files import atomic_write_all, check_writable
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "with --plan, its compute and optimizer rates too")
     parser.add_argument("--format", choices=("table", "json"), default="table",
                         help="table (default): a summary per rank; json: SPEC 8's document")
+    add_no_cache(parser)  # the model's facts, for --plan's DDP bucket cap
     # TRACES... --plan P.yaml MODEL: positionals on both sides of a flag (SPEC 8's order),
     # which plain parse_args refuses ("unrecognized arguments: MODEL")
     parser.parse_args = parser.parse_intermixed_args  # type: ignore[method-assign]
@@ -75,7 +77,7 @@ def gather_data(args: argparse.Namespace) -> TraceAnalysis:
                        "shape and DDP settings the buckets are predicted with); give --plan.")
     analysis = analyze_traces(traces)
     if args.plan is not None:
-        attach_plan(analysis, args.plan, model)
+        attach_plan(analysis, args.plan, model, facts_cache_of(args))
     return analysis
 
 

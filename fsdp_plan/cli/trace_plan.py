@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_plan.api import analyze_for_plan
+from fsdp_plan.api import facts_for_plan
 from fsdp_plan.cost.ddp_buckets import grad_parameters, rebuilt_order
+from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.measure.bucket_cap import cap_that_built
 from fsdp_plan.measure.trace_ranks import TraceAnalysis
 from fsdp_plan.plan.document import Plan, read_plan
@@ -26,24 +27,25 @@ def predicted_figures(plan: Plan) -> dict[str, Any]:
             "world_size": plan.world_size}
 
 
-def ready_ordered_sizes(plan: Plan, plan_path: str, model: str | None) -> list[int]:
+def ready_ordered_sizes(plan: Plan, plan_path: str, model: str | None,
+                        facts_cache: FactsCache | None = None) -> list[int]:
     """The gradients' bytes in the order DDP's reducer records them ready, from the model's
-    facts (cost/ddp_buckets.py [Note: gradient ready order])."""
-    from fsdp_plan.measure import runtime  # imports torch: only to load the plan's model
-    loaded = runtime.load_planned_model(plan, model, plan_path)
-    facts = analyze_for_plan(plan, loaded)
+    facts (cost/ddp_buckets.py [Note: gradient ready order]; kept in ``facts_cache``)."""
+    facts = facts_for_plan(plan, model=model, plan_path=plan_path, facts_cache=facts_cache)
     params = grad_parameters(facts.graph, facts.analysis.timeline.events)
     return [p.nbytes for p in rebuilt_order(facts.graph, params)]
 
 
-def attach_plan(analysis: TraceAnalysis, plan_path: str, model: str | None) -> None:
-    """Fill ``predicted`` and, for a trace with DDP buckets, ``bucket_cap_mb``."""
+def attach_plan(analysis: TraceAnalysis, plan_path: str, model: str | None,
+                facts_cache: FactsCache | None = None) -> None:
+    """Fill ``predicted`` and, for a trace with DDP buckets, ``bucket_cap_mb`` (the model's
+    facts read from ``facts_cache`` where kept)."""
     plan = read_plan(plan_path)
     analysis.predicted = predicted_figures(plan)
     measured = next((r.ddp_buckets for r in analysis.ranks if r.ddp_buckets), [])
     if not measured or any(b.bytes is None for b in measured):
         return
-    sizes = ready_ordered_sizes(plan, plan_path, model)
+    sizes = ready_ordered_sizes(plan, plan_path, model, facts_cache)
     found = cap_that_built(sizes, [b.bytes for b in measured])
     if found is not None:
         analysis.bucket_cap_mb, interval = found

@@ -6,7 +6,8 @@ runs no tracing.
 traced, never on the budget, the world size or the GPU. So the plan verb stores them, and so do
 ``predict``, ``verify`` and ``tune`` for the plan they read (api.py ``analyze_for_plan``, keyed by
 the plan's own analysis options: its precision, selective stride and compiled blocks; ``predict``
-then reads the plan against the kept outline and builds no model, ``cached_facts_for_plan``),
+and ``trace --plan`` then read the plan against the kept outline and build no model,
+``facts_for_plan``),
 one JSON file per key, under ``$FSDP_PLAN_CACHE_DIR``, else ``$XDG_CACHE_HOME/fsdp-plan/facts``, else
 ``~/.cache/fsdp-plan/facts``. The key is a SHA-256 over everything the facts are made from:
 the model's kind, path, entry and arguments, the micro-batch shape, the analysis options
