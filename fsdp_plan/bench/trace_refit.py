@@ -48,10 +48,11 @@ import itertools
 import statistics
 from typing import Any
 
-from fsdp_plan.api import analyze_for_plan, plan_hardware, predict
+from fsdp_plan.api import facts_for_plan, plan_hardware, predict
 from fsdp_plan.bench.refit import check_refit_path, scaled
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import GPUS, Hardware, hardware_for, hardware_yaml
+from fsdp_plan.facts.cache import FactsCache
 from fsdp_plan.measure.trace_figures import US
 from fsdp_plan.measure.trace_ranks import TraceAnalysis, median_of
 from fsdp_plan.plan.document import read_plan
@@ -153,13 +154,14 @@ def _optimizer_per_param(analysis: TraceAnalysis, plan: Any, hw: Hardware) -> fl
 
 
 def _matched_compute(hw: Hardware, plan: Any, plan_path: str, target_s: float,
-                     keep_op_overhead: bool) -> tuple[Hardware, int]:
+                     keep_op_overhead: bool, facts_cache: FactsCache | None = None
+                     ) -> tuple[Hardware, int]:
     """``hw`` with its compute rescaled until the plan predicted on it computes for
     ``target_s`` (within 1%, at most ``_ROUNDS`` predictions; [Note: compute refit from a
-    trace]); the rounds run, 0 when the plan's model cannot be loaded."""
-    from fsdp_plan.measure import runtime  # imports torch: only to load the plan's model
+    trace]); the rounds run, 0 when the plan's model cannot be loaded. The model's facts come
+    from ``facts_cache`` where kept (``facts_for_plan``: no model built then)."""
     try:
-        facts = analyze_for_plan(plan, runtime.load_planned_model(plan, None, plan_path))
+        facts = facts_for_plan(plan, plan_path=plan_path, facts_cache=facts_cache)
     except BadInput:
         return hw, 0
     rounds = 0
@@ -174,8 +176,10 @@ def _matched_compute(hw: Hardware, plan: Any, plan_path: str, target_s: float,
     return hw, rounds
 
 
-def refitted(analysis: TraceAnalysis, plan_path: str | None) -> tuple[Hardware, list[str]]:
-    """The start's hardware with the figures the traces measure, and what was replaced."""
+def refitted(analysis: TraceAnalysis, plan_path: str | None,
+             facts_cache: FactsCache | None = None) -> tuple[Hardware, list[str]]:
+    """The start's hardware with the figures the traces measure, and what was replaced
+    (``facts_cache``: where the plan's model facts are kept, ``_matched_compute``)."""
     hw = _start(analysis, plan_path)
     changed = []
     factors: dict[str, float] = {}
@@ -208,7 +212,8 @@ def refitted(analysis: TraceAnalysis, plan_path: str | None) -> tuple[Hardware, 
         changed.append(f"op_overhead_s {gap * 1e6:.2f} us (median launch gap)")
     if plan_path is not None and "compute" in factors:
         hw, rounds = _matched_compute(dataclasses.replace(hw, **updates), plan, plan_path,
-                                      measured_compute_s(analysis), "op_overhead_s" in updates)
+                                      measured_compute_s(analysis), "op_overhead_s" in updates,
+                                      facts_cache)
         updates = {}
         changed.append(f"compute rescaled in {rounds} round(s) of predicting the plan"
                        if rounds else "compute not rescaled (the plan's model did not load)")
@@ -218,9 +223,10 @@ def refitted(analysis: TraceAnalysis, plan_path: str | None) -> tuple[Hardware, 
     return dataclasses.replace(hw, **updates, source=source[:2000]), changed
 
 
-def refit_text(analysis: TraceAnalysis, plan_path: str | None, path: str) -> str:
+def refit_text(analysis: TraceAnalysis, plan_path: str | None, path: str,
+               facts_cache: FactsCache | None = None) -> str:
     """The hardware file ``--refit path`` writes ([Note: refit from a trace])."""
     check_refit_path(path)
-    hw, _ = refitted(analysis, plan_path)
+    hw, _ = refitted(analysis, plan_path, facts_cache)
     return hardware_yaml(hw, "Hardware file refitted from profiler traces by fsdp-plan trace "
                              "--refit (SPEC section 8).")

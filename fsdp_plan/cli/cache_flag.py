@@ -1,5 +1,5 @@
 """``--no-cache``, the same flag on every verb that analyses a model (plan, predict, verify,
-tune, and trace for ``--plan``'s DDP bucket cap): each reads the model's facts from the cache on
+tune, and trace with ``--plan``: DDP's bucket cap, ``--refit``'s compute): each reads the model's facts from the cache on
 disk, and writes those it traced, unless told not to ([Note: the facts cache] in
 facts/cache.py)."""
 

@@ -161,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
     analysis = gather_data(args)
     outputs = []
     if args.refit is not None:
-        outputs.append((args.refit, refit_text(analysis, args.plan, args.refit)))
+        outputs.append((args.refit, refit_text(analysis, args.plan, args.refit,
+                                                facts_cache_of(args))))
     if args.html is not None:
         outputs.append((args.html, trace_page(analysis)))
     if outputs:
