@@ -165,10 +165,17 @@ def test_refit_writes_a_hardware_file_that_replays_the_collectives(recorded, cap
     shortest = _shortest_all_reduce_us(traces)
     assert sorted(shortest) == sorted(sizes)
     (small, t_small), (large, t_large) = sorted(shortest.items())
-    if t_large > t_small:  # two sizes, time rising with bytes: the line passes through both
-        for nbytes, us in shortest.items():
-            predicted = collective_time(hw, nbytes, 2, "all_reduce") - hw.launch_overhead_s
-            assert predicted == pytest.approx(us * 1e-6, rel=1e-3, abs=1e-7)
+    if t_large > t_small:  # two sizes, time rising with bytes: the line through both...
+        bus = 2 * (2 - 1) / 2  # an all-reduce over 2 ranks moves this many bus bytes per byte
+        slope = (t_large - t_small) * 1e-6 / (bus * (large - small))
+        assert fit["bus_bandwidth"] == pytest.approx(1 / slope, rel=1e-3)
+        if t_small * 1e-6 - slope * bus * small > 1e-9:
+            for nbytes, us in shortest.items():
+                predicted = collective_time(hw, nbytes, 2, "all_reduce") - hw.launch_overhead_s
+                assert predicted == pytest.approx(us * 1e-6, rel=1e-3, abs=1e-7)
+        else:  # ...unless it meets zero bytes below zero seconds (a loaded CPU slowed the
+            # larger bucket): the latency's floor
+            assert fit["latency_s"] == pytest.approx(1e-9)
     else:  # a loaded CPU made the smaller bucket slower: the start's latency is kept and the
         # largest size fixes the bandwidth
         assert fit["latency_s"] == hardware_for("h100").collective_latency_s
