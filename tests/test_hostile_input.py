@@ -265,6 +265,20 @@ def test_int64_inputs_to_a_linear_fail_planning(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["model.py"]
 
 
+def test_importing_the_model_file_writes_no_bytecode_beside_it(tmp_path, monkeypatch):
+    """[Note: no bytecode beside the model file]: where Python writes bytecode (a user's
+    machine, not a sandbox with PYTHONDONTWRITEBYTECODE), neither the model file nor what it
+    imports from its folder gets a ``__pycache__``, and the setting is as it was after."""
+    from fsdp_plan.model.load import import_model_file
+    write(tmp_path, "helper.py", "WIDTH = 8\n")
+    model = write(tmp_path, "model.py", "from helper import WIDTH\n" + SMALL)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert import_model_file(model).WIDTH == 8
+    assert sys.dont_write_bytecode is False
+    assert sorted(os.listdir(tmp_path)) == ["helper.py", "model.py"]
+    sys.modules.pop("helper", None)
+
+
 # --- 10. bounded counts -------------------------------------------------------------------
 
 @pytest.mark.parametrize("flags,needles", [

@@ -183,7 +183,17 @@ def user_code_location(error: BaseException, loaded: LoadedModel) -> str:
 
 
 def import_model_file(path: str) -> types.ModuleType:
-    """Import the user's model file under a private module name."""
+    """Import the user's model file under a private module name.
+
+    [Note: no bytecode beside the model file]
+    The planner reads the user's folder and writes only the files it was asked for (SPEC's
+    outputs; nothing else is left behind, on success or failure). Python's import would write
+    ``__pycache__/<model>.cpython-*.pyc`` next to the model file (and next to whatever it
+    imports from its folder), unless ``PYTHONDONTWRITEBYTECODE`` is set, as it is in some
+    sandboxes and CI images and not on a user's machine: the hostile-input tests, which check
+    that a failed run leaves the folder as it was, failed only there. So bytecode writing is
+    off while the user's module runs its import; compiling one model file again each run
+    costs milliseconds."""
     if not os.path.exists(path):
         raise BadInput(f"model file {path!r} does not exist; pass the path to a .py file that "
                        "defines build_model(**kwargs).")
@@ -204,6 +214,8 @@ def import_model_file(path: str) -> types.ModuleType:
     added = folder not in sys.path
     if added:
         sys.path.insert(0, folder)
+    writes_bytecode = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # [Note: no bytecode beside the model file]
     try:
         with user_code_output_to_stderr(f"importing model file {path!r}", path):
             spec.loader.exec_module(module)
@@ -220,6 +232,7 @@ def import_model_file(path: str) -> types.ModuleType:
                        f"{_user_frame_hint(e, path)}. Fix the file (or install what it imports) "
                        "and run again.") from e
     finally:
+        sys.dont_write_bytecode = writes_bytecode
         if added and folder in sys.path:
             sys.path.remove(folder)
     return module
