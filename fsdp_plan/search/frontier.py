@@ -334,7 +334,7 @@ def compute_frontier(variants: list[Variant], settings: SearchSettings, *, seq_l
     started, cpu_started = clock.perf_counter(), clock.process_time()
     user = settings.budget_bytes
     headroom = headroom_rule(user, settings.headroom_bytes)
-    with cycle_collector_paused():
+    with cycle_collector_paused(promote_after=True):
         searcher = _Searcher(variants, settings, headroom, seq_len, evaluator)
         points = {user: searcher.point(user)}
         unlimited = searcher.ranked_at(UNLIMITED)

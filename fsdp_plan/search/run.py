@@ -80,7 +80,7 @@ def run_search(facts: ModelFacts, settings: SearchSettings, generators: Sequence
     ``evaluator``: one built for ``facts`` and ``settings`` already, whose caches to use (the
     frontier's, across budgets)."""
     started = time.perf_counter()
-    with cycle_collector_paused():
+    with cycle_collector_paused(promote_after=True):
         evaluator = evaluator or Evaluator(facts.graph, facts.analysis, settings)
         recipes = [r for g in generators for r in g.recipes(evaluator)]
         found = [c for g in generators for c in g.candidates(evaluator)]
