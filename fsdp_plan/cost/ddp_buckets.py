@@ -301,14 +301,13 @@ def assign_by_size(sizes: list[int], limits: list[int]) -> list[list[int]]:
 
 
 def build_buckets(graph: ModuleGraph, events: list[Event], config: DDPConfig,
-                  params: list[GradParam] | None = None) -> tuple[list[Bucket], list[GradParam]]:
+                  shared: DdpOrder | None = None) -> tuple[list[Bucket], list[GradParam]]:
     """The buckets DDP builds after its rebuild, and its parameters (see [Note: DDP buckets]);
-    ``params`` is ``grad_parameters(graph, events)`` when the caller already has it."""
-    params = grad_parameters(graph, events) if params is None else params
-    last = len(events) - 1
-    backward_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), last)
+    ``shared`` is ``ddp_order(graph, events)`` when the caller already has it."""
+    shared = ddp_order(graph, events) if shared is None else shared
+    params, backward_start = shared.params, shared.backward_start
     if rebuilds(config):
-        order = rebuilt_order(graph, params)
+        order = shared.rebuilt
         groups = assign_by_size([p.nbytes for p in order], config.limits)
     else:  # DDP keeps its first bucketing: parameter order, the bucket list reversed
         order = params
@@ -329,6 +328,56 @@ def rebuilds(config: DDPConfig) -> bool:
     ``should_rebuild_buckets``: with ``find_unused_parameters`` and no ``static_graph`` it
     never does, and the first bucketing stays)."""
     return config.static_graph or not config.find_unused_parameters
+
+
+@dataclass(kw_only=True, frozen=True)
+class DdpOrder:
+    """What every bucket configuration of one analysed step shares, worked out once
+    (``ddp_order``): the search evaluates 17 configurations per plan, and each walked the
+    3,857 events and sorted the parameters again (a fifth of DDP's evaluation time, 70B)."""
+
+    params: list[GradParam]
+    """``grad_parameters``: DDP's parameters with their ready events."""
+    rebuilt: list[GradParam]
+    """``rebuilt_order`` of ``params``: the order rebuilt buckets are assigned over."""
+    backward_start: int
+    """The first ``pre_bw`` event (the last event without one)."""
+    peaks: ActivationPeaks
+
+
+@dataclass(kw_only=True, frozen=True)
+class ActivationPeaks:
+    """Where the analysed step's activations peak (``activation_peaks``): what ``ddp_memory``
+    reads of the events, the same for every bucket configuration."""
+
+    peak: int
+    """The highest event peak (0 without events)."""
+    peak_at: int
+    """The first event at that peak."""
+    backward_at: int | None
+    """The first backward event at the highest backward peak (None without backward)."""
+    loss: tuple[int, int] | None
+    """``loss_span`` of the events ([Note: the loss in the breakdown])."""
+
+
+def activation_peaks(events: list[Event]) -> ActivationPeaks:
+    """``ActivationPeaks`` of ``events``."""
+    peaks = [e.peak for e in events]
+    peak = max(peaks, default=0)
+    backward = [i for i, e in enumerate(events) if e.kind.endswith("bw")]
+    backward_at = max(backward, key=peaks.__getitem__) if backward else None
+    start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), len(events))
+    return ActivationPeaks(peak=peak, peak_at=peaks.index(peak) if peaks else 0,
+                           backward_at=backward_at, loss=loss_span(events, start))
+
+
+def ddp_order(graph: ModuleGraph, events: list[Event]) -> DdpOrder:
+    """``DdpOrder`` of ``graph`` over the analysed ``events``."""
+    params = grad_parameters(graph, events)
+    return DdpOrder(params=params, rebuilt=rebuilt_order(graph, params),
+                    backward_start=next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
+                                        len(events) - 1),
+                    peaks=activation_peaks(events))
 
 
 def unused_parameters(graph: ModuleGraph, analysis: Analysis) -> list[GradParam]:
@@ -393,10 +442,15 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     done, contention, waited, hook_s = bw_start, 0.0, 0.0, 0.0
     ready: list[float] = []
 
+    seconds_of: dict[float, float] = {}  # buckets of one size (a layer's) repeat
+
     def all_reduce(label: str, nbytes: float) -> None:
         nonlocal now, waited
-        streams.issue(label, now, collective_time(hw, nbytes, world_size, "all_reduce",
-                                                  ranks_per_node=local))
+        seconds = seconds_of.get(nbytes)
+        if seconds is None:
+            seconds = seconds_of[nbytes] = collective_time(hw, nbytes, world_size, "all_reduce",
+                                                           ranks_per_node=local)
+        streams.issue(label, now, seconds)
         if not hw.comm_overlaps_compute:  # gloo on a CPU: the all-reduce takes the cores
             streams.wait(f"wait {label}", now, streams.comm_free)
             waited += streams.comm_free - now
@@ -474,7 +528,8 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
 def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, optimizer: str,
                config: DDPConfig, unused: list[GradParam] | None = None, *,
                sync_last: bool = False, hook_buffers: int = 0,
-               steps_in_backward: list[tuple[int, int]] | None = None) -> MemoryEstimate:
+               steps_in_backward: list[tuple[int, int]] | None = None,
+               shared: DdpOrder | None = None) -> MemoryEstimate:
     """Per-rank peak of a steady DDP step (every rank holds everything).
 
     Always alive: fp32 parameters, the bucket storage (which is the gradients under
@@ -492,19 +547,21 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     holds while it runs (``hook_memory``), comes on top of backward's activations where that
     is higher (``comm_hook_buffers``). ``steps_in_backward``: the parameters step in backward
     (``optimizer_overlap``), each bucket's once its last gradient is ready, ``(event, step
-    temporary bytes)``; no optimizer step follows."""
-    if unused is None:
-        unused = unused_parameters(graph, analysis)
-    static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
-                                               unused)
-    if steps_in_backward is not None:
-        return _overlapped_ddp_memory(analysis, static, autocast, steps_in_backward)
-    buffers = hook_buffers
+    temporary bytes)``; no optimizer step follows. ``shared``: ``ddp_order`` of the analysis
+    when the caller keeps it."""
     events = analysis.timeline.events
-    activations = max((e.peak for e in events), default=0)
-    backward = [i for i, e in enumerate(events) if e.kind.endswith("bw")]
-    if buffers and backward and max(events[i].peak for i in backward) + buffers > activations:
-        at = max(backward, key=lambda i: events[i].peak)
+    shared = ddp_order(graph, events) if shared is None else shared
+    if unused is None:  # ``unused_parameters``
+        unused = [p for p in shared.params if p.ready_event is None]
+    static, autocast, opt_temp = _ddp_resident(graph, analysis, precision, optimizer, config,
+                                               unused, shared)
+    peaks = shared.peaks
+    if steps_in_backward is not None:
+        return _overlapped_ddp_memory(analysis, static, autocast, steps_in_backward, peaks)
+    buffers = hook_buffers
+    activations = peaks.peak
+    at = peaks.backward_at
+    if buffers and at is not None and events[at].peak + buffers > activations:
         step = {**static, "activations": events[at].peak, "comm_hook_buffers": buffers}
         if autocast:
             step["autocast_weights"] = autocast
@@ -528,12 +585,11 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
     if base + opt_temp > base + activations + autocast:
         return MemoryEstimate(peak_bytes=base + opt_temp, phase="optimizer step",
                               breakdown={**static, "optimizer_temporaries": opt_temp})
-    peak_at = max(range(len(events)), key=lambda i: events[i].peak) if events else 0
+    peak_at = peaks.peak_at
     ev = events[peak_at] if events else None
     where = f"{ev.kind} {ev.module or '<root>'}" if ev else "step"
     phase = "backward" if ev and ev.kind.endswith("bw") else "forward"
-    span = loss_span(events, next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
-                                  len(events)))
+    span = peaks.loss
     if span is not None and span[0] < peak_at <= span[1]:  # [Note: the loss in the breakdown]
         step["activations"] = min(activations, events[span[0]].level)
         step["loss"] = activations - step["activations"]
@@ -542,12 +598,13 @@ def ddp_memory(graph: ModuleGraph, analysis: Analysis, precision: Precision, opt
 
 
 def _overlapped_ddp_memory(analysis: Analysis, static: dict[str, int], autocast: int,
-                           steps: list[tuple[int, int]]) -> MemoryEstimate:
+                           steps: list[tuple[int, int]], peaks: ActivationPeaks
+                           ) -> MemoryEstimate:
     """``ddp_memory`` with the optimizer stepping in backward: the activation peak, or a
     bucket's step (the activations at its ready event and its step temporary), whichever is
     higher."""
     events = analysis.timeline.events
-    peak_at = max(range(len(events)), key=lambda i: events[i].peak) if events else 0
+    peak_at = peaks.peak_at
     step = {**static, "activations": events[peak_at].peak if events else 0}
     where = (f"{events[peak_at].kind} {events[peak_at].module or '<root>'}" if events
              else "step")
@@ -577,8 +634,8 @@ def _held_grads(graph: ModuleGraph, config: DDPConfig, unused: list[GradParam] |
 
 
 def _ddp_resident(graph: ModuleGraph, analysis: Analysis, precision: Precision, optimizer: str,
-                  config: DDPConfig, unused: list[GradParam] | None
-                  ) -> tuple[dict[str, int], int, int]:
+                  config: DDPConfig, unused: list[GradParam] | None,
+                  shared: DdpOrder | None = None) -> tuple[dict[str, int], int, int]:
     """``ddp_memory``'s always-alive bytes by kind, the autocast weight copies (forward to
     backward) and the optimizer step's temporary."""
     params = graph.total_param_bytes
@@ -599,7 +656,7 @@ def _ddp_resident(graph: ModuleGraph, analysis: Analysis, precision: Precision, 
     if not config.gradient_as_bucket_view:
         static["grads"] = params
     if config.comm_hook is not None:
-        buckets, grads = build_buckets(graph, analysis.timeline.events, config)
+        buckets, grads = build_buckets(graph, analysis.timeline.events, config, shared)
         state, _ = hook_memory(graph, grads, buckets, config)
         if state:
             static["comm_hook_state"] = state
@@ -644,16 +701,17 @@ def ddp_memory_timeline(graph: ModuleGraph, analysis: Analysis, precision: Preci
 
 def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, hw: Hardware,
                  world_size: int, gpus_per_node: int, precision: Precision, optimizer: str,
-                 dtype: str = "bfloat16", params: list[GradParam] | None = None,
+                 dtype: str = "bfloat16", shared: DdpOrder | None = None,
                  times: list[float] | None = None, grad_accum_steps: int = 1,
                  gradient_sync: str = "every", optimizer_overlap: bool = False,
                  issued: list[float] | None = None) -> DDPEvaluation:
-    """Buckets, memory, collectives and step time of one DDP configuration (``params``: the
-    model's ``grad_parameters``, and ``times``: ``event_times``, computed once when several
+    """Buckets, memory, collectives and step time of one DDP configuration (``shared``: the
+    analysis' ``ddp_order``, and ``times``: ``event_times``, computed once when several
     configurations are evaluated; ``issued``: ``host_issue_times`` likewise) over one
     optimizer step of ``grad_accum_steps`` micro-batches ([Note: DDP and accumulation])."""
     events = analysis.timeline.events
-    buckets, params = build_buckets(graph, events, config, params)
+    shared = ddp_order(graph, events) if shared is None else shared
+    buckets, params = build_buckets(graph, events, config, shared)
     unused = [p.index for p in params if p.ready_event is None]
     optimizer_s = optimizer_time(hw, Rates.of(hw, dtype), optimizer, graph.total_numel,
                                  precision.orig_bytes)
@@ -687,7 +745,7 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
                         sync_last=grad_accum_steps > 1 and gradient_sync == "last",
                         hook_buffers=hook_memory(graph, params, buckets, config)[1],
                         steps_in_backward=_step_temporaries(optimizer, params, buckets)
-                        if optimizer_overlap else None)
+                        if optimizer_overlap else None, shared=shared)
     reduces = 1 if gradient_sync == "last" else grad_accum_steps
     per_bucket = all_reduces_per_bucket(config.comm_hook)
     collectives = {"all_gather": 0, "reduce_scatter": 0,

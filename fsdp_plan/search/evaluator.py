@@ -28,10 +28,10 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.collectives import count_fsdp1, count_fsdp2, cross_node_bytes, per_step
 from fsdp_plan.cost.compiled_time import compiled_times, without_inside
 from fsdp_plan.cost.ddp_buckets import (
-    GradParam,
+    DdpOrder,
+    ddp_order,
     evaluate_ddp,
     event_times,
-    grad_parameters,
     host_issue_times,
 )
 from fsdp_plan.cost.memory import ActivationProfile, StepContext, estimate_peak
@@ -101,11 +101,11 @@ class Evaluator:
             copies (the budget is the only setting ``with_budget`` changes, and no time depends
             on it) and by the evaluator at another stride (no unit's time without recompute
             depends on the selective pass, and the recompute is passed in)."""
-        self._ddp_params: list[GradParam] | None = None
+        self._ddp_order: DdpOrder | None = None
         self._ddp_times: list[float] | None = None
         self._ddp_issued: list[float] | None = None
-        """DDP's parameter list with ready events, its event clock and the host's issue
-        times: shared by every bucket configuration."""
+        """DDP's parameters in their ready order with the events' peaks, its event clock
+        and the host's issue times: shared by every bucket configuration."""
         self._unit_layouts: dict[tuple, tuple[list[UnitSpec], list[int]]] = {}
         """Units and their forward calls by layout (``_units_and_calls``)."""
         self._communicated: dict[tuple, tuple[dict[str, int], dict[str, int], int]] = {}
@@ -348,16 +348,16 @@ class Evaluator:
         """``DistributedDataParallel`` with ``layout.ddp``'s buckets (cost/ddp_buckets.py)."""
         s = self.settings
         analysis = self.analysis.for_ddp()  # below float32 DDP computes under autocast (SPEC 7)
-        if self._ddp_params is None:
+        if self._ddp_order is None:
             events = analysis.timeline.events
-            self._ddp_params = grad_parameters(self.graph, events)
+            self._ddp_order = ddp_order(self.graph, events)
             self._ddp_times = event_times(events, s.hardware, analysis.param_dtype)
             self._ddp_issued = host_issue_times(events, s.hardware)
         assert layout.ddp is not None, "a DDP layout carries its bucket configuration"
         e = evaluate_ddp(self.graph, analysis, layout.ddp, hw=s.hardware,
                          world_size=s.world_size, gpus_per_node=s.gpus_per_node,
                          precision=s.precision, optimizer=s.optimizer,
-                         dtype=analysis.param_dtype, params=self._ddp_params,
+                         dtype=analysis.param_dtype, shared=self._ddp_order,
                          times=self._ddp_times, issued=self._ddp_issued,
                          grad_accum_steps=s.grad_accum_steps,
                          gradient_sync=s.gradient_sync,
