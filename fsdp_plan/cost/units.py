@@ -65,8 +65,9 @@ def owner_unit(fqn: str, unit_of_module: dict[str, int]) -> int:
         probe = probe.rpartition(".")[0]
 
 
-_UNIT_CACHE: dict[tuple[tuple[str, ...], ...] | int, object] = {}
-"""Layouts of the last graph asked about (``_UNIT_CACHE[0]`` is that graph)."""
+_UNIT_CACHE: dict[tuple | int, object] = {}
+"""Layouts of the last graph asked about and its modules' sizes by shard size
+(``_UNIT_CACHE[0]`` is that graph)."""
 
 
 def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool],
@@ -98,20 +99,66 @@ def _build_units(graph: ModuleGraph, groups: list[list[str]], shard_size: int
                       full_precision=all(graph.modules[m].keeps_full_precision for m in g))
              for g, r in zip(groups, reshard)]
     unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
+    owner_of: dict[str, int] = {}
+    for row in _module_sizes(graph, shard_size):
+        # ``owner_unit``: the module's own unit, else its parent's (parents come first)
+        at = unit_of_module.get(row.fqn)
+        if at is None:
+            at = owner_of.get(row.parent)
+            if at is None:
+                at = owner_unit(row.fqn, unit_of_module)
+        owner_of[row.fqn] = at
+        unit = units[at]
+        unit.owned_modules.append(row.fqn)
+        if row.direct_numel:
+            unit.param_modules.append((row.fqn, row.direct_numel))
+        if row.num_params:
+            unit.numel += row.numel
+            unit.shard_numel += row.shard_numel
+            unit.largest_shard_numel = max(unit.largest_shard_numel, row.largest_shard_numel)
+            unit.num_params += row.num_params
+    return units
+
+
+@dataclass(frozen=True, slots=True)
+class _ModuleSizes:
+    """What one module's own parameters add to the unit that owns it, at one shard size."""
+
+    fqn: str
+    parent: str | None
+    """The FQN its owner is looked up by when it is in no group (None for the root)."""
+    direct_numel: int
+    numel: int
+    shard_numel: int
+    """Its parameters' per-rank shards, each padded as FSDP2 pads dim 0 to the shard size."""
+    largest_shard_numel: int
+    num_params: int
+
+
+def _module_sizes(graph: ModuleGraph, shard_size: int) -> list[_ModuleSizes]:
+    """``_ModuleSizes`` of every module in ``named_modules()`` order, worked out once per graph
+    and shard size (in ``_UNIT_CACHE``): the search builds some 40 layouts per plan, and each
+    walked every parameter's shape again (a tenth of the 70B's search)."""
+    key = ("module sizes", shard_size)
+    found = _UNIT_CACHE.get(key)
+    if found is not None:
+        return found  # type: ignore[return-value]
+    rows = []
     for fqn, info in graph.modules.items():
-        unit = units[owner_unit(fqn, unit_of_module)]
-        unit.owned_modules.append(fqn)
-        if info.direct_numel:
-            unit.param_modules.append((fqn, info.direct_numel))
+        numel_sum = shard_sum = largest = 0
         for shape in info.param_shapes:
             numel = math.prod(shape) if shape else 1
             dim0 = shape[0] if shape else 1
-            unit.numel += numel
             shard = math.ceil(dim0 / shard_size) * (numel // max(dim0, 1))
-            unit.shard_numel += shard
-            unit.largest_shard_numel = max(unit.largest_shard_numel, shard)
-            unit.num_params += 1
-    return units
+            numel_sum += numel
+            shard_sum += shard
+            largest = max(largest, shard)
+        rows.append(_ModuleSizes(fqn=fqn, parent=fqn.rpartition(".")[0] if fqn else None,
+                                 direct_numel=info.direct_numel, numel=numel_sum,
+                                 shard_numel=shard_sum, largest_shard_numel=largest,
+                                 num_params=len(info.param_shapes)))
+    _UNIT_CACHE[key] = rows
+    return rows
 
 
 def check_tied(graph: ModuleGraph, groups: list[list[str]]) -> bool:
