@@ -383,10 +383,14 @@ class _CodeIndex:
     def __init__(self, codes: np.ndarray, indices: np.ndarray) -> None:
         self._code_array, self._index_array = codes, indices
         """Sorted, each once; and the event index of each."""
-        self._codes: list[int] = codes.tolist()
-        self._indices: list[int] = indices.tolist()
+        self._codes: list[int] | None = None
+        self._indices: list[int] | None = None
+        """The same as Python lists, made on the first ``get`` (the search's profiles ask
+        ``get_many`` for nearly everything: making the lists took longer than sorting)."""
 
     def get(self, code: int, default: int) -> int:
+        if self._codes is None or self._indices is None:
+            self._codes, self._indices = self._code_array.tolist(), self._index_array.tolist()
         at = bisect.bisect_left(self._codes, code)
         if at < len(self._codes) and self._codes[at] == code:
             return self._indices[at]
@@ -397,7 +401,7 @@ class _CodeIndex:
         import numpy as np  # see [Note: numpy on first use]
 
         at = np.searchsorted(self._code_array, codes)
-        inside = at < len(self._codes)
+        inside = at < len(self._code_array)
         found = np.zeros(len(codes), dtype=bool)
         found[inside] = self._code_array[at[inside]] == codes[inside]
         out = np.full(len(codes), default, dtype=np.int64)
@@ -405,7 +409,7 @@ class _CodeIndex:
         return out
 
     def __len__(self) -> int:
-        return len(self._codes)
+        return len(self._code_array)
 
 
 def _index_of(items: list[str], item: str, default: int) -> int:
