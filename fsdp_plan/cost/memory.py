@@ -378,22 +378,20 @@ class _CodeIndex:
     profile per checkpointing mix and looks up a few hundred codes in each: building two dicts
     over every event took longer than all of them."""
 
-    __slots__ = ("_code_array", "_codes", "_index_array", "_indices")
+    __slots__ = ("_code_array", "_index_array")
 
     def __init__(self, codes: np.ndarray, indices: np.ndarray) -> None:
         self._code_array, self._index_array = codes, indices
         """Sorted, each once; and the event index of each."""
-        self._codes: list[int] | None = None
-        self._indices: list[int] | None = None
-        """The same as Python lists, made on the first ``get`` (the search's profiles ask
-        ``get_many`` for nearly everything: making the lists took longer than sorting)."""
 
     def get(self, code: int, default: int) -> int:
-        if self._codes is None or self._indices is None:
-            self._codes, self._indices = self._code_array.tolist(), self._index_array.tolist()
-        at = bisect.bisect_left(self._codes, code)
-        if at < len(self._codes) and self._codes[at] == code:
-            return self._indices[at]
+        """The event index of ``code``, else ``default`` (a few per profile: the root's window;
+        the search's lookups go through ``get_many``, and Python lists of the codes for
+        bisection took longer to make than the sort)."""
+        codes = self._code_array
+        at = int(codes.searchsorted(code))
+        if at < len(codes) and int(codes[at]) == code:
+            return int(self._index_array[at])
         return default
 
     def get_many(self, codes: np.ndarray, default: int) -> np.ndarray:

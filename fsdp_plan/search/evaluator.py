@@ -106,6 +106,9 @@ class Evaluator:
         self._ddp_issued: list[float] | None = None
         """DDP's parameters in their ready order with the events' peaks, its event clock
         and the host's issue times: shared by every bucket configuration."""
+        self._block_modes: dict[tuple[frozenset[int], frozenset[int]],
+                                tuple[list[BlockMode], dict[str, tuple[float, float]]]] = {}
+        """Checkpointed blocks' modes and recompute seconds by mix (``_modes_of``)."""
         self._unit_layouts: dict[tuple, tuple[list[UnitSpec], list[int]]] = {}
         """Units and their forward calls by layout (``_units_and_calls``)."""
         self._communicated: dict[tuple, tuple[dict[str, int], dict[str, int], int]] = {}
@@ -239,12 +242,10 @@ class Evaluator:
         memory = estimate_peak(profile, units, ctx, forward_prefetch=layout.forward_prefetch,
                                backward_prefetch=layout.backward_prefetch)
         ran = profile.ran_of(units)
-        blocks = self.graph.blocks
-        block_modes = [self._block_mode(blocks[i], "selective" if i in selective else "full")
-                       for i in sorted(which | selective)]
+        block_modes, recompute = self._modes_of(which, selective)
         time = Deferred(functools.partial(  # [Note: step times when asked]
             unit_step_time, self.clock, units, shard=shard, replicate=replicate,
-            recompute={m.block: (m.recompute_s, m.recompute_host_s) for m in block_modes},
+            recompute=recompute,
             forward_prefetch=layout.forward_prefetch, backward_prefetch=layout.backward_prefetch,
             optimizer_overlap=layout.optimizer_overlap, layout_key=layout.units_key))
         collectives, collectives_fsdp1, crossing = self._communication(layout, units, ran, calls)
@@ -252,8 +253,23 @@ class Evaluator:
             name=name, layout=layout, units=units, memory=memory, deferred_time=time,
             collectives=dict(collectives), collectives_fsdp1=dict(collectives_fsdp1),
             fits=runnable(units, ran) and memory.peak_bytes <= s.limit_bytes,
-            block_modes=block_modes, cross_node_bytes=crossing,
+            block_modes=list(block_modes), cross_node_bytes=crossing,
         )
+
+    def _modes_of(self, which: frozenset[int], selective: frozenset[int]
+                  ) -> tuple[list[BlockMode], dict[str, tuple[float, float]]]:
+        """The checkpointed blocks' modes, in block order, and each one's recompute seconds
+        (compute, host) by block: the same for every candidate with that checkpointing, so
+        worked out once per mix (read only)."""
+        key = (which, selective)
+        found = self._block_modes.get(key)
+        if found is None:
+            blocks = self.graph.blocks
+            modes = [self._block_mode(blocks[i], "selective" if i in selective else "full")
+                     for i in sorted(which | selective)]
+            found = self._block_modes[key] = (
+                modes, {m.block: (m.recompute_s, m.recompute_host_s) for m in modes})
+        return found
 
     def _units_and_calls(self, layout: Layout) -> tuple[list[UnitSpec], list[int]]:
         """The units of ``layout`` and each one's forward calls, built once per
