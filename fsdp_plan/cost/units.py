@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from fsdp_plan.facts.types import ModuleGraph
 
@@ -120,8 +121,7 @@ def _build_units(graph: ModuleGraph, groups: list[list[str]], shard_size: int
     return units
 
 
-@dataclass(frozen=True, slots=True)
-class _ModuleSizes:
+class _ModuleSizes(NamedTuple):  # a tuple: made for every module, some 1,000 per shard size
     """What one module's own parameters add to the unit that owns it, at one shard size."""
 
     fqn: str
@@ -153,10 +153,9 @@ def _module_sizes(graph: ModuleGraph, shard_size: int) -> list[_ModuleSizes]:
             numel_sum += numel
             shard_sum += shard
             largest = max(largest, shard)
-        rows.append(_ModuleSizes(fqn=fqn, parent=fqn.rpartition(".")[0] if fqn else None,
-                                 direct_numel=info.direct_numel, numel=numel_sum,
-                                 shard_numel=shard_sum, largest_shard_numel=largest,
-                                 num_params=len(info.param_shapes)))
+        rows.append(_ModuleSizes(fqn, fqn.rpartition(".")[0] if fqn else None,
+                                 info.direct_numel, numel_sum, shard_sum, largest,
+                                 len(info.param_shapes)))
     _UNIT_CACHE[key] = rows
     return rows
 
