@@ -360,24 +360,24 @@ class ActivationPeaks:
     """``loss_span`` of the events ([Note: the loss in the breakdown])."""
 
 
-def activation_peaks(events: list[Event]) -> ActivationPeaks:
-    """``ActivationPeaks`` of ``events``."""
+def activation_peaks(events: list[Event], first_pre_bw: int) -> ActivationPeaks:
+    """``ActivationPeaks`` of ``events`` whose first ``pre_bw`` is ``first_pre_bw``
+    (``len(events)`` without one)."""
     peaks = [e.peak for e in events]
     peak = max(peaks, default=0)
     backward = [i for i, e in enumerate(events) if e.kind.endswith("bw")]
     backward_at = max(backward, key=peaks.__getitem__) if backward else None
-    start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), len(events))
     return ActivationPeaks(peak=peak, peak_at=peaks.index(peak) if peaks else 0,
-                           backward_at=backward_at, loss=loss_span(events, start))
+                           backward_at=backward_at, loss=loss_span(events, first_pre_bw))
 
 
 def ddp_order(graph: ModuleGraph, events: list[Event]) -> DdpOrder:
     """``DdpOrder`` of ``graph`` over the analysed ``events``."""
     params = grad_parameters(graph, events)
+    first_pre_bw = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), len(events))
     return DdpOrder(params=params, rebuilt=rebuilt_order(graph, params),
-                    backward_start=next((i for i, e in enumerate(events) if e.kind == "pre_bw"),
-                                        len(events) - 1),
-                    peaks=activation_peaks(events))
+                    backward_start=min(first_pre_bw, len(events) - 1),
+                    peaks=activation_peaks(events, first_pre_bw))
 
 
 def unused_parameters(graph: ModuleGraph, analysis: Analysis) -> list[GradParam]:
