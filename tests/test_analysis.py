@@ -180,3 +180,24 @@ def test_initialisers_are_skipped_only_while_building_on_meta(tmp_path):
     assert init.kaiming_uniform_ is before and init.normal_ is not None
     real = torch.empty(3)
     assert init.zeros_(real) is real and float(real.abs().sum()) == 0.0
+
+
+def test_op_tensors_are_walked_in_pytree_order():
+    """The meter walks an op's outputs and arguments without pytree ([Note: one dispatch mode
+    per pass]): the same tensors, in ``tree_flatten``'s order, for every shape an op gives."""
+    from collections import namedtuple
+
+    from torch.utils._pytree import tree_flatten
+
+    from fsdp_plan.facts.analysis import _tensors
+
+    a, b, c, d = (torch.zeros(i + 1) for i in range(4))
+    pair = namedtuple("pair", "x y")
+    values = [a, (a, b), [a, None, 3, (b, [c])], ((a,), {"k": b, "j": [c, 2.0]}),
+              {"out": (a, b)}, pair(a, b), torch.max(torch.ones(2, 3), dim=1),
+              (torch.float32, torch.device("cpu"), "s", True), (), None, 1,
+              ([a, b], {"x": pair(c, d), "y": None})]
+    for value in values:
+        expected = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+        got = _tensors(value)
+        assert len(got) == len(expected) and all(g is e for g, e in zip(got, expected)), value

@@ -19,10 +19,11 @@ per pass; see timeline.py for the composition, checkpointing.py for the modes).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,7 @@ from fsdp_plan.model.load import (
     rebuild_meta,
     user_code_location,
 )
-from fsdp_plan.model.transformer_masks import transformer_masks_traceable
+from fsdp_plan.model.transformer_masks import MaskOrigins, transformer_masks_traceable
 from fsdp_plan.policy_runtime import checkpoint_module, plain_fqn, resolve_ops
 
 # Drops the wrapper segments FSDP1 and checkpointing insert, as the emitted policy does.
@@ -75,18 +76,64 @@ _METADATA_ONLY = {torch.ops.aten._unsafe_view, torch.ops.aten.detach, torch.ops.
                   torch.ops.aten.new_empty_strided, torch.ops.aten.set_}
 
 
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value`` in ``tree_flatten``'s order. An op's arguments and outputs
+    are tensors, plain tuples, lists and dicts of them, or scalars, walked here without pytree
+    (which cost a tenth of each pass: it builds a spec and a wrapper per call); anything
+    else (dicts, named tuples, ``torch.return_types``) goes through ``tree_flatten``."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    found: list[torch.Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif type(value) is tuple or type(value) is list:
+        for item in value:
+            _collect(item, found)
+    elif type(value) is dict:  # pytree's order: the values in insertion order
+        for item in value.values():
+            _collect(item, found)
+    elif value is None or type(value) in _SCALARS:
+        return
+    else:
+        found.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+
+
+_SCALARS = frozenset({int, float, bool, str, torch.dtype, torch.device, torch.layout,
+                      torch.memory_format})
+
+
 def _tensor_bytes(value: Any) -> int:
-    leaves, _ = tree_flatten(value)
-    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
 
 
 class _ActivationMeter(TorchDispatchMode):
     """Counts bytes of live non-parameter storages, with the peak since the last ``mark``,
-    FLOPs, and the op-class counters of [Note: op classes] (facts/types.py) since ``take_ops``."""
+    FLOPs, and the op-class counters of [Note: op classes] (facts/types.py) since ``take_ops``,
+    while ``measuring``; and is the pass's one dispatch mode ([Note: one dispatch mode per
+    pass]): it feeds the mask origins (``watching``) and runs the dtype check.
+
+    [Note: one dispatch mode per pass]
+    Each ``TorchDispatchMode`` on the stack costs every op a trip through torch's dispatcher
+    (the mode popped and pushed back) and through the ``_disable_dynamo`` wrapper torch puts
+    on every ``__torch_dispatch__``, whatever the mode then does. A pass once stacked three
+    (the dtype check, this meter, the causal-mask origins) over the fake mode; they are one
+    now, each op seen once: the check before the op runs, the origins and the meter after.
+    The mask origins are fed from the inputs on, the rest only while ``measuring``, as each
+    mode once was entered. DtypeChecker and the origins stay modes of their own where
+    ``measure/memory.py`` uses them."""
 
     def __init__(self, excluded: set[int]) -> None:
         super().__init__()
         self.excluded = excluded
+        self.masks: MaskOrigins | None = None
+        self.checker: DtypeChecker | None = None
+        self.on = False
+        """Whether ops are measured and checked (``measuring``)."""
         self.live: dict[int, tuple[weakref.ref, int]] = {}
         self.current = 0
         self.peak_since_mark = 0
@@ -134,10 +181,41 @@ class _ActivationMeter(TorchDispatchMode):
         self.peak_since_mark = self.current
         return peak
 
+    @contextlib.contextmanager
+    def watching(self, masks: MaskOrigins) -> Iterator[None]:
+        """The mode entered, feeding ``masks`` every op (``transformer_masks_traceable``
+        with ``watch=False``)."""
+        self.masks = masks
+        try:
+            with self:
+                yield
+        finally:
+            self.masks = None
+
+    @contextlib.contextmanager
+    def measuring(self, checker: DtypeChecker) -> Iterator[None]:
+        """Ops measured and checked by ``checker`` within the block (the mode already
+        entered: ``watching``)."""
+        self.on, self.checker = True, checker
+        try:
+            yield
+        finally:
+            self.on, self.checker = False, None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.checker is not None:
+            self.checker.check(func, args, kwargs)
         out = func(*args, **kwargs)
-        tree_map_only(torch.Tensor, self.track, out)
+        if self.masks is not None:
+            self.masks.record(func, args, kwargs, out)
+        if self.on:
+            self._measure(func, args, kwargs, out)
+        return out
+
+    def _measure(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        for tensor in _tensors(out):
+            self.track(tensor)
         count = _FLOP_RULES.get(func._overloadpacket)
         if count is not None:
             flops = count(*args, **kwargs, out_val=out)
@@ -151,7 +229,6 @@ class _ActivationMeter(TorchDispatchMode):
             moved = _tensor_bytes(out)  # a lookup reads the rows it writes, not its whole table
             self._count("memory_bytes", 2 * moved if func._overloadpacket in _GATHERS
                         else moved + _tensor_bytes((args, kwargs)))
-        return out
 
 
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
@@ -248,12 +325,14 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
     tracker.register_user_hooks(pre_fw, post_fw, lambda m, g: record("pre_bw", m),
                                 lambda m, g: record("post_bw", m))
     # nn.Transformer's causal-mask check reads values: [Note: causal masks on fake tensors]
-    with fake_mode, transformer_masks_traceable(loaded.notes):
+    with fake_mode, transformer_masks_traceable(loaded.notes, watch=False) as masks, \
+            meter.watching(masks):  # [Note: one dispatch mode per pass]
         args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
         input_bytes = _bytes_of((args, kwargs))  # as the loop feeds them
         try:
             checker = DtypeChecker(running_modules(tracker))  # fake kernels accept mixed dtypes
-            with tracker, meter, checker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with tracker, meter.measuring(checker), torch.autograd.graph.saved_tensors_hooks(
+                    pack, lambda t: t):
                 meter.where = lambda: stack[-1] if stack else ""
                 # FSDP's root casts floating inputs to param_dtype (cast_forward_inputs): the
                 # copies are the step's, kept only where backward saves them

@@ -59,6 +59,12 @@ class DtypeChecker(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(t == DTensor for t in types):
             return NotImplemented  # check the local ops DTensor desugars into
+        self.check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def check(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Record a mismatch of ``func``'s operands (the mode's own dispatch, or a pass's one
+        mode that runs the check: facts/analysis.py [Note: one dispatch mode per pass])."""
         if func in SAME_DTYPE_OPS and len(self.mismatches) < self.limit:
             flat, _ = tree_flatten((args, kwargs))
             # Integer operands count too: int64 token ids fed to nn.Linear pass on fake tensors
@@ -76,7 +82,6 @@ class DtypeChecker(TorchDispatchMode):
                     f"{func.name()} got {' and '.join(dtypes)}{place} (batch norm weights must "
                     "match their float32 running statistics: re-plan, so that each batch norm is "
                     "a float32 unit of its own)")
-        return func(*args, **kwargs)
 
     def raise_if_mismatched(self) -> None:
         """``BadInput`` naming the ops, modules and dtypes when any mismatch was recorded."""

@@ -328,7 +328,7 @@ class _Aranges:
         outer = self
 
         class Mode(TorchDispatchMode):
-            # as transformer_masks._MaskOrigins: compiled blocks (verify --compile) run under
+            # as transformer_masks.MaskOrigins: compiled blocks (verify --compile) run under
             # it, their higher-order ops passing through unchanged
             supports_higher_order_operators = True
 

@@ -51,7 +51,7 @@ _VALUE_PRESERVING = {aten._to_copy.default, aten.clone.default, aten.detach.defa
                      aten.lift_fresh_copy.default}
 
 
-class _MaskOrigins(TorchDispatchMode):
+class MaskOrigins(TorchDispatchMode):
     """Records which square tensors hold ``-inf`` everywhere (``full``) or above the diagonal
     and ``0`` elsewhere (``triu(diagonal=1)`` of such a tensor), as they are made."""
 
@@ -74,10 +74,16 @@ class _MaskOrigins(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.record(func, args, kwargs, out)
+        return out
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Note ``out`` when ``func`` made it a mask of -inf or a causal one (the mode's own
+        dispatch, or a caller's mode that watches for it: ``watch=False``)."""
         if not isinstance(out, torch.Tensor) or out.dim() != 2 or out.shape[0] != out.shape[1]:
-            return out
+            return
         if not out.is_floating_point():
-            return out
+            return
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if func is aten.full.default:
             fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
@@ -90,7 +96,6 @@ class _MaskOrigins(TorchDispatchMode):
         elif (func in _VALUE_PRESERVING and source is not None and source in self.causal
               and source.shape == out.shape):
             self.causal[out] = True
-        return out
 
 
 def _is_fake(value: Any) -> bool:
@@ -99,14 +104,18 @@ def _is_fake(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def transformer_masks_traceable(notes: list[str] | None = None) -> Iterator[None]:
+def transformer_masks_traceable(notes: list[str] | None = None, *, watch: bool = True
+                                ) -> Iterator[MaskOrigins]:
     """Within the block, ``nn.Transformer*`` decide a fake mask's causality from how it was
     made ([Note: causal masks on fake tensors]); ``notes`` gets ``UNKNOWN_MASK_NOTE`` once if a
     mask had to be taken as not causal. Enter it inside the ``FakeTensorMode`` before the
-    inputs are made, so masks made there are seen."""
+    inputs are made, so masks made there are seen. It gives the origins it reads:
+    ``watch=False`` does not enter them as a mode, and the caller's own mode then feeds
+    ``MaskOrigins.record`` every op from the inputs on (facts/analysis.py [Note: one
+    dispatch mode per pass])."""
     from torch.nn.modules import transformer
 
-    origins = _MaskOrigins()
+    origins = MaskOrigins()
     torch_check = transformer._detect_is_causal_mask
 
     def detect(mask: torch.Tensor | None, is_causal: bool | None = None,
@@ -125,7 +134,7 @@ def transformer_masks_traceable(notes: list[str] | None = None) -> Iterator[None
     transformer._detect_is_causal_mask = detect
     try:
         # transformers' own mask builder has a check of the same kind (hf.py)
-        with origins, hf_masks_as_trained():
-            yield
+        with origins if watch else contextlib.nullcontext(), hf_masks_as_trained():
+            yield origins
     finally:
         transformer._detect_is_causal_mask = torch_check
