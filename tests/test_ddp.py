@@ -323,3 +323,29 @@ def test_each_exposed_bucket_says_why():
                                    **common)
     assert exposed == pytest.approx(1e-4) and "ready only as backward ended" in why
     assert "too small to reach bandwidth (1 GB/s" in why and "waited" not in why
+
+
+@pytest.mark.parametrize("hook,overlap", [(None, False), ("fp16_compress", False),
+                                          ("powersgd", False), (None, True)])
+def test_configurations_sharing_buckets_share_one_simulated_step(facts, hook, overlap):
+    """``evaluate_ddp``'s ``step_times``: every configuration of the search's grid gets the
+    step it gets simulated on its own, with spans and ready times of its own; caps that cut
+    the same buckets simulate once."""
+    f = facts[(LLAMA, "tiny")]
+    common = {"hw": hardware_for("h100"), "world_size": 16, "gpus_per_node": 8,
+              "optimizer": "adamw", "precision": Precision.of("float32", "float32"),
+              "dtype": "float32", "optimizer_overlap": overlap}
+    memo: dict = {}
+    layouts = set()
+    for cap in (0.01, 0.02, 0.05, 0.25, 400):
+        for first in (cap, 0.01):
+            c = DDPConfig(bucket_cap_mb=cap, first_bucket_mb=first, comm_hook=hook,
+                          powersgd_rank=2 if hook == "powersgd" else 1)
+            alone = evaluate_ddp(f.graph, f.analysis, c, **common)
+            shared = evaluate_ddp(f.graph, f.analysis, c, step_times=memo, **common)
+            assert shared.time == alone.time and shared.ready_s == alone.ready_s
+            assert shared.memory == alone.memory and shared.buckets == alone.buckets
+            layouts.add(tuple(tuple(b.params) for b in alone.buckets))
+            shared.time.spans.clear()  # a candidate's own: the next one's are untouched
+            shared.ready_s.clear()
+    assert len(memo) == len(layouts) < 10  # some caps cut the same buckets

@@ -66,7 +66,7 @@ over the later micro-batches until the synchronised backward copies each into it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fsdp_plan.cost.comm_hooks import (
@@ -704,11 +704,19 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
                  dtype: str = "bfloat16", shared: DdpOrder | None = None,
                  times: list[float] | None = None, grad_accum_steps: int = 1,
                  gradient_sync: str = "every", optimizer_overlap: bool = False,
-                 issued: list[float] | None = None) -> DDPEvaluation:
+                 issued: list[float] | None = None,
+                 step_times: dict[tuple, tuple[StepTime, list[float]]] | None = None
+                 ) -> DDPEvaluation:
     """Buckets, memory, collectives and step time of one DDP configuration (``shared``: the
     analysis' ``ddp_order``, and ``times``: ``event_times``, computed once when several
     configurations are evaluated; ``issued``: ``host_issue_times`` likewise) over one
-    optimizer step of ``grad_accum_steps`` micro-batches ([Note: DDP and accumulation])."""
+    optimizer step of ``grad_accum_steps`` micro-batches ([Note: DDP and accumulation]).
+
+    ``step_times``: the simulated backward of the bucket layouts met before, kept by the
+    caller for configurations that share every other argument (one evaluator's). Caps
+    below a model's smallest large parameter all cut the same buckets (the 70B's 17
+    configurations cut 4 layouts), and a step's time depends on its buckets, not on the cap
+    that cut them: each layout is simulated once."""
     events = analysis.timeline.events
     shared = ddp_order(graph, events) if shared is None else shared
     buckets, params = build_buckets(graph, events, config, shared)
@@ -731,10 +739,19 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
         steps = [optimizer_time(hw, rates, optimizer, sum(by_index[j].numel for j in b.params),
                                 precision.orig_bytes) for b in buckets]
         common["optimizer_s"] = 0.0
-    time, ready = ddp_step_time(
-        buckets, events, hw, chains=chains, host_sync=kind is not None and kind.host_sync,
-        used_map_bytes=4 * len(params) if config.find_unused_parameters else 0,
-        steps_in_backward=steps, **common)
+    key = (tuple((tuple(b.params), b.nbytes, b.ready_event) for b in buckets),
+           config.comm_hook, config.powersgd_rank, config.find_unused_parameters,
+           optimizer_overlap)
+    simulated = step_times.get(key) if step_times is not None else None
+    if simulated is None:
+        simulated = ddp_step_time(
+            buckets, events, hw, chains=chains, host_sync=kind is not None and kind.host_sync,
+            used_map_bytes=4 * len(params) if config.find_unused_parameters else 0,
+            steps_in_backward=steps, **common)
+        if step_times is not None:
+            step_times[key] = simulated
+    time, ready = replace(simulated[0], spans=list(simulated[0].spans)), list(
+        simulated[1])  # each candidate's own, as when simulated for it
     if grad_accum_steps > 1:
         earlier = time
         if gradient_sync == "last":  # under no_sync: forward and backward, no all-reduce

@@ -106,6 +106,8 @@ class Evaluator:
         self._ddp_issued: list[float] | None = None
         """DDP's parameters in their ready order with the events' peaks, its event clock
         and the host's issue times: shared by every bucket configuration."""
+        self._ddp_step_times: dict[tuple, tuple] = {}
+        """DDP's simulated steps by bucket layout (``evaluate_ddp``'s ``step_times``)."""
         self._block_modes: dict[tuple[frozenset[int], frozenset[int]],
                                 tuple[list[BlockMode], dict[str, tuple[float, float]]]] = {}
         """Checkpointed blocks' modes and recompute seconds by mix (``_modes_of``)."""
@@ -377,7 +379,8 @@ class Evaluator:
                          times=self._ddp_times, issued=self._ddp_issued,
                          grad_accum_steps=s.grad_accum_steps,
                          gradient_sync=s.gradient_sync,
-                         optimizer_overlap=layout.optimizer_overlap)
+                         optimizer_overlap=layout.optimizer_overlap,
+                         step_times=self._ddp_step_times)
         return Candidate(
             name=name, layout=layout, units=build_units(self.graph, [[""]], [False], 1),
             memory=e.memory, deferred_time=Deferred.known(e.time),
