@@ -37,7 +37,7 @@ from fsdp_plan.common.autocast import autocast_context
 from fsdp_plan.common.errors import BadInput, Stop
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.compiled import analyze_compiled
-from fsdp_plan.facts.depth import expand_pass, reduced_copy
+from fsdp_plan.facts.depth import DepthCut, expand_pass, reduced_copy
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.facts.forked import ForkedPasses
 from fsdp_plan.facts.graph import keeps_full_precision
@@ -488,21 +488,26 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     checkpointed = with_checkpointing and bool(blocks)
     under_autocast = ddp_autocast and autocast_dtype is None and param_dtype is not None and (
         param_dtype.itemsize < 4)
-    Pass = tuple[Timeline, dict[str, ModuleCompute], int]
+    full = _PassSpec(compute, tuple(blocks))
 
-    def full_pass() -> Pass:
-        return _pass(loaded, compute, blocks, blocks, exact)
+    def selective_spec(stride: int) -> _PassSpec:
+        return _PassSpec(compute, tuple(blocks), tuple(DEFAULT_SELECTIVE_OPS), stride)
 
-    def selective_pass(stride: int) -> Callable[[], Pass]:
-        return lambda: _pass(loaded, compute, blocks, blocks, exact, DEFAULT_SELECTIVE_OPS, stride)
+    # how DDP computes: float32 parameters under autocast
+    under_ddp = _PassSpec(_Compute(None, param_dtype))
 
-    def autocast_pass() -> Pass:  # how DDP computes: float32 parameters under autocast
-        return _pass(loaded, _Compute(None, param_dtype), blocks, None, exact)
+    def traced(spec: _PassSpec) -> Callable[[], _Traced]:
+        return lambda: spec.trace(loaded, blocks, exact)
+
+    def result(name: str, spec: _PassSpec) -> Pass:
+        """Pass ``name`` as a child traced it (when one did) or traced here, at full depth
+        ([Note: a child traces, the planner expands])."""
+        return spec.finish(loaded, passes.result(name, traced(spec)))
 
     def selective_at(stride: int) -> tuple[Timeline | None, dict[str, float], str]:
         """The selective pass at ``stride`` (a child's, when started), after the plain one."""
-        return _selective_pass(loaded, blocks, modules, lambda: passes.result(
-            f"selective {stride}", selective_pass(stride)))
+        return _selective_pass(loaded, blocks, modules,
+                               lambda: result(f"selective {stride}", selective_spec(stride)))
 
     ckpt = None
     selective: tuple[Timeline | None, dict[str, float], str] = (None, {}, "")
@@ -515,18 +520,18 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
         other_strides = ([] if compile_blocks
                          else sorted(set(selective_strides) - {selective_mm_stride}))
         if checkpointed:
-            passes.start("full", full_pass)
+            passes.start("full", traced(full))
             for stride in [selective_mm_stride, *other_strides]:
-                passes.start(f"selective {stride}", selective_pass(stride))
+                passes.start(f"selective {stride}", traced(selective_spec(stride)))
         if under_autocast:
-            passes.start("autocast", autocast_pass)
+            passes.start("autocast", traced(under_ddp))
         passes.launch()  # the children run their share while the planner runs the plain pass
-        timeline, modules, input_bytes = _pass(loaded, compute, blocks, None, exact)
+        timeline, modules, input_bytes = _PassSpec(compute).run(loaded, blocks, exact)
         if checkpointed:
             if progress:
                 progress("analysing activation checkpointing")
             try:
-                ckpt, _, _ = passes.result("full", full_pass)
+                ckpt, _, _ = result("full", full)
             except BadInput:
                 ckpt = None  # checkpointing cannot be traced here: plan without it
             if ckpt is not None:
@@ -557,7 +562,7 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
             if progress:
                 progress("analysing the step under torch.autocast (how DDP computes)")
             try:
-                ddp = _plain_analysis(*passes.result("autocast", autocast_pass),
+                ddp = _plain_analysis(*result("autocast", under_ddp),
                                       dtype=param_dtype, autocast=True)
             except BadInput as e:  # e.g. a kernel that takes bfloat16 only, fed float32
                 cause = e.__cause__ if e.__cause__ is not None else e
@@ -613,23 +618,70 @@ def _selective_pass(loaded: LoadedModel, blocks: list[str], plain: dict[str, Mod
     return timeline, recompute, ""
 
 
-def _pass(loaded: LoadedModel, compute: _Compute, blocks: list[str],
-          checkpoint: list[str] | None, exact: bool, selective_ops: list[str] | None = None,
-          mm_stride: int = 1):
-    options = {"param_dtype": compute.param_dtype, "autocast_dtype": compute.autocast,
-               "selective_ops": selective_ops, "selective_mm_stride": mm_stride}
-    if not exact:
-        reduced = reduced_copy(loaded.model, blocks)
-        if reduced is not None:
-            model, cut = reduced
-            kept = [b for b in (checkpoint or []) if b in cut.kept_blocks]
-            try:
-                result = run_pass(loaded, checkpoint=kept, model=model, **options)
-            except BadInput:
-                result = None  # the forward may index blocks by count: analyse every block
-            if result is not None:
-                expanded = expand_pass(*result, cut)
-                if expanded is not None:
-                    expanded[0].checkpointed = list(checkpoint or [])
-                    return expanded
-    return run_pass(loaded, checkpoint=checkpoint, **options)
+Pass = tuple[Timeline, dict[str, ModuleCompute], int]
+"""A pass at the model's full depth: its timeline, per-module figures and input bytes."""
+
+
+@dataclass(frozen=True)
+class _PassSpec:
+    """One pass: how it computes, which blocks it checkpoints and how (``selective_ops``
+    saved, every ``mm_stride``-th matmul), traced (``trace``) then brought to the model's
+    full depth (``finish``).
+
+    [Note: a child traces, the planner expands]
+    A deep model's pass runs on a copy cut to three blocks per stack (depth.py), and
+    expanding its result to every block makes thousands of events (6,097 for the 70B shape
+    checkpointed): 16 ms, and 16 ms more to pickle them, in a child whose two passes end
+    about 0.1 s after the planner's own. So a child sends back the cut pass as traced (a
+    sixteenth of the bytes) and the planner expands it while the child runs its next."""
+
+    compute: _Compute
+    checkpoint: tuple[str, ...] = ()
+    selective_ops: tuple[str, ...] | None = None
+    mm_stride: int = 1
+
+    def _options(self) -> dict[str, Any]:
+        return {"param_dtype": self.compute.param_dtype,
+                "autocast_dtype": self.compute.autocast,
+                "selective_ops": list(self.selective_ops) if self.selective_ops else None,
+                "selective_mm_stride": self.mm_stride}
+
+    def trace(self, loaded: LoadedModel, blocks: list[str], exact: bool) -> _Traced:
+        """The pass on the depth-cut copy when there is one and it traces, else on the
+        whole model."""
+        checkpoint = list(self.checkpoint) or None
+        if not exact:
+            reduced = reduced_copy(loaded.model, blocks)
+            if reduced is not None:
+                model, cut = reduced
+                kept = [b for b in self.checkpoint if b in cut.kept_blocks]
+                try:
+                    return _Traced(run_pass(loaded, checkpoint=kept, model=model,
+                                            **self._options()), cut)
+                except BadInput:
+                    pass  # the forward may index blocks by count: analyse every block
+        return _Traced(run_pass(loaded, checkpoint=checkpoint, **self._options()), None)
+
+    def finish(self, loaded: LoadedModel, traced: _Traced) -> Pass:
+        """``traced`` at full depth: expanded from the cut copy, or, where the cut's blocks
+        differ, the pass run again on the whole model."""
+        if traced.cut is None:
+            return traced.result
+        expanded = expand_pass(*traced.result, traced.cut)
+        if expanded is not None:
+            expanded[0].checkpointed = list(self.checkpoint)
+            return expanded
+        return run_pass(loaded, checkpoint=list(self.checkpoint) or None, **self._options())
+
+    def run(self, loaded: LoadedModel, blocks: list[str], exact: bool) -> Pass:
+        """Traced and finished here."""
+        return self.finish(loaded, self.trace(loaded, blocks, exact))
+
+
+@dataclass(frozen=True)
+class _Traced:
+    """A pass as traced ([Note: a child traces, the planner expands]): on the depth-cut copy
+    (``cut``), or on the whole model (``cut`` None)."""
+
+    result: Pass
+    cut: DepthCut | None
