@@ -80,7 +80,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in ``value`` in ``tree_flatten``'s order. An op's arguments and outputs
     are tensors, plain tuples, lists and dicts of them, or scalars, walked here without pytree
     (which cost a tenth of each pass: it builds a spec and a wrapper per call); anything
-    else (dicts, named tuples, ``torch.return_types``) goes through ``tree_flatten``."""
+    else (named tuples, ``torch.return_types``, other containers) goes through
+    ``tree_flatten``."""
     if isinstance(value, torch.Tensor):
         return [value]
     found: list[torch.Tensor] = []
@@ -125,7 +126,8 @@ class _ActivationMeter(TorchDispatchMode):
     now, each op seen once: the check before the op runs, the origins and the meter after.
     The mask origins are fed from the inputs on, the rest only while ``measuring``, as each
     mode once was entered. DtypeChecker and the origins stay modes of their own where
-    ``measure/memory.py`` uses them."""
+    ``measure/memory.py`` uses them. With the tensor walk (``_tensors``), one pass of the
+    depth-cut 70B shape went from 0.33 s to 0.235 s (issue 29, stop 47)."""
 
     def __init__(self, excluded: set[int]) -> None:
         super().__init__()
