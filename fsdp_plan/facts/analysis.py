@@ -498,13 +498,12 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     # how DDP computes: float32 parameters under autocast
     under_ddp = _PassSpec(_Compute(None, param_dtype))
 
-    def traced(spec: _PassSpec) -> Callable[[], _Traced]:
-        return lambda: spec.trace(loaded, blocks, exact)
+    def run(spec: _PassSpec) -> Callable[[], Pass]:
+        return lambda: spec.run(loaded, blocks, exact)
 
     def result(name: str, spec: _PassSpec) -> Pass:
-        """Pass ``name`` as a child traced it (when one did) or traced here, at full depth
-        ([Note: a child traces, the planner expands])."""
-        return spec.finish(loaded, passes.result(name, traced(spec)))
+        """Pass ``name``: a child's, when one ran it, else run here."""
+        return passes.result(name, run(spec))
 
     def selective_at(stride: int) -> tuple[Timeline | None, dict[str, float], str]:
         """The selective pass at ``stride`` (a child's, when started), after the plain one."""
@@ -522,11 +521,11 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
         other_strides = ([] if compile_blocks
                          else sorted(set(selective_strides) - {selective_mm_stride}))
         if checkpointed:
-            passes.start("full", traced(full))
+            passes.start("full", run(full))
             for stride in [selective_mm_stride, *other_strides]:
-                passes.start(f"selective {stride}", traced(selective_spec(stride)))
+                passes.start(f"selective {stride}", run(selective_spec(stride)))
         if under_autocast:
-            passes.start("autocast", traced(under_ddp))
+            passes.start("autocast", run(under_ddp))
         passes.launch()  # the children run their share while the planner runs the plain pass
         timeline, modules, input_bytes = _PassSpec(compute).run(loaded, blocks, exact)
         if checkpointed:
@@ -630,12 +629,14 @@ class _PassSpec:
     saved, every ``mm_stride``-th matmul), traced (``trace``) then brought to the model's
     full depth (``finish``).
 
-    [Note: a child traces, the planner expands]
+    [Note: who expands a forked pass]
     A deep model's pass runs on a copy cut to three blocks per stack (depth.py), and
-    expanding its result to every block makes thousands of events (6,097 for the 70B shape
-    checkpointed): 16 ms, and 16 ms more to pickle them, in a child whose two passes end
-    about 0.1 s after the planner's own. So a child sends back the cut pass as traced (a
-    sixteenth of the bytes) and the planner expands it while the child runs its next."""
+    expanding its result to every block is work of its own: 16 ms for the checkpointed 70B
+    shape (6,097 events), 0.19 s for the 10,006-module model (40,000). A child once sent
+    the pass as traced for the planner to expand: the 70B's analysis ended 20 ms sooner
+    (its child is the slower process), the 10,006-module model's 0.13 s later (the planner
+    expanded three passes one after another while the child stood idle). So the process
+    that traces a pass expands it, in parallel (stop 47)."""
 
     compute: _Compute
     checkpoint: tuple[str, ...] = ()
@@ -682,8 +683,8 @@ class _PassSpec:
 
 @dataclass(frozen=True)
 class _Traced:
-    """A pass as traced ([Note: a child traces, the planner expands]): on the depth-cut copy
-    (``cut``), or on the whole model (``cut`` None)."""
+    """A pass as traced: on the depth-cut copy (``cut``), or on the whole model (``cut``
+    None)."""
 
     result: Pass
     cut: DepthCut | None

@@ -10,9 +10,8 @@ selective pass adds is worked out from the plain pass after both ran, and it is 
 the checkpointed pass succeeded. So the passes after the plain one are shared out with forked
 children (copies of the process with the model loaded; one per spare CPU, [Note: a child per
 spare CPU]) that run while the planner runs the plain pass, and each child sends each pass's
-result back, pickled, as soon as it is done (a deep model's pass as traced on its depth-cut
-copy, which the planner expands: [Note: a child traces, the planner expands] in
-analysis.py) (issue 29; the figures are in
+result back, pickled, as soon as it is done (at the model's full depth: [Note: who expands
+a forked pass] in analysis.py) (issue 29; the figures are in
 benchmarks/results/planning_speed_stop40.txt and _stop41.txt; [Note: results beside the
 pipe]). ``--compile``'s selective trace
 of each block class is forked too, once the plain trace has warmed Dynamo up (compiled.py
