@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -160,3 +161,16 @@ def test_checkpointed_compiled_blocks_peak_matches_the_compiled_step(mode, name)
     print(f"{name} {mode}: predicted {predicted:,} measured {measured.peak_bytes:,} "
           f"({predicted / measured.peak_bytes - 1:+.2%})")
     assert abs(predicted - measured.peak_bytes) <= 0.05 * measured.peak_bytes
+
+
+def test_a_model_the_eager_pass_refuses_is_refused_for_that_with_compile():
+    """With ``--compile`` the compiled traces run first, beside the eager passes ([Note: eager
+    passes beside the compiled traces]); a model that reads a tensor's value still gets the
+    plain pass's refusal, not the fake tensor's exception from capturing the blocks' inputs."""
+    from fsdp_plan.common.errors import BadInput
+    from fsdp_plan.facts.analyze import analyze_model
+
+    cases = os.path.join(os.path.dirname(__file__), "fixtures", "torch_transformer_cases.py")
+    with pytest.raises(BadInput, match="reads a tensor's value"):
+        analyze_model(ModelSource(source=cases, args={"case": "item"}, batch_size=2,
+                                  seq_len=16), compile_blocks=True)

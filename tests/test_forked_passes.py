@@ -107,6 +107,18 @@ def test_passes_are_shared_with_a_child_per_spare_cpu(passes, spare, expected):
     assert own + sum(children) == passes
 
 
+@pytest.mark.parametrize(("passes", "spare", "expected"), [
+    (3, 1, (0, [3])),              # --compile's 70B: plain, full and selective in one child
+    (4, 2, (0, [2, 2])),
+    (2, 8, (0, [1, 1])),
+    (3, 0, (3, [])),               # no spare CPU: every pass here, after the planner's work
+])
+def test_a_busy_planner_leaves_every_pass_to_the_children(passes, spare, expected):
+    """While the planner traces the compiled blocks ([Note: eager passes beside the compiled
+    traces] in facts/analysis.py) the children take the eager plain pass too."""
+    assert forked.shares(passes, spare, planner_busy=True) == expected
+
+
 @needs_fork
 def test_a_child_sends_each_result_when_done_and_what_it_did_not_send_runs_here(monkeypatch):
     """One child with the last three of five passes: its first result comes back while it

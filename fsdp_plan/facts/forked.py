@@ -78,10 +78,13 @@ def spare_cpus() -> int:
     return len(os.sched_getaffinity(0)) - 1
 
 
-def shares(passes: int, spare: int) -> tuple[int, list[int]]:
+def shares(passes: int, spare: int, *, planner_busy: bool = False) -> tuple[int, list[int]]:
     """How ``passes`` passes (in the order the planner asks for them) are shared out with
     ``spare`` CPUs beside the planner's: how many of the first ones the planner runs itself
     after its own (the plain pass), and how many of the rest each child runs, in turn.
+    ``planner_busy``: the planner has work of its own meanwhile and no pass of its own
+    (``--compile``'s block traces: [Note: eager passes beside the compiled traces] in
+    analysis.py), so the children take every pass.
 
     [Note: a child per spare CPU]
     A child's pass costs about 1.5 times its CPU in process (copy-on-write faults as Python
@@ -95,7 +98,8 @@ def shares(passes: int, spare: int) -> tuple[int, list[int]]:
     children = max(0, min(spare, passes))
     if children == 0:
         return passes, []
-    own = -(-(passes + 1) // (children + 1)) - 1  # ceil((passes + 1) / processes) - plain
+    own = 0 if planner_busy else -(-(passes + 1) // (children + 1)) - 1
+    # ceil((passes + 1) / processes) - plain, when the planner runs the plain pass
     each, extra = divmod(passes - own, children)
     return own, [each + (i < extra) for i in range(children)]
 
@@ -142,13 +146,14 @@ class ForkedPasses:
         if self._enabled and all(name != queued for queued, _ in self._queued):
             self._queued.append((name, run))
 
-    def launch(self) -> None:
+    def launch(self, *, planner_busy: bool = False) -> None:
         """Fork the children for the queued passes: the planner keeps the first ones, which
-        ``result`` runs here ([Note: a child per spare CPU])."""
+        ``result`` runs here ([Note: a child per spare CPU]); ``planner_busy``: the children
+        take them all (``shares``)."""
         queued, self._queued = self._queued, []
         if not queued:
             return
-        own, runs = shares(len(queued), spare_cpus())
+        own, runs = shares(len(queued), spare_cpus(), planner_busy=planner_busy)
         for stream in (sys.stdout, sys.stderr):  # the children must not write them again
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 stream.flush()
