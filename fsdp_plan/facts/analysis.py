@@ -37,7 +37,7 @@ from fsdp_plan.common.autocast import autocast_context
 from fsdp_plan.common.errors import BadInput, Stop
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.compiled import analyze_compiled
-from fsdp_plan.facts.depth import DepthCut, expand_pass, reduced_copy
+from fsdp_plan.facts.depth import expand_pass, reduced_copy
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.facts.forked import ForkedPasses
 from fsdp_plan.facts.graph import keeps_full_precision
@@ -134,8 +134,7 @@ class _ActivationMeter(TorchDispatchMode):
         self.excluded = excluded
         self.masks: MaskOrigins | None = None
         self.checker: DtypeChecker | None = None
-        self.on = False
-        """Whether ops are measured and checked (``measuring``)."""
+        """Set while ops are measured and checked (``measuring``)."""
         self.live: dict[int, tuple[weakref.ref, int]] = {}
         self.current = 0
         self.peak_since_mark = 0
@@ -198,20 +197,21 @@ class _ActivationMeter(TorchDispatchMode):
     def measuring(self, checker: DtypeChecker) -> Iterator[None]:
         """Ops measured and checked by ``checker`` within the block (the mode already
         entered: ``watching``)."""
-        self.on, self.checker = True, checker
+        self.checker = checker
         try:
             yield
         finally:
-            self.on, self.checker = False, None
+            self.checker = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.checker is not None:
-            self.checker.check(func, args, kwargs)
+        checker = self.checker
+        if checker is not None:
+            checker.check(func, args, kwargs)
         out = func(*args, **kwargs)
         if self.masks is not None:
             self.masks.record(func, args, kwargs, out)
-        if self.on:
+        if checker is not None:
             self._measure(func, args, kwargs, out)
         return out
 
@@ -528,7 +528,8 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     compile_error: Exception | None = None
     ddp, ddp_unavailable = None, ""
     plain = _PassSpec(compute)
-    compiling = compile_blocks and _compile_refusal(blocks, autocast_dtype) is None
+    refusal = _compile_refusal(blocks, autocast_dtype) if compile_blocks else None
+    compiling = compile_blocks and refusal is None
     # the passes after the plain one run beside it: [Note: passes in forked children]
     with ForkedPasses(loaded.notes) as passes:
         # compiled blocks are partitioned for the plan's own selective policy only
@@ -571,12 +572,10 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
                 if other[0] is not None:
                     variants.append(SelectivePass(mm_stride=stride, timeline=other[0],
                                                   recompute_flops=other[1]))
-        if compile_blocks:
-            refusal = _compile_refusal(blocks, autocast_dtype)
-            if refusal is not None:
-                raise BadInput(refusal)
-            if compile_error is not None:
-                raise compile_error
+        if refusal is not None:
+            raise BadInput(refusal)
+        if compile_error is not None:
+            raise compile_error
         if under_autocast:
             if progress:
                 progress("analysing the step under torch.autocast (how DDP computes)")
@@ -656,8 +655,7 @@ Pass = tuple[Timeline, dict[str, ModuleCompute], int]
 @dataclass(frozen=True)
 class _PassSpec:
     """One pass: how it computes, which blocks it checkpoints and how (``selective_ops``
-    saved, every ``mm_stride``-th matmul), traced (``trace``) then brought to the model's
-    full depth (``finish``).
+    saved, every ``mm_stride``-th matmul), run by the process that traces it (``run``).
 
     [Note: who expands a forked pass]
     A deep model's pass runs on a copy cut to three blocks per stack (depth.py), and
@@ -679,42 +677,21 @@ class _PassSpec:
                 "selective_ops": list(self.selective_ops) if self.selective_ops else None,
                 "selective_mm_stride": self.mm_stride}
 
-    def trace(self, loaded: LoadedModel, blocks: list[str], exact: bool) -> _Traced:
-        """The pass on the depth-cut copy when there is one and it traces, else on the
-        whole model."""
-        checkpoint = list(self.checkpoint) or None
+    def run(self, loaded: LoadedModel, blocks: list[str], exact: bool) -> Pass:
+        """The pass on the depth-cut copy, expanded to full depth, when there is one and it
+        traces and expands; else on the whole model."""
+        options = self._options()
         if not exact:
             reduced = reduced_copy(loaded.model, blocks)
             if reduced is not None:
                 model, cut = reduced
                 kept = [b for b in self.checkpoint if b in cut.kept_blocks]
                 try:
-                    return _Traced(run_pass(loaded, checkpoint=kept, model=model,
-                                            **self._options()), cut)
+                    traced = run_pass(loaded, checkpoint=kept, model=model, **options)
                 except BadInput:
-                    pass  # the forward may index blocks by count: analyse every block
-        return _Traced(run_pass(loaded, checkpoint=checkpoint, **self._options()), None)
-
-    def finish(self, loaded: LoadedModel, traced: _Traced) -> Pass:
-        """``traced`` at full depth: expanded from the cut copy, or, where the cut's blocks
-        differ, the pass run again on the whole model."""
-        if traced.cut is None:
-            return traced.result
-        expanded = expand_pass(*traced.result, traced.cut)
-        if expanded is not None:
-            expanded[0].checkpointed = list(self.checkpoint)
-            return expanded
-        return run_pass(loaded, checkpoint=list(self.checkpoint) or None, **self._options())
-
-    def run(self, loaded: LoadedModel, blocks: list[str], exact: bool) -> Pass:
-        """Traced and finished here."""
-        return self.finish(loaded, self.trace(loaded, blocks, exact))
-
-
-@dataclass(frozen=True)
-class _Traced:
-    """A pass as traced: on the depth-cut copy (``cut``), or on the whole model (``cut``
-    None)."""
-
-    result: Pass
-    cut: DepthCut | None
+                    traced = None  # the forward may index blocks by count: analyse every block
+                expanded = expand_pass(*traced, cut) if traced is not None else None
+                if expanded is not None:
+                    expanded[0].checkpointed = list(self.checkpoint)
+                    return expanded
+        return run_pass(loaded, checkpoint=list(self.checkpoint) or None, **options)
