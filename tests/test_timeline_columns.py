@@ -14,6 +14,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fsdp_plan.cost.memory import (
@@ -277,6 +278,17 @@ def test_profile_from_columns_reads_as_the_per_event_profile():
             assert profile.events == events
             assert [profile.max_peak(i, j) for i, j in ((0, len(events) - 1), (3, 40))] == \
                 [max(e.peak for e in events), max(e.peak for e in events[3:41])]
+            # the sweep's gaps: ascending, disjoint, non-empty ranges ending anywhere, the
+            # last event included
+            for _ in range(20):
+                cuts = sorted(rng.sample(range(1, len(events)), rng.randint(1, 30)))
+                ends = np.array([c - 1 for c in cuts] + [len(events) - 1], dtype=np.int64)
+                starts = np.array([0, *cuts], dtype=np.int64)
+                keep = np.array([rng.random() < 0.6 for _ in ends])
+                keep[-1] = True
+                assert profile._gap_maxima(starts[keep], ends[keep]).tolist() == [
+                    max(e.peak for e in events[lo:hi + 1])
+                    for lo, hi in zip(starts[keep].tolist(), ends[keep].tolist())]
             for _ in range(100):
                 group = tuple(rng.sample(modules, rng.randint(1, 3)))
                 lo = rng.randrange(len(events))

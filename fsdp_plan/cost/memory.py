@@ -130,9 +130,10 @@ class ActivationProfile:
         self.modules = columns.modules
         self.num_events = n = len(columns)
         self._levels = columns.levels
-        # a sparse table of event peaks (row j: the max over 2**j events from each index),
-        # as int64 arrays: the sweep reads all its range maxima at once (``_range_max``)
-        self._table = _sparse_table(columns.peaks)
+        self._peaks = columns.peaks
+        self._table: np.ndarray | None = None
+        """A sparse table of the event peaks (``_sparse_table``) for ``max_peak``, made on
+        first use: the search's sweeps read their range maxima with ``_gap_maxima``."""
         self.backward_start = _index_of(self.kinds, "pre_bw", n - 1)
         self.forward_end = max(0, self.backward_start - 1)
         self.loss_span = _loss_span(self.kinds, self.modules, self.backward_start)
@@ -167,17 +168,23 @@ class ActivationProfile:
         """Highest event peak over indices ``lo..hi`` inclusive (0 for an empty range)."""
         if lo > hi:
             return 0
+        if self._table is None:
+            self._table = _sparse_table(self._peaks)
         level = (hi - lo + 1).bit_length() - 1
         row = self._table[level]
         return int(max(row[lo], row[hi - (1 << level) + 1]))
 
-    def _range_max(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """``max_peak(lo[i], hi[i])`` for every ``i`` at once (each range non-empty)."""
+    def _gap_maxima(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``max_peak(lo[i], hi[i])`` for every ``i`` at once, where the ranges are non-empty,
+        ascending and disjoint (the gaps of a sweep, ``_sweep_of``): one ``reduceat`` over
+        the peaks, which reads each event once (the sparse table's gathers took three times
+        as long, and building the table per profile as long again)."""
         import numpy as np  # see [Note: numpy on first use]
 
-        level = np.frexp((hi - lo + 1).astype(np.float64))[1] - 1  # exact floor(log2)
-        table = self._table
-        return np.maximum(table[level, lo], table[level, hi - np.left_shift(1, level) + 1])
+        bounds = np.empty(2 * len(lo), dtype=np.int64)
+        bounds[0::2] = lo
+        bounds[1::2] = hi + 1  # at most the number of events: one more peak is appended
+        return np.maximum.reduceat(np.append(self._peaks, 0), bounds)[0::2]
 
     def first_event(self, kind: str, module: str, default: int) -> int:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
@@ -615,12 +622,22 @@ class _Skeleton:
 
     live: _Placed
     instants: _Placed
-    grads_at: list[tuple[int, int]]
-    """(event, unit): the unit's sharded gradient appears after its reduce-scatter."""
-    reduced_at: list[tuple[int, int]] = field(default_factory=list)
-    """(event, unit): the unit's post-backward, where its reduce-scatter runs (in backward
-    order), whether or not its sharded gradient stays."""
+    reduced: np.ndarray
+    """Rows (event, unit), a column per unit in backward order: the unit's post-backward,
+    where its reduce-scatter runs, whether or not its sharded gradient stays."""
+    grads_appear: bool
+    """Whether each unit's sharded gradient appears after its reduce-scatter."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def reduced_at(self) -> list[tuple[int, int]]:
+        """(event, unit) of each reduce-scatter (``reduced``)."""
+        return list(zip(*self.reduced.tolist()))
+
+    @property
+    def grads_at(self) -> list[tuple[int, int]]:
+        """(event, unit): the unit's sharded gradient appears after its reduce-scatter."""
+        return self.reduced_at if self.grads_appear else []
 
 
 def _unit_rates(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
@@ -785,15 +802,14 @@ def _place_buffers(layout: _Layout, units: list[UnitSpec], *, offload: bool,
     # offload the reduced shard is copied to the host and freed on the device.
     bw_order = layout.bw_order
     filled = _Placed.of(layout.reduce_input.start, None, _CAT_GRADS, bw_order, _ALL_GRADS)
-    reduced_at = list(zip(layout.bw_end[bw_order].tolist(), bw_order.tolist()))
     # Sharded gradients appear after each reduce-scatter (held from the start when
     # accumulating; on the host with offload).
-    grads_at = list(reduced_at) if sharded_grads and not offload else []
     return _Skeleton(
         live=_Placed.join([fw_live, bw_live, layout.reduce_input]),
         instants=_Placed.join([fw_instants, bw_instants,
                                _with_offload(filled, offload, _SHARD_ORIG)]),
-        grads_at=grads_at, reduced_at=reduced_at)
+        reduced=np.stack((layout.bw_end[bw_order], bw_order)),
+        grads_appear=sharded_grads and not offload)
 
 
 def _with_offload(instants: _Placed, offload: bool, kind: int) -> _Placed:
@@ -874,8 +890,9 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     # (buffers, 5) and (instants, 4) arrays: columns of ``_Placed`` side by side
     live = np.stack([placed.start, placed.end, placed.unit, placed.kind, placed.mult], axis=1)
     inst = np.stack([extra.start, extra.unit, extra.kind, extra.mult], axis=1)
-    grads = np.array([(4 * at + 2, u) for at, u in skeleton.grads_at],
-                     dtype=np.int64).reshape(-1, 2)
+    reduced = skeleton.reduced
+    grads = (np.stack((4 * reduced[0] + 2, reduced[1]), axis=1) if skeleton.grads_appear
+             else np.zeros((0, 2), dtype=np.int64))
     starts, ends = live[:, 0], live[:, 1]
     keys = np.concatenate((starts, ends, grads[:, 0]))
     order = np.argsort(keys, kind="stable")
@@ -893,7 +910,7 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     activations = profile._levels[event]
     if gap.any():
         previous = np.concatenate(([-1], event[:-1]))
-        activations[gap] = profile._range_max(previous[gap] + 1, event[gap])
+        activations[gap] = profile._gap_maxima(previous[gap] + 1, event[gap])
     a.update(live=live, inst=inst, grads=grads, order=order, extra_order=extra_order,
              points=points, gap=gap, activations=activations,
              running_at=np.searchsorted(keys[order], points, side="right"),
