@@ -119,3 +119,51 @@ def test_unit_rates_are_kept_by_everything_they_read(facts):
         rates = _rates_of(units, p, shard)
         assert np.array_equal(rates, _unit_rates(units, p, shard))
         assert not rates.flags.writeable
+
+
+def _reference_units(graph, groups: list[list[str]], shard_size: int) -> list[tuple]:
+    """``build_units`` as one walk over every module per layout and shard size (as it read
+    before the unit tables were split into ownership and shards, cost/units.py)."""
+    import math
+
+    from fsdp_plan.cost.units import owner_unit
+
+    groups = [list(g) for g in groups] + [[""]]
+    units = [dict(modules=g, numel=0, shard=0, params=0, owned=[], param_modules=[],
+                  full=all(graph.modules[m].keeps_full_precision for m in g), largest=0)
+             for g in groups]
+    unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
+    for fqn, info in graph.modules.items():
+        unit = units[owner_unit(fqn, unit_of_module)]
+        unit["owned"].append(fqn)
+        if info.direct_numel:
+            unit["param_modules"].append((fqn, info.direct_numel))
+        for shape in info.param_shapes:
+            numel = math.prod(shape) if shape else 1
+            dim0 = shape[0] if shape else 1
+            shard = math.ceil(dim0 / shard_size) * (numel // max(dim0, 1))
+            unit["numel"] += numel
+            unit["shard"] += shard
+            unit["largest"] = max(unit["largest"], shard)
+            unit["params"] += 1
+    return [(u["modules"], u["numel"], u["shard"], u["params"], u["owned"], u["param_modules"],
+             u["full"], u["largest"]) for u in units]
+
+
+def test_unit_tables_are_the_walk_over_every_module():
+    """A layout's units at every shard size, kept as what the layout owns plus each shard
+    size's padded shards, are what a walk over every parameter gives, odd dims and scalar
+    parameters included."""
+    with open(FIXTURE) as f:
+        graph = ModelFacts.from_dict(json.load(f)).graph  # its own: its shapes change below
+    blocks = graph.blocks
+    odd = next(m for m, info in graph.modules.items() if info.param_shapes)
+    graph.modules[odd].param_shapes = [*graph.modules[odd].param_shapes, [], [7, 3], [5]]
+    layouts = [[[b] for b in blocks], [blocks[:2], blocks[2:]],
+               [["tok_embeddings"], *[[b] for b in blocks], ["output"]], []]
+    for shard_size in (1, 3, 8, 64, 1000):
+        for groups in layouts:
+            units = build_units(graph, groups, [True] * len(groups), shard_size)
+            assert [(u.modules, u.numel, u.shard_numel, u.num_params, u.owned_modules,
+                     u.param_modules, u.full_precision, u.largest_shard_numel)
+                    for u in units] == _reference_units(graph, groups, shard_size)

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from fsdp_plan.facts.types import ModuleGraph
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(kw_only=True)
@@ -67,8 +70,8 @@ def owner_unit(fqn: str, unit_of_module: dict[str, int]) -> int:
 
 
 _UNIT_CACHE: dict[tuple | int, object] = {}
-"""Layouts of the last graph asked about and its modules' sizes by shard size
-(``_UNIT_CACHE[0]`` is that graph)."""
+"""Layouts of the last graph asked about, what their units own and the modules' sizes by
+shard size (``_UNIT_CACHE[0]`` is that graph)."""
 
 
 def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool],
@@ -86,78 +89,112 @@ def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool]
     if _UNIT_CACHE.get(0) is not graph:
         _UNIT_CACHE.clear()
         _UNIT_CACHE[0] = graph
-    key = (tuple(tuple(g) for g in groups), (shard_size,))
-    if key not in _UNIT_CACHE:
-        _UNIT_CACHE[key] = _build_units(graph, groups, shard_size)
-    built: list[UnitSpec] = _UNIT_CACHE[key]  # type: ignore[assignment]
+    layout = tuple(tuple(g) for g in groups)
+    key = (layout, (shard_size,))
+    built: list[UnitSpec] | None = _UNIT_CACHE.get(key)  # type: ignore[assignment]
+    if built is None:
+        built = _UNIT_CACHE[key] = _sized_units(graph, layout, shard_size)
     return [template.with_reshard(r) for template, r in zip(built, reshard)]
 
 
-def _build_units(graph: ModuleGraph, groups: list[list[str]], shard_size: int
-                 ) -> list[UnitSpec]:
-    reshard = [True] * len(groups)
-    units = [UnitSpec(modules=g, reshard_after_forward=r,
-                      full_precision=all(graph.modules[m].keeps_full_precision for m in g))
-             for g, r in zip(groups, reshard)]
-    unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
-    owner_of: dict[str, int] = {}
-    for row in _module_sizes(graph, shard_size):
-        # ``owner_unit``: the module's own unit, else its parent's (parents come first)
-        at = unit_of_module.get(row.fqn)
-        if at is None:
-            at = owner_of.get(row.parent)
-            if at is None:
-                at = owner_unit(row.fqn, unit_of_module)
-        owner_of[row.fqn] = at
-        unit = units[at]
-        unit.owned_modules.append(row.fqn)
-        if row.direct_numel:
-            unit.param_modules.append((row.fqn, row.direct_numel))
-        if row.num_params:
-            unit.numel += row.numel
-            unit.shard_numel += row.shard_numel
-            unit.largest_shard_numel = max(unit.largest_shard_numel, row.largest_shard_numel)
-            unit.num_params += row.num_params
-    return units
+class _Owned(NamedTuple):
+    """What a layout's units hold whatever the shard size (``_owned``)."""
+
+    units: list[UnitSpec]
+    """Their modules, owned modules, parameter modules, counts; no shard sizes."""
+    owners: list[int]
+    """The unit owning each module with parameters (``_Sizes``'s modules, in order)."""
 
 
-class _ModuleSizes(NamedTuple):  # a tuple: made for every module, some 1,000 per shard size
-    """What one module's own parameters add to the unit that owns it, at one shard size."""
-
-    fqn: str
-    parent: str | None
-    """The FQN its owner is looked up by when it is in no group (None for the root)."""
-    direct_numel: int
-    numel: int
-    shard_numel: int
-    """Its parameters' per-rank shards, each padded as FSDP2 pads dim 0 to the shard size."""
-    largest_shard_numel: int
-    num_params: int
-
-
-def _module_sizes(graph: ModuleGraph, shard_size: int) -> list[_ModuleSizes]:
-    """``_ModuleSizes`` of every module in ``named_modules()`` order, worked out once per graph
-    and shard size (in ``_UNIT_CACHE``): the search builds some 40 layouts per plan, and each
-    walked every parameter's shape again (a tenth of the 70B's search)."""
-    key = ("module sizes", shard_size)
+def _owned(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...]) -> _Owned:
+    """Which unit owns each module of ``graph`` under ``layout`` (``owner_unit``: its own
+    unit, else its parent's, as parents come first) and what that adds to the unit, worked
+    out once per layout (in ``_UNIT_CACHE``): only the shards depend on the shard size, and
+    the search asks for each layout at some six of them."""
+    key = ("owned", layout)
     found = _UNIT_CACHE.get(key)
     if found is not None:
         return found  # type: ignore[return-value]
-    rows = []
+    groups = [list(g) for g in layout]
+    units = [UnitSpec(modules=g, full_precision=all(graph.modules[m].keeps_full_precision
+                                                   for m in g))
+             for g in groups]
+    unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
+    owner_of: dict[str, int] = {}
+    owners: list[int] = []
     for fqn, info in graph.modules.items():
-        numel_sum = shard_sum = largest = 0
-        for shape in info.param_shapes:
-            numel = math.prod(shape) if shape else 1
-            dim0 = shape[0] if shape else 1
-            shard = math.ceil(dim0 / shard_size) * (numel // max(dim0, 1))
-            numel_sum += numel
-            shard_sum += shard
-            largest = max(largest, shard)
-        rows.append(_ModuleSizes(fqn, fqn.rpartition(".")[0] if fqn else None,
-                                 info.direct_numel, numel_sum, shard_sum, largest,
-                                 len(info.param_shapes)))
-    _UNIT_CACHE[key] = rows
-    return rows
+        at = unit_of_module.get(fqn)
+        if at is None:
+            at = owner_of.get(fqn.rpartition(".")[0]) if fqn else None
+            if at is None:
+                at = owner_unit(fqn, unit_of_module)
+        owner_of[fqn] = at
+        unit = units[at]
+        unit.owned_modules.append(fqn)
+        if info.direct_numel:
+            unit.param_modules.append((fqn, info.direct_numel))
+        if info.param_shapes:
+            unit.numel += sum(math.prod(shape) for shape in info.param_shapes)
+            unit.num_params += len(info.param_shapes)
+            owners.append(at)
+    found = _UNIT_CACHE[key] = _Owned(units, owners)
+    return found
+
+
+def _sized_units(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...], shard_size: int
+                 ) -> list[UnitSpec]:
+    """The units of ``layout`` (``_owned``) with their shards at ``shard_size``."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    owned = _owned(graph, layout)
+    shards, largest = _shard_sizes(graph, shard_size)
+    owners = np.array(owned.owners, dtype=np.int64)
+    sums = np.zeros(len(owned.units), dtype=np.int64)
+    np.add.at(sums, owners, shards)
+    tops = np.zeros(len(owned.units), dtype=np.int64)
+    np.maximum.at(tops, owners, largest)
+    return [UnitSpec(modules=u.modules, numel=u.numel, shard_numel=shard, num_params=u.num_params,
+                     owned_modules=u.owned_modules, param_modules=u.param_modules,
+                     full_precision=u.full_precision, largest_shard_numel=top)
+            for u, shard, top in zip(owned.units, sums.tolist(), tops.tolist())]
+
+
+def _shard_sizes(graph: ModuleGraph, shard_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per module with parameters (in ``named_modules()`` order): its parameters' per-rank
+    shards, each padded as FSDP2 pads dim 0 to the shard size, summed, and the largest one;
+    from the graph's parameter shapes (``_parameter_dims``), once per shard size."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    key = ("shards", shard_size)
+    found = _UNIT_CACHE.get(key)
+    if found is None:
+        dim0, rest, firsts = _parameter_dims(graph)
+        shards = -(-dim0 // shard_size) * rest
+        found = _UNIT_CACHE[key] = (
+            (np.add.reduceat(shards, firsts), np.maximum.reduceat(shards, firsts))
+            if len(firsts) else (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)))
+    return found  # type: ignore[return-value]
+
+
+def _parameter_dims(graph: ModuleGraph) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every parameter's dim 0 and its elements per dim-0 row (1 and 1 for a scalar), module
+    after module, and where each module with parameters starts among them."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    found = _UNIT_CACHE.get(("dims",))
+    if found is None:
+        dims, rests, firsts = [], [], []
+        for info in graph.modules.values():
+            if info.param_shapes:
+                firsts.append(len(dims))
+            for shape in info.param_shapes:
+                dim0 = shape[0] if shape else 1
+                dims.append(dim0)
+                rests.append(math.prod(shape) // max(dim0, 1))
+        found = _UNIT_CACHE[("dims",)] = (np.array(dims, dtype=np.int64),
+                                          np.array(rests, dtype=np.int64),
+                                          np.array(firsts, dtype=np.int64))
+    return found  # type: ignore[return-value]
 
 
 def check_tied(graph: ModuleGraph, groups: list[list[str]]) -> bool:
