@@ -28,7 +28,7 @@ from fsdp_plan.cost.memory import (
 )
 from fsdp_plan.cost.precision import Precision
 from fsdp_plan.cost.timeline import AUTOCAST_EXIT, EventColumns, TimelineComposer, find_segments
-from fsdp_plan.cost.units import build_units
+from fsdp_plan.cost.units import UnitSpec, build_units
 from fsdp_plan.facts.types import Event, ModelFacts, Timeline
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny_llama_facts.json"
@@ -121,6 +121,26 @@ def _reference_left(events: list[Event], modules: tuple[str, ...], start: int, s
                 and not around(events[i].module):
             return i
     return stop
+
+
+def _reference_windows(events: list[Event], modules: list[str]) -> tuple:
+    """A unit's windows, module by module (as ``_find_windows`` read before its lookups
+    were reduced per unit): (fw_start, fw_end, bw_start, bw_end, ran)."""
+    start, first, last, _ = _reference_indices(events)
+    end = len(events) - 1
+    if modules == [""]:
+        return 0, last.get(("post_fw", "", False), max(0, start - 1)), start, end, True
+    fw_starts = [first[k] for m in modules if (k := ("pre_fw", m, False)) in first]
+    if not fw_starts:
+        return 0, 0, end, end, False
+    fw_ends = [last[k] for m in modules if (k := ("post_fw", m, False)) in last]
+    bw_starts = [first[k] for m in modules if (k := ("pre_bw", m, True)) in first]
+    bw_ends = [last[k] for m in modules if (k := ("post_bw", m, True)) in last]
+    bw_start = min(bw_starts) if bw_starts else start
+    bw_end = max(bw_ends) if bw_ends and len(bw_ends) == len(bw_starts) else end
+    if bw_ends and len(bw_ends) == len(bw_starts):
+        bw_end = min(bw_end, _reference_left(events, tuple(modules), bw_start, bw_end))
+    return min(fw_starts), max(fw_ends or fw_starts), bw_start, max(bw_end, bw_start), True
 
 
 def _reference_buffers(profile, units, *, offload, sharded_grads, forward_prefetch,
@@ -295,6 +315,42 @@ def test_profile_from_columns_reads_as_the_per_event_profile():
                 hi = rng.randrange(lo, len(events))
                 assert profile._backward_left(group, lo, hi) == \
                     _reference_left(events, group, lo, hi)
+
+
+def test_windows_are_the_per_module_lookup():
+    """Each unit's windows, its modules' events looked up all at once and reduced per unit,
+    are the module-by-module rule's, for units of one module, several, modules that never
+    ran, a module that has no event of some kinds, and the root."""
+    facts = _with_passes(_facts(), autocast=False, int_flops=False)
+    c = TimelineComposer(facts.analysis, facts.graph.blocks)
+    modules = list(facts.graph.modules)
+    rng = random.Random(11)
+    groups = [[m] for m in modules] + [[""], ["not.a.module"], ["not.a.module", modules[1]]]
+    groups += [rng.sample(modules[1:], rng.randint(2, 6)) for _ in range(40)]
+    for which, selective in _mixes(len(facts.graph.blocks))[::4]:
+        events = list(c.events(which, selective - which))
+        profile = ActivationProfile(c.events(which, selective - which))
+        rng.shuffle(groups)
+        for at in range(0, len(groups), 17):  # looked up together, as a layout's units are
+            units = [UnitSpec(modules=g) for g in groups[at:at + 17]]
+            got = [(w.fw_start, w.fw_end, w.bw_start, w.bw_end, w.ran)
+                   for w in profile._find_windows(units)]
+            assert got == [_reference_windows(events, u.modules) for u in units]
+    # random timelines: forwards that never end, backwards without a post-backward (inputs
+    # that need no gradient), modules that run twice or only in backward
+    names = ["a", "a.x", "a.y", "b", "b.x", "c", "d"]
+    for _ in range(30):
+        kinds = [rng.choice(("pre_fw", "post_fw")) for _ in range(rng.randint(3, 25))]
+        kinds += ["pre_bw"] + [rng.choice(("pre_bw", "post_bw", "pre_fw", "post_fw"))
+                               for _ in range(rng.randint(0, 25))]
+        events = [Event(kind=k, module=rng.choice(["", *names]), level=0, peak=0, flops=0.0)
+                  for k in kinds]
+        profile = ActivationProfile(events)
+        units = [UnitSpec(modules=rng.sample(names, rng.randint(1, 3))) for _ in range(12)]
+        got = [(w.fw_start, w.fw_end, w.bw_start, w.bw_end, w.ran)
+               for w in profile._find_windows([*units, UnitSpec(modules=[""])])]
+        assert got == [_reference_windows(events, u.modules) for u in [*units,
+                                                                        UnitSpec(modules=[""])]]
 
 
 LAYOUTS = (

@@ -277,38 +277,50 @@ class ActivationProfile:
 
         end = self.num_events - 1
         modules = [m for u in units for m in u.modules]
+        sizes = np.array([len(u.modules) for u in units], dtype=np.int64)
+        firsts = np.cumsum(sizes) - sizes
+        big = np.iinfo(np.int64).max
 
-        def found(first_or_last: _CodeIndex, kind: str, in_backward: bool) -> list[int]:
+        def found(first_or_last: _CodeIndex, kind: str, in_backward: bool
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """Per unit, of its modules' ``kind`` events: the lowest index, the highest (-1
+            for none) and how many modules have one; a -1 closes the array so that a unit
+            without modules reads none."""
             keys = np.array(self._event_keys(kind, modules, in_backward), dtype=np.int64)
-            return first_or_last.get_many(keys, -1).tolist()
-        fw_first, fw_last = found(self._first, "pre_fw", False), found(self._last, "post_fw", False)
-        bw_first, bw_last = found(self._first, "pre_bw", True), found(self._last, "post_bw", True)
+            index = np.append(first_or_last.get_many(keys, -1), -1)
+            has = index >= 0
+            return (np.minimum.reduceat(np.where(has, index, big), firsts),
+                    np.maximum.reduceat(index, firsts),
+                    np.add.reduceat(has, firsts) * (sizes > 0))
+        fw_start, fw_start_max, fw_found = found(self._first, "pre_fw", False)
+        _, fw_last, fw_ended = found(self._last, "post_fw", False)
+        bw_start, _, bw_found = found(self._first, "pre_bw", True)
+        _, bw_last, bw_ended = found(self._last, "post_bw", True)
+        # the last post-forward, else (none found) the last pre-forward
+        fw_end = np.where(fw_ended > 0, fw_last, fw_start_max)
         out = []
-        at = 0
-        for unit in units:
-            lo, at = at, at + len(unit.modules)
+        for unit, ran, start, forward_end, bw_first, starts, bw_max, ends in zip(
+                units, (fw_found > 0).tolist(), fw_start.tolist(), fw_end.tolist(),
+                bw_start.tolist(), bw_found.tolist(), bw_last.tolist(), bw_ended.tolist()):
             if unit.modules == [""]:
-                fw_end = self._index(self._last, "post_fw", "", False, self.forward_end)
-                out.append(UnitWindows(fw_start=0, fw_end=fw_end, bw_start=self.backward_start,
-                                       bw_end=end))
+                root_end = self._index(self._last, "post_fw", "", False, self.forward_end)
+                out.append(UnitWindows(fw_start=0, fw_end=root_end,
+                                       bw_start=self.backward_start, bw_end=end))
                 continue
-            fw_starts = [i for i in fw_first[lo:at] if i >= 0]
-            if not fw_starts:
+            if not ran:
                 out.append(UnitWindows(fw_start=0, fw_end=0, bw_start=end, bw_end=end,
                                        ran=False))
                 continue
-            fw_ends = [i for i in fw_last[lo:at] if i >= 0]
-            bw_starts = [i for i in bw_first[lo:at] if i >= 0]
-            bw_ends = [i for i in bw_last[lo:at] if i >= 0]
-            fw_start, fw_end = min(fw_starts), max(fw_ends or fw_starts)
-            bw_start = min(bw_starts) if bw_starts else self.backward_start
+            backward_start = bw_first if starts else self.backward_start
             # A unit whose inputs need no gradient (an embedding) gets its post-backward from
             # FSDP's end-of-backward callback.
-            bw_end = max(bw_ends) if bw_ends and len(bw_ends) == len(bw_starts) else end
-            if bw_ends and len(bw_ends) == len(bw_starts):
-                bw_end = min(bw_end, self._backward_left(tuple(unit.modules), bw_start, bw_end))
-            out.append(UnitWindows(fw_start=fw_start, fw_end=fw_end, bw_start=bw_start,
-                                   bw_end=max(bw_end, bw_start)))
+            backward_end = bw_max if ends and ends == starts else end
+            if ends and ends == starts:
+                backward_end = min(backward_end, self._backward_left(
+                    tuple(unit.modules), backward_start, backward_end))
+            out.append(UnitWindows(fw_start=start, fw_end=forward_end,
+                                   bw_start=backward_start,
+                                   bw_end=max(backward_end, backward_start)))
         return out
 
 
