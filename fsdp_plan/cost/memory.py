@@ -566,19 +566,21 @@ _CATEGORIES = ("unsharded_params", "comm_buffers", "unsharded_grads", "offload_c
 _CAT_PARAMS, _CAT_COMM, _CAT_GRADS, _CAT_OFFLOAD = range(4)
 
 
+_START, _END, _CATEGORY, _UNIT, _KIND, _MULT = range(6)
+"""The columns of ``_Placed.rows``."""
+
+
 @dataclass(kw_only=True, slots=True)
 class _Placed:
-    """Buffers of a skeleton as int64 columns, one entry per buffer: each is present from its
-    coded point ``start`` to ``end`` (``_encode``; an instant only at ``start``, with no
-    ``end``), in category ``_CATEGORIES[category]``, with ``mult`` times its unit's rate of
-    ``kind`` (``_unit_rates``)."""
+    """Buffers of a skeleton, a row of int64 columns each (``_START`` .. ``_MULT``): each is
+    present from its coded point ``start`` to ``end`` (``_encode``; an instant only at
+    ``start``: its ``_END`` column is unused, ``timed`` False), in category
+    ``_CATEGORIES[category]``, with ``mult`` times its unit's rate of ``kind``
+    (``_unit_rates``). One 2-D array, so that joining, interleaving and reordering buffers
+    are one numpy call each, and the sweep reads the rows as they are (``_sweep_of``)."""
 
-    start: np.ndarray
-    end: np.ndarray | None
-    category: np.ndarray
-    unit: np.ndarray
-    kind: np.ndarray
-    mult: np.ndarray
+    rows: np.ndarray
+    timed: bool
 
     @classmethod
     def of(cls, start: np.ndarray, end: np.ndarray | None, category: int | np.ndarray,
@@ -586,12 +588,14 @@ class _Placed:
         """Buffers at ``start`` (to ``end``) of ``unit``; scalars apply to every one."""
         import numpy as np  # see [Note: numpy on first use]
 
-        def column(values: int | np.ndarray) -> np.ndarray:
-            if isinstance(values, int):
-                return np.full(len(start), values, dtype=np.int64)
-            return values
-        return cls(start=start, end=end, category=column(category), unit=unit,
-                   kind=column(kind), mult=column(mult))
+        rows = np.empty((len(start), 6), dtype=np.int64)
+        rows[:, _START] = start
+        rows[:, _END] = end if end is not None else -1
+        rows[:, _CATEGORY] = category
+        rows[:, _UNIT] = unit
+        rows[:, _KIND] = kind
+        rows[:, _MULT] = mult
+        return cls(rows=rows, timed=end is not None)
 
     @classmethod
     def join(cls, parts: list[_Placed], *, interleave: bool = False) -> _Placed:
@@ -599,24 +603,40 @@ class _Placed:
         entry: the first of each part, then the second of each, and so on."""
         import numpy as np  # see [Note: numpy on first use]
 
-        def joined(columns: list[np.ndarray]) -> np.ndarray:
-            if interleave:
-                return np.stack(columns, axis=1).reshape(-1)
-            return np.concatenate(columns) if columns else np.zeros(0, dtype=np.int64)
-        ends = [part.end for part in parts if part.end is not None]
-        return cls(start=joined([part.start for part in parts]),
-                   end=joined(ends) if len(ends) == len(parts) else None,
-                   category=joined([part.category for part in parts]),
-                   unit=joined([part.unit for part in parts]),
-                   kind=joined([part.kind for part in parts]),
-                   mult=joined([part.mult for part in parts]))
+        if interleave:
+            rows = np.stack([part.rows for part in parts], axis=1).reshape(-1, 6)
+        else:
+            rows = (np.concatenate([part.rows for part in parts]) if parts
+                    else np.zeros((0, 6), dtype=np.int64))
+        return cls(rows=rows, timed=all(part.timed for part in parts))
 
     def take(self, indices: np.ndarray) -> _Placed:
         """The buffers at ``indices``, in that order."""
-        return _Placed(start=self.start[indices],
-                       end=None if self.end is None else self.end[indices],
-                       category=self.category[indices], unit=self.unit[indices],
-                       kind=self.kind[indices], mult=self.mult[indices])
+        return _Placed(rows=self.rows[indices], timed=self.timed)
+
+    @property
+    def start(self) -> np.ndarray:
+        return self.rows[:, _START]
+
+    @property
+    def end(self) -> np.ndarray | None:
+        return self.rows[:, _END] if self.timed else None
+
+    @property
+    def category(self) -> np.ndarray:
+        return self.rows[:, _CATEGORY]
+
+    @property
+    def unit(self) -> np.ndarray:
+        return self.rows[:, _UNIT]
+
+    @property
+    def kind(self) -> np.ndarray:
+        return self.rows[:, _KIND]
+
+    @property
+    def mult(self) -> np.ndarray:
+        return self.rows[:, _MULT]
 
     def categories(self) -> list[str]:
         """Each buffer's category by name."""
@@ -898,18 +918,15 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     if a:
         return a
     n = profile.num_events
-    placed, extra = skeleton.live, skeleton.instants
-    # (buffers, 5) and (instants, 4) arrays: columns of ``_Placed`` side by side
-    live = np.stack([placed.start, placed.end, placed.unit, placed.kind, placed.mult], axis=1)
-    inst = np.stack([extra.start, extra.unit, extra.kind, extra.mult], axis=1)
+    live, inst = skeleton.live.rows, skeleton.instants.rows  # read, never changed
     reduced = skeleton.reduced
     grads = (np.stack((4 * reduced[0] + 2, reduced[1]), axis=1) if skeleton.grads_appear
              else np.zeros((0, 2), dtype=np.int64))
-    starts, ends = live[:, 0], live[:, 1]
+    starts, ends = live[:, _START], live[:, _END]
     keys = np.concatenate((starts, ends, grads[:, 0]))
     order = np.argsort(keys, kind="stable")
-    extra_order = np.argsort(inst[:, 0], kind="stable")
-    extra_keys = inst[extra_order, 0]
+    extra_order = np.argsort(inst[:, _START], kind="stable")
+    extra_keys = inst[extra_order, _START]
     # the points of ``_points``: every buffer's start (and the gap before it), every end's
     # gap, the instants (and the gaps before them), the sharded gradients, the loss's region
     span = [4 * k for k in profile.loss_span] if profile.loss_span is not None else []
@@ -984,7 +1001,7 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     running = np.concatenate(([0], np.cumsum(
         np.concatenate((nbytes, -nbytes, grad_bytes))[a["order"]])))
     extra_sums = np.concatenate(([0], np.cumsum(
-        (rates[inst[:, 2], inst[:, 1]] * inst[:, 3])[a["extra_order"]])))
+        (rates[inst[:, _KIND], inst[:, _UNIT]] * inst[:, _MULT])[a["extra_order"]])))
     base = {**static, **held}
     totals = (a["activations"] + running[a["running_at"]]
               + (extra_sums[a["extra_hi"]] - extra_sums[a["extra_lo"]]))
@@ -1014,7 +1031,8 @@ def _buffer_bytes(a: dict[str, np.ndarray], rates: np.ndarray
                   ) -> tuple[np.ndarray, np.ndarray]:
     """Bytes of each live buffer and each sharded gradient of the sweep's arrays."""
     live, grads = a["live"], a["grads"]
-    return rates[live[:, 3], live[:, 2]] * live[:, 4], rates[_SHARD_ORIG, grads[:, 1]]
+    return (rates[live[:, _KIND], live[:, _UNIT]] * live[:, _MULT],
+            rates[_SHARD_ORIG, grads[:, 1]])
 
 
 def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], rates: np.ndarray,
@@ -1051,8 +1069,8 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
     import numpy as np  # see [Note: numpy on first use]
     parts = dict(static)
     live = a["live"]
-    held = (live[:, 0] <= point).astype(np.int64) - (live[:, 1] <= point)
-    category = skeleton.live.category
+    held = (live[:, _START] <= point).astype(np.int64) - (live[:, _END] <= point)
+    category = live[:, _CATEGORY]
     for j in np.flatnonzero(held).tolist():
         cat = _CATEGORIES[category[j]]
         parts[cat] = parts.get(cat, 0) + int(held[j]) * int(nbytes[j])
@@ -1062,9 +1080,9 @@ def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes:
     parts = {k: v for k, v in parts.items() if v or k in static}
     if point & 3 and instants:
         inst = a["inst"]
-        category = skeleton.instants.category
-        for j in np.flatnonzero(inst[:, 0] == point).tolist():
-            cat, u, kind, mult = _CATEGORIES[category[j]], *inst[j, 1:].tolist()
+        for j in np.flatnonzero(inst[:, _START] == point).tolist():
+            category, u, kind, mult = inst[j, _CATEGORY:].tolist()
+            cat = _CATEGORIES[category]
             parts[cat] = parts.get(cat, 0) + int(rates[kind, u]) * mult
     return parts
 
