@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 
 import pytest
 import yaml
@@ -77,6 +78,20 @@ def test_assign_by_size_closes_a_bucket_once_it_reaches_its_limit():
     assert assign_by_size([3, 3, 3, 3, 3], [4, 7]) == [[0, 1], [2, 3, 4]]
     assert assign_by_size([5, 1, 1], [4, 100]) == [[0], [1, 2]]
     assert assign_by_size([2, 2, 2], [4]) == [[0, 1], [2]]
+    # against the reducer's loop, parameter by parameter: zero sizes, limits of 0, several
+    # limits, sizes above every limit
+    rng = random.Random(7)
+    for _ in range(300):
+        sizes = [rng.choice((0, 1, 2, 5, 9, 40)) for _ in range(rng.randint(0, 30))]
+        limits = [rng.choice((0, 1, 4, 8, 30)) for _ in range(rng.randint(1, 3))]
+        buckets, current, size, at = [], [], 0, 0
+        for i, nbytes in enumerate(sizes):
+            current.append(i)
+            size += nbytes
+            if size >= limits[at]:
+                buckets.append(current)
+                current, size, at = [], 0, min(at + 1, len(limits) - 1)
+        assert assign_by_size(sizes, limits) == buckets + ([current] if current else [])
 
 
 @pytest.mark.parametrize("key", sorted(MEASURED, key=str), ids=lambda k: f"{os.path.basename(k[0])}"

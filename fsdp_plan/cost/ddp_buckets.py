@@ -66,7 +66,9 @@ over the later micro-batches until the synchronised backward copies each into it
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 from typing import Any
 
 from fsdp_plan.cost.comm_hooks import (
@@ -284,20 +286,41 @@ def assign_by_size(sizes: list[int], limits: list[int]) -> list[list[int]]:
 
     A bucket closes once its bytes reach its limit; the first bucket uses ``limits[0]``,
     each next one the next limit, the last limit repeating."""
-    buckets: list[list[int]] = []
-    current: list[int] = []
-    size = 0
-    limit_at = 0
-    for i, nbytes in enumerate(sizes):
-        current.append(i)
-        size += nbytes
-        if size >= limits[limit_at]:
-            buckets.append(current)
-            current, size = [], 0
-            limit_at = min(limit_at + 1, len(limits) - 1)
-    if current:
-        buckets.append(current)
-    return buckets
+    return [list(range(start, end))
+            for start, end in _bucket_ranges(list(accumulate(sizes, initial=0)), limits)]
+
+
+def _bucket_ranges(cumulative: list[int], limits: list[int]) -> list[tuple[int, int]]:
+    """``assign_by_size`` as ``(start, end)`` position ranges, given the running totals of
+    the sizes (``cumulative[i]``: the bytes before position ``i``): each bucket ends at the
+    first position where its bytes reach its limit, found by bisection (a bucket of the 70B's
+    DDP holds one parameter or a few, and the search builds 17 configurations' buckets)."""
+    n = len(cumulative) - 1
+    out: list[tuple[int, int]] = []
+    start = at = 0
+    while start < n:
+        end = min(n, bisect.bisect_left(cumulative, cumulative[start] + limits[at], start + 1))
+        out.append((start, end))
+        start, at = end, min(at + 1, len(limits) - 1)
+    return out
+
+
+@dataclass(kw_only=True, frozen=True)
+class BucketOrder:
+    """One order DDP assigns buckets over (``DdpOrder.params`` or ``.rebuilt``), as the
+    running totals of its parameters' bytes and each one's index and ready event (an unused
+    parameter is marked ready at the first autograd hook: ``backward_start``)."""
+
+    cumulative: list[int]
+    indices: list[int]
+    ready: list[int]
+
+    @classmethod
+    def of(cls, order: list[GradParam], backward_start: int) -> BucketOrder:
+        return cls(cumulative=list(accumulate((p.nbytes for p in order), initial=0)),
+                   indices=[p.index for p in order],
+                   ready=[p.ready_at if p.ready_at is not None else backward_start
+                          for p in order])
 
 
 def build_buckets(graph: ModuleGraph, events: list[Event], config: DDPConfig,
@@ -305,22 +328,15 @@ def build_buckets(graph: ModuleGraph, events: list[Event], config: DDPConfig,
     """The buckets DDP builds after its rebuild, and its parameters (see [Note: DDP buckets]);
     ``shared`` is ``ddp_order(graph, events)`` when the caller already has it."""
     shared = ddp_order(graph, events) if shared is None else shared
-    params, backward_start = shared.params, shared.backward_start
     if rebuilds(config):
-        order = shared.rebuilt
-        groups = assign_by_size([p.nbytes for p in order], config.limits)
+        order = shared.rebuilt_buckets
+        ranges = _bucket_ranges(order.cumulative, config.limits)
     else:  # DDP keeps its first bucketing: parameter order, the bucket list reversed
-        order = params
-        groups = assign_by_size([p.nbytes for p in order], config.limits)[::-1]
-    out = []
-    for positions in groups:
-        members = [order[i] for i in positions]
-        # unused parameters are marked ready at the first autograd hook
-        ready = max((p.ready_at if p.ready_at is not None else backward_start)
-                    for p in members)
-        out.append(Bucket(params=[p.index for p in members],
-                          nbytes=sum(p.nbytes for p in members), ready_event=ready))
-    return out, params
+        order = shared.param_buckets
+        ranges = _bucket_ranges(order.cumulative, config.limits)[::-1]
+    total, indices, ready = order.cumulative, order.indices, order.ready
+    return [Bucket(params=indices[start:end], nbytes=total[end] - total[start],
+                   ready_event=max(ready[start:end])) for start, end in ranges], shared.params
 
 
 def rebuilds(config: DDPConfig) -> bool:
@@ -343,6 +359,10 @@ class DdpOrder:
     backward_start: int
     """The first ``pre_bw`` event (the last event without one)."""
     peaks: ActivationPeaks
+    param_buckets: BucketOrder
+    """``params`` as buckets are assigned over them (``build_buckets``)."""
+    rebuilt_buckets: BucketOrder
+    """``rebuilt`` likewise."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -375,9 +395,12 @@ def ddp_order(graph: ModuleGraph, events: list[Event]) -> DdpOrder:
     """``DdpOrder`` of ``graph`` over the analysed ``events``."""
     params = grad_parameters(graph, events)
     first_pre_bw = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), len(events))
-    return DdpOrder(params=params, rebuilt=rebuilt_order(graph, params),
-                    backward_start=min(first_pre_bw, len(events) - 1),
-                    peaks=activation_peaks(events, first_pre_bw))
+    rebuilt = rebuilt_order(graph, params)
+    backward_start = min(first_pre_bw, len(events) - 1)
+    return DdpOrder(params=params, rebuilt=rebuilt, backward_start=backward_start,
+                    peaks=activation_peaks(events, first_pre_bw),
+                    param_buckets=BucketOrder.of(params, backward_start),
+                    rebuilt_buckets=BucketOrder.of(rebuilt, backward_start))
 
 
 def unused_parameters(graph: ModuleGraph, analysis: Analysis) -> list[GradParam]:
