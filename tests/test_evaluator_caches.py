@@ -129,9 +129,9 @@ def _reference_units(graph, groups: list[list[str]], shard_size: int) -> list[tu
     from fsdp_plan.cost.units import owner_unit
 
     groups = [list(g) for g in groups] + [[""]]
-    units = [dict(modules=g, numel=0, shard=0, params=0, owned=[], param_modules=[],
-                  full=all(graph.modules[m].keeps_full_precision for m in g), largest=0)
-             for g in groups]
+    units = [{"modules": g, "numel": 0, "shard": 0, "params": 0, "owned": [],
+              "param_modules": [], "largest": 0,
+              "full": all(graph.modules[m].keeps_full_precision for m in g)} for g in groups]
     unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
     for fqn, info in graph.modules.items():
         unit = units[owner_unit(fqn, unit_of_module)]

@@ -43,10 +43,10 @@ from fsdp_plan.cost.step_time import (
     compute_time,
     issue_time,
 )
-from fsdp_plan.cost.timeline import TimelineComposer
+from fsdp_plan.cost.timeline import Segments, TimelineComposer
 from fsdp_plan.cost.unit_time import StepSetup, UnitClock, unit_step_time
 from fsdp_plan.cost.units import UnitSpec, build_units
-from fsdp_plan.facts.types import Analysis, ModuleGraph
+from fsdp_plan.facts.types import Analysis, ModuleGraph, Timeline
 from fsdp_plan.search.candidate import (
     BlockMode,
     Candidate,
@@ -405,6 +405,7 @@ class Evaluator:
         shared = like is not None and like.clock is self.clock and like.composer.ckpt is c.ckpt
         for i, b in enumerate(self.graph.blocks):
             kept, _ = c.segment_delta(i, "none")
+            plain_ops = _backward_ops(c.plain, c.plain_seg, i)  # once for both modes
             per: dict[str, BlockMode] = {}
             for mode in modes:
                 if shared and mode == "full" and "full" in like.block_cost.get(b, {}):
@@ -414,7 +415,7 @@ class Evaluator:
                 # under autocast the cached weight casts a checkpointed block's forward made are
                 # freed before backward: [Note: autocast and checkpointed blocks]
                 saved = max(0, kept - level + c.released_delta(i, mode))
-                flops, ops = _replayed(c, i, mode)
+                flops, ops = _replayed(c, i, mode, plain_ops)
                 compiled = (self.compiled_s.recompute_s.get(b, {}).get(mode)
                             if self.compiled_s is not None else None)
                 host_s = 0.0
@@ -487,31 +488,37 @@ class Evaluator:
 
 
 
-def _replayed(composer: TimelineComposer, i: int, mode: str
-              ) -> tuple[float, dict[str, float] | None]:
+def _replayed(composer: TimelineComposer, i: int, mode: str,
+              plain_ops: dict[str, float] | None) -> tuple[float, dict[str, float] | None]:
     """FLOPs and op-class counters ([Note: op classes]) block ``i`` replays in backward in
-    ``mode``: its backward segment in that mode's pass minus the plain pass's (None for the
-    counters when the analysis has none).
+    ``mode``: its backward segment in that mode's pass minus the plain pass's, whose counters
+    are ``plain_ops`` (``_backward_ops``; None for the counters when either has none).
 
     See [Note: recompute time].
     """
     _, flops = composer.segment_delta(i, mode, "bw")
     _, plain = composer.segment_delta(i, "none", "bw")
-    counters: list[dict[str, float]] = []
-    for src, seg in ((composer.plain, composer.plain_seg),
-                     ({"full": composer.ckpt, "selective": composer.sel}[mode],
-                      {"full": composer.ckpt_seg, "selective": composer.sel_seg}[mode])):
-        start, end = seg.bw[i]
-        ops = [getattr(e, "ops", None) for e in src.events[start + 1:end + 1]]
-        if not any(ops):
-            return max(0.0, flops - plain), None
-        total: dict[str, float] = {}
-        for o in ops:
-            add_ops(total, o)
-        counters.append(total)
-    delta = {k: max(0.0, counters[1].get(k, 0.0) - counters[0].get(k, 0.0))
-             for k in set(counters[0]) | set(counters[1])}
+    ops = None if plain_ops is None else _backward_ops(
+        {"full": composer.ckpt, "selective": composer.sel}[mode],
+        {"full": composer.ckpt_seg, "selective": composer.sel_seg}[mode], i)
+    if ops is None:
+        return max(0.0, flops - plain), None
+    delta = {k: max(0.0, ops.get(k, 0.0) - plain_ops.get(k, 0.0))
+             for k in set(plain_ops) | set(ops)}
     return max(0.0, flops - plain), delta
+
+
+def _backward_ops(timeline: Timeline, segments: Segments, i: int) -> dict[str, float] | None:
+    """The op-class counters of block ``i``'s backward segment in ``timeline``, summed (None
+    when its events have none)."""
+    start, end = segments.bw[i]
+    ops = [getattr(e, "ops", None) for e in timeline.events[start + 1:end + 1]]
+    if not any(ops):
+        return None
+    total: dict[str, float] = {}
+    for o in ops:
+        add_ops(total, o)
+    return total
 
 
 def _exclusive_flops(graph: ModuleGraph, analysis: Analysis) -> tuple[dict[str, float], dict[str, float]]:
