@@ -48,7 +48,8 @@ category) with start/end = (event, sub-step), present at instants start <= t < e
 gap before event k when start < k <= end.
 
 All figures are bytes per rank; the search calls ``estimate_peak`` thousands of times, so it
-walks only the unit boundaries and reads activation maxima between them from a sparse table.
+walks only the unit boundaries and reads the activation maxima between them in one pass
+over the event peaks (``ActivationProfile._gap_maxima``).
 
 [Note: numpy on first use]
 The sweep runs on numpy arrays, imported inside the functions that use them: this module is
@@ -117,7 +118,7 @@ class MemoryEstimate:
 
 
 class ActivationProfile:
-    """One (composite) activation timeline with O(1) range maxima of its event peaks.
+    """One (composite) activation timeline with the range maxima of its event peaks.
 
     Built from a timeline's columns (cost/timeline.py [Note: timeline columns]); the search
     reads only those, and ``events`` makes the ``Event`` objects when something asks for them
@@ -299,7 +300,7 @@ class ActivationProfile:
         # the last post-forward, else (none found) the last pre-forward
         fw_end = np.where(fw_ended > 0, fw_last, fw_start_max)
         out = []
-        for unit, ran, start, forward_end, bw_first, starts, bw_max, ends in zip(
+        for unit, ran, forward_start, forward_end, bw_first, began, bw_max, ended in zip(
                 units, (fw_found > 0).tolist(), fw_start.tolist(), fw_end.tolist(),
                 bw_start.tolist(), bw_found.tolist(), bw_last.tolist(), bw_ended.tolist()):
             if unit.modules == [""]:
@@ -311,14 +312,15 @@ class ActivationProfile:
                 out.append(UnitWindows(fw_start=0, fw_end=0, bw_start=end, bw_end=end,
                                        ran=False))
                 continue
-            backward_start = bw_first if starts else self.backward_start
+            # ``began``/``ended``: how many of its modules have a pre- and a post-backward
+            backward_start = bw_first if began else self.backward_start
             # A unit whose inputs need no gradient (an embedding) gets its post-backward from
             # FSDP's end-of-backward callback.
-            backward_end = bw_max if ends and ends == starts else end
-            if ends and ends == starts:
+            backward_end = bw_max if ended and ended == began else end
+            if ended and ended == began:
                 backward_end = min(backward_end, self._backward_left(
                     tuple(unit.modules), backward_start, backward_end))
-            out.append(UnitWindows(fw_start=start, fw_end=forward_end,
+            out.append(UnitWindows(fw_start=forward_start, fw_end=forward_end,
                                    bw_start=backward_start,
                                    bw_end=max(backward_end, backward_start)))
         return out
@@ -439,9 +441,9 @@ def _index_of(items: list[str], item: str, default: int) -> int:
 
 def _sparse_table(peaks: np.ndarray) -> np.ndarray:
     """Row ``j``: the highest of ``peaks`` over the ``2**j`` events from each index, for every
-    ``2**j`` up to the number of events; one 2-D array, so the sweep reads all its range
-    maxima in one gather (``_range_max``). Row ``j`` holds ``n - 2**j + 1`` such maxima; its
-    last ``2**j - 1`` entries copy the row above and no query reads them."""
+    ``2**j`` up to the number of events, as one 2-D array (``max_peak``'s O(1) range maxima).
+    Row ``j`` holds ``n - 2**j + 1`` such maxima; its last ``2**j - 1`` entries copy the row
+    above and no query reads them."""
     import numpy as np  # see [Note: numpy on first use]
 
     n = len(peaks)

@@ -102,8 +102,13 @@ class _Owned(NamedTuple):
 
     units: list[UnitSpec]
     """Their modules, owned modules, parameter modules, counts; no shard sizes."""
-    owners: list[int]
-    """The unit owning each module with parameters (``_Sizes``'s modules, in order)."""
+    order: np.ndarray
+    """The modules with parameters (as ``_shard_sizes`` lists them) grouped by the unit that
+    owns them, in module order within each unit..."""
+    starts: np.ndarray
+    """...where each unit's group starts in ``order``..."""
+    owners: np.ndarray
+    """...and that unit (units without parameters have no group)."""
 
 
 def _owned(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...]) -> _Owned:
@@ -115,6 +120,8 @@ def _owned(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...]) -> _Owned:
     found = _UNIT_CACHE.get(key)
     if found is not None:
         return found  # type: ignore[return-value]
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
     groups = [list(g) for g in layout]
     units = [UnitSpec(modules=g, full_precision=all(graph.modules[m].keeps_full_precision
                                                    for m in g))
@@ -137,7 +144,12 @@ def _owned(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...]) -> _Owned:
             unit.numel += sum(math.prod(shape) for shape in info.param_shapes)
             unit.num_params += len(info.param_shapes)
             owners.append(at)
-    found = _UNIT_CACHE[key] = _Owned(units, owners)
+    unit_of = np.array(owners, dtype=np.int64)
+    order = np.argsort(unit_of, kind="stable")
+    grouped = unit_of[order]
+    starts = np.flatnonzero(np.concatenate(([True], grouped[1:] != grouped[:-1]))
+                            if len(grouped) else np.zeros(0, dtype=bool))
+    found = _UNIT_CACHE[key] = _Owned(units, order, starts, grouped[starts])
     return found
 
 
@@ -148,11 +160,11 @@ def _sized_units(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...], shard_
 
     owned = _owned(graph, layout)
     shards, largest = _shard_sizes(graph, shard_size)
-    owners = np.array(owned.owners, dtype=np.int64)
     sums = np.zeros(len(owned.units), dtype=np.int64)
-    np.add.at(sums, owners, shards)
     tops = np.zeros(len(owned.units), dtype=np.int64)
-    np.maximum.at(tops, owners, largest)
+    if len(owned.starts):
+        sums[owned.owners] = np.add.reduceat(shards[owned.order], owned.starts)
+        tops[owned.owners] = np.maximum.reduceat(largest[owned.order], owned.starts)
     return [UnitSpec(modules=u.modules, numel=u.numel, shard_numel=shard, num_params=u.num_params,
                      owned_modules=u.owned_modules, param_modules=u.param_modules,
                      full_precision=u.full_precision, largest_shard_numel=top)
