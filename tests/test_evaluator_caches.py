@@ -167,3 +167,21 @@ def test_unit_tables_are_the_walk_over_every_module():
             assert [(u.modules, u.numel, u.shard_numel, u.num_params, u.owned_modules,
                      u.param_modules, u.full_precision, u.largest_shard_numel)
                     for u in units] == _reference_units(graph, groups, shard_size)
+
+
+def test_a_units_recompute_is_summed_in_module_order(facts):
+    """A unit that owns several checkpointed blocks (the root alone) adds their recompute in
+    module order, whatever the process's string hashes: the owned modules as a set summed in
+    hash order, and a root-only plan's step changed in its last bits from one run to the
+    next. Values whose sum depends on the order show it."""
+    evaluator = Evaluator(facts.graph, facts.analysis, _settings())
+    blocks = facts.graph.blocks
+    units = build_units(facts.graph, [], [], 8)
+    values = [1e16, 1.0, -1e16, 3.0, 0.5, -7.0][:len(blocks)]
+    recompute = {b: (v, 0.0) for b, v in reversed(list(zip(blocks, values)))}
+    ordered, _ = evaluator.clock.ordered_costs(units, shard=8, replicate=1, recompute=recompute,
+                                               optimizer_overlap=False, layout_key=None)
+    base = evaluator.clock.unit_cost(units[-1], shard=8, replicate=1)
+    owned = [m for m in units[-1].owned_modules if m in recompute]
+    assert owned == blocks
+    assert ordered[0].bw_compute_s == base.bw_compute_s + sum(recompute[b][0] for b in owned)

@@ -206,7 +206,7 @@ class UnitClock:
         hw, rates = s.hardware, self.rates
         bases = self._bases.get(mesh_key) if cached else None
         if bases is None:
-            bases = [(self.unit_cost(u, shard=shard, replicate=replicate), self.flops(u)[2])
+            bases = [(self.unit_cost(u, shard=shard, replicate=replicate), u.owned_modules)
                      for u in units]
             if cached:
                 self._bases[mesh_key] = bases
@@ -214,6 +214,9 @@ class UnitClock:
         for u, (base, owned) in zip(units, bases):
             # A checkpointed block's forward (or, selective, its unsaved ops) runs again
             # inside its unit's backward: [Note: recompute time] in search/evaluator.py.
+            # Summed in module order: a set's order follows the names' hashes, which change
+            # from one process to the next, and so did the last bits of a step whose unit
+            # owns several checkpointed blocks (a root-only plan's).
             replays = tuple(recompute[b] for b in owned if b in recompute) if recompute else ()
             cost = self.replayed(base, replays) if replays else base
             if optimizer_overlap and u.numel:  # [Note: optimizer overlap in the models]
