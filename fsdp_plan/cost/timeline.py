@@ -328,6 +328,7 @@ class TimelineComposer:
         self._released["selective"] = self._released_per_block(self.sel)
         if self.sel is not None:
             self._columns["selective"] = EventColumns.of(self.sel.events, names)
+        self._stacked = _Stacked.of(list(self._columns.values()))
         every = frozenset(range(len(blocks)))
         self._cache: dict[tuple[frozenset[int], frozenset[int]], EventColumns] = {
             (frozenset(), frozenset()): self._columns["none"]}
@@ -438,26 +439,48 @@ class TimelineComposer:
             src, seg = self._source(i, which, selective)
             pieces.append((src, *seg.bw[i]))
         pieces.append((plain, p.suffix_start, len(plain)))
-        out = _compose(pieces, (plain, p.middle) if cached else None, cached, release_at)
+        out = _compose(pieces, (plain, p.middle) if cached else None, cached, release_at,
+                       self._stacked)
         self._cache[key] = out
         return out
 
 
+@dataclass(frozen=True)
+class _Stacked:
+    """A composer's passes' columns one after the other, so that a composite gathers every
+    event of its 160 pieces (Llama-70B) through one index (``_gather``): slicing each piece
+    column by column took three times as long."""
+
+    offsets: dict[int, int]
+    """Where each pass's events start, by the pass's ``id``."""
+    levels: np.ndarray
+    peaks: np.ndarray
+    flops: np.ndarray
+    codes: np.ndarray
+
+    @classmethod
+    def of(cls, passes: list[EventColumns]) -> _Stacked:
+        import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+        starts = np.cumsum([0] + [len(p) for p in passes]).tolist()
+        return cls(offsets={id(p): at for p, at in zip(passes, starts)},
+                   **{column: np.concatenate([getattr(p, column) for p in passes])
+                      for column in ("levels", "peaks", "flops", "codes")})
+
+
 def _compose(pieces: list[tuple[EventColumns, int, int]],
-             glue: tuple[EventColumns, tuple[int, int]] | None, cached: int, release_at: int
-             ) -> EventColumns:
+             glue: tuple[EventColumns, tuple[int, int]] | None, cached: int, release_at: int,
+             stacked: _Stacked) -> EventColumns:
     """The events ``src[start:end]`` of each piece in turn, re-based on the running level and
     FLOPs ([Note: composing checkpointed blocks]); in the ``glue`` piece (the plain pass's
     middle, given when ``cached`` bytes of autocast casts are released) those are freed at
     ``release_at`` (``_release_in_glue``). Column arithmetic as [Note: timeline columns]:
-    each piece's shifts are worked out in turn, then every event gathered at once."""
-    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
-
+    each piece's shifts are worked out in turn (``stacked``: the pieces' passes side by
+    side), then every event gathered at once."""
     kinds: list[str] = []
     modules: list[str] = []
     ops: list[dict[str, float] | None] = []
-    used: list[tuple[EventColumns, int, int, int, float, float]] = []
-    """(src, start, end, level shift, FLOPs before it, its first event's FLOPs) per piece."""
+    used = _Pieces()
     glue_at = None
     level = 0
     flops = 0.0
@@ -468,51 +491,65 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
         base_level, base_flops = events[start].level, events[start].flops
         is_glue = glue is not None and src is glue[0] and (start, end) == glue[1]
         if is_glue:
-            glue_at = (len(kinds), len(used))
-        used.append((src, start, end, level - base_level, flops, base_flops))
+            glue_at = (len(kinds), src, start, end, level - base_level, flops - base_flops)
+        used.begins.append(stacked.offsets[id(src)] + start)
+        used.lengths.append(end - start)
+        used.shifts.append(level - base_level)
+        used.before.append(flops)
+        used.bases.append(base_flops)
         kinds += src.kinds[start:end]
         modules += src.modules[start:end]
         ops += src.ops[start:end]
         nxt = events[end] if end < len(events) else events[end - 1]
         level += nxt.level - base_level - (cached if is_glue else 0)
         flops += nxt.flops - base_flops
-    levels, peaks, flops_out = _gather(used)
-    codes = np.concatenate([src.codes[start:end] for src, start, end, *_ in used]
-                           or [np.zeros(0, dtype=np.int64)])
+    levels, peaks, flops_out, codes = _gather(used, stacked)
     if glue_at is not None:
-        at, k = glue_at
-        src, start, end, shift, before, base_flops = used[k]
-        piece = _release_in_glue(src, start, end, shift, before - base_flops, cached,
-                                 release_at)
+        at, src, start, end, shift, flops_shift = glue_at
+        piece = _release_in_glue(src, start, end, shift, flops_shift, cached, release_at)
         for column, values in zip((levels, peaks, flops_out), piece):
             column[at:at + end - start] = values
     return EventColumns(kinds=kinds, modules=modules, levels=levels, peaks=peaks,
                         flops=flops_out, ops=ops, names=pieces[0][0].names, codes=codes)
 
 
-def _gather(used: list[tuple[EventColumns, int, int, int, float, float]]
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Levels, peaks and FLOPs of the pieces ``used`` (``_compose``), each event as the
-    per-event rule has it: ``level + e.level - base`` and ``level + e.peak - base`` (the
+@dataclass
+class _Pieces:
+    """Per piece of a composite (``_compose``), in order: where its events start among the
+    stacked passes' (``_Stacked``), how many, its level shift, the FLOPs before it and its
+    first event's FLOPs."""
+
+    begins: list[int] = dataclasses.field(default_factory=list)
+    lengths: list[int] = dataclasses.field(default_factory=list)
+    shifts: list[int] = dataclasses.field(default_factory=list)
+    before: list[float] = dataclasses.field(default_factory=list)
+    bases: list[float] = dataclasses.field(default_factory=list)
+
+
+def _gather(used: _Pieces, stacked: _Stacked
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Levels, peaks, FLOPs and codes of the pieces ``used`` (``_compose``), each event as
+    the per-event rule has it: ``level + e.level - base`` and ``level + e.peak - base`` (the
     piece's first peak at least ``level``), and ``(flops + e.flops) - base_flops``."""
     import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
-    if not used:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0)
-    lengths = np.array([end - start for _, start, end, *_ in used], dtype=np.int64)
-    shifts = np.repeat(np.array([shift for *_, shift, _, _ in used], dtype=np.int64), lengths)
-    levels = np.concatenate([src.levels[start:end] for src, start, end, *_ in used]) + shifts
-    peaks = np.concatenate([src.peaks[start:end] for src, start, end, *_ in used]) + shifts
+    if not used.lengths:
+        return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0),
+                np.zeros(0, dtype=np.int64))
+    lengths = np.array(used.lengths, dtype=np.int64)
+    begins = np.array(used.begins, dtype=np.int64)
     firsts = np.cumsum(lengths) - lengths
-    # levels[firsts] - the pieces' own first levels + their shift = the running level there
-    start_levels = np.array([src.levels[start] for src, start, *_ in used]) \
-        + shifts[firsts]
-    peaks[firsts] = np.maximum(start_levels, peaks[firsts])
-    before = np.repeat(np.array([b for *_, b, _ in used], dtype=np.float64), lengths)
-    bases = np.repeat(np.array([b for *_, b in used], dtype=np.float64), lengths)
-    flops = (before + np.concatenate([src.flops[start:end] for src, start, end, *_ in used])
-             ) - bases
-    return levels, peaks, flops
+    index = np.repeat(begins - firsts, lengths) + np.arange(int(firsts[-1] + lengths[-1]))
+    shift = np.array(used.shifts, dtype=np.int64)
+    shifts = np.repeat(shift, lengths)
+    levels = stacked.levels[index] + shifts
+    peaks = stacked.peaks[index] + shifts
+    # each piece's own first level + its shift = the running level there
+    peaks[firsts] = np.maximum(stacked.levels[begins] + shift, peaks[firsts])
+    before = np.repeat(np.array(used.before, dtype=np.float64), lengths)
+    bases = np.repeat(np.array(used.bases, dtype=np.float64), lengths)
+    flops = (before + stacked.flops[index]) - bases
+    return levels, peaks, flops, stacked.codes[index]
 
 
 def _release_in_glue(src: EventColumns, start: int, end: int, shift: int, flops_shift: float,
