@@ -328,15 +328,7 @@ def build_buckets(graph: ModuleGraph, events: list[Event], config: DDPConfig,
     """The buckets DDP builds after its rebuild, and its parameters (see [Note: DDP buckets]);
     ``shared`` is ``ddp_order(graph, events)`` when the caller already has it."""
     shared = ddp_order(graph, events) if shared is None else shared
-    if rebuilds(config):
-        order = shared.rebuilt_buckets
-        ranges = _bucket_ranges(order.cumulative, config.limits)
-    else:  # DDP keeps its first bucketing: parameter order, the bucket list reversed
-        order = shared.param_buckets
-        ranges = _bucket_ranges(order.cumulative, config.limits)[::-1]
-    total, indices, ready = order.cumulative, order.indices, order.ready
-    return [Bucket(params=indices[start:end], nbytes=total[end] - total[start],
-                   ready_event=max(ready[start:end])) for start, end in ranges], shared.params
+    return shared.cut(config)[0], shared.params
 
 
 def rebuilds(config: DDPConfig) -> bool:
@@ -363,6 +355,29 @@ class DdpOrder:
     """``params`` as buckets are assigned over them (``build_buckets``)."""
     rebuilt_buckets: BucketOrder
     """``rebuilt`` likewise."""
+    _cuts: dict[tuple, list[Bucket]] = field(default_factory=dict, compare=False, repr=False)
+    """The bucket lists cut so far, by ``cut``'s layout key."""
+
+    def cut(self, config: DDPConfig) -> tuple[list[Bucket], tuple]:
+        """The buckets ``config`` cuts (``build_buckets``) and the key of their layout: the
+        order they are assigned over and each one's position range. Caps below a model's
+        smallest large parameter cut the same buckets (the 70B's 17 configurations cut 4
+        layouts), so each layout's list is made once and shared, read only."""
+        rebuilt = rebuilds(config)
+        if rebuilt:
+            order = self.rebuilt_buckets
+            ranges = _bucket_ranges(order.cumulative, config.limits)
+        else:  # DDP keeps its first bucketing: parameter order, the bucket list reversed
+            order = self.param_buckets
+            ranges = _bucket_ranges(order.cumulative, config.limits)[::-1]
+        key = (rebuilt, tuple(ranges))
+        found = self._cuts.get(key)
+        if found is None:
+            total, indices, ready = order.cumulative, order.indices, order.ready
+            found = self._cuts[key] = [
+                Bucket(params=indices[start:end], nbytes=total[end] - total[start],
+                       ready_event=max(ready[start:end])) for start, end in ranges]
+        return found, key
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -742,7 +757,8 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
     that cut them: each layout is simulated once."""
     events = analysis.timeline.events
     shared = ddp_order(graph, events) if shared is None else shared
-    buckets, params = build_buckets(graph, events, config, shared)
+    buckets, layout = shared.cut(config)
+    params = shared.params
     unused = [p.index for p in params if p.ready_event is None]
     optimizer_s = optimizer_time(hw, Rates.of(hw, dtype), optimizer, graph.total_numel,
                                  precision.orig_bytes)
@@ -762,8 +778,7 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
         steps = [optimizer_time(hw, rates, optimizer, sum(by_index[j].numel for j in b.params),
                                 precision.orig_bytes) for b in buckets]
         common["optimizer_s"] = 0.0
-    key = (tuple((tuple(b.params), b.nbytes, b.ready_event) for b in buckets),
-           config.comm_hook, config.powersgd_rank, config.find_unused_parameters,
+    key = (layout, config.comm_hook, config.powersgd_rank, config.find_unused_parameters,
            optimizer_overlap)
     simulated = step_times.get(key) if step_times is not None else None
     if simulated is None:
