@@ -4,6 +4,11 @@ every prediction (issue 29: "predictions identical to today's").
     python benchmarks/evaluation_identity.py OUT_DIR           # write the record
     diff -r -x "*.stderr" BEFORE_DIR AFTER_DIR                 # nothing may differ
 
+Give both runs the same ``PYTHONHASHSEED`` (any), and run one side again under another: the
+record must not depend on it either. Python seeds string hashing per process, and a sum over a
+set of names once depended on it (a unit's recompute, cost/unit_time.py ``ordered_costs``:
+GPT-2 xl's search at 16 GB ranked the same plans with other last digits in 1 run of 8).
+
 Each case is a planning command run in a fresh process (``fsdp_plan.cli.main.main``, with the
 facts cache of ``$FSDP_PLAN_CACHE_DIR``), with ``Evaluator._evaluate`` wrapped to write one line
 per evaluation: the layout's name and the ``repr`` of the whole candidate (peak and memory
