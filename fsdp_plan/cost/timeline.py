@@ -49,10 +49,10 @@ events each) and reads them only through ``ActivationProfile`` (cost/memory.py),
 arrays: levels, peaks, and each event's kind and module. So a timeline is held as
 ``EventColumns``: numpy int64 levels and peaks, float64 FLOPs, an int64 code per (kind,
 module) (``EventNames``, numbered once per composer), and lists of kinds, modules and op
-counters. A composite is the passes' columns sliced piece by piece and joined, each piece
-shifted by its offset, with the same integer and floating-point operations, in the same
-order, as the per-event rule it replaced (tests/test_timeline_columns.py keeps that rule), so
-every figure is bit for bit what it was. The ``Event`` objects are made only when something
+counters. A composite is the passes' columns taken piece by piece (one index into the passes
+laid side by side, ``_Stacked``), each piece shifted by its offset, with the same integer and
+floating-point operations, in the same order, as the per-event rule it replaced
+(tests/test_timeline_columns.py keeps that rule), so every figure is bit for bit what it was. The ``Event`` objects are made only when something
 asks for them (pictures, ``memory_timeline``); a pass's own columns give back the pass's
 ``Event`` list itself.
 """
