@@ -399,11 +399,16 @@ class TimelineComposer:
             return self._columns["selective"], self.sel_seg
         return self._columns["none"], self.plain_seg
 
+    def pass_of(self, mode: str) -> tuple[Timeline | None, Segments | None]:
+        """The pass of a checkpointing ``mode`` (``none``, ``full``, ``selective``) and its
+        block segments (None, None where it was not traced or does not split)."""
+        return {"none": (self.plain, self.plain_seg), "full": (self.ckpt, self.ckpt_seg),
+                "selective": (self.sel, self.sel_seg)}[mode]
+
     def segment_delta(self, i: int, mode: str, part: str = "fw") -> tuple[int, float]:
         """Level and FLOP change over block ``i``'s forward (``part="fw"``) or backward
         segment in the pass of ``mode``: what the block keeps for backward, what it computes."""
-        src, seg = {"none": (self.plain, self.plain_seg), "full": (self.ckpt, self.ckpt_seg),
-                    "selective": (self.sel, self.sel_seg)}[mode]
+        src, seg = self.pass_of(mode)
         if src is None or seg is None:
             return 0, 0.0
         start, end = (seg.fw if part == "fw" else seg.bw)[i]

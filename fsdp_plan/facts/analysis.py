@@ -671,16 +671,13 @@ class _PassSpec:
     selective_ops: tuple[str, ...] | None = None
     mm_stride: int = 1
 
-    def _options(self) -> dict[str, Any]:
-        return {"param_dtype": self.compute.param_dtype,
-                "autocast_dtype": self.compute.autocast,
-                "selective_ops": list(self.selective_ops) if self.selective_ops else None,
-                "selective_mm_stride": self.mm_stride}
-
     def run(self, loaded: LoadedModel, blocks: list[str], exact: bool) -> Pass:
         """The pass on the depth-cut copy, expanded to full depth, when there is one and it
         traces and expands; else on the whole model."""
-        options = self._options()
+        options = {"param_dtype": self.compute.param_dtype,
+                   "autocast_dtype": self.compute.autocast,
+                   "selective_ops": list(self.selective_ops) if self.selective_ops else None,
+                   "selective_mm_stride": self.mm_stride}
         if not exact:
             reduced = reduced_copy(loaded.model, blocks)
             if reduced is not None:

@@ -43,10 +43,10 @@ from fsdp_plan.cost.step_time import (
     compute_time,
     issue_time,
 )
-from fsdp_plan.cost.timeline import Segments, TimelineComposer
+from fsdp_plan.cost.timeline import TimelineComposer
 from fsdp_plan.cost.unit_time import StepSetup, UnitClock, unit_step_time
 from fsdp_plan.cost.units import UnitSpec, build_units
-from fsdp_plan.facts.types import Analysis, ModuleGraph, Timeline
+from fsdp_plan.facts.types import Analysis, ModuleGraph
 from fsdp_plan.search.candidate import (
     BlockMode,
     Candidate,
@@ -405,7 +405,7 @@ class Evaluator:
         shared = like is not None and like.clock is self.clock and like.composer.ckpt is c.ckpt
         for i, b in enumerate(self.graph.blocks):
             kept, _ = c.segment_delta(i, "none")
-            plain_ops = _backward_ops(c.plain, c.plain_seg, i)  # once for both modes
+            plain_ops = _backward_ops(c, i, "none")  # once for both modes
             per: dict[str, BlockMode] = {}
             for mode in modes:
                 if shared and mode == "full" and "full" in like.block_cost.get(b, {}):
@@ -498,9 +498,7 @@ def _replayed(composer: TimelineComposer, i: int, mode: str,
     """
     _, flops = composer.segment_delta(i, mode, "bw")
     _, plain = composer.segment_delta(i, "none", "bw")
-    ops = None if plain_ops is None else _backward_ops(
-        {"full": composer.ckpt, "selective": composer.sel}[mode],
-        {"full": composer.ckpt_seg, "selective": composer.sel_seg}[mode], i)
+    ops = None if plain_ops is None else _backward_ops(composer, i, mode)
     if ops is None:
         return max(0.0, flops - plain), None
     delta = {k: max(0.0, ops.get(k, 0.0) - plain_ops.get(k, 0.0))
@@ -508,9 +506,10 @@ def _replayed(composer: TimelineComposer, i: int, mode: str,
     return max(0.0, flops - plain), delta
 
 
-def _backward_ops(timeline: Timeline, segments: Segments, i: int) -> dict[str, float] | None:
-    """The op-class counters of block ``i``'s backward segment in ``timeline``, summed (None
-    when its events have none)."""
+def _backward_ops(composer: TimelineComposer, i: int, mode: str) -> dict[str, float] | None:
+    """The op-class counters of block ``i``'s backward segment in the pass of ``mode``,
+    summed (None when its events have none)."""
+    timeline, segments = composer.pass_of(mode)
     start, end = segments.bw[i]
     ops = [getattr(e, "ops", None) for e in timeline.events[start + 1:end + 1]]
     if not any(ops):
