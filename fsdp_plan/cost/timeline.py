@@ -480,38 +480,34 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
     FLOPs ([Note: composing checkpointed blocks]); in the ``glue`` piece (the plain pass's
     middle, given when ``cached`` bytes of autocast casts are released) those are freed at
     ``release_at`` (``_release_in_glue``). Column arithmetic as [Note: timeline columns]:
-    each piece's shifts are worked out in turn (``stacked``: the pieces' passes side by
+    each piece's shifts are worked out at once (``stacked``: the pieces' passes side by
     side), then every event gathered at once."""
     kinds: list[str] = []
     modules: list[str] = []
     ops: list[dict[str, float] | None] = []
-    used = _Pieces()
-    glue_at = None
-    level = 0
-    flops = 0.0
+    begins: list[int] = []
+    nexts: list[int] = []
+    lengths: list[int] = []
+    glue_piece = None
     for src, start, end in pieces:
         if start >= end:
             continue
-        events = src.as_list()  # a pass's own events: its Python ints and floats
-        base_level, base_flops = events[start].level, events[start].flops
-        is_glue = glue is not None and src is glue[0] and (start, end) == glue[1]
-        if is_glue:
-            glue_at = (len(kinds), src, start, end, level - base_level, flops - base_flops)
-        used.begins.append(stacked.offsets[id(src)] + start)
-        used.lengths.append(end - start)
-        used.shifts.append(level - base_level)
-        used.before.append(flops)
-        used.bases.append(base_flops)
+        if glue is not None and src is glue[0] and (start, end) == glue[1]:
+            glue_piece = (len(lengths), len(kinds), src, start, end)
+        at = stacked.offsets[id(src)]
+        begins.append(at + start)
+        nexts.append(at + (end if end < len(src) else end - 1))  # the event after the piece
+        lengths.append(end - start)
         kinds += src.kinds[start:end]
         modules += src.modules[start:end]
         ops += src.ops[start:end]
-        nxt = events[end] if end < len(events) else events[end - 1]
-        level += nxt.level - base_level - (cached if is_glue else 0)
-        flops += nxt.flops - base_flops
+    used = _Pieces.of(begins, nexts, lengths, stacked,
+                      glue_piece[0] if glue_piece is not None else None, cached)
     levels, peaks, flops_out, codes = _gather(used, stacked)
-    if glue_at is not None:
-        at, src, start, end, shift, flops_shift = glue_at
-        piece = _release_in_glue(src, start, end, shift, flops_shift, cached, release_at)
+    if glue_piece is not None:
+        g, at, src, start, end = glue_piece
+        piece = _release_in_glue(src, start, end, int(used.shifts[g]),
+                                 float(used.before[g] - used.bases[g]), cached, release_at)
         for column, values in zip((levels, peaks, flops_out), piece):
             column[at:at + end - start] = values
     return EventColumns(kinds=kinds, modules=modules, levels=levels, peaks=peaks,
@@ -524,11 +520,34 @@ class _Pieces:
     stacked passes' (``_Stacked``), how many, its level shift, the FLOPs before it and its
     first event's FLOPs."""
 
-    begins: list[int] = dataclasses.field(default_factory=list)
-    lengths: list[int] = dataclasses.field(default_factory=list)
-    shifts: list[int] = dataclasses.field(default_factory=list)
-    before: list[float] = dataclasses.field(default_factory=list)
-    bases: list[float] = dataclasses.field(default_factory=list)
+    begins: np.ndarray
+    lengths: np.ndarray
+    shifts: np.ndarray
+    before: np.ndarray
+    bases: np.ndarray
+
+    @classmethod
+    def of(cls, begins: list[int], nexts: list[int], lengths: list[int], stacked: _Stacked,
+           glue: int | None, cached: int) -> _Pieces:
+        """The pieces starting at ``begins`` among the stacked passes' events, followed there
+        by the events at ``nexts``: the running level and FLOPs rise over each piece by its
+        next event's less its first's (less ``cached`` bytes over the ``glue`` piece), added
+        up piece by piece (``cumsum`` adds in order, as the per-event rule did)."""
+        import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+        first = np.array(begins, dtype=np.int64)
+        after = np.array(nexts, dtype=np.int64)
+        base_levels = stacked.levels[first]
+        rise = stacked.levels[after] - base_levels
+        if glue is not None:
+            rise[glue] -= cached
+        bases = stacked.flops[first]
+        level_before = np.zeros(len(first), dtype=np.int64)
+        np.cumsum(rise[:-1], out=level_before[1:])
+        before = np.zeros(len(first), dtype=np.float64)
+        np.cumsum(stacked.flops[after[:-1]] - bases[:-1], out=before[1:])
+        return cls(begins=first, lengths=np.array(lengths, dtype=np.int64),
+                   shifts=level_before - base_levels, before=before, bases=bases)
 
 
 def _gather(used: _Pieces, stacked: _Stacked
@@ -538,21 +557,19 @@ def _gather(used: _Pieces, stacked: _Stacked
     piece's first peak at least ``level``), and ``(flops + e.flops) - base_flops``."""
     import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
-    if not used.lengths:
+    lengths, begins, shift = used.lengths, used.begins, used.shifts
+    if not len(lengths):
         return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0),
                 np.zeros(0, dtype=np.int64))
-    lengths = np.array(used.lengths, dtype=np.int64)
-    begins = np.array(used.begins, dtype=np.int64)
     firsts = np.cumsum(lengths) - lengths
     index = np.repeat(begins - firsts, lengths) + np.arange(int(firsts[-1] + lengths[-1]))
-    shift = np.array(used.shifts, dtype=np.int64)
     shifts = np.repeat(shift, lengths)
     levels = stacked.levels[index] + shifts
     peaks = stacked.peaks[index] + shifts
     # each piece's own first level + its shift = the running level there
     peaks[firsts] = np.maximum(stacked.levels[begins] + shift, peaks[firsts])
-    before = np.repeat(np.array(used.before, dtype=np.float64), lengths)
-    bases = np.repeat(np.array(used.bases, dtype=np.float64), lengths)
+    before = np.repeat(used.before, lengths)
+    bases = np.repeat(used.bases, lengths)
     flops = (before + stacked.flops[index]) - bases
     return levels, peaks, flops, stacked.codes[index]
 
