@@ -532,7 +532,8 @@ class _Pieces:
         """The pieces starting at ``begins`` among the stacked passes' events, followed there
         by the events at ``nexts``: the running level and FLOPs rise over each piece by its
         next event's less its first's (less ``cached`` bytes over the ``glue`` piece), added
-        up piece by piece (``cumsum`` adds in order, as the per-event rule did)."""
+        up piece by piece (``cumsum`` adds in order, as the per-event rule did; FLOPs as the
+        columns hold them, float64, as the analysis records them)."""
         import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
         first = np.array(begins, dtype=np.int64)
