@@ -59,7 +59,6 @@ asks for them (pictures, ``memory_timeline``); a pass's own columns give back th
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -86,11 +85,17 @@ class EventNames:
 
     def codes(self, kinds: list[str], modules: list[str]) -> np.ndarray:
         """``code(kind, module)`` of each event (new names get the next ids)."""
+        return self._ids(self.kinds, kinds) << 32 | self._ids(self.modules, modules)
+
+    @staticmethod
+    def _ids(table: dict[str, int], names: list[str]) -> np.ndarray:
+        """The id of each of ``names`` in ``table``, new names numbered on in the order they
+        first appear (a pass has thousands of events and a few hundred names)."""
         import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
-        k, m = self.kinds, self.modules
-        return np.array([k.setdefault(kind, len(k)) << 32 | m.setdefault(module, len(m))
-                         for kind, module in zip(kinds, modules)], dtype=np.int64)
+        for name in dict.fromkeys(names):
+            table.setdefault(name, len(table))
+        return np.fromiter(map(table.__getitem__, names), dtype=np.int64, count=len(names))
 
     def code(self, kind: str, module: str) -> int | None:
         """The integer of (``kind``, ``module``): the kind's id above the module's 32-bit id
@@ -196,33 +201,27 @@ class Segments:
     suffix_start: int
 
 
-def _first(index: dict[tuple[str, str], list[int]], kind: str, module: str,
-           start: int = 0) -> int | None:
-    """The first event ``kind`` of ``module`` at or after ``start`` (``index`` from
-    ``_positions``), by bisection: a linear scan per block was quadratic in the depth."""
-    positions = index.get((kind, module), [])
-    at = bisect.bisect_left(positions, start)
-    return positions[at] if at < len(positions) else None
-
-
-def _positions(events: list[Event]) -> dict[tuple[str, str], list[int]]:
-    index: dict[tuple[str, str], list[int]] = {}
-    for i, e in enumerate(events):
-        index.setdefault((e.kind, e.module), []).append(i)
-    return index
-
-
 def find_segments(timeline: Timeline, blocks: list[str]) -> Segments | None:
     """Split ``timeline`` at the blocks' first pre-forward and pre-backward events."""
-    ev = _positions(timeline.events)
-    fw_starts = [_first(ev, "pre_fw", b) for b in blocks]
-    bw_starts = [_first(ev, "pre_bw", b) for b in blocks]
+    events = timeline.events
+    keys = list(zip([e.kind for e in events], [e.module for e in events]))
+    # the first index of each (kind, module): built from the end, the earliest is kept
+    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+
+    def after(kind: str, module: str, start: int) -> int | None:
+        """The first ``kind`` event of ``module`` at or after ``start``."""
+        try:
+            return keys.index((kind, module), start)
+        except ValueError:
+            return None
+    fw_starts = [first.get(("pre_fw", b)) for b in blocks]
+    bw_starts = [first.get(("pre_bw", b)) for b in blocks]
     if not blocks or None in fw_starts or None in bw_starts:
         return None
     if fw_starts != sorted(fw_starts) or bw_starts != sorted(bw_starts, reverse=True):
         return None
-    last_fw_end = _first(ev, "post_fw", blocks[-1], fw_starts[-1])
-    first_bw_end = _first(ev, "post_bw", blocks[0], bw_starts[0])
+    last_fw_end = after("post_fw", blocks[-1], fw_starts[-1])
+    first_bw_end = after("post_bw", blocks[0], bw_starts[0])
     if last_fw_end is None or first_bw_end is None:
         return None
     fw = [(fw_starts[i], fw_starts[i + 1]) for i in range(len(blocks) - 1)]
