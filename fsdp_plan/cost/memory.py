@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import bisect
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -127,28 +127,52 @@ class ActivationProfile:
     def __init__(self, events: Sequence[Event]) -> None:
         columns = events if isinstance(events, EventColumns) else EventColumns.of(list(events))
         self._columns = columns
-        self.kinds = columns.kinds
-        self.modules = columns.modules
         self.num_events = n = len(columns)
         self._levels = columns.levels
         self._peaks = columns.peaks
         self._table: np.ndarray | None = None
         """A sparse table of the event peaks (``_sparse_table``) for ``max_peak``, made on
         first use: the search's sweeps read their range maxima with ``_gap_maxima``."""
-        self.backward_start = _index_of(self.kinds, "pre_bw", n - 1)
-        self.forward_end = max(0, self.backward_start - 1)
-        self.loss_span = _loss_span(self.kinds, self.modules, self.backward_start)
-        self._loss_level = int(self._levels[self.loss_span[0]]) if self.loss_span else 0
         self._names = columns.names
         self._codes = columns.codes
+        self._pre_bw: tuple[list[int], np.ndarray] | None = None
+        pre_bw = self._pre_backward()[1]
+        self.backward_start = int(pre_bw[0]) if len(pre_bw) else n - 1
+        self.forward_end = max(0, self.backward_start - 1)
+        self.loss_span = _loss_span(self.kind_and_module, n, self.backward_start)
+        self._loss_level = int(self._levels[self.loss_span[0]]) if self.loss_span else 0
         self._first, self._last = _first_and_last(columns.codes, self.backward_start)
-        self._pre_bw: list[int] | None = None
+        self._pre_bw_modules: list[str] | None = None
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._windows: dict[tuple[str, ...], UnitWindows] = {}
         self._skeletons: dict[tuple, _Skeleton] = {}
         """The step's buffers by units and prefetch (``_skeleton``)."""
         self._layouts: dict[tuple, _Layout] = {}
         """What the units' modules alone fix of those (``_skeleton``)."""
+
+    @property
+    def kinds(self) -> list[str]:
+        """Each event's kind (the search reads them by code, ``_codes``)."""
+        return self._columns.kinds
+
+    @property
+    def modules(self) -> list[str]:
+        """Each event's module FQN (the search reads them by code, ``_codes``)."""
+        return self._columns.modules
+
+    def kind_and_module(self, event: int) -> tuple[str, str]:
+        """The kind and module FQN of event ``event``."""
+        return self._names.named(int(self._codes[event]))
+
+    def _pre_backward(self) -> tuple[list[int], np.ndarray]:
+        """The indices of the pre-backward events, as a list and as an int64 array."""
+        if self._pre_bw is None:
+            import numpy as np  # see [Note: numpy on first use]
+
+            kind = self._names.kinds.get("pre_bw", -1)
+            found = np.flatnonzero(self._codes >> 32 == kind)
+            self._pre_bw = (found.tolist(), found)
+        return self._pre_bw
 
     @property
     def events(self) -> list[Event]:
@@ -219,28 +243,30 @@ class ActivationProfile:
             return left
         names, prefixes = _inside_test(modules)
         # only pre-backward events matter: visit those in ``start..stop`` (by bisection)
-        if self._pre_bw is None:
-            import numpy as np  # see [Note: numpy on first use]
-
-            kind = self._names.kinds.get("pre_bw", -1)
-            self._pre_bw = np.flatnonzero(self._codes >> 32 == kind).tolist()
-        pre_bw, fqns = self._pre_bw, self.modules
+        pre_bw, fqns = self._pre_backward()[0], self._pre_backward_modules()
         lo, hi = bisect.bisect_left(pre_bw, start), bisect.bisect_right(pre_bw, stop)
         last_inside = start
         for j in range(hi - 1, lo - 1, -1):  # the last pre-backward inside the unit
-            fqn = fqns[pre_bw[j]]
+            fqn = fqns[j]
             if fqn in names or fqn.startswith(prefixes):
                 last_inside = pre_bw[j]
                 break
         left = stop
         for j in range(bisect.bisect_right(pre_bw, last_inside), hi):
-            fqn = fqns[pre_bw[j]]  # the first after it neither inside nor around the unit
+            fqn = fqns[j]  # the first after it neither inside nor around the unit
             if not (fqn in names or fqn.startswith(prefixes)) and not (
                     fqn == "" or any(m.startswith(fqn + ".") for m in modules)):
                 left = pre_bw[j]
                 break
         self._left[key] = left
         return left
+
+    def _pre_backward_modules(self) -> list[str]:
+        """The module of each pre-backward event (``_pre_backward``), in order."""
+        if self._pre_bw_modules is None:
+            self._pre_bw_modules = self._names.module_names(
+                self._codes[self._pre_backward()[1]])
+        return self._pre_bw_modules
 
     def windows(self, unit: UnitSpec) -> UnitWindows:
         """Where ``unit`` computes: its modules' first pre-forward to last post-forward, etc.
@@ -343,17 +369,20 @@ def loss_span(events: Sequence[Event], backward_start: int) -> tuple[int, int] |
     inside the root's forward (Hugging Face heads given ``labels`` upcast the logits to float32
     there). What the activations hold above the level the last submodule left is what the loss
     holds; when the peak falls there the breakdown shows it as ``loss``."""
-    return _loss_span([e.kind for e in events], [e.module for e in events], backward_start)
+    return _loss_span(lambda i: (events[i].kind, events[i].module), len(events),
+                      backward_start)
 
 
-def _loss_span(kinds: list[str], modules: list[str], backward_start: int
-               ) -> tuple[int, int] | None:
-    """``loss_span`` over a timeline's kinds and modules (the last such forward end is the
-    first met walking back from backward)."""
-    last_fw = next((i for i in range(min(backward_start, len(kinds)) - 1, -1, -1)
-                    if kinds[i] == "post_fw" and modules[i]), None)
-    first_bw = next((i for i in range(backward_start, len(kinds))
-                     if kinds[i] == "pre_bw" and modules[i]), None)
+def _loss_span(kind_and_module: Callable[[int], tuple[str, str]], n: int,
+               backward_start: int) -> tuple[int, int] | None:
+    """``loss_span`` over ``n`` events read by index (the last such forward end is the first
+    met walking back from backward, a few events: the walks read no more)."""
+    def submodule(i: int, kind: str) -> bool:
+        k, module = kind_and_module(i)
+        return k == kind and module != ""
+    last_fw = next((i for i in range(min(backward_start, n) - 1, -1, -1)
+                    if submodule(i, "post_fw")), None)
+    first_bw = next((i for i in range(backward_start, n) if submodule(i, "pre_bw")), None)
     if last_fw is None or first_bw is None:
         return None
     return last_fw, first_bw
@@ -429,14 +458,6 @@ class _CodeIndex:
 
     def __len__(self) -> int:
         return len(self._code_array)
-
-
-def _index_of(items: list[str], item: str, default: int) -> int:
-    """The first index of ``item`` in ``items`` (a C-speed scan), else ``default``."""
-    try:
-        return items.index(item)
-    except ValueError:
-        return default
 
 
 def _sparse_table(peaks: np.ndarray) -> np.ndarray:
@@ -524,7 +545,8 @@ def _parts_at(point: int, live, instants, grads_at, static: dict[str, int]) -> d
 
 def _phase_name(profile: ActivationProfile, event: int) -> str:
     phase = "forward" if event <= profile.forward_end else "backward"
-    return f"{phase} ({profile.kinds[event]} {profile.modules[event] or '<root>'})"
+    kind, module = profile.kind_and_module(event)
+    return f"{phase} ({kind} {module or '<root>'})"
 
 
 def _offload_copy_bytes(unit: UnitSpec, p: Precision) -> int:

@@ -79,6 +79,8 @@ class EventNames:
     def __init__(self) -> None:
         self.kinds: dict[str, int] = {}
         self.modules: dict[str, int] = {}
+        self._by_id: tuple[list[str], list[str]] = ([], [])
+        """The kinds' and the modules' names by id (``_names_by_id``)."""
         self._keys: dict[tuple, list[int]] = {}
         """``keys`` by its arguments and how many names there were (a name added later
         would change what a lookup of it gives)."""
@@ -96,6 +98,22 @@ class EventNames:
         for name in dict.fromkeys(names):
             table.setdefault(name, len(table))
         return np.fromiter(map(table.__getitem__, names), dtype=np.int64, count=len(names))
+
+    def named(self, code: int) -> tuple[str, str]:
+        """The (kind, module) whose ``code`` this is."""
+        kinds, modules = self._names_by_id()
+        return kinds[code >> 32], modules[code & 0xFFFFFFFF]
+
+    def module_names(self, codes: np.ndarray) -> list[str]:
+        """The module of each of ``codes``."""
+        modules = self._names_by_id()[1]
+        return [modules[i] for i in (codes & 0xFFFFFFFF).tolist()]
+
+    def _names_by_id(self) -> tuple[list[str], list[str]]:
+        """The kinds' and the modules' names by id (ids are their order in the tables)."""
+        if len(self._by_id[0]) != len(self.kinds) or len(self._by_id[1]) != len(self.modules):
+            self._by_id = (list(self.kinds), list(self.modules))
+        return self._by_id
 
     def code(self, kind: str, module: str) -> int | None:
         """The integer of (``kind``, ``module``): the kind's id above the module's 32-bit id
@@ -121,17 +139,21 @@ class EventColumns(Sequence[Event]):
     """A timeline's events held field by field ([Note: timeline columns]): a sequence of
     ``Event`` whose objects are made on first use, beside the arrays the memory model reads."""
 
-    __slots__ = ("_events", "codes", "flops", "kinds", "levels", "modules", "names", "ops",
-                 "peaks")
+    __slots__ = ("_events", "_kinds", "_modules", "_ops", "_slices", "codes", "flops",
+                 "levels", "names", "peaks")
 
-    def __init__(self, *, kinds: list[str], modules: list[str], levels: np.ndarray,
-                 peaks: np.ndarray, flops: np.ndarray, ops: list[dict[str, float] | None],
-                 names: EventNames, codes: np.ndarray, events: list[Event] | None = None
-                 ) -> None:
+    def __init__(self, *, kinds: list[str] | None = None, modules: list[str] | None = None,
+                 levels: np.ndarray, peaks: np.ndarray, flops: np.ndarray,
+                 ops: list[dict[str, float] | None] | None = None, names: EventNames,
+                 codes: np.ndarray, events: list[Event] | None = None,
+                 slices: list[tuple[EventColumns, int, int]] | None = None) -> None:
+        """``kinds``, ``modules`` and ``ops`` as lists, or (a composite) the ``slices`` of other
+        columns they are cut from, on first use: the search reads a composite's events
+        through its arrays only."""
         for array in (levels, peaks, flops, codes):
             array.flags.writeable = False  # shared between a pass and the profiles of its mixes
-        self.kinds = kinds
-        self.modules = modules
+        self._kinds, self._modules, self._ops = kinds, modules, ops
+        self._slices = slices
         self.names = names
         self.codes = codes
         """int64 ``names.code(kind, module)`` of each event."""
@@ -141,8 +163,39 @@ class EventColumns(Sequence[Event]):
         """int64 highest activation-side bytes since the previous event."""
         self.flops = flops
         """float64 cumulative FLOPs."""
-        self.ops = ops
         self._events = events
+
+    @property
+    def kinds(self) -> list[str]:
+        """Each event's kind."""
+        if self._kinds is None:
+            self._cut()
+        return self._kinds  # type: ignore[return-value]
+
+    @property
+    def modules(self) -> list[str]:
+        """Each event's module FQN."""
+        if self._modules is None:
+            self._cut()
+        return self._modules  # type: ignore[return-value]
+
+    @property
+    def ops(self) -> list[dict[str, float] | None]:
+        """Each event's op-class counters (None: none recorded)."""
+        if self._ops is None:
+            self._cut()
+        return self._ops  # type: ignore[return-value]
+
+    def _cut(self) -> None:
+        """The lists, cut from the ``slices`` in turn."""
+        kinds: list[str] = []
+        modules: list[str] = []
+        ops: list[dict[str, float] | None] = []
+        for src, start, end in self._slices or ():
+            kinds += src.kinds[start:end]
+            modules += src.modules[start:end]
+            ops += src.ops[start:end]
+        self._kinds, self._modules, self._ops = kinds, modules, ops
 
     @classmethod
     def of(cls, events: list[Event], names: EventNames | None = None) -> EventColumns:
@@ -170,7 +223,7 @@ class EventColumns(Sequence[Event]):
         return self._events
 
     def __len__(self) -> int:
-        return len(self.kinds)
+        return len(self.codes)
 
     @overload
     def __getitem__(self, index: int) -> Event: ...
@@ -481,25 +534,23 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
     ``release_at`` (``_release_in_glue``). Column arithmetic as [Note: timeline columns]:
     each piece's shifts are worked out at once (``stacked``: the pieces' passes side by
     side), then every event gathered at once."""
-    kinds: list[str] = []
-    modules: list[str] = []
-    ops: list[dict[str, float] | None] = []
+    slices: list[tuple[EventColumns, int, int]] = []
     begins: list[int] = []
     nexts: list[int] = []
     lengths: list[int] = []
     glue_piece = None
+    count = 0
     for src, start, end in pieces:
         if start >= end:
             continue
         if glue is not None and src is glue[0] and (start, end) == glue[1]:
-            glue_piece = (len(lengths), len(kinds), src, start, end)
+            glue_piece = (len(lengths), count, src, start, end)
         at = stacked.offsets[id(src)]
         begins.append(at + start)
         nexts.append(at + (end if end < len(src) else end - 1))  # the event after the piece
         lengths.append(end - start)
-        kinds += src.kinds[start:end]
-        modules += src.modules[start:end]
-        ops += src.ops[start:end]
+        slices.append((src, start, end))
+        count += end - start
     used = _Pieces.of(begins, nexts, lengths, stacked,
                       glue_piece[0] if glue_piece is not None else None, cached)
     levels, peaks, flops_out, codes = _gather(used, stacked)
@@ -509,8 +560,8 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
                                  float(used.before[g] - used.bases[g]), cached, release_at)
         for column, values in zip((levels, peaks, flops_out), piece):
             column[at:at + end - start] = values
-    return EventColumns(kinds=kinds, modules=modules, levels=levels, peaks=peaks,
-                        flops=flops_out, ops=ops, names=pieces[0][0].names, codes=codes)
+    return EventColumns(levels=levels, peaks=peaks, flops=flops_out, names=pieces[0][0].names,
+                        codes=codes, slices=slices)
 
 
 @dataclass
