@@ -130,6 +130,8 @@ class ActivationProfile:
         self.num_events = n = len(columns)
         self._levels = columns.levels
         self._peaks = columns.peaks
+        self._padded_peaks: np.ndarray | None = None
+        """The peaks and a 0 after them (``_gap_maxima``), made on first use."""
         self._table: np.ndarray | None = None
         """A sparse table of the event peaks (``_sparse_table``) for ``max_peak``, made on
         first use: the search's sweeps read their range maxima with ``_gap_maxima``."""
@@ -209,7 +211,9 @@ class ActivationProfile:
         bounds = np.empty(2 * len(lo), dtype=np.int64)
         bounds[0::2] = lo
         bounds[1::2] = hi + 1  # at most the number of events: one more peak is appended
-        return np.maximum.reduceat(np.append(self._peaks, 0), bounds)[0::2]
+        if self._padded_peaks is None:
+            self._padded_peaks = np.append(self._peaks, 0)
+        return np.maximum.reduceat(self._padded_peaks, bounds)[0::2]
 
     def first_event(self, kind: str, module: str, default: int) -> int:
         """Index of the first backward (or forward) ``kind`` event of ``module``."""
