@@ -741,7 +741,7 @@ def _skeleton(profile: ActivationProfile, units: list[UnitSpec], *, offload: boo
     if found is None:
         placed = profile._layouts.get(layout)
         if placed is None:
-            placed = profile._layouts[layout] = _layout(profile, units)
+            placed = profile._layouts[layout] = _layout(profile, units, layout)
         found = profile._skeletons[key] = _place_buffers(
             placed, units, offload=offload, sharded_grads=sharded_grads,
             forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
@@ -776,9 +776,10 @@ class _Layout:
     """The reduce-scatter inputs, by ``bw_order``."""
 
 
-def _layout(profile: ActivationProfile, units: list[UnitSpec]) -> _Layout:
+def _layout(profile: ActivationProfile, units: list[UnitSpec], key: tuple) -> _Layout:
     """The windows (``ActivationProfile.windows``) of ``units``, their orders, and the
-    buffers whose place their modules fix."""
+    buffers whose place their modules fix (``key``: what names these units' modules,
+    ``_skeleton``'s)."""
     import numpy as np  # see [Note: numpy on first use]
 
     windows = profile.cached_windows_of(units)  # shared: read, never changed
@@ -811,7 +812,7 @@ def _layout(profile: ActivationProfile, units: list[UnitSpec]) -> _Layout:
 
     # Each parameter module's unsharded gradients, from where its backward ends (clamped to
     # its unit's backward) to the unit's post-backward.
-    events, numels, counts = _gradient_modules(profile, units, bw_sequence)
+    events, numels, counts = _gradient_modules(profile, units, bw_sequence, key)
     grads_end = np.repeat(bw_end[bw_sequence], counts)
     made_at = np.minimum(np.maximum(events, np.repeat(bw_start[bw_sequence], counts)),
                          grads_end)
@@ -828,23 +829,34 @@ def _layout(profile: ActivationProfile, units: list[UnitSpec]) -> _Layout:
                    reduce_input=reduce_input)
 
 
-def _gradient_modules(profile: ActivationProfile, units: list[UnitSpec], order: np.ndarray
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _gradient_modules(profile: ActivationProfile, units: list[UnitSpec], order: np.ndarray,
+                      key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per parameter module of the units in ``order``, unit after unit: the event where its
     backward ends (its first ``post_bw``, -1 without one) and its parameter count; and how
-    many such modules each unit has.
+    many such modules each unit has. The modules' lookup keys and counts are the same in
+    every mix of a composer's passes: kept with its names (``EventNames.derived``) by the
+    units' ``key`` (``_skeleton``'s) and order.
 
     Until the module's backward ends, the analysis timeline already holds its weight
     gradients (they stay activation-side until their post-accumulate-grad hook), so counting
     them from pre-backward counted them twice: a tied embedding +9% on BERT."""
     import numpy as np  # see [Note: numpy on first use]
 
-    modules = [units[i].param_modules for i in order.tolist()]
-    # ``first_event("post_bw", fqn, -1)`` for each, looked up all at once
-    keys = profile._event_keys("post_bw", [fqn for pm in modules for fqn, _ in pm], True)
-    return (profile._first.get_many(np.array(keys, dtype=np.int64), -1),
+    names = profile._names
+    memo = ("parameter modules", key, order.tobytes(), len(names.kinds), len(names.modules))
+    found = names.derived.get(memo)
+    if found is None:
+        modules = [units[i].param_modules for i in order.tolist()]
+        # ``first_event("post_bw", fqn, -1)`` of each, looked up all at once
+        found = names.derived[memo] = (
+            np.array(profile._event_keys("post_bw", [fqn for pm in modules for fqn, _ in pm],
+                                         True), dtype=np.int64),
             np.array([numel for pm in modules for _, numel in pm], dtype=np.int64),
             np.array([len(pm) for pm in modules], dtype=np.int64))
+        for array in found:
+            array.flags.writeable = False
+    keys, numels, counts = found
+    return profile._first.get_many(keys, -1), numels, counts
 
 
 def _place_buffers(layout: _Layout, units: list[UnitSpec], *, offload: bool,

@@ -79,6 +79,9 @@ class EventNames:
     def __init__(self) -> None:
         self.kinds: dict[str, int] = {}
         self.modules: dict[str, int] = {}
+        self.derived: dict[tuple, tuple[np.ndarray, ...]] = {}
+        """Arrays the memory model derives from these names for a layout of units, the same
+        in every mix (read only; keyed by the caller, with the tables' sizes)."""
         self._by_id: tuple[list[str], list[str]] = ([], [])
         """The kinds' and the modules' names by id (``_names_by_id``)."""
         self._keys: dict[tuple, list[int]] = {}
