@@ -806,8 +806,9 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
     collectives = {"all_gather": 0, "reduce_scatter": 0,
                    "all_reduce": reduces * (per_bucket * len(buckets)
                                             + (1 if config.find_unused_parameters else 0))}
-    if buffer_broadcasts(graph):
-        collectives["broadcast"] = reduces * buffer_broadcasts(graph)
+    broadcasts = buffer_broadcasts(graph)
+    if broadcasts:
+        collectives["broadcast"] = reduces * broadcasts
     return DDPEvaluation(config=config, buckets=buckets, memory=memory, time=time,
                          collectives=collectives, unused=unused, ready_s=ready)
 

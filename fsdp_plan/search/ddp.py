@@ -57,7 +57,9 @@ class DdpStrategy:
         if evaluator.analysis.ddp_unavailable:
             return []  # the model fails under autocast, as DDP would run it
         configs = config_options(evaluator.graph, evaluator.analysis.for_ddp(),
-                                 hooks=self.hooks(s))
+                                 hooks=self.hooks(s), unused=any(
+                                     p.ready_event is None
+                                     for p in evaluator.ddp_ready_order().params))
         if self.limits is not None:
             configs = self.limits.ddp_configs(configs, s.precision.reduce_bytes)
             if not configs:

@@ -362,20 +362,27 @@ class Evaluator:
             detail=OffloadDetail(host_bytes=host_bytes(candidate.units, s.optimizer, orig),
                                  copy_s=copy_s))
 
+    def ddp_ready_order(self) -> DdpOrder:
+        """DDP's parameters in the order their gradients become ready in the step as DDP
+        computes it (``Analysis.for_ddp``), shared by every bucket configuration (and read by
+        the DDP strategy for the parameters that get none)."""
+        if self._ddp_order is None:
+            self._ddp_order = ddp_order(self.graph, self.analysis.for_ddp().timeline.events)
+        return self._ddp_order
+
     def _replicated(self, layout: Layout, name: str) -> Candidate:
         """``DistributedDataParallel`` with ``layout.ddp``'s buckets (cost/ddp_buckets.py)."""
         s = self.settings
         analysis = self.analysis.for_ddp()  # below float32 DDP computes under autocast (SPEC 7)
-        if self._ddp_order is None:
+        if self._ddp_times is None:
             events = analysis.timeline.events
-            self._ddp_order = ddp_order(self.graph, events)
             self._ddp_times = event_times(events, s.hardware, analysis.param_dtype)
             self._ddp_issued = host_issue_times(events, s.hardware)
         assert layout.ddp is not None, "a DDP layout carries its bucket configuration"
         e = evaluate_ddp(self.graph, analysis, layout.ddp, hw=s.hardware,
                          world_size=s.world_size, gpus_per_node=s.gpus_per_node,
                          precision=s.precision, optimizer=s.optimizer,
-                         dtype=analysis.param_dtype, shared=self._ddp_order,
+                         dtype=analysis.param_dtype, shared=self.ddp_ready_order(),
                          times=self._ddp_times, issued=self._ddp_issued,
                          grad_accum_steps=s.grad_accum_steps,
                          gradient_sync=s.gradient_sync,
