@@ -52,9 +52,11 @@ module) (``EventNames``, numbered once per composer), and lists of kinds, module
 counters. A composite is the passes' columns taken piece by piece (one index into the passes
 laid side by side, ``_Stacked``), each piece shifted by its offset, with the same integer and
 floating-point operations, in the same order, as the per-event rule it replaced
-(tests/test_timeline_columns.py keeps that rule), so every figure is bit for bit what it was. The ``Event`` objects are made only when something
-asks for them (pictures, ``memory_timeline``); a pass's own columns give back the pass's
-``Event`` list itself.
+(tests/test_timeline_columns.py keeps that rule), so every figure is bit for bit what it
+was. A composite's lists are cut from its pieces only when something asks for them, as are
+the ``Event`` objects (pictures, ``memory_timeline``): the search reads the codes, and a
+profile names an event by its code (``EventNames.named``). A pass's own columns give back
+the pass's ``Event`` list itself.
 """
 
 from __future__ import annotations
