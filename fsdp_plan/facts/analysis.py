@@ -40,7 +40,7 @@ from fsdp_plan.facts.compiled import analyze_compiled
 from fsdp_plan.facts.depth import expand_pass, reduced_copy
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
 from fsdp_plan.facts.forked import ForkedPasses
-from fsdp_plan.facts.graph import keeps_full_precision
+from fsdp_plan.facts.graph import has_submodule, keeps_full_precision
 from fsdp_plan.facts.op_classes import ATTENTION_PACKETS as _ATTENTION_PACKETS
 from fsdp_plan.facts.op_classes import CPU_ATTENTION_FLOP_RULES  # noqa: F401 (tests import it here)
 from fsdp_plan.facts.op_classes import FLOP_RULES as _FLOP_RULES
@@ -418,7 +418,8 @@ def _explain_trace_failure(error: Exception, loaded: LoadedModel,
             "or route tokens with fixed capacity in example mode.")
     inside = ""
     if module:
-        kind = type(loaded.model.get_submodule(module)).__name__ if _has(loaded.model, module) else ""
+        kind = (type(loaded.model.get_submodule(module)).__name__
+                if has_submodule(loaded.model, module) else "")
         inside = f" in module {module!r}" + (f" ({kind})" if kind else "")
     elif module == "":
         inside = " in the root module's forward"
@@ -434,13 +435,6 @@ def _explain_trace_failure(error: Exception, loaded: LoadedModel,
         f"{text}. Check example_inputs and "
         "--batch-size/--seq-len against what the model's forward expects.")
 
-
-def _has(model: nn.Module, fqn: str) -> bool:
-    try:
-        model.get_submodule(fqn)
-    except AttributeError:
-        return False
-    return True
 
 
 def apply_checkpointing(model: nn.Module, fqns: list[str],

@@ -56,7 +56,7 @@ from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.depth import reduced_copy
 from fsdp_plan.facts.forked import ForkedPasses
 from fsdp_plan.facts.fused import fused_counters
-from fsdp_plan.facts.graph import keeps_full_precision
+from fsdp_plan.facts.graph import has_submodule, keeps_full_precision
 from fsdp_plan.facts.types import CompiledBlock, CompiledBlocks
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import rebuild_meta
@@ -370,7 +370,7 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
     reduced = reduced_copy(model, blocks)
     if reduced is not None:
         model = reduced[0]
-    present = [b for b in blocks if _has(model, b)]
+    present = [b for b in blocks if has_submodule(model, b)]
     traced = one_per_class(model, present)
     fake_mode = new_fake_mode()
     materialize_fake(model, fake_mode)
@@ -411,10 +411,3 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return torch.utils._pytree.tree_map_only(
         torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
-
-def _has(model: nn.Module, fqn: str) -> bool:
-    try:
-        model.get_submodule(fqn)
-    except AttributeError:
-        return False
-    return True

@@ -26,6 +26,16 @@ def keeps_full_precision(module: nn.Module) -> bool:
     return isinstance(module, _BatchNorm) and any(True for _ in module.parameters(recurse=False))
 
 
+def has_submodule(model: nn.Module, fqn: str) -> bool:
+    """Whether ``model`` has a submodule named ``fqn`` (a depth-cut copy lacks the blocks it
+    cut)."""
+    try:
+        model.get_submodule(fqn)
+    except AttributeError:
+        return False
+    return True
+
+
 def build_module_graph(model: nn.Module) -> ModuleGraph:
     """Walk ``model`` (on meta) once and describe its tree."""
     modules: dict[str, ModuleInfo] = {}
