@@ -380,16 +380,12 @@ def test_skeleton_columns_are_the_per_unit_placement(layout):
                       "backward_prefetch": rng.randint(0, 2)}
                 got = _skeleton(profile, units, **kw)
                 live, instants, grads_at, reduced_at = _reference_buffers(profile, units, **kw)
-                assert list(zip(map(_decode, got.live.start.tolist()),
-                                map(_decode, got.live.end.tolist()),
-                                got.live.categories(), got.live.unit.tolist(),
-                                got.live.kind.tolist(), got.live.mult.tolist())) == live
-                assert list(zip(map(_decode, got.instants.start.tolist()),
-                                got.instants.categories(), got.instants.unit.tolist(),
-                                got.instants.kind.tolist(), got.instants.mult.tolist())) \
-                    == instants
+                assert [(_decode(s), _decode(e), c, u, k, m)
+                        for s, e, c, u, k, m in got.live.listed()] == live
+                assert [(_decode(s), c, u, k, m)
+                        for s, _, c, u, k, m in got.instants.listed()] == instants
                 assert (got.grads_at, got.reduced_at) == (grads_at, reduced_at)
-                assert set(got.live.categories()) <= set(_CATEGORIES)
+                assert {c for _, _, c, *_ in got.live.listed()} <= set(_CATEGORIES)
 
 
 def test_peak_and_timeline_agree_on_the_column_skeletons():

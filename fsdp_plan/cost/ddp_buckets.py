@@ -364,12 +364,10 @@ class DdpOrder:
         smallest large parameter cut the same buckets (the 70B's 17 configurations cut 4
         layouts), so each layout's list is made once and shared, read only."""
         rebuilt = rebuilds(config)
-        if rebuilt:
-            order = self.rebuilt_buckets
-            ranges = _bucket_ranges(order.cumulative, config.limits)
-        else:  # DDP keeps its first bucketing: parameter order, the bucket list reversed
-            order = self.param_buckets
-            ranges = _bucket_ranges(order.cumulative, config.limits)[::-1]
+        order = self.rebuilt_buckets if rebuilt else self.param_buckets
+        ranges = _bucket_ranges(order.cumulative, config.limits)
+        if not rebuilt:  # DDP keeps its first bucketing: parameter order, the list reversed
+            ranges.reverse()
         key = (rebuilt, tuple(ranges))
         found = self._cuts.get(key)
         if found is None:

@@ -590,7 +590,8 @@ def _decode(point: int) -> tuple[int, int]:
 
 
 _CATEGORIES = ("unsharded_params", "comm_buffers", "unsharded_grads", "offload_copies")
-"""The categories a skeleton's buffers fall in (``_Placed.category`` indexes this)."""
+"""The categories a skeleton's buffers fall in (the ``_CATEGORY`` column of
+``_Placed.rows`` indexes this)."""
 _CAT_PARAMS, _CAT_COMM, _CAT_GRADS, _CAT_OFFLOAD = range(4)
 
 
@@ -642,33 +643,11 @@ class _Placed:
         """The buffers at ``indices``, in that order."""
         return _Placed(rows=self.rows[indices], timed=self.timed)
 
-    @property
-    def start(self) -> np.ndarray:
-        return self.rows[:, _START]
-
-    @property
-    def end(self) -> np.ndarray | None:
-        return self.rows[:, _END] if self.timed else None
-
-    @property
-    def category(self) -> np.ndarray:
-        return self.rows[:, _CATEGORY]
-
-    @property
-    def unit(self) -> np.ndarray:
-        return self.rows[:, _UNIT]
-
-    @property
-    def kind(self) -> np.ndarray:
-        return self.rows[:, _KIND]
-
-    @property
-    def mult(self) -> np.ndarray:
-        return self.rows[:, _MULT]
-
-    def categories(self) -> list[str]:
-        """Each buffer's category by name."""
-        return [_CATEGORIES[c] for c in self.category.tolist()]
+    def listed(self) -> list[tuple[int, int | None, str, int, int, int]]:
+        """Each buffer as (start, end or None for an instant, category name, unit, kind,
+        mult), as Python values (pictures and tests: the sweep reads ``rows``)."""
+        return [(start, end if self.timed else None, _CATEGORIES[category], unit, kind, mult)
+                for start, end, category, unit, kind, mult in self.rows.tolist()]
 
 
 @dataclass(kw_only=True)
@@ -873,7 +852,8 @@ def _place_buffers(layout: _Layout, units: list[UnitSpec], *, offload: bool,
     # The reduce-scatter input is filled while the unsharded gradients still exist; with
     # offload the reduced shard is copied to the host and freed on the device.
     bw_order = layout.bw_order
-    filled = _Placed.of(layout.reduce_input.start, None, _CAT_GRADS, bw_order, _ALL_GRADS)
+    filled = _Placed.of(layout.reduce_input.rows[:, _START], None, _CAT_GRADS, bw_order,
+                         _ALL_GRADS)
     # Sharded gradients appear after each reduce-scatter (held from the start when
     # accumulating; on the host with offload).
     return _Skeleton(
@@ -889,7 +869,8 @@ def _with_offload(instants: _Placed, offload: bool, kind: int) -> _Placed:
     the same point."""
     if not offload:
         return instants
-    copies = _Placed.of(instants.start, None, _CAT_OFFLOAD, instants.unit, kind)
+    copies = _Placed.of(instants.rows[:, _START], None, _CAT_OFFLOAD, instants.rows[:, _UNIT],
+                        kind)
     return _Placed.join([instants, copies], interleave=True)
 
 
@@ -944,7 +925,7 @@ def _backward_buffers(layout: _Layout, reshard: np.ndarray, offload: bool, prefe
     is_grad = np.ones(len(take), dtype=bool)
     is_grad[first] = False
     take[first] = np.arange(len(first))
-    take[is_grad] = len(first) + np.arange(len(layout.grads.start))
+    take[is_grad] = len(first) + np.arange(len(layout.grads.rows))
     return (_Placed.join([params, layout.grads]).take(take),
             _with_offload(copy_out, offload, _OFFLOAD_COPY))
 
@@ -1169,16 +1150,13 @@ def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     rates = _rates_of(units, ctx.precision, ctx.shard_size).tolist()
-    live, extra = skeleton.live, skeleton.instants
-    assert live.end is not None, "live buffers end"
+    assert skeleton.live.timed, "live buffers end"
     return StepBuffers(
         static=static, held=held,
-        live=[(_decode(s), _decode(e), rates[k][u] * m, cat) for s, e, cat, u, k, m in zip(
-            live.start.tolist(), live.end.tolist(), live.categories(), live.unit.tolist(),
-            live.kind.tolist(), live.mult.tolist())],
-        instants=[(_decode(at), rates[k][u] * m, cat) for at, cat, u, k, m in zip(
-            extra.start.tolist(), extra.categories(), extra.unit.tolist(),
-            extra.kind.tolist(), extra.mult.tolist())],
+        live=[(_decode(s), _decode(e), rates[k][u] * m, cat)
+              for s, e, cat, u, k, m in skeleton.live.listed()],
+        instants=[(_decode(at), rates[k][u] * m, cat)
+                  for at, _, cat, u, k, m in skeleton.instants.listed()],
         grads_at=[(at, rates[_SHARD_ORIG][u]) for at, u in skeleton.grads_at],
         optimizer_step=_optimizer_step(units, ctx, static))
 

@@ -544,23 +544,22 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
     nexts: list[int] = []
     lengths: list[int] = []
     glue_piece = None
-    count = 0
     for src, start, end in pieces:
         if start >= end:
             continue
         if glue is not None and src is glue[0] and (start, end) == glue[1]:
-            glue_piece = (len(lengths), count, src, start, end)
+            glue_piece = len(slices)
         at = stacked.offsets[id(src)]
         begins.append(at + start)
         nexts.append(at + (end if end < len(src) else end - 1))  # the event after the piece
         lengths.append(end - start)
         slices.append((src, start, end))
-        count += end - start
-    used = _Pieces.of(begins, nexts, lengths, stacked,
-                      glue_piece[0] if glue_piece is not None else None, cached)
+    used = _Pieces.of(begins, nexts, lengths, stacked, glue_piece, cached)
     levels, peaks, flops_out, codes = _gather(used, stacked)
     if glue_piece is not None:
-        g, at, src, start, end = glue_piece
+        g = glue_piece
+        src, start, end = slices[g]
+        at = sum(lengths[:g])  # where the glue's events sit in the composite
         piece = _release_in_glue(src, start, end, int(used.shifts[g]),
                                  float(used.before[g] - used.bases[g]), cached, release_at)
         for column, values in zip((levels, peaks, flops_out), piece):

@@ -436,7 +436,6 @@ def _explain_trace_failure(error: Exception, loaded: LoadedModel,
         "--batch-size/--seq-len against what the model's forward expects.")
 
 
-
 def apply_checkpointing(model: nn.Module, fqns: list[str],
                         selective_ops: list[str] | None = None, mm_stride: int = 1) -> None:
     """Wrap each listed module in PyTorch's non-reentrant checkpoint wrapper, in place: the

@@ -410,4 +410,3 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
 def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return torch.utils._pytree.tree_map_only(
         torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
-
