@@ -21,8 +21,14 @@ from fsdp_plan.cost.memory import (
     _CATEGORIES,
     ActivationProfile,
     StepContext,
+    _coded_at,
     _decode,
+    _framed_skeleton,
+    _layout,
+    _place_buffers,
     _skeleton,
+    _sweep_of,
+    _sweep_structure,
     estimate_peak,
     memory_timeline,
 )
@@ -386,6 +392,66 @@ def test_skeleton_columns_are_the_per_unit_placement(layout):
                         for s, _, c, u, k, m in got.instants.listed()] == instants
                 assert (got.grads_at, got.reduced_at) == (grads_at, reduced_at)
                 assert {c for _, _, c, *_ in got.live.listed()} <= set(_CATEGORIES)
+
+
+def test_hook_frames_place_and_sweep_as_the_mix_itself():
+    """[Note: hook frames]: a layout's buffers placed once on a hook frame and mapped onto a
+    mix are the ones placed on the mix's own events, and the frame's sweep read at the mix
+    visits the same points in the same order with the activations there; mixes whose hooks
+    name the same modules in the same order share one frame."""
+    facts = _with_passes(_facts(), autocast=True, int_flops=False)
+    blocks = facts.graph.blocks
+    c = TimelineComposer(facts.analysis, blocks)
+    rng = random.Random(13)
+    mixes = _mixes(len(blocks))
+    frames = set()
+    for which, selective in mixes:
+        profile = ActivationProfile(c.events(which, selective - which))
+        frame, events = profile.hook_frame()
+        frames.add(id(frame))
+        assert frame.num_events < profile.num_events or not which
+        for make in LAYOUTS:
+            groups = [g for g in make(blocks) if all(m in facts.graph.modules for m in g)]
+            reshard = [rng.random() < 0.6 for _ in groups] + [rng.random() < 0.3]
+            units = build_units(facts.graph, groups, reshard, 4)
+            kw = {"offload": rng.random() < 0.3, "sharded_grads": rng.random() < 0.7,
+                  "forward_prefetch": rng.randint(0, 2), "backward_prefetch": rng.randint(0, 2)}
+            key = tuple((tuple(u.modules), u.numel > 0, len(u.param_modules)) for u in units)
+            own = _place_buffers(_layout(profile, units, key), units, **kw)
+            mapped = _skeleton(profile, units, **kw)
+            for got, want in ((mapped.live, own.live), (mapped.instants, own.instants)):
+                assert got.listed() == want.listed()
+            assert mapped.reduced.tolist() == own.reduced.tolist()
+            assert mapped.grads_appear == own.grads_appear
+            sweep = _sweep_of(profile, _framed_skeleton(frame, units, **kw))
+            direct = _sweep_structure(profile, own)
+            assert _coded_at(sweep["points"], events).tolist() == direct["points"].tolist()
+            for name in ("order", "extra_order", "running_at", "extra_hi", "extra_lo", "gap"):
+                assert sweep[name].tolist() == direct[name].tolist(), name
+            points = direct["points"].tolist()
+            assert sweep["activations"].tolist() == [
+                profile.max_peak((points[i - 1] >> 2) + 1 if i else 0, p >> 2) if p & 3 == 0
+                else profile.levels[p >> 2] for i, p in enumerate(points)]
+    assert len(frames) < len(mixes)
+    # random timelines (as test_windows_are_the_per_module_lookup's): forwards that never
+    # end, backwards without a post-backward, replayed forwards, the root without hooks
+    names = ["a", "a.x", "a.y", "b", "b.x", "c", "d"]
+    for _ in range(60):
+        kinds = [rng.choice(("pre_fw", "post_fw", "end")) for _ in range(rng.randint(3, 25))]
+        kinds += ["pre_bw"] + [rng.choice(("pre_bw", "post_bw", "pre_fw", "post_fw", "end"))
+                               for _ in range(rng.randint(0, 25))]
+        events = [Event(kind=k, module=rng.choice(["", *names]), level=0, peak=0, flops=0.0)
+                  for k in kinds]
+        profile = ActivationProfile(events)
+        frame, at = profile.hook_frame()
+        units = [UnitSpec(modules=rng.sample(names, rng.randint(1, 3))) for _ in range(12)]
+        units.append(UnitSpec(modules=[""]))
+        assert [(int(at[w.fw_start]), int(at[w.fw_end]), int(at[w.bw_start]),
+                 int(at[w.bw_end]), w.ran) for w in frame._find_windows(units)] == [
+            (w.fw_start, w.fw_end, w.bw_start, w.bw_end, w.ran)
+            for w in profile._find_windows(units)]
+        assert profile.loss_span == (None if frame.loss_span is None else tuple(
+            int(at[i]) for i in frame.loss_span))
 
 
 def test_peak_and_timeline_agree_on_the_column_skeletons():

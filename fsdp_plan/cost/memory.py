@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -148,9 +149,58 @@ class ActivationProfile:
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._windows: dict[tuple[str, ...], UnitWindows] = {}
         self._skeletons: dict[tuple, _Skeleton] = {}
-        """The step's buffers by units and prefetch (``_skeleton``)."""
+        """The step's buffers by units and prefetch (``_framed_skeleton``; on a hook frame)."""
         self._layouts: dict[tuple, _Layout] = {}
-        """What the units' modules alone fix of those (``_skeleton``)."""
+        """What the units' modules alone fix of those (``_framed_skeleton``)."""
+        self._frame: tuple[ActivationProfile, np.ndarray] | None = None
+        """The hook frame and where its events sit here (``hook_frame``)."""
+        self._sweeps: dict[int, dict[str, np.ndarray]] = {}
+        """The sweeps of the frame's skeletons here, by skeleton serial (``_sweep_of``)."""
+
+    def hook_frame(self) -> tuple[ActivationProfile, np.ndarray]:
+        """This profile's hook frame and, for each of the frame's events, its index here
+        (one more entry maps the frame's number of events to this one's): see [Note: hook
+        frames].
+
+        [Note: hook frames]
+        Where a unit's buffers start and end is read from FSDP's module hooks alone: the
+        pre- and post-forward events in forward and the pre- and post-backward events in
+        backward (``_find_windows``, ``_gradient_modules``), with the step's first and last
+        events and the last one before backward. A checkpointing mix moves those events (a
+        checkpointed block replays its forward inside backward, and the replayed hooks are
+        not among them), it does not reorder them. So every mix whose hook events name the
+        same modules in the same order places a layout's buffers at the same hooks: the
+        windows, the skeletons and the order of the sweep's points are worked out once, on
+        the frame (a profile of those events alone, kept with the composer's names), and
+        each mix maps the frame's points onto its own events and reads its activations there
+        (``_sweep_of``). The placement only compares event indices and codes them as
+        ``4 * event + sub + 1``, and every index it reads or makes is one of the frame's
+        events: the map keeps both, so the buffers are where placing them on the mix put
+        them (tests/test_timeline_columns.py places both ways).
+        """
+        if self._frame is None:
+            import numpy as np  # see [Note: numpy on first use]
+
+            n, start = self.num_events, self.backward_start
+            kinds, ids = self._codes >> 32, self._names.kinds
+
+            def of(first: str, second: str, part: np.ndarray) -> np.ndarray:
+                return (part == ids.get(first, -1)) | (part == ids.get(second, -1))
+            hook = np.concatenate((of("pre_fw", "post_fw", kinds[:start]),
+                                   of("pre_bw", "post_bw", kinds[start:])))
+            if n:
+                hook[[0, self.forward_end, n - 1]] = True
+            events = np.flatnonzero(hook)
+            codes = self._codes[events]
+            key = ("hook frame", codes.tobytes())
+            frame = self._names.derived.get(key)
+            if not isinstance(frame, ActivationProfile):
+                zeros = np.zeros(len(codes), dtype=np.int64)
+                frame = self._names.derived[key] = ActivationProfile(EventColumns(
+                    levels=zeros, peaks=zeros, flops=zeros.astype(np.float64),
+                    names=self._names, codes=codes))
+            self._frame = (frame, np.append(events, n))
+        return self._frame
 
     @property
     def kinds(self) -> list[str]:
@@ -286,7 +336,7 @@ class ActivationProfile:
 
     def ran_of(self, units: list[UnitSpec]) -> tuple[bool, ...]:
         """Whether each of ``units`` ran forward (its modules did)."""
-        return tuple(w.ran for w in self.cached_windows_of(units))
+        return tuple(w.ran for w in self.hook_frame()[0].cached_windows_of(units))
 
     def cached_windows_of(self, units: list[UnitSpec]) -> list[UnitWindows]:
         """The shared windows of each of ``units`` (callers must not change them), those not
@@ -654,10 +704,11 @@ class _Placed:
 class _Skeleton:
     """Every buffer of one steady step as ``step_buffers`` places it, without its bytes: live
     buffers (start, end, category, unit, kind of rate, multiplier) and instants (the same
-    without an end), as columns of coded points (``_Placed``). It depends on the profile, the
-    units' modules and reshard choices, the prefetch depths, offload and whether sharded
-    gradients appear, not on the shard size or dtypes, so the search reuses it across meshes;
-    the sweep's points and their activations are fixed by it too (``_sweep_of``)."""
+    without an end), as columns of coded points (``_Placed``). It depends on the profile's
+    hook frame ([Note: hook frames]), the units' modules and reshard choices, the prefetch
+    depths, offload and whether sharded gradients appear, not on the shard size or dtypes,
+    so the search reuses it across meshes and checkpointing mixes; the sweep's points are
+    fixed by it too (``_sweep_structure``), their activations by the mix (``_sweep_of``)."""
 
     live: _Placed
     instants: _Placed
@@ -667,6 +718,24 @@ class _Skeleton:
     grads_appear: bool
     """Whether each unit's sharded gradient appears after its reduce-scatter."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    """The part of its sweep every mix shares (``_sweep_structure``)."""
+    serial: int = field(default_factory=lambda: next(_SKELETON_SERIALS))
+    """Names the skeleton among a profile's sweeps (``ActivationProfile._sweeps``)."""
+
+    def at(self, events: np.ndarray) -> _Skeleton:
+        """This skeleton (on a hook frame) at the events ``events`` names for the frame's
+        (``ActivationProfile.hook_frame``)."""
+        import numpy as np  # see [Note: numpy on first use]
+
+        def placed(buffers: _Placed) -> _Placed:
+            rows = buffers.rows.copy()
+            rows[:, _START] = _coded_at(rows[:, _START], events)
+            if buffers.timed:
+                rows[:, _END] = _coded_at(rows[:, _END], events)
+            return _Placed(rows=rows, timed=buffers.timed)
+        return _Skeleton(live=placed(self.live), instants=placed(self.instants),
+                         reduced=np.stack((events[self.reduced[0]], self.reduced[1])),
+                         grads_appear=self.grads_appear)
 
     @property
     def reduced_at(self) -> list[tuple[int, int]]:
@@ -677,6 +746,15 @@ class _Skeleton:
     def grads_at(self) -> list[tuple[int, int]]:
         """(event, unit): the unit's sharded gradient appears after its reduce-scatter."""
         return self.reduced_at if self.grads_appear else []
+
+
+_SKELETON_SERIALS = itertools.count()
+
+
+def _coded_at(points: np.ndarray, events: np.ndarray) -> np.ndarray:
+    """Coded points ``4 * event + sub + 1`` on a hook frame, at the events ``events`` names
+    for the frame's (``ActivationProfile.hook_frame``)."""
+    return 4 * events[points >> 2] + (points & 3)
 
 
 def _unit_rates(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
@@ -701,27 +779,40 @@ def _unit_rates(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
 def _skeleton_of(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext,
                  held: dict[str, int], forward_prefetch: int, backward_prefetch: int
                  ) -> _Skeleton:
-    """The skeleton ``ctx`` sweeps: sharded gradients appear after each reduce-scatter unless
-    accumulation holds them from the start or they are stepped in backward ([Note: optimizer
-    overlap in memory])."""
-    return _skeleton(profile, units, offload=ctx.offload,
-                     sharded_grads="sharded_grads" not in held and not ctx.optimizer_overlap,
-                     forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
+    """The skeleton ``ctx`` sweeps, on the profile's hook frame ([Note: hook frames]):
+    sharded gradients appear after each reduce-scatter unless accumulation holds them from
+    the start or they are stepped in backward ([Note: optimizer overlap in memory])."""
+    return _framed_skeleton(profile.hook_frame()[0], units, offload=ctx.offload,
+                            sharded_grads="sharded_grads" not in held
+                            and not ctx.optimizer_overlap,
+                            forward_prefetch=forward_prefetch,
+                            backward_prefetch=backward_prefetch)
 
 
 def _skeleton(profile: ActivationProfile, units: list[UnitSpec], *, offload: bool,
               sharded_grads: bool, forward_prefetch: int, backward_prefetch: int) -> _Skeleton:
-    """The buffers of ``step_buffers`` ([Note: FSDP2 memory timeline]), cached on the profile
-    by the units' layout (``_Layout``) and their choices."""
+    """The buffers of ``step_buffers`` ([Note: FSDP2 memory timeline]) at the profile's own
+    events: its hook frame's skeleton, mapped ([Note: hook frames])."""
+    frame, events = profile.hook_frame()
+    return _framed_skeleton(frame, units, offload=offload, sharded_grads=sharded_grads,
+                            forward_prefetch=forward_prefetch,
+                            backward_prefetch=backward_prefetch).at(events)
+
+
+def _framed_skeleton(frame: ActivationProfile, units: list[UnitSpec], *, offload: bool,
+                     sharded_grads: bool, forward_prefetch: int, backward_prefetch: int
+                     ) -> _Skeleton:
+    """The buffers of ``step_buffers`` on a hook ``frame``, cached there by the units' layout
+    (``_Layout``) and their choices: every mix with that frame reads them."""
     layout = tuple((tuple(u.modules), u.numel > 0, len(u.param_modules)) for u in units)
     key = (layout, tuple(u.reshard_after_forward for u in units), offload, sharded_grads,
            forward_prefetch, backward_prefetch)
-    found = profile._skeletons.get(key)
+    found = frame._skeletons.get(key)
     if found is None:
-        placed = profile._layouts.get(layout)
+        placed = frame._layouts.get(layout)
         if placed is None:
-            placed = profile._layouts[layout] = _layout(profile, units, layout)
-        found = profile._skeletons[key] = _place_buffers(
+            placed = frame._layouts[layout] = _layout(frame, units, layout)
+        found = frame._skeletons[key] = _place_buffers(
             placed, units, offload=offload, sharded_grads=sharded_grads,
             forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
     return found
@@ -730,9 +821,9 @@ def _skeleton(profile: ActivationProfile, units: list[UnitSpec], *, offload: boo
 @dataclass(kw_only=True, slots=True)
 class _Layout:
     """What a skeleton takes from the units' modules alone, not from their reshard and
-    prefetch choices: the search places some 500 skeletons per plan (70B) over a few layouts
-    per activation profile, so this is worked out once per profile and layout (``_layout``).
-    Arrays by unit index, or in the order named."""
+    prefetch choices: the search places some 30 skeletons per plan (70B) over a few layouts
+    per hook frame, so this is worked out once per frame and layout (``_layout``). Arrays by
+    unit index, or in the order named."""
 
     fw_start: np.ndarray
     fw_end: np.ndarray
@@ -931,14 +1022,37 @@ def _backward_buffers(layout: _Layout, reshard: np.ndarray, offload: bool, prefe
 
 
 def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.ndarray]:
-    """The skeleton's buffers as coded int64 arrays (``_encode``) and the fixed part of its
-    sweep: the points ``_points`` visits, their activations, and where each point reads the
-    running totals of buffers and instants."""
+    """The sweep of a skeleton on the profile's hook frame (``_skeleton_of``) over this
+    profile: the frame's part (``_sweep_structure``) with, at each of its points, the event
+    here (``events``) and the activations there (``activations``): the highest event peak
+    since the previous point for the gap before an event, else the event's level."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    a = profile._sweeps.get(skeleton.serial)
+    if a is not None:
+        return a
+    frame, events = profile.hook_frame()
+    fixed = _sweep_structure(frame, skeleton)
+    event = events[fixed["points"] >> 2]
+    gap = fixed["gap"]
+    activations = profile._levels[event]
+    if gap.any():
+        previous = np.concatenate(([-1], event[:-1]))
+        activations[gap] = profile._gap_maxima(previous[gap] + 1, event[gap])
+    a = profile._sweeps[skeleton.serial] = {**fixed, "events": event,
+                                            "activations": activations}
+    return a
+
+
+def _sweep_structure(frame: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.ndarray]:
+    """The skeleton's buffers as coded int64 arrays (``_encode``) and the part of its sweep
+    its hook ``frame`` fixes ([Note: hook frames]): the points ``_points`` visits, which are
+    gaps, and where each point reads the running totals of buffers and instants."""
     import numpy as np  # see [Note: numpy on first use]
     a = skeleton.arrays
     if a:
         return a
-    n = profile.num_events
+    n = frame.num_events
     live, inst = skeleton.live.rows, skeleton.instants.rows  # read, never changed
     reduced = skeleton.reduced
     grads = (np.stack((4 * reduced[0] + 2, reduced[1]), axis=1) if skeleton.grads_appear
@@ -950,19 +1064,14 @@ def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.n
     extra_keys = inst[extra_order, _START]
     # the points of ``_points``: every buffer's start (and the gap before it), every end's
     # gap, the instants (and the gaps before them), the sharded gradients, the loss's region
-    span = [4 * k for k in profile.loss_span] if profile.loss_span is not None else []
+    span = [4 * k for k in frame.loss_span] if frame.loss_span is not None else []
     points = _unique(np.concatenate((
         np.array([0, 4 * (n - 1), *span], dtype=np.int64), starts, starts & ~3, ends & ~3,
         extra_keys, extra_keys & ~3, grads[:, 0])))
     points = points[points < 4 * n]
-    event = points >> 2
     gap = (points & 3) == 0
-    activations = profile._levels[event]
-    if gap.any():
-        previous = np.concatenate(([-1], event[:-1]))
-        activations[gap] = profile._gap_maxima(previous[gap] + 1, event[gap])
     a.update(live=live, inst=inst, grads=grads, order=order, extra_order=extra_order,
-             points=points, gap=gap, activations=activations,
+             points=points, gap=gap,
              running_at=np.searchsorted(keys[order], points, side="right"),
              extra_hi=np.where(gap, 0, np.searchsorted(extra_keys, points, side="right")),
              extra_lo=np.where(gap, 0, np.searchsorted(extra_keys, points, side="left")))
@@ -1027,15 +1136,14 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     totals = (a["activations"] + running[a["running_at"]]
               + (extra_sums[a["extra_hi"]] - extra_sums[a["extra_lo"]]))
     best_at = int(np.argmax(totals))  # the first highest point
-    point = int(a["points"][best_at])
+    point = int(a["points"][best_at])  # on the frame; ``event``: here
+    event = int(a["events"][best_at])
     best = MemoryEstimate(peak_bytes=sum(base.values()) + int(totals[best_at]),
                           breakdown=_parts_of(point, skeleton, a, nbytes, grad_bytes, rates,
                                               base),
-                          phase=_phase_name(profile, point >> 2))
-    points = a["points"]
-    gap_start = point >> 2 if point & 3 else (int(points[best_at - 1]) >> 2) + 1 if best_at else 0
-    best.breakdown.update(profile.split_loss(gap_start, point >> 2,
-                                             int(a["activations"][best_at])))
+                          phase=_phase_name(profile, event))
+    gap_start = event if point & 3 else int(a["events"][best_at - 1]) + 1 if best_at else 0
+    best.breakdown.update(profile.split_loss(gap_start, event, int(a["activations"][best_at])))
     optimizer_step = _optimizer_step(units, ctx, static)
     if optimizer_step is not None and sum(optimizer_step.values()) > best.peak_bytes:
         best = MemoryEstimate(peak_bytes=sum(optimizer_step.values()), phase="optimizer step",
@@ -1059,9 +1167,10 @@ def _buffer_bytes(a: dict[str, np.ndarray], rates: np.ndarray
 def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], rates: np.ndarray,
                        static: dict[str, int], optimizer: str
                        ) -> list[tuple[int, dict[str, int]]]:
-    """(coded point, what is held) while each unit's parameters step in backward ([Note:
-    optimizer overlap in memory]): the buffers live at its post-backward point (no instants),
-    the point's activations, its sharded gradient and one parameter's step temporary."""
+    """(coded point at the profile's events, what is held) while each unit's parameters
+    step in backward ([Note: optimizer overlap in memory]): the buffers live at its
+    post-backward point (no instants), the point's activations, its sharded gradient and one
+    parameter's step temporary. ``skeleton`` and ``a``: on the hook frame (``_sweep_of``)."""
     import numpy as np  # see [Note: numpy on first use]
 
     nbytes, grad_bytes = _buffer_bytes(a, rates)
@@ -1078,7 +1187,7 @@ def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], rates: np.
         temporary = step_temporaries(optimizer) * int(rates[_LARGEST_SHARD, unit])
         if temporary:
             parts["optimizer_temporaries"] = temporary
-        out.append((point, parts))
+        out.append((4 * int(a["events"][at]) + 1, parts))
     return out
 
 
@@ -1148,7 +1257,8 @@ def step_buffers(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCon
     """Every buffer of one steady step for ``units`` ([Note: FSDP2 memory timeline]), before
     the sweep: ``estimate_peak`` takes their highest total, ``memory_timeline`` all of them."""
     static, held = _static_and_held(units, ctx)
-    skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
+    skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch,
+                            backward_prefetch).at(profile.hook_frame()[1])
     rates = _rates_of(units, ctx.precision, ctx.shard_size).tolist()
     assert skeleton.live.timed, "live buffers end"
     return StepBuffers(

@@ -81,9 +81,10 @@ class EventNames:
     def __init__(self) -> None:
         self.kinds: dict[str, int] = {}
         self.modules: dict[str, int] = {}
-        self.derived: dict[tuple, tuple[np.ndarray, ...]] = {}
-        """Arrays the memory model derives from these names for a layout of units, the same
-        in every mix (read only; keyed by the caller, with the tables' sizes)."""
+        self.derived: dict[tuple, object] = {}
+        """What the memory model derives from these names, the same in every mix (read
+        only; keyed by the caller): arrays for a layout of units, hook frames (cost/memory.py
+        [Note: hook frames])."""
         self._by_id: tuple[list[str], list[str]] = ([], [])
         """The kinds' and the modules' names by id (``_names_by_id``)."""
         self._keys: dict[tuple, list[int]] = {}
@@ -192,10 +193,15 @@ class EventColumns(Sequence[Event]):
         return self._ops  # type: ignore[return-value]
 
     def _cut(self) -> None:
-        """The lists, cut from the ``slices`` in turn."""
+        """The lists, cut from the ``slices`` in turn (columns made of codes alone, without
+        slices: named from their codes, with no op counters)."""
         kinds: list[str] = []
         modules: list[str] = []
         ops: list[dict[str, float] | None] = []
+        if self._slices is None:
+            named = [self.names.named(code) for code in self.codes.tolist()]
+            kinds, modules = [k for k, _ in named], [m for _, m in named]
+            ops = [None] * len(named)
         for src, start, end in self._slices or ():
             kinds += src.kinds[start:end]
             modules += src.modules[start:end]
