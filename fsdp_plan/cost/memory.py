@@ -144,7 +144,7 @@ class ActivationProfile:
         self.forward_end = max(0, self.backward_start - 1)
         self.loss_span = _loss_span(self.kind_and_module, n, self.backward_start)
         self._loss_level = int(self._levels[self.loss_span[0]]) if self.loss_span else 0
-        self._first, self._last = _first_and_last(columns.codes, self.backward_start)
+        self._first_last: tuple[_CodeIndex, _CodeIndex] | None = None
         self._pre_bw_modules: list[str] | None = None
         self._left: dict[tuple[tuple[str, ...], int, int], int] = {}
         self._windows: dict[tuple[str, ...], UnitWindows] = {}
@@ -201,6 +201,22 @@ class ActivationProfile:
                     names=self._names, codes=codes))
             self._frame = (frame, np.append(events, n))
         return self._frame
+
+    @property
+    def _first(self) -> _CodeIndex:
+        """The first event of each code, in forward and in backward (``_first_and_last``),
+        made on first use: the search looks events up on hook frames only ([Note: hook
+        frames]), never on its mixes."""
+        if self._first_last is None:
+            self._first_last = _first_and_last(self._codes, self.backward_start)
+        return self._first_last[0]
+
+    @property
+    def _last(self) -> _CodeIndex:
+        """The last event of each code, in forward and in backward (see ``_first``)."""
+        if self._first_last is None:
+            self._first_last = _first_and_last(self._codes, self.backward_start)
+        return self._first_last[1]
 
     @property
     def kinds(self) -> list[str]:
