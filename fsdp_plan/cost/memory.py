@@ -154,6 +154,8 @@ class ActivationProfile:
         """What the units' modules alone fix of those (``_framed_skeleton``)."""
         self._frame: tuple[ActivationProfile, np.ndarray] | None = None
         """The hook frame and where its events sit here (``hook_frame``)."""
+        self._framed: tuple[np.ndarray, np.ndarray] | None = None
+        """The levels and gap peaks at the frame's events (``framed_activations``)."""
         self._sweeps: dict[int, dict[str, np.ndarray]] = {}
         """The sweeps of the frame's skeletons here, by skeleton serial (``_sweep_of``)."""
 
@@ -201,6 +203,23 @@ class ActivationProfile:
                     names=self._names, codes=codes))
             self._frame = (frame, np.append(events, n))
         return self._frame
+
+    def framed_activations(self) -> tuple[np.ndarray, np.ndarray]:
+        """At each event of the hook frame (``hook_frame``): its level here, and the highest
+        event peak here from the frame's previous event (exclusive; from the first event for
+        the first) to it, with a 0 after them. A sweep on the frame reads its activations
+        from these (``_sweep_of``): the events between two frame events are in one of these
+        ranges, so the gap before a point holds the highest of those from the previous
+        point's frame event to its own."""
+        if self._framed is None:
+            import numpy as np  # see [Note: numpy on first use]
+
+            events = self.hook_frame()[1][:-1]
+            starts = np.concatenate(([0], events[:-1] + 1))
+            peaks = (np.maximum.reduceat(self._peaks, starts) if len(starts)
+                     else np.zeros(0, dtype=np.int64))
+            self._framed = (self._levels[events], np.append(peaks, 0))
+        return self._framed
 
     @property
     def _first(self) -> _CodeIndex:
@@ -1039,31 +1058,27 @@ def _backward_buffers(layout: _Layout, reshard: np.ndarray, offload: bool, prefe
 
 def _sweep_of(profile: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.ndarray]:
     """The sweep of a skeleton on the profile's hook frame (``_skeleton_of``) over this
-    profile: the frame's part (``_sweep_structure``) with, at each of its points, the event
-    here (``events``) and the activations there (``activations``): the highest event peak
-    since the previous point for the gap before an event, else the event's level."""
+    profile: the frame's part (``_sweep_structure``) with the activations at each of its
+    points here: the highest event peak since the previous point for the gap before an
+    event, else the event's level (``ActivationProfile.framed_activations``)."""
     import numpy as np  # see [Note: numpy on first use]
 
     a = profile._sweeps.get(skeleton.serial)
     if a is not None:
         return a
-    frame, events = profile.hook_frame()
-    fixed = _sweep_structure(frame, skeleton)
-    event = events[fixed["points"] >> 2]
-    gap = fixed["gap"]
-    activations = profile._levels[event]
-    if gap.any():
-        previous = np.concatenate(([-1], event[:-1]))
-        activations[gap] = profile._gap_maxima(previous[gap] + 1, event[gap])
-    a = profile._sweeps[skeleton.serial] = {**fixed, "events": event,
-                                            "activations": activations}
+    fixed = _sweep_structure(profile.hook_frame()[0], skeleton)
+    levels, gap_peaks = profile.framed_activations()
+    activations = levels[fixed["events"]]
+    activations[fixed["gaps"]] = np.maximum.reduceat(gap_peaks, fixed["gap_bounds"])[0::2]
+    a = profile._sweeps[skeleton.serial] = {**fixed, "activations": activations}
     return a
 
 
 def _sweep_structure(frame: ActivationProfile, skeleton: _Skeleton) -> dict[str, np.ndarray]:
     """The skeleton's buffers as coded int64 arrays (``_encode``) and the part of its sweep
-    its hook ``frame`` fixes ([Note: hook frames]): the points ``_points`` visits, which are
-    gaps, and where each point reads the running totals of buffers and instants."""
+    its hook ``frame`` fixes ([Note: hook frames]): the points ``_points`` visits, their
+    frame events, which are gaps and the ranges of frame events they span, and where each
+    point reads the running totals of buffers and instants."""
     import numpy as np  # see [Note: numpy on first use]
     a = skeleton.arrays
     if a:
@@ -1086,8 +1101,16 @@ def _sweep_structure(frame: ActivationProfile, skeleton: _Skeleton) -> dict[str,
         extra_keys, extra_keys & ~3, grads[:, 0])))
     points = points[points < 4 * n]
     gap = (points & 3) == 0
+    # each gap's events on the frame, from the one after the previous point's to its own:
+    # bounds for ``reduceat`` over the frame's gap peaks (``framed_activations``), each
+    # range followed by the one up to the next gap's start (read, then dropped)
+    event = points >> 2
+    gaps = np.flatnonzero(gap)
+    gap_bounds = np.empty(2 * len(gaps), dtype=np.int64)
+    gap_bounds[0::2] = np.where(gaps > 0, event[gaps - 1] + 1, 0)
+    gap_bounds[1::2] = event[gaps] + 1  # at most the frame's events: a 0 closes its peaks
     a.update(live=live, inst=inst, grads=grads, order=order, extra_order=extra_order,
-             points=points, gap=gap,
+             points=points, events=event, gaps=gaps, gap_bounds=gap_bounds,
              running_at=np.searchsorted(keys[order], points, side="right"),
              extra_hi=np.where(gap, 0, np.searchsorted(extra_keys, points, side="right")),
              extra_lo=np.where(gap, 0, np.searchsorted(extra_keys, points, side="left")))
@@ -1153,19 +1176,20 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
               + (extra_sums[a["extra_hi"]] - extra_sums[a["extra_lo"]]))
     best_at = int(np.argmax(totals))  # the first highest point
     point = int(a["points"][best_at])  # on the frame; ``event``: here
-    event = int(a["events"][best_at])
+    here = profile.hook_frame()[1]
+    event = int(here[a["events"][best_at]])
     best = MemoryEstimate(peak_bytes=sum(base.values()) + int(totals[best_at]),
                           breakdown=_parts_of(point, skeleton, a, nbytes, grad_bytes, rates,
                                               base),
                           phase=_phase_name(profile, event))
-    gap_start = event if point & 3 else int(a["events"][best_at - 1]) + 1 if best_at else 0
+    gap_start = event if point & 3 else int(here[a["events"][best_at - 1]]) + 1 if best_at else 0
     best.breakdown.update(profile.split_loss(gap_start, event, int(a["activations"][best_at])))
     optimizer_step = _optimizer_step(units, ctx, static)
     if optimizer_step is not None and sum(optimizer_step.values()) > best.peak_bytes:
         best = MemoryEstimate(peak_bytes=sum(optimizer_step.values()), phase="optimizer step",
                               breakdown=dict(optimizer_step))
     if ctx.optimizer_overlap and not ctx.offload:
-        for point, parts in _steps_in_backward(skeleton, a, rates, base, ctx.optimizer):
+        for point, parts in _steps_in_backward(skeleton, a, here, rates, base, ctx.optimizer):
             if sum(parts.values()) > best.peak_bytes:
                 best = MemoryEstimate(peak_bytes=sum(parts.values()), breakdown=parts,
                                       phase="optimizer step in " + _phase_name(profile, point >> 2))
@@ -1180,13 +1204,14 @@ def _buffer_bytes(a: dict[str, np.ndarray], rates: np.ndarray
             rates[_SHARD_ORIG, grads[:, 1]])
 
 
-def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], rates: np.ndarray,
-                       static: dict[str, int], optimizer: str
+def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], here: np.ndarray,
+                       rates: np.ndarray, static: dict[str, int], optimizer: str
                        ) -> list[tuple[int, dict[str, int]]]:
     """(coded point at the profile's events, what is held) while each unit's parameters
     step in backward ([Note: optimizer overlap in memory]): the buffers live at its
     post-backward point (no instants), the point's activations, its sharded gradient and one
-    parameter's step temporary. ``skeleton`` and ``a``: on the hook frame (``_sweep_of``)."""
+    parameter's step temporary. ``skeleton`` and ``a``: on the hook frame (``_sweep_of``),
+    whose events are at ``here`` in the profile (``ActivationProfile.hook_frame``)."""
     import numpy as np  # see [Note: numpy on first use]
 
     nbytes, grad_bytes = _buffer_bytes(a, rates)
@@ -1203,7 +1228,7 @@ def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], rates: np.
         temporary = step_temporaries(optimizer) * int(rates[_LARGEST_SHARD, unit])
         if temporary:
             parts["optimizer_temporaries"] = temporary
-        out.append((4 * int(a["events"][at]) + 1, parts))
+        out.append((4 * int(here[a["events"][at]]) + 1, parts))
     return out
 
 
@@ -1345,6 +1370,7 @@ def memory_timeline(profile: ActivationProfile, units: list[UnitSpec], ctx: Step
     if ctx.optimizer_overlap and not ctx.offload:  # the points estimate_peak adds
         skeleton = _skeleton_of(profile, units, ctx, b.held, forward_prefetch, backward_prefetch)
         steps = _steps_in_backward(skeleton, _sweep_of(profile, skeleton),
+                                   profile.hook_frame()[1],
                                    _rates_of(units, ctx.precision, ctx.shard_size),
                                    {**b.static, **b.held}, ctx.optimizer)
     return MemoryTimeline(events=profile.events, forward_end=profile.forward_end, points=points,
