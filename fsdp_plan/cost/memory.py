@@ -752,6 +752,8 @@ class _Skeleton:
     where its reduce-scatter runs, whether or not its sharded gradient stays."""
     grads_appear: bool
     """Whether each unit's sharded gradient appears after its reduce-scatter."""
+    width: int
+    """How many units (the columns of their rates, ``_unit_rates``)."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     """The part of its sweep every mix shares (``_sweep_structure``)."""
     serial: int = field(default_factory=lambda: next(_SKELETON_SERIALS))
@@ -770,7 +772,7 @@ class _Skeleton:
             return _Placed(rows=rows, timed=buffers.timed)
         return _Skeleton(live=placed(self.live), instants=placed(self.instants),
                          reduced=np.stack((events[self.reduced[0]], self.reduced[1])),
-                         grads_appear=self.grads_appear)
+                         grads_appear=self.grads_appear, width=self.width)
 
     @property
     def reduced_at(self) -> list[tuple[int, int]]:
@@ -987,7 +989,7 @@ def _place_buffers(layout: _Layout, units: list[UnitSpec], *, offload: bool,
         instants=_Placed.join([fw_instants, bw_instants,
                                _with_offload(filled, offload, _SHARD_ORIG)]),
         reduced=np.stack((layout.bw_end[bw_order], bw_order)),
-        grads_appear=sharded_grads and not offload)
+        grads_appear=sharded_grads and not offload, width=len(units))
 
 
 def _with_offload(instants: _Placed, offload: bool, kind: int) -> _Placed:
@@ -1109,7 +1111,19 @@ def _sweep_structure(frame: ActivationProfile, skeleton: _Skeleton) -> dict[str,
     gap_bounds = np.empty(2 * len(gaps), dtype=np.int64)
     gap_bounds[0::2] = np.where(gaps > 0, event[gaps - 1] + 1, 0)
     gap_bounds[1::2] = event[gaps] + 1  # at most the frame's events: a 0 closes its peaks
-    a.update(live=live, inst=inst, grads=grads, order=order, extra_order=extra_order,
+    # each buffer's bytes are ``rates[kind, unit] * mult``: read from the flattened rates
+    width = skeleton.width
+    live_rate = live[:, _KIND] * width + live[:, _UNIT]
+    grad_rate = _SHARD_ORIG * width + grads[:, 1]
+    live_mult = live[:, _MULT].copy()
+    a.update(live=live, inst=inst, grads=grads, live_rate=live_rate, live_mult=live_mult,
+             grad_rate=grad_rate,
+             running_rate=np.concatenate((live_rate, live_rate, grad_rate))[order],
+             running_mult=np.concatenate((live_mult, -live_mult,
+                                          np.ones(len(grads), dtype=np.int64)))[order],
+             inst_rate=inst[:, _KIND] * width + inst[:, _UNIT],
+             extra_rate=(inst[:, _KIND] * width + inst[:, _UNIT])[extra_order],
+             extra_mult=inst[extra_order, _MULT],
              points=points, events=event, gaps=gaps, gap_bounds=gap_bounds,
              running_at=np.searchsorted(keys[order], points, side="right"),
              extra_hi=np.where(gap, 0, np.searchsorted(extra_keys, points, side="right")),
@@ -1164,23 +1178,19 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     a = _sweep_of(profile, skeleton)
-    rates = _rates_of(units, ctx.precision, ctx.shard_size)
-    inst = a["inst"]
-    nbytes, grad_bytes = _buffer_bytes(a, rates)
-    running = np.concatenate(([0], np.cumsum(
-        np.concatenate((nbytes, -nbytes, grad_bytes))[a["order"]])))
-    extra_sums = np.concatenate(([0], np.cumsum(
-        (rates[inst[:, _KIND], inst[:, _UNIT]] * inst[:, _MULT])[a["extra_order"]])))
+    grid = _rates_of(units, ctx.precision, ctx.shard_size)
+    rates = grid.ravel()  # by ``kind * units + unit``: see _sweep_structure
+    running = _prefix_sums(rates[a["running_rate"]] * a["running_mult"])
+    extra_sums = _prefix_sums(rates[a["extra_rate"]] * a["extra_mult"])
     base = {**static, **held}
     totals = (a["activations"] + running[a["running_at"]]
               + (extra_sums[a["extra_hi"]] - extra_sums[a["extra_lo"]]))
-    best_at = int(np.argmax(totals))  # the first highest point
+    best_at = int(totals.argmax())  # the first highest point
     point = int(a["points"][best_at])  # on the frame; ``event``: here
     here = profile.hook_frame()[1]
     event = int(here[a["events"][best_at]])
     best = MemoryEstimate(peak_bytes=sum(base.values()) + int(totals[best_at]),
-                          breakdown=_parts_of(point, skeleton, a, nbytes, grad_bytes, rates,
-                                              base),
+                          breakdown=_parts_of(point, a, rates, base),
                           phase=_phase_name(profile, event))
     gap_start = event if point & 3 else int(here[a["events"][best_at - 1]]) + 1 if best_at else 0
     best.breakdown.update(profile.split_loss(gap_start, event, int(a["activations"][best_at])))
@@ -1189,19 +1199,20 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
         best = MemoryEstimate(peak_bytes=sum(optimizer_step.values()), phase="optimizer step",
                               breakdown=dict(optimizer_step))
     if ctx.optimizer_overlap and not ctx.offload:
-        for point, parts in _steps_in_backward(skeleton, a, here, rates, base, ctx.optimizer):
+        for point, parts in _steps_in_backward(skeleton, a, here, grid, base, ctx.optimizer):
             if sum(parts.values()) > best.peak_bytes:
                 best = MemoryEstimate(peak_bytes=sum(parts.values()), breakdown=parts,
                                       phase="optimizer step in " + _phase_name(profile, point >> 2))
     return best
 
 
-def _buffer_bytes(a: dict[str, np.ndarray], rates: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes of each live buffer and each sharded gradient of the sweep's arrays."""
-    live, grads = a["live"], a["grads"]
-    return (rates[live[:, _KIND], live[:, _UNIT]] * live[:, _MULT],
-            rates[_SHARD_ORIG, grads[:, 1]])
+def _prefix_sums(values: np.ndarray) -> np.ndarray:
+    """0, then the running sums of ``values`` (int64, added in order)."""
+    import numpy as np  # see [Note: numpy on first use]
+
+    out = np.zeros(len(values) + 1, dtype=np.int64)
+    values.cumsum(out=out[1:])
+    return out
 
 
 def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], here: np.ndarray,
@@ -1214,7 +1225,7 @@ def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], here: np.n
     whose events are at ``here`` in the profile (``ActivationProfile.hook_frame``)."""
     import numpy as np  # see [Note: numpy on first use]
 
-    nbytes, grad_bytes = _buffer_bytes(a, rates)
+    flat = rates.ravel()
     points = a["points"]
     out = []
     for event, unit in skeleton.reduced_at:
@@ -1222,7 +1233,7 @@ def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], here: np.n
         at = int(np.searchsorted(points, point))
         if at >= len(points) or int(points[at]) != point:
             continue
-        parts = _parts_of(point, skeleton, a, nbytes, grad_bytes, rates, static, instants=False)
+        parts = _parts_of(point, a, flat, static, instants=False)
         parts["activations"] = int(a["activations"][at])
         parts["sharded_grads"] = parts.get("sharded_grads", 0) + int(rates[_SHARD_ORIG, unit])
         temporary = step_temporaries(optimizer) * int(rates[_LARGEST_SHARD, unit])
@@ -1232,29 +1243,31 @@ def _steps_in_backward(skeleton: _Skeleton, a: dict[str, np.ndarray], here: np.n
     return out
 
 
-def _parts_of(point: int, skeleton: _Skeleton, a: dict[str, np.ndarray], nbytes: np.ndarray,
-              grad_bytes: np.ndarray, rates: np.ndarray, static: dict[str, int], *,
-              instants: bool = True) -> dict[str, int]:
-    """``_parts_at`` of the coded ``point`` from the skeleton's arrays (same order of keys);
-    ``instants`` False leaves out the buffers that exist only at that instant."""
+def _parts_of(point: int, a: dict[str, np.ndarray], rates: np.ndarray, static: dict[str, int],
+              *, instants: bool = True) -> dict[str, int]:
+    """``_parts_at`` of the coded ``point`` from a sweep's arrays (``_sweep_structure``; same
+    order of keys) and the units' flattened ``rates``; ``instants`` False leaves out the
+    buffers that exist only at that instant."""
     import numpy as np  # see [Note: numpy on first use]
     parts = dict(static)
     live = a["live"]
     held = (live[:, _START] <= point).astype(np.int64) - (live[:, _END] <= point)
-    category = live[:, _CATEGORY]
-    for j in np.flatnonzero(held).tolist():
-        cat = _CATEGORIES[category[j]]
-        parts[cat] = parts.get(cat, 0) + int(held[j]) * int(nbytes[j])
+    rows = np.flatnonzero(held)
+    nbytes = rates[a["live_rate"][rows]] * a["live_mult"][rows]
+    for category, h, b in zip(live[rows, _CATEGORY].tolist(), held[rows].tolist(),
+                              nbytes.tolist()):
+        cat = _CATEGORIES[category]
+        parts[cat] = parts.get(cat, 0) + h * b
     made = a["grads"][:, 0] <= point
     if made.any():
-        parts["sharded_grads"] = parts.get("sharded_grads", 0) + int(grad_bytes[made].sum())
+        parts["sharded_grads"] = parts.get("sharded_grads", 0) + int(
+            rates[a["grad_rate"][made]].sum())
     parts = {k: v for k, v in parts.items() if v or k in static}
     if point & 3 and instants:
-        inst = a["inst"]
+        inst, inst_rate = a["inst"], a["inst_rate"]
         for j in np.flatnonzero(inst[:, _START] == point).tolist():
-            category, u, kind, mult = inst[j, _CATEGORY:].tolist()
-            cat = _CATEGORIES[category]
-            parts[cat] = parts.get(cat, 0) + int(rates[kind, u]) * mult
+            cat = _CATEGORIES[int(inst[j, _CATEGORY])]
+            parts[cat] = parts.get(cat, 0) + int(rates[inst_rate[j]]) * int(inst[j, _MULT])
     return parts
 
 
