@@ -1174,7 +1174,6 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     each point is a prefix sum. It visits ``_points``'s points (``memory_timeline``;
     tests/test_pictures.py checks both agree for every candidate).
     """
-    import numpy as np  # see [Note: numpy on first use]
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     a = _sweep_of(profile, skeleton)
