@@ -7,6 +7,7 @@ processes (``test_buckets_counts_and_peak_equal_ddp_on_gloo`` measures them agai
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import random
 
@@ -16,7 +17,9 @@ import yaml
 from fsdp_plan.api import PlanRequest, analyze_model, plan_from_facts, predict
 from fsdp_plan.cli.main import main
 from fsdp_plan.cost.ddp_buckets import (
+    BucketOrder,
     DDPConfig,
+    _bucket_ranges,
     assign_by_size,
     build_buckets,
     ddp_api_kwargs,
@@ -92,6 +95,12 @@ def test_assign_by_size_closes_a_bucket_once_it_reaches_its_limit():
                 buckets.append(current)
                 current, size, at = [], 0, min(at + 1, len(limits) - 1)
         assert assign_by_size(sizes, limits) == buckets + ([current] if current else [])
+        # the search's cut: buckets at the last limit ended from every position at once
+        order = BucketOrder.of([], 0)
+        order = dataclasses.replace(order, cumulative=list(itertools.accumulate(sizes,
+                                                                                initial=0)))
+        assert _bucket_ranges(order.cumulative, limits, order.ends_at(limits[-1])) == \
+            _bucket_ranges(order.cumulative, limits)
 
 
 @pytest.mark.parametrize("key", sorted(MEASURED, key=str), ids=lambda k: f"{os.path.basename(k[0])}"

@@ -290,18 +290,26 @@ def assign_by_size(sizes: list[int], limits: list[int]) -> list[list[int]]:
             for start, end in _bucket_ranges(list(accumulate(sizes, initial=0)), limits)]
 
 
-def _bucket_ranges(cumulative: list[int], limits: list[int]) -> list[tuple[int, int]]:
+def _bucket_ranges(cumulative: list[int], limits: list[int],
+                   last_ends: list[int] | None = None) -> list[tuple[int, int]]:
     """``assign_by_size`` as ``(start, end)`` position ranges, given the running totals of
     the sizes (``cumulative[i]``: the bytes before position ``i``): each bucket ends at the
-    first position where its bytes reach its limit, found by bisection (a bucket of the 70B's
-    DDP holds one parameter or a few, and the search builds 17 configurations' buckets)."""
+    first position where its bytes reach its limit, found by bisection; ``last_ends``: where
+    a bucket at the last limit ends from each position (``BucketOrder.ends_at``), when the
+    caller keeps them (a bucket of the 70B's DDP holds one parameter or a few, and the
+    search cuts 17 configurations' buckets, most at the last limit)."""
     n = len(cumulative) - 1
     out: list[tuple[int, int]] = []
     start = at = 0
-    while start < n:
+    last = len(limits) - 1
+    while start < n and (at < last or last_ends is None):
         end = min(n, bisect.bisect_left(cumulative, cumulative[start] + limits[at], start + 1))
         out.append((start, end))
-        start, at = end, min(at + 1, len(limits) - 1)
+        start, at = end, min(at + 1, last)
+    while start < n:
+        end = last_ends[start]  # type: ignore[index]  # only reached with last_ends
+        out.append((start, end))
+        start = end
     return out
 
 
@@ -314,6 +322,22 @@ class BucketOrder:
     cumulative: list[int]
     indices: list[int]
     ready: list[int]
+    _ends: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    """``ends_at`` by limit."""
+
+    def ends_at(self, limit: int) -> list[int]:
+        """Where a bucket of ``limit`` bytes starting at each position ends: the first
+        position where its bytes reach the limit, one on at least (``_bucket_ranges``'s
+        bisection, for every position at once)."""
+        found = self._ends.get(limit)
+        if found is None:
+            import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+            totals = np.array(self.cumulative, dtype=np.int64)
+            n = len(totals) - 1
+            found = self._ends[limit] = np.minimum(n, np.maximum(
+                np.searchsorted(totals, totals[:-1] + limit), np.arange(1, n + 1))).tolist()
+        return found
 
     @classmethod
     def of(cls, order: list[GradParam], backward_start: int) -> BucketOrder:
@@ -365,7 +389,8 @@ class DdpOrder:
         layouts), so each layout's list is made once and shared, read only."""
         rebuilt = rebuilds(config)
         order = self.rebuilt_buckets if rebuilt else self.param_buckets
-        ranges = _bucket_ranges(order.cumulative, config.limits)
+        ranges = _bucket_ranges(order.cumulative, config.limits,
+                                order.ends_at(config.limits[-1]))
         if not rebuilt:  # DDP keeps its first bucketing: parameter order, the list reversed
             ranges.reverse()
         key = (rebuilt, tuple(ranges))
