@@ -62,7 +62,7 @@ the pass's ``Event`` list itself.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, overload
 
@@ -265,21 +265,30 @@ class Segments:
     suffix_start: int
 
 
-def find_segments(timeline: Timeline, blocks: list[str]) -> Segments | None:
-    """Split ``timeline`` at the blocks' first pre-forward and pre-backward events."""
-    events = timeline.events
-    keys = list(zip([e.kind for e in events], [e.module for e in events]))
-    # the first index of each (kind, module): built from the end, the earliest is kept
-    first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
+def find_segments(timeline: Timeline, blocks: list[str],
+                  columns: EventColumns | None = None) -> Segments | None:
+    """Split ``timeline`` at the blocks' first pre-forward and pre-backward events
+    (``columns``: the timeline's, when the caller has them: the events are looked up by
+    code, not by hashing every event's names)."""
+    if columns is not None:
+        first, after = _code_lookups(columns)
+    else:
+        events = timeline.events
+        keys = list(zip([e.kind for e in events], [e.module for e in events]))
+        # the first index of each (kind, module): built from the end, the earliest is kept
+        firsts = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
 
-    def after(kind: str, module: str, start: int) -> int | None:
-        """The first ``kind`` event of ``module`` at or after ``start``."""
-        try:
-            return keys.index((kind, module), start)
-        except ValueError:
-            return None
-    fw_starts = [first.get(("pre_fw", b)) for b in blocks]
-    bw_starts = [first.get(("pre_bw", b)) for b in blocks]
+        def first(kind: str, modules: list[str]) -> list[int | None]:
+            return [firsts.get((kind, m)) for m in modules]
+
+        def after(kind: str, module: str, start: int) -> int | None:
+            """The first ``kind`` event of ``module`` at or after ``start``."""
+            try:
+                return keys.index((kind, module), start)
+            except ValueError:
+                return None
+    fw_starts = first("pre_fw", blocks)
+    bw_starts = first("pre_bw", blocks)
     if not blocks or None in fw_starts or None in bw_starts:
         return None
     if fw_starts != sorted(fw_starts) or bw_starts != sorted(bw_starts, reverse=True):
@@ -294,6 +303,35 @@ def find_segments(timeline: Timeline, blocks: list[str]) -> Segments | None:
     bw.insert(0, (bw_starts[0], first_bw_end + 1))
     return Segments(fw=fw, bw=bw, prefix_end=fw_starts[0], middle=(last_fw_end + 1, bw_starts[-1]),
                     suffix_start=first_bw_end + 1)
+
+
+def _code_lookups(columns: EventColumns) -> tuple[
+        Callable[[str, list[str]], list[int | None]], Callable[[str, str, int], int | None]]:
+    """``find_segments``'s two lookups over ``columns``' codes: the first event of
+    ``kind`` of each of some modules (None for none), and the first of one module at or
+    after an index."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    codes, names = columns.codes, columns.names
+    order = np.argsort(codes, kind="stable")  # equal codes stay in event order
+    ordered = codes[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    unique, firsts = ordered[starts], order[starts]
+
+    def first(kind: str, modules: list[str]) -> list[int | None]:
+        if not len(unique):
+            return [None] * len(modules)
+        wanted = np.array([-1 if (c := names.code(kind, m)) is None else c for m in modules],
+                          dtype=np.int64)
+        at = np.minimum(np.searchsorted(unique, wanted), len(unique) - 1)
+        found = (unique[at] == wanted) & (wanted >= 0)
+        return [i if ok else None for i, ok in zip(firsts[at].tolist(), found.tolist())]
+
+    def after(kind: str, module: str, start: int) -> int | None:
+        code = names.code(kind, module)
+        hits = np.flatnonzero(codes[start:] == code) if code is not None else ()
+        return int(hits[0]) + start if len(hits) else None
+    return first, after
 
 
 def compiled_timeline(plain: Timeline, segments: Segments, kept: list[int | None],
@@ -367,30 +405,34 @@ class TimelineComposer:
             self._columns = {mode: like._columns[mode] for mode in ("none", "full")
                              if mode in like._columns}
         else:
+            # each pass's columns ([Note: timeline columns]), which the composites slice and
+            # its segments are found by
+            names = EventNames()
+            plain = EventColumns.of(analysis.timeline.events, names)
             self.plain, self.plain_seg = analysis.timeline, find_segments(analysis.timeline,
-                                                                          blocks)
+                                                                          blocks, plain)
             if compiled is not None and self.plain_seg is None:
                 raise BadInput("--compile needs the model's repeated blocks to run one after "
                                "the other in forward and in reverse in backward (aligned block "
                                "segments); this model's do not, so compiled blocks cannot be "
                                "planned. Plan without --compile.")
-            self.ckpt, self.ckpt_seg = self._mode_pass(analysis.checkpointed_timeline, "full",
-                                                       compiled)
+            self.ckpt, self.ckpt_seg, ckpt = self._mode_pass(analysis.checkpointed_timeline,
+                                                             "full", compiled, names)
             if compiled is not None:  # [Note: compiled timeline]
                 self.plain = compiled_timeline(self.plain, self.plain_seg,
                                                [compiled.kept_bytes(b) for b in blocks],
                                                [compiled.bw_peak_bytes(b) for b in blocks])
-            # each pass's columns ([Note: timeline columns]), which the composites slice
-            names = EventNames()
+                plain = EventColumns.of(self.plain.events, names)
             self._released = {mode: self._released_per_block(timeline) for mode, timeline in
                               (("none", self.plain), ("full", self.ckpt))}
-            self._columns = {mode: EventColumns.of(t.events, names) for mode, t in
-                             (("none", self.plain), ("full", self.ckpt)) if t is not None}
-        self.sel, self.sel_seg = self._mode_pass(getattr(analysis, "selective_timeline", None),
-                                                 "selective", compiled)
+            self._columns = {"none": plain}
+            if ckpt is not None:
+                self._columns["full"] = ckpt
+        self.sel, self.sel_seg, sel = self._mode_pass(
+            getattr(analysis, "selective_timeline", None), "selective", compiled, names)
         self._released["selective"] = self._released_per_block(self.sel)
-        if self.sel is not None:
-            self._columns["selective"] = EventColumns.of(self.sel.events, names)
+        if sel is not None:
+            self._columns["selective"] = sel
         self._stacked = _Stacked.of(list(self._columns.values()))
         every = frozenset(range(len(blocks)))
         self._cache: dict[tuple[frozenset[int], frozenset[int]], EventColumns] = {
@@ -400,20 +442,24 @@ class TimelineComposer:
         if self.sel is not None:
             self._cache[(frozenset(), every)] = self._columns["selective"]
 
-    def _mode_pass(self, timeline: Timeline | None, mode: str, compiled
-                   ) -> tuple[Timeline | None, Segments | None]:
-        """The pass of a checkpointing ``mode`` and its block segments, with compiled blocks
-        the pass derived for them ([Note: compiled timeline]; None, None where their
-        checkpoint wrapper did not compile)."""
-        segments = find_segments(timeline, self.blocks) if timeline is not None else None
-        if compiled is None or timeline is None:
-            return timeline, segments
+    def _mode_pass(self, timeline: Timeline | None, mode: str, compiled, names: EventNames
+                   ) -> tuple[Timeline | None, Segments | None, EventColumns | None]:
+        """The pass of a checkpointing ``mode``, its block segments and its columns (names
+        numbered in ``names``), with compiled blocks the pass derived for them ([Note:
+        compiled timeline]; None, None, None where their checkpoint wrapper did not
+        compile)."""
+        if timeline is None:
+            return None, None, None
+        columns = EventColumns.of(timeline.events, names)
+        segments = find_segments(timeline, self.blocks, columns)
+        if compiled is None:
+            return timeline, segments, columns
         if segments is None or mode not in compiled.by_mode:
-            return None, None
-        return compiled_timeline(timeline, segments,
-                                 [compiled.kept_bytes(b, mode) for b in self.blocks],
-                                 [compiled.bw_peak_bytes(b, mode) for b in self.blocks]
-                                 ), segments
+            return None, None, None
+        derived = compiled_timeline(timeline, segments,
+                                    [compiled.kept_bytes(b, mode) for b in self.blocks],
+                                    [compiled.bw_peak_bytes(b, mode) for b in self.blocks])
+        return derived, segments, EventColumns.of(derived.events, names)
 
     def _released_per_block(self, timeline: Timeline | None) -> list[int]:
         """Per block: the bytes its modules' forward left to the autocast cache in ``timeline``
