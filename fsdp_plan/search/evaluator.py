@@ -407,12 +407,18 @@ class Evaluator:
         modes = ["full"] if c.ckpt_seg is not None else []
         modes += ["selective"] if c.sel_seg is not None else []
         out: dict[str, dict[str, BlockMode]] = {}
+        self._plain_ops: list[dict[str, float] | None] = []
+        """Each block's backward op counters in the plain pass (``like``'s when its plain
+        pass is this one's), read for both modes."""
         if c.plain_seg is None:
             return out
         shared = like is not None and like.clock is self.clock and like.composer.ckpt is c.ckpt
+        self._plain_ops = (
+            like._plain_ops if like is not None and like.composer.plain is c.plain
+            else [_backward_ops(c, i, "none") for i in range(len(self.graph.blocks))])
         for i, b in enumerate(self.graph.blocks):
             kept, _ = c.segment_delta(i, "none")
-            plain_ops = _backward_ops(c, i, "none")  # once for both modes
+            plain_ops = self._plain_ops[i]
             per: dict[str, BlockMode] = {}
             for mode in modes:
                 if shared and mode == "full" and "full" in like.block_cost.get(b, {}):
