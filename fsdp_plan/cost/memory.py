@@ -154,6 +154,8 @@ class ActivationProfile:
         """What the units' modules alone fix of those (``_framed_skeleton``)."""
         self._frame: tuple[ActivationProfile, np.ndarray] | None = None
         """The hook frame and where its events sit here (``hook_frame``)."""
+        self._ran: dict[int, tuple[list[UnitSpec], tuple[bool, ...]]] = {}
+        """``ran_of`` by the identity of the units' list (on a hook frame)."""
         self._framed: tuple[np.ndarray, np.ndarray] | None = None
         """The levels and gap peaks at the frame's events (``framed_activations``)."""
         self._sweeps: dict[int, dict[str, np.ndarray]] = {}
@@ -371,7 +373,13 @@ class ActivationProfile:
 
     def ran_of(self, units: list[UnitSpec]) -> tuple[bool, ...]:
         """Whether each of ``units`` ran forward (its modules did)."""
-        return tuple(w.ran for w in self.hook_frame()[0].cached_windows_of(units))
+        frame = self.hook_frame()[0]
+        found = frame._ran.get(id(units))
+        if found is None or found[0] is not units:  # kept by the list's identity, as
+            # ``_units_facts`` keeps its facts (the list kept alive with them)
+            found = frame._ran[id(units)] = (
+                units, tuple(w.ran for w in frame.cached_windows_of(units)))
+        return found[1]
 
     def cached_windows_of(self, units: list[UnitSpec]) -> list[UnitWindows]:
         """The shared windows of each of ``units`` (callers must not change them), those not
@@ -841,9 +849,9 @@ def _framed_skeleton(frame: ActivationProfile, units: list[UnitSpec], *, offload
                      ) -> _Skeleton:
     """The buffers of ``step_buffers`` on a hook ``frame``, cached there by the units' layout
     (``_Layout``) and their choices: every mix with that frame reads them."""
-    layout = tuple((tuple(u.modules), u.numel > 0, len(u.param_modules)) for u in units)
-    key = (layout, tuple(u.reshard_after_forward for u in units), offload, sharded_grads,
-           forward_prefetch, backward_prefetch)
+    facts = _units_facts(units)
+    layout = facts.layout
+    key = (layout, facts.reshard, offload, sharded_grads, forward_prefetch, backward_prefetch)
     found = frame._skeletons.get(key)
     if found is None:
         placed = frame._layouts.get(layout)
@@ -1162,6 +1170,51 @@ def _rates_of(units: list[UnitSpec], p: Precision, shard: int) -> np.ndarray:
     return rates
 
 
+class _UnitsFacts:
+    """What the memory model reads of one list of units whatever the evaluation: the key of
+    its layout and reshard choices (``_framed_skeleton``), its totals, and its rates by
+    precision and shard size. The search evaluates one list, built once per layout and never
+    changed, under many checkpointing mixes, prefetch depths and contexts (``_units_facts``)."""
+
+    __slots__ = ("layout", "num_params", "numel", "rates", "reshard", "shard_numel", "units")
+
+    def __init__(self, units: list[UnitSpec]) -> None:
+        self.units = units
+        self.layout = tuple((tuple(u.modules), u.numel > 0, len(u.param_modules))
+                            for u in units)
+        """What names the units' modules (``_Layout``'s key)."""
+        self.reshard = tuple(u.reshard_after_forward for u in units)
+        self.shard_numel = sum(u.shard_numel for u in units)
+        self.num_params = sum(u.num_params for u in units)
+        self.numel = sum(u.numel for u in units)
+        self.rates: dict[tuple[Precision, int], np.ndarray] = {}
+        """``_rates_of`` by precision and shard size."""
+
+    def rates_at(self, p: Precision, shard: int) -> np.ndarray:
+        """``_rates_of`` these units."""
+        found = self.rates.get((p, shard))
+        if found is None:
+            found = self.rates[(p, shard)] = _rates_of(self.units, p, shard)
+        return found
+
+
+_UNITS_FACTS: dict[int, _UnitsFacts] = {}
+"""``_UnitsFacts`` by the identity of their list, which each keeps alive (so no other list
+takes its id while kept). Emptied when it holds ``_RATES_KEPT``."""
+
+
+def _units_facts(units: list[UnitSpec]) -> _UnitsFacts:
+    """The facts of ``units``, kept by the list's identity: a list given to the memory model
+    is read, never changed afterwards (nothing in the package changes a unit or a list of
+    them once built)."""
+    found = _UNITS_FACTS.get(id(units))
+    if found is None or found.units is not units:
+        if len(_UNITS_FACTS) >= _RATES_KEPT:
+            _UNITS_FACTS.clear()
+        found = _UNITS_FACTS[id(units)] = _UnitsFacts(units)
+    return found
+
+
 def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepContext, *,
                   forward_prefetch: int = 0, backward_prefetch: int = 1) -> MemoryEstimate:
     """Peak bytes per rank of one steady step for ``units`` (children first, root last).
@@ -1177,7 +1230,7 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     static, held = _static_and_held(units, ctx)
     skeleton = _skeleton_of(profile, units, ctx, held, forward_prefetch, backward_prefetch)
     a = _sweep_of(profile, skeleton)
-    grid = _rates_of(units, ctx.precision, ctx.shard_size)
+    grid = _units_facts(units).rates_at(ctx.precision, ctx.shard_size)
     rates = grid.ravel()  # by ``kind * units + unit``: see _sweep_structure
     running = _prefix_sums(rates[a["running_rate"]] * a["running_mult"])
     extra_sums = _prefix_sums(rates[a["extra_rate"]] * a["extra_mult"])
@@ -1274,11 +1327,12 @@ def _static_and_held(units: list[UnitSpec], ctx: StepContext
                      ) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes resident for the whole step, and those held during the micro-batch only."""
     p = ctx.precision
-    total_shard = sum(u.shard_numel for u in units)
+    facts = _units_facts(units)
+    total_shard = facts.shard_numel
     static = {
         "sharded_params": total_shard * p.orig_bytes,
         "optimizer_states": optimizer_state_bytes(ctx.optimizer, total_shard,
-                                                  sum(u.num_params for u in units), p.orig_bytes),
+                                                  facts.num_params, p.orig_bytes),
         "buffers": ctx.buffer_bytes,
         "inputs": ctx.input_bytes,
     }
@@ -1290,7 +1344,7 @@ def _static_and_held(units: list[UnitSpec], ctx: StepContext
         held["sharded_grads"] = total_shard * p.orig_bytes
     if ctx.grad_accum_steps > 1 and ctx.gradient_sync == "last":
         accum_bytes = p.reduce_bytes if p.reduce_bytes != p.param_bytes else p.param_bytes
-        held["accumulated_grads"] = sum(u.numel for u in units) * accum_bytes
+        held["accumulated_grads"] = facts.numel * accum_bytes
     return static, held
 
 
@@ -1300,7 +1354,7 @@ def _optimizer_step(units: list[UnitSpec], ctx: StepContext, static: dict[str, i
     optimizer overlap: it ran in backward)."""
     if ctx.offload or ctx.optimizer_overlap:
         return None
-    grads = sum(u.shard_numel for u in units) * ctx.precision.orig_bytes
+    grads = _units_facts(units).shard_numel * ctx.precision.orig_bytes
     temporaries = grads if OPTIMIZER_STATES.get(ctx.optimizer, 0) else 0
     return {**static, "sharded_grads": grads, "optimizer_temporaries": temporaries}
 
