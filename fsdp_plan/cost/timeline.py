@@ -145,19 +145,24 @@ class EventColumns(Sequence[Event]):
     """A timeline's events held field by field ([Note: timeline columns]): a sequence of
     ``Event`` whose objects are made on first use, beside the arrays the memory model reads."""
 
-    __slots__ = ("_events", "_kinds", "_modules", "_ops", "_slices", "codes", "flops",
-                 "levels", "names", "peaks")
+    __slots__ = ("_events", "_flops", "_flops_of", "_kinds", "_modules", "_ops", "_slices",
+                 "codes", "levels", "names", "peaks")
 
     def __init__(self, *, kinds: list[str] | None = None, modules: list[str] | None = None,
-                 levels: np.ndarray, peaks: np.ndarray, flops: np.ndarray,
+                 levels: np.ndarray, peaks: np.ndarray,
+                 flops: np.ndarray | Callable[[], np.ndarray],
                  ops: list[dict[str, float] | None] | None = None, names: EventNames,
                  codes: np.ndarray, events: list[Event] | None = None,
                  slices: list[tuple[EventColumns, int, int]] | None = None) -> None:
         """``kinds``, ``modules`` and ``ops`` as lists, or (a composite) the ``slices`` of other
         columns they are cut from, on first use: the search reads a composite's events
-        through its arrays only."""
-        for array in (levels, peaks, flops, codes):
+        through its arrays only; ``flops`` likewise, or what makes them on first use (the
+        search reads no FLOPs of a pass's or a composite's columns)."""
+        for array in (levels, peaks, codes):
             array.flags.writeable = False  # shared between a pass and the profiles of its mixes
+        self._flops, self._flops_of = (None, flops) if callable(flops) else (flops, None)
+        if self._flops is not None:
+            self._flops.flags.writeable = False
         self._kinds, self._modules, self._ops = kinds, modules, ops
         self._slices = slices
         self.names = names
@@ -167,9 +172,16 @@ class EventColumns(Sequence[Event]):
         """int64 activation-side bytes at each event."""
         self.peaks = peaks
         """int64 highest activation-side bytes since the previous event."""
-        self.flops = flops
-        """float64 cumulative FLOPs."""
         self._events = events
+
+    @property
+    def flops(self) -> np.ndarray:
+        """float64 cumulative FLOPs of each event."""
+        if self._flops is None:
+            assert self._flops_of is not None, "columns have FLOPs or what makes them"
+            self._flops, self._flops_of = self._flops_of(), None
+            self._flops.flags.writeable = False
+        return self._flops
 
     @property
     def kinds(self) -> list[str]:
@@ -219,7 +231,7 @@ class EventColumns(Sequence[Event]):
         return cls(kinds=kinds, modules=modules,
                    levels=np.array([e.level for e in events], dtype=np.int64),
                    peaks=np.array([e.peak for e in events], dtype=np.int64),
-                   flops=np.array([e.flops for e in events], dtype=np.float64),
+                   flops=lambda: np.array([e.flops for e in events], dtype=np.float64),
                    ops=[e.ops for e in events], names=names,
                    codes=names.codes(kinds, modules), events=events)
 
@@ -559,7 +571,7 @@ class TimelineComposer:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Stacked:
     """A composer's passes' columns one after the other, so that a composite gathers every
     event of its 160 pieces (Llama-70B) through one index (``_gather``): slicing each piece
@@ -569,17 +581,27 @@ class _Stacked:
     """Where each pass's events start, by the pass's ``id``."""
     levels: np.ndarray
     peaks: np.ndarray
-    flops: np.ndarray
     codes: np.ndarray
+    passes: list[EventColumns]
+    _flops: np.ndarray | None = None
+
+    @property
+    def flops(self) -> np.ndarray:
+        """The passes' FLOPs, stacked on first use (a composite's FLOPs are made when asked)."""
+        import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+        if self._flops is None:
+            self._flops = np.concatenate([p.flops for p in self.passes])
+        return self._flops
 
     @classmethod
     def of(cls, passes: list[EventColumns]) -> _Stacked:
         import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
         starts = np.cumsum([0] + [len(p) for p in passes]).tolist()
-        return cls(offsets={id(p): at for p, at in zip(passes, starts)},
+        return cls(offsets={id(p): at for p, at in zip(passes, starts)}, passes=passes,
                    **{column: np.concatenate([getattr(p, column) for p in passes])
-                      for column in ("levels", "peaks", "flops", "codes")})
+                      for column in ("levels", "peaks", "codes")})
 
 
 def _compose(pieces: list[tuple[EventColumns, int, int]],
@@ -607,39 +629,46 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
         lengths.append(end - start)
         slices.append((src, start, end))
     used = _Pieces.of(begins, nexts, lengths, stacked, glue_piece, cached)
-    levels, peaks, flops_out, codes = _gather(used, stacked)
+    levels, peaks, codes = _gather(used, stacked)
+    glue_at = None
     if glue_piece is not None:
         g = glue_piece
         src, start, end = slices[g]
-        at = sum(lengths[:g])  # where the glue's events sit in the composite
-        piece = _release_in_glue(src, start, end, int(used.shifts[g]),
-                                 float(used.before[g] - used.bases[g]), cached, release_at)
-        for column, values in zip((levels, peaks, flops_out), piece):
-            column[at:at + end - start] = values
-    return EventColumns(levels=levels, peaks=peaks, flops=flops_out, names=pieces[0][0].names,
+        glue_at = sum(lengths[:g])  # where the glue's events sit in the composite
+        now, peak = _release_in_glue(src, start, end, int(used.shifts[g]), cached, release_at)
+        levels[glue_at:glue_at + end - start] = now
+        peaks[glue_at:glue_at + end - start] = peak
+
+    def flops() -> np.ndarray:
+        """The composite's FLOPs, re-based piece by piece (the glue's as the others)."""
+        out = _gather_flops(used, stacked)
+        if glue_piece is not None:
+            src, start, end = slices[glue_piece]
+            before, bases = used.flops_before(stacked)
+            out[glue_at:glue_at + end - start] = (
+                float(before[glue_piece] - bases[glue_piece]) + src.flops[start:end])
+        return out
+    return EventColumns(levels=levels, peaks=peaks, flops=flops, names=pieces[0][0].names,
                         codes=codes, slices=slices)
 
 
 @dataclass
 class _Pieces:
     """Per piece of a composite (``_compose``), in order: where its events start among the
-    stacked passes' (``_Stacked``), how many, its level shift, the FLOPs before it and its
-    first event's FLOPs."""
+    stacked passes' (``_Stacked``), how many, the event after it there and its level shift."""
 
     begins: np.ndarray
     lengths: np.ndarray
+    after: np.ndarray
     shifts: np.ndarray
-    before: np.ndarray
-    bases: np.ndarray
 
     @classmethod
     def of(cls, begins: list[int], nexts: list[int], lengths: list[int], stacked: _Stacked,
            glue: int | None, cached: int) -> _Pieces:
         """The pieces starting at ``begins`` among the stacked passes' events, followed there
-        by the events at ``nexts``: the running level and FLOPs rise over each piece by its
-        next event's less its first's (less ``cached`` bytes over the ``glue`` piece), added
-        up piece by piece (``cumsum`` adds in order, as the per-event rule did; FLOPs as the
-        columns hold them, float64, as the analysis records them)."""
+        by the events at ``nexts``: the running level rises over each piece by its next
+        event's less its first's (less ``cached`` bytes over the ``glue`` piece), added up
+        piece by piece (``cumsum`` adds in order, as the per-event rule did)."""
         import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
         first = np.array(begins, dtype=np.int64)
@@ -648,47 +677,69 @@ class _Pieces:
         rise = stacked.levels[after] - base_levels
         if glue is not None:
             rise[glue] -= cached
-        bases = stacked.flops[first]
         level_before = np.zeros(len(first), dtype=np.int64)
         np.cumsum(rise[:-1], out=level_before[1:])
-        before = np.zeros(len(first), dtype=np.float64)
-        np.cumsum(stacked.flops[after[:-1]] - bases[:-1], out=before[1:])
-        return cls(begins=first, lengths=np.array(lengths, dtype=np.int64),
-                   shifts=level_before - base_levels, before=before, bases=bases)
+        return cls(begins=first, lengths=np.array(lengths, dtype=np.int64), after=after,
+                   shifts=level_before - base_levels)
+
+    def flops_before(self, stacked: _Stacked) -> tuple[np.ndarray, np.ndarray]:
+        """The FLOPs before each piece and its first event's FLOPs, the running FLOPs rising
+        over each piece as the level does (float64, as the analysis records them; ``cumsum``
+        adds in order)."""
+        import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+        bases = stacked.flops[self.begins]
+        before = np.zeros(len(self.begins), dtype=np.float64)
+        np.cumsum(stacked.flops[self.after[:-1]] - bases[:-1], out=before[1:])
+        return before, bases
 
 
-def _gather(used: _Pieces, stacked: _Stacked
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Levels, peaks, FLOPs and codes of the pieces ``used`` (``_compose``), each event as
-    the per-event rule has it: ``level + e.level - base`` and ``level + e.peak - base`` (the
-    piece's first peak at least ``level``), and ``(flops + e.flops) - base_flops``."""
+def _gather(used: _Pieces, stacked: _Stacked) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Levels, peaks and codes of the pieces ``used`` (``_compose``), each event as the
+    per-event rule has it: ``level + e.level - base`` and ``level + e.peak - base`` (the
+    piece's first peak at least ``level``)."""
     import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
     lengths, begins, shift = used.lengths, used.begins, used.shifts
     if not len(lengths):
-        return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0),
+        return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
                 np.zeros(0, dtype=np.int64))
+    index = _stacked_index(used)
     firsts = np.cumsum(lengths) - lengths
-    index = np.repeat(begins - firsts, lengths) + np.arange(int(firsts[-1] + lengths[-1]))
     shifts = np.repeat(shift, lengths)
     levels = stacked.levels[index] + shifts
     peaks = stacked.peaks[index] + shifts
     # each piece's own first level + its shift = the running level there
     peaks[firsts] = np.maximum(stacked.levels[begins] + shift, peaks[firsts])
-    before = np.repeat(used.before, lengths)
-    bases = np.repeat(used.bases, lengths)
-    flops = (before + stacked.flops[index]) - bases
-    return levels, peaks, flops, stacked.codes[index]
+    return levels, peaks, stacked.codes[index]
 
 
-def _release_in_glue(src: EventColumns, start: int, end: int, shift: int, flops_shift: float,
-                     cached: int, release_at: int
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Levels, peaks and FLOPs of the glue ``src[start:end]`` re-based by ``shift`` bytes and
-    ``flops_shift`` FLOPs, with the checkpointed blocks' autocast casts (``cached`` bytes) freed
-    at event ``release_at`` ([Note: autocast and checkpointed blocks]; facts without an
-    ``autocast_exit`` event: the first backward event). The peak of the gap before that event
-    still holds them."""
+def _gather_flops(used: _Pieces, stacked: _Stacked) -> np.ndarray:
+    """FLOPs of the pieces ``used``: ``(flops + e.flops) - base_flops`` per event."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    if not len(used.lengths):
+        return np.zeros(0)
+    before, bases = used.flops_before(stacked)
+    return ((np.repeat(before, used.lengths) + stacked.flops[_stacked_index(used)])
+            - np.repeat(bases, used.lengths))
+
+
+def _stacked_index(used: _Pieces) -> np.ndarray:
+    """Where each event of the pieces ``used`` sits among the stacked passes' events."""
+    import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
+
+    lengths = used.lengths
+    firsts = np.cumsum(lengths) - lengths
+    return np.repeat(used.begins - firsts, lengths) + np.arange(int(firsts[-1] + lengths[-1]))
+
+
+def _release_in_glue(src: EventColumns, start: int, end: int, shift: int, cached: int,
+                     release_at: int) -> tuple[np.ndarray, np.ndarray]:
+    """Levels and peaks of the glue ``src[start:end]`` re-based by ``shift`` bytes, with the
+    checkpointed blocks' autocast casts (``cached`` bytes) freed at event ``release_at``
+    ([Note: autocast and checkpointed blocks]; facts without an ``autocast_exit`` event: the
+    first backward event). The peak of the gap before that event still holds them."""
     import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
     at = np.arange(start, end)
@@ -696,4 +747,4 @@ def _release_in_glue(src: EventColumns, start: int, end: int, shift: int, flops_
     peak = src.peaks[start:end] + shift - cached * (at > release_at)
     out = np.maximum(peak, now)
     out[0] = max(shift + int(src.levels[start]), int(peak[0]))
-    return now, out, flops_shift + src.flops[start:end]
+    return now, out
