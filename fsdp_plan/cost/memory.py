@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
+from fsdp_plan.common.deferred import Deferred
 from fsdp_plan.cost.optimizer_overlap import step_temporaries
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, Precision, optimizer_state_bytes
 from fsdp_plan.cost.timeline import EventColumns
@@ -109,13 +110,39 @@ class UnitWindows:
                            bw_end=self.bw_end, ran=self.ran)
 
 
-@dataclass(kw_only=True)
 class MemoryEstimate:
-    """The predicted peak and what it is made of at that moment."""
+    """The predicted peak and what it is made of at that moment.
 
-    peak_bytes: int
-    phase: str
-    breakdown: dict[str, int] = field(default_factory=dict)
+    ``breakdown``: the parts, or a ``Deferred`` of them that ``estimate_peak`` works out when
+    first read, as a candidate's step time is ([Note: step times when asked] in
+    common/deferred.py): the search reads the peak of every plan it evaluates and the parts
+    of the few the report and the plan show. Copies share the ``Deferred``."""
+
+    __slots__ = ("_breakdown", "peak_bytes", "phase")
+
+    def __init__(self, *, peak_bytes: int, phase: str,
+                 breakdown: dict[str, int] | Deferred[dict[str, int]] | None = None) -> None:
+        self.peak_bytes = peak_bytes
+        self.phase = phase
+        self._breakdown = (breakdown if isinstance(breakdown, Deferred)
+                           else Deferred.known({} if breakdown is None else breakdown))
+
+    @property
+    def breakdown(self) -> dict[str, int]:
+        """Bytes by category at the peak."""
+        return self._breakdown.get()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MemoryEstimate):
+            return NotImplemented
+        return (self.peak_bytes, self.phase, self.breakdown) == (
+            other.peak_bytes, other.phase, other.breakdown)
+
+    __hash__ = None  # type: ignore[assignment]  # as the dataclass it was
+
+    def __repr__(self) -> str:
+        return (f"MemoryEstimate(peak_bytes={self.peak_bytes!r}, phase={self.phase!r}, "
+                f"breakdown={self.breakdown!r})")
 
 
 class ActivationProfile:
@@ -1241,11 +1268,14 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     point = int(a["points"][best_at])  # on the frame; ``event``: here
     here = profile.hook_frame()[1]
     event = int(here[a["events"][best_at]])
-    best = MemoryEstimate(peak_bytes=sum(base.values()) + int(totals[best_at]),
-                          breakdown=_parts_of(point, a, rates, base),
-                          phase=_phase_name(profile, event))
     gap_start = event if point & 3 else int(here[a["events"][best_at - 1]]) + 1 if best_at else 0
-    best.breakdown.update(profile.split_loss(gap_start, event, int(a["activations"][best_at])))
+
+    def breakdown() -> dict[str, int]:
+        parts = _parts_of(point, a, rates, base)
+        parts.update(profile.split_loss(gap_start, event, int(a["activations"][best_at])))
+        return parts
+    best = MemoryEstimate(peak_bytes=sum(base.values()) + int(totals[best_at]),
+                          breakdown=Deferred(breakdown), phase=_phase_name(profile, event))
     optimizer_step = _optimizer_step(units, ctx, static)
     if optimizer_step is not None and sum(optimizer_step.values()) > best.peak_bytes:
         best = MemoryEstimate(peak_bytes=sum(optimizer_step.values()), phase="optimizer step",
