@@ -379,6 +379,8 @@ class DdpOrder:
     """``params`` as buckets are assigned over them (``build_buckets``)."""
     rebuilt_buckets: BucketOrder
     """``rebuilt`` likewise."""
+    broadcasts: int
+    """``buffer_broadcasts`` of the graph."""
     _cuts: dict[tuple, list[Bucket]] = field(default_factory=dict, compare=False, repr=False)
     """The bucket lists cut so far, by ``cut``'s layout key."""
 
@@ -438,7 +440,8 @@ def ddp_order(graph: ModuleGraph, events: list[Event]) -> DdpOrder:
     return DdpOrder(params=params, rebuilt=rebuilt, backward_start=backward_start,
                     peaks=activation_peaks(events, first_pre_bw),
                     param_buckets=BucketOrder.of(params, backward_start),
-                    rebuilt_buckets=BucketOrder.of(rebuilt, backward_start))
+                    rebuilt_buckets=BucketOrder.of(rebuilt, backward_start),
+                    broadcasts=buffer_broadcasts(graph))
 
 
 def unused_parameters(graph: ModuleGraph, analysis: Analysis) -> list[GradParam]:
@@ -829,7 +832,7 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
     collectives = {"all_gather": 0, "reduce_scatter": 0,
                    "all_reduce": reduces * (per_bucket * len(buckets)
                                             + (1 if config.find_unused_parameters else 0))}
-    broadcasts = buffer_broadcasts(graph)
+    broadcasts = shared.broadcasts
     if broadcasts:
         collectives["broadcast"] = reduces * broadcasts
     return DDPEvaluation(config=config, buckets=buckets, memory=memory, time=time,

@@ -101,7 +101,11 @@ def compute_time(rates: Rates, ops: Mapping[str, float] | None, flops: float) ->
     (at the fallback rate) when the facts carry no counters."""
     if not ops:
         return flops / rates.fallback
-    work = sum(ops.get(k, 0.0) / rates.matmul[k] for k in MM_KEYS)
+    work = 0.0  # the matmul classes in turn, as ``sum`` added them (a class absent adds 0.0)
+    matmul = rates.matmul
+    for k in MM_KEYS:
+        if k in ops:
+            work += ops[k] / matmul[k]
     work += ops.get("attention", 0.0) / rates.attention
     work += ops.get("memory_bytes", 0.0) / rates.memory
     overhead = ops.get("ops", 0.0) * rates.op_overhead_s
