@@ -111,13 +111,22 @@ def unit_seconds(group: list[BlockCost], setup: CommSetup, *, first: bool, last:
 
 
 def _edge_seconds(gather: int, reduce: int, compute_s: float, blocks: int, setup: CommSetup, *,
-                  first: bool, last: bool) -> float:
+                  first: bool, last: bool,
+                  collectives: dict[tuple[int, int], tuple[float, float]] | None = None
+                  ) -> float:
     """``unit_seconds`` of a group of ``blocks`` blocks from its sums (``cut_stack_weighted``
-    extends a group one block at a time and keeps them running: the same left-to-right sums)."""
-    hw = setup.hardware
-    all_gather = collective_time(hw, gather, setup.shard, ranks_per_node=setup.ranks_per_node)
-    reduce_scatter = collective_time(hw, reduce, setup.shard, "reduce_scatter",
-                                     ranks_per_node=setup.ranks_per_node)
+    extends a group one block at a time and keeps them running: the same left-to-right sums).
+    ``collectives``: the all-gather and reduce-scatter seconds by their bytes, kept by the
+    caller across edges (a stack of equal blocks moves the same bytes on most of them)."""
+    found = collectives.get((gather, reduce)) if collectives is not None else None
+    if found is None:
+        hw = setup.hardware
+        found = (collective_time(hw, gather, setup.shard, ranks_per_node=setup.ranks_per_node),
+                 collective_time(hw, reduce, setup.shard, "reduce_scatter",
+                                 ranks_per_node=setup.ranks_per_node))
+        if collectives is not None:
+            collectives[(gather, reduce)] = found
+    all_gather, reduce_scatter = found
     comm = all_gather * (2 if setup.regather else 1) + reduce_scatter
     seconds = max(compute_s, comm)
     if first:
@@ -142,6 +151,7 @@ def cut_stack_weighted(costs: list[BlockCost], setup: CommSetup, allowance_bytes
         return [], 0.0, 0.0
     succ: dict[int, dict[int, float]] = {i: {} for i in range(n + 1)}
     pred: dict[int, dict[int, float]] = {i: {} for i in range(n + 1)}
+    collectives: dict[tuple[int, int], tuple[float, float]] = {}
     for i in range(n):
         gathered = reduced = 0
         compute_s = 0.0
@@ -153,7 +163,8 @@ def cut_stack_weighted(costs: list[BlockCost], setup: CommSetup, allowance_bytes
             reduced += block.reduce_bytes
             compute_s += block.compute_s
             succ[i][j] = pred[j][i] = _edge_seconds(gathered, reduced, compute_s, j - i, setup,
-                                                    first=i == 0, last=j == n)
+                                                    first=i == 0, last=j == n,
+                                                    collectives=collectives)
     path = shortest_cut(succ, pred, 0, n)
     weight = sum(succ[a][b] for a, b in itertools.pairwise(path))
     per_block = sum(succ[i][i + 1] for i in range(n))
