@@ -80,7 +80,9 @@ def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool]
 
     What a layout holds does not depend on ``reshard``: it is built once per graph, layout
     and shard size (the search asks for the same layout under many choices) and each call
-    gets its own ``UnitSpec`` objects with the ``reshard_after_forward`` asked for."""
+    gets its own list of ``UnitSpec`` objects with the ``reshard_after_forward`` asked for:
+    the built ones where they have it already (units are never changed once built, so lists
+    may share them), copies where not."""
     groups = [list(g) for g in groups]
     reshard = list(reshard)
     if not groups or groups[-1] != [""]:
@@ -94,7 +96,8 @@ def build_units(graph: ModuleGraph, groups: list[list[str]], reshard: list[bool]
     built: list[UnitSpec] | None = _UNIT_CACHE.get(key)  # type: ignore[assignment]
     if built is None:
         built = _UNIT_CACHE[key] = _sized_units(graph, layout, shard_size)
-    return [template.with_reshard(r) for template, r in zip(built, reshard)]
+    return [template if template.reshard_after_forward == r else template.with_reshard(r)
+            for template, r in zip(built, reshard)]
 
 
 class _Owned(NamedTuple):
