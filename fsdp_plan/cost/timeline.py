@@ -445,7 +445,10 @@ class TimelineComposer:
         self._released["selective"] = self._released_per_block(self.sel)
         if sel is not None:
             self._columns["selective"] = sel
-        self._stacked = _Stacked.of(list(self._columns.values()))
+        self._stacked_passes: _Stacked | None = None
+        """The passes' columns side by side (``_Stacked``), made for the first mix composed:
+        a composer whose mixes are its passes themselves (the selective pass at another
+        matmul stride, read for one recipe) never needs them."""
         every = frozenset(range(len(blocks)))
         self._cache: dict[tuple[frozenset[int], frozenset[int]], EventColumns] = {
             (frozenset(), frozenset()): self._columns["none"]}
@@ -453,6 +456,12 @@ class TimelineComposer:
             self._cache[(every, frozenset())] = self._columns["full"]
         if self.sel is not None:
             self._cache[(frozenset(), every)] = self._columns["selective"]
+
+    def _stacked(self) -> _Stacked:
+        """The passes' columns side by side, made on first use."""
+        if self._stacked_passes is None:
+            self._stacked_passes = _Stacked.of(list(self._columns.values()))
+        return self._stacked_passes
 
     def _mode_pass(self, timeline: Timeline | None, mode: str, compiled, names: EventNames
                    ) -> tuple[Timeline | None, Segments | None, EventColumns | None]:
@@ -566,7 +575,7 @@ class TimelineComposer:
             pieces.append((src, *seg.bw[i]))
         pieces.append((plain, p.suffix_start, len(plain)))
         out = _compose(pieces, (plain, p.middle) if cached else None, cached, release_at,
-                       self._stacked)
+                       self._stacked())
         self._cache[key] = out
         return out
 
