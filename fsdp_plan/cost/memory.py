@@ -931,8 +931,8 @@ def _layout(profile: ActivationProfile, units: list[UnitSpec], key: tuple) -> _L
     bw_end = np.array([w.bw_end for w in windows], dtype=np.int64)
     ran = np.array([i for i, w in enumerate(windows) if w.ran and units[i].numel > 0],
                    dtype=np.int64)
-    fw_order = ran[np.argsort(fw_start[ran], kind="stable")]  # stable, as sorted()
-    bw_sequence = ran[np.argsort(bw_start[ran], kind="stable")]
+    fw_order = ran[fw_start[ran].argsort(kind="stable")]  # stable, as sorted()
+    bw_sequence = ran[bw_start[ran].argsort(kind="stable")]
     # FSDP2 runs a unit's post-backward before the next unit's pre-backward hook, although
     # module hooks may report them the other way round: end each unit where the next begins.
     here, nxt = bw_sequence[:-1], bw_sequence[1:]
@@ -955,11 +955,11 @@ def _layout(profile: ActivationProfile, units: list[UnitSpec], key: tuple) -> _L
     # Each parameter module's unsharded gradients, from where its backward ends (clamped to
     # its unit's backward) to the unit's post-backward.
     events, numels, counts = _gradient_modules(profile, units, bw_sequence, key)
-    grads_end = np.repeat(bw_end[bw_sequence], counts)
-    made_at = np.minimum(np.maximum(events, np.repeat(bw_start[bw_sequence], counts)),
+    grads_end = bw_end[bw_sequence].repeat(counts)
+    made_at = np.minimum(np.maximum(events, bw_start[bw_sequence].repeat(counts)),
                          grads_end)
     grads = _Placed.of(4 * made_at + 2, 4 * grads_end + 1, _CAT_GRADS,
-                       np.repeat(bw_sequence, counts), _PARAM_BYTES, numels)
+                       bw_sequence.repeat(counts), _PARAM_BYTES, numels)
 
     # FSDP2 keeps one reduce-scatter input: each lives until the next unit's post-backward
     end = bw_end[bw_order]
@@ -1083,7 +1083,7 @@ def _backward_buffers(layout: _Layout, reshard: np.ndarray, offload: bool, prefe
     copy_out = _Placed.of(4 * start[again] + 2, None, _CAT_COMM, order[again], _GATHER_COPY)
     # each unit's slots: its parameters (when gathered again), then its gradients
     slots = again.astype(np.int64) + layout.grads_per_unit
-    first = (np.cumsum(slots) - slots)[again]
+    first = (slots.cumsum() - slots)[again]
     take = np.empty(int(slots.sum()), dtype=np.int64)
     is_grad = np.ones(len(take), dtype=bool)
     is_grad[first] = False
@@ -1127,8 +1127,8 @@ def _sweep_structure(frame: ActivationProfile, skeleton: _Skeleton) -> dict[str,
              else np.zeros((0, 2), dtype=np.int64))
     starts, ends = live[:, _START], live[:, _END]
     keys = np.concatenate((starts, ends, grads[:, 0]))
-    order = np.argsort(keys, kind="stable")
-    extra_order = np.argsort(inst[:, _START], kind="stable")
+    order = keys.argsort(kind="stable")
+    extra_order = inst[:, _START].argsort(kind="stable")
     extra_keys = inst[extra_order, _START]
     # the points of ``_points``: every buffer's start (and the gap before it), every end's
     # gap, the instants (and the gaps before them), the sharded gradients, the loss's region
@@ -1160,18 +1160,20 @@ def _sweep_structure(frame: ActivationProfile, skeleton: _Skeleton) -> dict[str,
              extra_rate=(inst[:, _KIND] * width + inst[:, _UNIT])[extra_order],
              extra_mult=inst[extra_order, _MULT],
              points=points, events=event, gaps=gaps, gap_bounds=gap_bounds,
-             running_at=np.searchsorted(keys[order], points, side="right"),
-             extra_hi=np.where(gap, 0, np.searchsorted(extra_keys, points, side="right")),
-             extra_lo=np.where(gap, 0, np.searchsorted(extra_keys, points, side="left")))
+             running_at=keys[order].searchsorted(points, side="right"),
+             extra_hi=np.where(gap, 0, extra_keys.searchsorted(points, side="right")),
+             extra_lo=np.where(gap, 0, extra_keys.searchsorted(points, side="left")))
     return a
 
 
 def _unique(values: np.ndarray) -> np.ndarray:
-    """``np.unique(values)`` (sorted, each once) by a sort: numpy 2.4's ``unique`` hashes,
-    some ten times slower on the sweep's few thousand points."""
+    """``np.unique(values)`` (sorted, each once) by a sort, in place (``values``: the
+    caller's scratch array): numpy 2.4's ``unique`` hashes, some ten times slower on the
+    sweep's few thousand points."""
     import numpy as np  # see [Note: numpy on first use]
 
-    ordered = np.sort(values)
+    ordered = values
+    ordered.sort()
     if len(ordered) < 2:
         return ordered
     return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]

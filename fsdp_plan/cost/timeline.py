@@ -714,8 +714,8 @@ def _gather(used: _Pieces, stacked: _Stacked) -> tuple[np.ndarray, np.ndarray, n
         return (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64),
                 np.zeros(0, dtype=np.int64))
     index = _stacked_index(used)
-    firsts = np.cumsum(lengths) - lengths
-    shifts = np.repeat(shift, lengths)
+    firsts = lengths.cumsum() - lengths
+    shifts = shift.repeat(lengths)
     levels = stacked.levels[index] + shifts
     peaks = stacked.peaks[index] + shifts
     # each piece's own first level + its shift = the running level there
@@ -739,8 +739,8 @@ def _stacked_index(used: _Pieces) -> np.ndarray:
     import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
     lengths = used.lengths
-    firsts = np.cumsum(lengths) - lengths
-    return np.repeat(used.begins - firsts, lengths) + np.arange(int(firsts[-1] + lengths[-1]))
+    firsts = lengths.cumsum() - lengths
+    return (used.begins - firsts).repeat(lengths) + np.arange(int(firsts[-1] + lengths[-1]))
 
 
 def _release_in_glue(src: EventColumns, start: int, end: int, shift: int, cached: int,
