@@ -288,6 +288,9 @@ def test_the_pictures_timeline_peaks_where_the_overlapped_sweep_does():
         kw = {"forward_prefetch": c.forward_prefetch, "backward_prefetch": c.backward_prefetch}
         assert memory_timeline(profile, c.units, ctx, **kw).peak_bytes \
             == estimate_peak(profile, c.units, ctx, **kw).peak_bytes == c.memory.peak_bytes
+        # the parts are those at that peak (worked out when first read, after the sweep
+        # looked at every in-backward step)
+        assert sum(c.memory.breakdown.values()) == c.memory.peak_bytes
         checked += 1
     assert checked >= 5
     prediction = predict(result.plan, facts, gpus_per_node=4)

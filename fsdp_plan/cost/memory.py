@@ -1271,13 +1271,11 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     here = profile.hook_frame()[1]
     event = int(here[a["events"][best_at]])
     gap_start = event if point & 3 else int(here[a["events"][best_at - 1]]) + 1 if best_at else 0
-
-    def breakdown() -> dict[str, int]:
-        parts = _parts_of(point, a, rates, base)
-        parts.update(profile.split_loss(gap_start, event, int(a["activations"][best_at])))
-        return parts
-    best = MemoryEstimate(peak_bytes=sum(base.values()) + int(totals[best_at]),
-                          breakdown=Deferred(breakdown), phase=_phase_name(profile, event))
+    best = MemoryEstimate(
+        peak_bytes=sum(base.values()) + int(totals[best_at]), phase=_phase_name(profile, event),
+        breakdown=Deferred(functools.partial(
+            _breakdown_at, point, a, rates, base,
+            profile.split_loss(gap_start, event, int(a["activations"][best_at])))))
     optimizer_step = _optimizer_step(units, ctx, static)
     if optimizer_step is not None and sum(optimizer_step.values()) > best.peak_bytes:
         best = MemoryEstimate(peak_bytes=sum(optimizer_step.values()), phase="optimizer step",
@@ -1288,6 +1286,15 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
                 best = MemoryEstimate(peak_bytes=sum(parts.values()), breakdown=parts,
                                       phase="optimizer step in " + _phase_name(profile, point >> 2))
     return best
+
+
+def _breakdown_at(point: int, a: dict[str, np.ndarray], rates: np.ndarray,
+                  static: dict[str, int], activations: dict[str, int]) -> dict[str, int]:
+    """``estimate_peak``'s breakdown at the coded ``point`` on the hook frame: what
+    ``_parts_of`` finds there, then the ``activations`` (and the loss) at it."""
+    parts = _parts_of(point, a, rates, static)
+    parts.update(activations)
+    return parts
 
 
 def _prefix_sums(values: np.ndarray) -> np.ndarray:
