@@ -138,7 +138,7 @@ class MemoryEstimate:
         return (self.peak_bytes, self.phase, self.breakdown) == (
             other.peak_bytes, other.phase, other.breakdown)
 
-    __hash__ = None  # type: ignore[assignment]  # as the dataclass it was
+    __hash__ = None  # type: ignore[assignment]  # compared by value, like a dataclass
 
     def __repr__(self) -> str:
         return (f"MemoryEstimate(peak_bytes={self.peak_bytes!r}, phase={self.phase!r}, "
