@@ -443,6 +443,11 @@ class TimelineComposer:
         self.sel, self.sel_seg, sel = self._mode_pass(
             getattr(analysis, "selective_timeline", None), "selective", compiled, names)
         self._released["selective"] = self._released_per_block(self.sel)
+        self._releases = any(r != base for mode in ("full", "selective")
+                             for r, base in zip(self._released.get(mode, ()),
+                                                self._released["none"]))
+        """Whether any block's mode frees casts the plain pass does not (autocast): else
+        every mix's ``released_delta`` sum is 0."""
         if sel is not None:
             self._columns["selective"] = sel
         self._stacked_passes: _Stacked | None = None
@@ -560,8 +565,8 @@ class TimelineComposer:
             raise ValueError("partial checkpointing needs aligned block segments")
         p = self.plain_seg
         # [Note: autocast and checkpointed blocks]: released in the glue, at the autocast exit
-        cached = sum(self.released_delta(i, "full") for i in which) + sum(
-            self.released_delta(i, "selective") for i in selective)
+        cached = (sum(self.released_delta(i, "full") for i in which) + sum(
+            self.released_delta(i, "selective") for i in selective)) if self._releases else 0
         release_at = next((k for k in range(*p.middle)
                            if self.plain.events[k].kind in (AUTOCAST_EXIT, "pre_bw")), p.middle[1])
         plain = self._columns["none"]
