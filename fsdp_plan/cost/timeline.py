@@ -44,8 +44,8 @@ and the composite releases there what the checkpointed blocks' passes released b
 plain pass.
 
 [Note: timeline columns]
-The search composes about a hundred checkpointing mixes per plan (Llama-70B: 3,900 to 6,100
-events each) and reads them only through ``ActivationProfile`` (cost/memory.py), which wants
+The search composes dozens of checkpointing mixes per plan (Llama-70B's: 28, of 3,900 to
+6,100 events each) and reads them only through ``ActivationProfile`` (cost/memory.py), which wants
 arrays: levels, peaks, and each event's kind and module. So a timeline is held as
 ``EventColumns``: numpy int64 levels and peaks, float64 FLOPs, an int64 code per (kind,
 module) (``EventNames``, numbered once per composer), and lists of kinds, modules and op
@@ -54,9 +54,11 @@ laid side by side, ``_Stacked``), each piece shifted by its offset, with the sam
 floating-point operations, in the same order, as the per-event rule it replaced
 (tests/test_timeline_columns.py keeps that rule), so every figure is bit for bit what it
 was. A composite's lists are cut from its pieces only when something asks for them, as are
-the ``Event`` objects (pictures, ``memory_timeline``): the search reads the codes, and a
-profile names an event by its code (``EventNames.named``). A pass's own columns give back
-the pass's ``Event`` list itself.
+its FLOPs (and a pass's) and the ``Event`` objects (pictures, ``memory_timeline``): the
+search reads the codes, levels and peaks, and a profile names an event by its code
+(``EventNames.named``). A pass's own columns give back the pass's ``Event`` list itself.
+The memory model places a layout's buffers on a mix's hook frame (cost/memory.py [Note: hook
+frames]), shared by every mix whose hooks name the same modules in the same order.
 """
 
 from __future__ import annotations
