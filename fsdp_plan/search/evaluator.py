@@ -39,7 +39,6 @@ from fsdp_plan.cost.offload import host_bytes, offload_seconds, offloaded_time
 from fsdp_plan.cost.optimizer_overlap import overlap_refusal
 from fsdp_plan.cost.step_time import (
     Rates,
-    add_ops,
     compute_time,
     issue_time,
 )
@@ -528,8 +527,11 @@ def _backward_ops(composer: TimelineComposer, i: int, mode: str) -> dict[str, fl
     if not any(ops):
         return None
     total: dict[str, float] = {}
-    for o in ops:
-        add_ops(total, o)
+    get = total.get
+    for o in ops:  # ``add_ops`` for each, inline: 320 segments of some 60 events per search
+        if o:
+            for k, v in o.items():
+                total[k] = get(k, 0.0) + v
     return total
 
 
