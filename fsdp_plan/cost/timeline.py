@@ -281,26 +281,10 @@ class Segments:
 
 def find_segments(timeline: Timeline, blocks: list[str],
                   columns: EventColumns | None = None) -> Segments | None:
-    """Split ``timeline`` at the blocks' first pre-forward and pre-backward events
-    (``columns``: the timeline's, when the caller has them: the events are looked up by
-    code, not by hashing every event's names)."""
-    if columns is not None:
-        first, after = _code_lookups(columns)
-    else:
-        events = timeline.events
-        keys = list(zip([e.kind for e in events], [e.module for e in events]))
-        # the first index of each (kind, module): built from the end, the earliest is kept
-        firsts = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1)))
-
-        def first(kind: str, modules: list[str]) -> list[int | None]:
-            return [firsts.get((kind, m)) for m in modules]
-
-        def after(kind: str, module: str, start: int) -> int | None:
-            """The first ``kind`` event of ``module`` at or after ``start``."""
-            try:
-                return keys.index((kind, module), start)
-            except ValueError:
-                return None
+    """Split ``timeline`` at the blocks' first pre-forward and pre-backward events, looked up
+    by code in its ``columns`` (made here when the caller has none)."""
+    first, after = _code_lookups(columns if columns is not None
+                                 else EventColumns.of(timeline.events))
     fw_starts = first("pre_fw", blocks)
     bw_starts = first("pre_bw", blocks)
     if not blocks or None in fw_starts or None in bw_starts:
