@@ -883,7 +883,7 @@ def _framed_skeleton(frame: ActivationProfile, units: list[UnitSpec], *, offload
     if found is None:
         placed = frame._layouts.get(layout)
         if placed is None:
-            placed = frame._layouts[layout] = _layout(frame, units, layout)
+            placed = frame._layouts[layout] = _layout(frame, units)
         found = frame._skeletons[key] = _place_buffers(
             placed, units, offload=offload, sharded_grads=sharded_grads,
             forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch)
@@ -918,10 +918,9 @@ class _Layout:
     """The reduce-scatter inputs, by ``bw_order``."""
 
 
-def _layout(profile: ActivationProfile, units: list[UnitSpec], key: tuple) -> _Layout:
+def _layout(profile: ActivationProfile, units: list[UnitSpec]) -> _Layout:
     """The windows (``ActivationProfile.windows``) of ``units``, their orders, and the
-    buffers whose place their modules fix (``key``: what names these units' modules,
-    ``_skeleton``'s)."""
+    buffers whose place their modules fix."""
     import numpy as np  # see [Note: numpy on first use]
 
     windows = profile.cached_windows_of(units)  # shared: read, never changed
@@ -954,7 +953,7 @@ def _layout(profile: ActivationProfile, units: list[UnitSpec], key: tuple) -> _L
 
     # Each parameter module's unsharded gradients, from where its backward ends (clamped to
     # its unit's backward) to the unit's post-backward.
-    events, numels, counts = _gradient_modules(profile, units, bw_sequence, key)
+    events, numels, counts = _gradient_modules(profile, units, bw_sequence)
     grads_end = bw_end[bw_sequence].repeat(counts)
     made_at = np.minimum(np.maximum(events, bw_start[bw_sequence].repeat(counts)),
                          grads_end)
@@ -971,34 +970,23 @@ def _layout(profile: ActivationProfile, units: list[UnitSpec], key: tuple) -> _L
                    reduce_input=reduce_input)
 
 
-def _gradient_modules(profile: ActivationProfile, units: list[UnitSpec], order: np.ndarray,
-                      key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _gradient_modules(profile: ActivationProfile, units: list[UnitSpec], order: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per parameter module of the units in ``order``, unit after unit: the event where its
     backward ends (its first ``post_bw``, -1 without one) and its parameter count; and how
-    many such modules each unit has. The modules' lookup keys and counts are the same in
-    every mix of a composer's passes: kept with its names (``EventNames.derived``) by the
-    units' ``key`` (``_skeleton``'s) and order.
+    many such modules each unit has.
 
     Until the module's backward ends, the analysis timeline already holds its weight
     gradients (they stay activation-side until their post-accumulate-grad hook), so counting
     them from pre-backward counted them twice: a tied embedding +9% on BERT."""
     import numpy as np  # see [Note: numpy on first use]
 
-    names = profile._names
-    memo = ("parameter modules", key, order.tobytes(), len(names.kinds), len(names.modules))
-    found = names.derived.get(memo)
-    if found is None:
-        modules = [units[i].param_modules for i in order.tolist()]
-        # ``first_event("post_bw", fqn, -1)`` of each, looked up all at once
-        found = names.derived[memo] = (
-            np.array(profile._event_keys("post_bw", [fqn for pm in modules for fqn, _ in pm],
-                                         True), dtype=np.int64),
+    modules = [units[i].param_modules for i in order.tolist()]
+    # ``first_event("post_bw", fqn, -1)`` of each, looked up all at once
+    keys = profile._event_keys("post_bw", [fqn for pm in modules for fqn, _ in pm], True)
+    return (profile._first.get_many(np.array(keys, dtype=np.int64), -1),
             np.array([numel for pm in modules for _, numel in pm], dtype=np.int64),
             np.array([len(pm) for pm in modules], dtype=np.int64))
-        for array in found:
-            array.flags.writeable = False
-    keys, numels, counts = found
-    return profile._first.get_many(keys, -1), numels, counts
 
 
 def _place_buffers(layout: _Layout, units: list[UnitSpec], *, offload: bool,

@@ -85,8 +85,7 @@ class EventNames:
         self.modules: dict[str, int] = {}
         self.derived: dict[tuple, object] = {}
         """What the memory model derives from these names, the same in every mix (read
-        only; keyed by the caller): arrays for a layout of units, hook frames (cost/memory.py
-        [Note: hook frames])."""
+        only; keyed by the caller): the hook frames (cost/memory.py [Note: hook frames])."""
         self._by_id: tuple[list[str], list[str]] = ([], [])
         """The kinds' and the modules' names by id (``_names_by_id``)."""
         self._keys: dict[tuple, list[int]] = {}
