@@ -223,11 +223,11 @@ class ActivationProfile:
                 hook[[0, self.forward_end, n - 1]] = True
             events = np.flatnonzero(hook)
             codes = self._codes[events]
-            key = ("hook frame", codes.tobytes())
-            frame = self._names.derived.get(key)
+            key = codes.tobytes()
+            frame = self._names.frames.get(key)
             if not isinstance(frame, ActivationProfile):
                 zeros = np.zeros(len(codes), dtype=np.int64)
-                frame = self._names.derived[key] = ActivationProfile(EventColumns(
+                frame = self._names.frames[key] = ActivationProfile(EventColumns(
                     levels=zeros, peaks=zeros, flops=zeros.astype(np.float64),
                     names=self._names, codes=codes))
             self._frame = (frame, np.append(events, n))

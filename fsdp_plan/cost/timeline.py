@@ -83,9 +83,9 @@ class EventNames:
     def __init__(self) -> None:
         self.kinds: dict[str, int] = {}
         self.modules: dict[str, int] = {}
-        self.derived: dict[tuple, object] = {}
-        """What the memory model derives from these names, the same in every mix (read
-        only; keyed by the caller): the hook frames (cost/memory.py [Note: hook frames])."""
+        self.frames: dict[bytes, object] = {}
+        """The hook frames of these names' mixes, by their hook events' codes (cost/memory.py
+        [Note: hook frames]; an ``ActivationProfile``, which this module cannot name)."""
         self._by_id: tuple[list[str], list[str]] = ([], [])
         """The kinds' and the modules' names by id (``_names_by_id``)."""
         self._keys: dict[tuple, list[int]] = {}
