@@ -266,16 +266,6 @@ class ActivationProfile:
             self._first_last = _first_and_last(self._codes, self.backward_start)
         return self._first_last[1]
 
-    @property
-    def kinds(self) -> list[str]:
-        """Each event's kind (the search reads them by code, ``_codes``)."""
-        return self._columns.kinds
-
-    @property
-    def modules(self) -> list[str]:
-        """Each event's module FQN (the search reads them by code, ``_codes``)."""
-        return self._columns.modules
-
     def kind_and_module(self, event: int) -> tuple[str, str]:
         """The kind and module FQN of event ``event``."""
         return self._names.named(int(self._codes[event]))
