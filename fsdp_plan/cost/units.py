@@ -132,20 +132,20 @@ def _owned(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...]) -> _Owned:
     unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
     owner_of: dict[str, int] = {}
     owners: list[int] = []
-    for fqn, info in graph.modules.items():
+    for fqn, parent, direct, numel, params in _module_sizes(graph):
         at = unit_of_module.get(fqn)
         if at is None:
-            at = owner_of.get(fqn.rpartition(".")[0]) if fqn else None
+            at = owner_of.get(parent) if fqn else None
             if at is None:
                 at = owner_unit(fqn, unit_of_module)
         owner_of[fqn] = at
         unit = units[at]
         unit.owned_modules.append(fqn)
-        if info.direct_numel:
-            unit.param_modules.append((fqn, info.direct_numel))
-        if info.param_shapes:
-            unit.numel += sum(math.prod(shape) for shape in info.param_shapes)
-            unit.num_params += len(info.param_shapes)
+        if direct:
+            unit.param_modules.append((fqn, direct))
+        if params:
+            unit.numel += numel
+            unit.num_params += params
             owners.append(at)
     unit_of = np.array(owners, dtype=np.int64)
     order = np.argsort(unit_of, kind="stable")
@@ -154,6 +154,19 @@ def _owned(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...]) -> _Owned:
                             if len(grouped) else np.zeros(0, dtype=bool))
     found = _UNIT_CACHE[key] = _Owned(units, order, starts, grouped[starts])
     return found
+
+
+def _module_sizes(graph: ModuleGraph) -> list[tuple[str, str, int, int, int]]:
+    """Per module (in ``named_modules()`` order): its FQN, its parent's, the parameters
+    registered directly on it, and the elements and count of the parameters ``_owned`` adds
+    to its owner; once per graph (in ``_UNIT_CACHE``), for every layout's ``_owned``."""
+    found = _UNIT_CACHE.get(("sizes",))
+    if found is None:
+        found = _UNIT_CACHE[("sizes",)] = [
+            (fqn, fqn.rpartition(".")[0], info.direct_numel,
+             sum(math.prod(shape) for shape in info.param_shapes), len(info.param_shapes))
+            for fqn, info in graph.modules.items()]
+    return found  # type: ignore[return-value]
 
 
 def _sized_units(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...], shard_size: int
