@@ -63,18 +63,20 @@ class StepSetup:
 class UnitClock:
     """The per-unit cost model of one model on one ``StepSetup``, with its caches.
 
-    ``module_names`` are the graph's modules, ``modules`` the analysis' per-module compute
-    (their own op counters, [Note: FLOP attribution]), ``fw_flops``/``bw_flops`` each module's
+    ``module_names`` are the graph's modules, ``blocks`` its repeated blocks (the only modules
+    checkpointed: recompute is theirs), ``modules`` the analysis' per-module compute (their
+    own op counters, [Note: FLOP attribution]), ``fw_flops``/``bw_flops`` each module's
     own FLOPs (the root ``""`` takes the rest), ``compiled`` the compiled blocks' graph times
     (None for eager blocks) and ``param_tensors`` the model's parameter tensors (the
     optimizer's per-tensor cost)."""
 
-    def __init__(self, setup: StepSetup, *, module_names: frozenset[str],
+    def __init__(self, setup: StepSetup, *, module_names: frozenset[str], blocks: frozenset[str],
                  modules: Mapping[str, ModuleCompute], fw_flops: Mapping[str, float],
                  bw_flops: Mapping[str, float], compiled: CompiledTimes | None,
                  param_tensors: int) -> None:
         self.setup = setup
         self.module_names = module_names
+        self.blocks = blocks
         self.modules = modules
         self.fw_flops = fw_flops
         self.bw_flops = bw_flops
@@ -93,9 +95,9 @@ class UnitClock:
         """The forward passes simulated on this clock (``simulate_step``)."""
         self._ordered: dict[tuple, tuple[list[UnitCost], tuple]] = {}
         """Layouts' costs in forward order by layout key and recompute (``ordered_costs``)."""
-        self._bases: dict[tuple, list[tuple[UnitCost, frozenset[str]]]] = {}
-        """Layouts' unit costs without recompute, with the modules each unit owns, by layout
-        key and mesh (``ordered_costs``)."""
+        self._bases: dict[tuple, list[tuple[UnitCost, tuple[str, ...]]]] = {}
+        """Layouts' unit costs without recompute, with the blocks each unit owns (in module
+        order), by layout key and mesh (``ordered_costs``)."""
         self.rates = Rates.of(setup.hardware, setup.param_dtype)
         """The compute dtype's rates on the hardware."""
         self._collectives: dict[tuple[str, int, int, int], float] = {}
@@ -206,18 +208,19 @@ class UnitClock:
         hw, rates = s.hardware, self.rates
         bases = self._bases.get(mesh_key) if cached else None
         if bases is None:
-            bases = [(self.unit_cost(u, shard=shard, replicate=replicate), u.owned_modules)
-                     for u in units]
+            blocks = self.blocks
+            bases = [(self.unit_cost(u, shard=shard, replicate=replicate),
+                      tuple(m for m in u.owned_modules if m in blocks)) for u in units]
             if cached:
                 self._bases[mesh_key] = bases
         costs: list[UnitCost] = []
-        for u, (base, owned) in zip(units, bases):
+        for u, (base, blocks) in zip(units, bases):
             # A checkpointed block's forward (or, selective, its unsaved ops) runs again
             # inside its unit's backward: [Note: recompute time] in search/evaluator.py.
             # Summed in module order: a set's order follows the names' hashes, which change
             # from one process to the next, and so did the last bits of a step whose unit
             # owns several checkpointed blocks (a root-only plan's).
-            replays = tuple(recompute[b] for b in owned if b in recompute) if recompute else ()
+            replays = tuple(recompute[b] for b in blocks if b in recompute) if recompute else ()
             cost = self.replayed(base, replays) if replays else base
             if optimizer_overlap and u.numel:  # [Note: optimizer overlap in the models]
                 cost = dataclasses.replace(cost, optimizer_s=optimizer_time(

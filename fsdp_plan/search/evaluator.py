@@ -92,7 +92,8 @@ class Evaluator:
                           gpus_per_node=settings.gpus_per_node,
                           grad_accum_steps=settings.grad_accum_steps,
                           gradient_sync=settings.gradient_sync),
-                module_names=frozenset(graph.modules), modules=analysis.modules,
+                module_names=frozenset(graph.modules), blocks=frozenset(graph.blocks),
+                modules=analysis.modules,
                 fw_flops=self.exclusive_fw, bw_flops=self.exclusive_bw,
                 compiled=self.compiled_s,
                 param_tensors=sum(len(i.param_shapes) for i in graph.modules.values()))
