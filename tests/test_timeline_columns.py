@@ -426,8 +426,7 @@ def test_hook_frames_place_and_sweep_as_the_mix_itself():
             direct = _sweep_structure(profile, own)
             assert _coded_at(sweep["points"], events).tolist() == direct["points"].tolist()
             assert events[sweep["events"]].tolist() == direct["events"].tolist()
-            for name in ("running_rate", "running_mult", "extra_rate", "extra_mult", "running_at",
-                         "extra_hi", "extra_lo", "gaps"):
+            for name in ("sum_rate", "sum_mult", "sum_at", "gaps"):
                 assert sweep[name].tolist() == direct[name].tolist(), name
             points = direct["points"].tolist()
             assert sweep["activations"].tolist() == [

@@ -1093,7 +1093,7 @@ def _sweep_structure(frame: ActivationProfile, skeleton: _Skeleton) -> dict[str,
     """The skeleton's buffers as coded int64 arrays (``_encode``) and the part of its sweep
     its hook ``frame`` fixes ([Note: hook frames]): the points ``_points`` visits, their
     frame events, which are gaps and the ranges of frame events they span, and where each
-    point reads the running totals of buffers and instants."""
+    point reads the running sum of buffers and instants."""
     import numpy as np  # see [Note: numpy on first use]
     a = skeleton.arrays
     if a:
@@ -1104,16 +1104,13 @@ def _sweep_structure(frame: ActivationProfile, skeleton: _Skeleton) -> dict[str,
     grads = (np.stack((4 * reduced[0] + 2, reduced[1]), axis=1) if skeleton.grads_appear
              else np.zeros((0, 2), dtype=np.int64))
     starts, ends = live[:, _START], live[:, _END]
-    keys = np.concatenate((starts, ends, grads[:, 0]))
-    order = keys.argsort(kind="stable")
-    extra_order = inst[:, _START].argsort(kind="stable")
-    extra_keys = inst[extra_order, _START]
+    inst_keys = inst[:, _START]
     # the points of ``_points``: every buffer's start (and the gap before it), every end's
     # gap, the instants (and the gaps before them), the sharded gradients, the loss's region
     span = [4 * k for k in frame.loss_span] if frame.loss_span is not None else []
     points = _unique(np.concatenate((
         np.array([0, 4 * (n - 1), *span], dtype=np.int64), starts, starts & ~3, ends & ~3,
-        extra_keys, extra_keys & ~3, grads[:, 0])))
+        inst_keys, inst_keys & ~3, grads[:, 0])))
     points = points[points < 4 * n]
     gap = (points & 3) == 0
     # each gap's events on the frame, from the one after the previous point's to its own:
@@ -1129,18 +1126,24 @@ def _sweep_structure(frame: ActivationProfile, skeleton: _Skeleton) -> dict[str,
     live_rate = live[:, _KIND] * width + live[:, _UNIT]
     grad_rate = _SHARD_ORIG * width + grads[:, 1]
     live_mult = live[:, _MULT].copy()
+    inst_rate = inst[:, _KIND] * width + inst[:, _UNIT]
+    # one running sum over every key: a buffer adds its bytes at its start and takes them
+    # back at its end; an instant is there at its own sub-step point only (never at a
+    # gap's), so it adds at its point and takes them back at the next code
+    counted = (inst_keys & 3) != 0
+    inst_mult = inst[counted, _MULT]
+    keys = np.concatenate((starts, ends, grads[:, 0], inst_keys[counted],
+                           inst_keys[counted] + 1))
+    order = keys.argsort(kind="stable")
     a.update(live=live, inst=inst, grads=grads, live_rate=live_rate, live_mult=live_mult,
-             grad_rate=grad_rate,
-             running_rate=np.concatenate((live_rate, live_rate, grad_rate))[order],
-             running_mult=np.concatenate((live_mult, -live_mult,
-                                          np.ones(len(grads), dtype=np.int64)))[order],
-             inst_rate=inst[:, _KIND] * width + inst[:, _UNIT],
-             extra_rate=(inst[:, _KIND] * width + inst[:, _UNIT])[extra_order],
-             extra_mult=inst[extra_order, _MULT],
+             grad_rate=grad_rate, inst_rate=inst_rate,
+             sum_rate=np.concatenate((live_rate, live_rate, grad_rate, inst_rate[counted],
+                                      inst_rate[counted]))[order],
+             sum_mult=np.concatenate((live_mult, -live_mult,
+                                      np.ones(len(grads), dtype=np.int64), inst_mult,
+                                      -inst_mult))[order],
              points=points, events=event, gaps=gaps, gap_bounds=gap_bounds,
-             running_at=keys[order].searchsorted(points, side="right"),
-             extra_hi=np.where(gap, 0, extra_keys.searchsorted(points, side="right")),
-             extra_lo=np.where(gap, 0, extra_keys.searchsorted(points, side="left")))
+             sum_at=keys[order].searchsorted(points, side="right"))
     return a
 
 
@@ -1239,11 +1242,8 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     a = _sweep_of(profile, skeleton)
     grid = _units_facts(units).rates_at(ctx.precision, ctx.shard_size)
     rates = grid.ravel()  # by ``kind * units + unit``: see _sweep_structure
-    running = _prefix_sums(rates[a["running_rate"]] * a["running_mult"])
-    extra_sums = _prefix_sums(rates[a["extra_rate"]] * a["extra_mult"])
     base = {**static, **held}
-    totals = (a["activations"] + running[a["running_at"]]
-              + (extra_sums[a["extra_hi"]] - extra_sums[a["extra_lo"]]))
+    totals = a["activations"] + _prefix_sums(rates[a["sum_rate"]] * a["sum_mult"])[a["sum_at"]]
     best_at = int(totals.argmax())  # the first highest point
     point = int(a["points"][best_at])  # on the frame; ``event``: here
     here = profile.hook_frame()[1]
