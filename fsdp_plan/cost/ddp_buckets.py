@@ -381,6 +381,8 @@ class DdpOrder:
     """``rebuilt`` likewise."""
     broadcasts: int
     """``buffer_broadcasts`` of the graph."""
+    param_tensors: int
+    """``parameter_tensors`` of the graph."""
     _cuts: dict[tuple, list[Bucket]] = field(default_factory=dict, compare=False, repr=False)
     """The bucket lists cut so far, by ``cut``'s layout key."""
 
@@ -441,7 +443,12 @@ def ddp_order(graph: ModuleGraph, events: list[Event]) -> DdpOrder:
                     peaks=activation_peaks(events, first_pre_bw),
                     param_buckets=BucketOrder.of(params, backward_start),
                     rebuilt_buckets=BucketOrder.of(rebuilt, backward_start),
-                    broadcasts=buffer_broadcasts(graph))
+                    broadcasts=buffer_broadcasts(graph), param_tensors=parameter_tensors(graph))
+
+
+def parameter_tensors(graph: ModuleGraph) -> int:
+    """The model's parameter tensors (what the optimizer steps one by one)."""
+    return sum(len(m.param_shapes) for m in graph.modules.values())
 
 
 def unused_parameters(graph: ModuleGraph, analysis: Analysis) -> list[GradParam]:
@@ -707,7 +714,8 @@ def _ddp_resident(graph: ModuleGraph, analysis: Analysis, precision: Precision, 
     if unused is None:
         unused = unused_parameters(graph, analysis)
     trained = params - sum(p.nbytes for p in unused)
-    num_tensors = sum(len(m.param_shapes) for m in graph.modules.values()) - len(unused)
+    num_tensors = (shared.param_tensors if shared is not None
+                   else parameter_tensors(graph)) - len(unused)
     states = OPTIMIZER_STATES.get(optimizer, 0)
     static = {
         "params": params,

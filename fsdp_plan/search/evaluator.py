@@ -33,6 +33,7 @@ from fsdp_plan.cost.ddp_buckets import (
     evaluate_ddp,
     event_times,
     host_issue_times,
+    parameter_tensors,
 )
 from fsdp_plan.cost.memory import ActivationProfile, StepContext, estimate_peak
 from fsdp_plan.cost.offload import host_bytes, offload_seconds, offloaded_time
@@ -96,7 +97,7 @@ class Evaluator:
                 modules=analysis.modules,
                 fw_flops=self.exclusive_fw, bw_flops=self.exclusive_bw,
                 compiled=self.compiled_s,
-                param_tensors=sum(len(i.param_shapes) for i in graph.modules.values()))
+                param_tensors=parameter_tensors(graph))
             """The per-unit cost model and its caches (cost/unit_time.py), shared by budget
             copies (the budget is the only setting ``with_budget`` changes, and no time depends
             on it) and by the evaluator at another stride (no unit's time without recompute
