@@ -414,9 +414,10 @@ class Evaluator:
         if c.plain_seg is None:
             return out
         shared = like is not None and like.clock is self.clock and like.composer.ckpt is c.ckpt
+        sums = _OpSums()
         self._plain_ops = (
             like._plain_ops if like is not None and like.composer.plain is c.plain
-            else [_backward_ops(c, i, "none") for i in range(len(self.graph.blocks))])
+            else [_backward_ops(c, i, "none", sums) for i in range(len(self.graph.blocks))])
         for i, b in enumerate(self.graph.blocks):
             kept, _ = c.segment_delta(i, "none")
             plain_ops = self._plain_ops[i]
@@ -429,7 +430,7 @@ class Evaluator:
                 # under autocast the cached weight casts a checkpointed block's forward made are
                 # freed before backward: [Note: autocast and checkpointed blocks]
                 saved = max(0, kept - level + c.released_delta(i, mode))
-                flops, ops = _replayed(c, i, mode, plain_ops)
+                flops, ops = _replayed(c, i, mode, plain_ops, sums)
                 compiled = (self.compiled_s.recompute_s.get(b, {}).get(mode)
                             if self.compiled_s is not None else None)
                 host_s = 0.0
@@ -502,8 +503,20 @@ class Evaluator:
 
 
 
+class _OpSums:
+    """``_block_costs``'s sums of op counters, by the identity of what they sum: a deep
+    model's repeated blocks replay the same events' counters (the depth-cut analysis repeats
+    its middle block's, facts/depth.py), so 80 blocks' segments are summed once. Lives for
+    one ``_block_costs`` call, while the counters it names by ``id`` are alive."""
+
+    def __init__(self) -> None:
+        self.segments: dict[tuple[int, ...], dict[str, float]] = {}
+        self.deltas: dict[tuple[int, int], dict[str, float]] = {}
+
+
 def _replayed(composer: TimelineComposer, i: int, mode: str,
-              plain_ops: dict[str, float] | None) -> tuple[float, dict[str, float] | None]:
+              plain_ops: dict[str, float] | None, sums: _OpSums
+              ) -> tuple[float, dict[str, float] | None]:
     """FLOPs and op-class counters ([Note: op classes]) block ``i`` replays in backward in
     ``mode``: its backward segment in that mode's pass minus the plain pass's, whose counters
     are ``plain_ops`` (``_backward_ops``; None for the counters when either has none).
@@ -512,28 +525,35 @@ def _replayed(composer: TimelineComposer, i: int, mode: str,
     """
     _, flops = composer.segment_delta(i, mode, "bw")
     _, plain = composer.segment_delta(i, "none", "bw")
-    ops = None if plain_ops is None else _backward_ops(composer, i, mode)
+    ops = None if plain_ops is None else _backward_ops(composer, i, mode, sums)
     if ops is None:
         return max(0.0, flops - plain), None
-    delta = {k: max(0.0, ops.get(k, 0.0) - plain_ops.get(k, 0.0))
-             for k in set(plain_ops) | set(ops)}
+    key = (id(plain_ops), id(ops))
+    delta = sums.deltas.get(key)
+    if delta is None:
+        delta = sums.deltas[key] = {k: max(0.0, ops.get(k, 0.0) - plain_ops.get(k, 0.0))
+                                    for k in set(plain_ops) | set(ops)}
     return max(0.0, flops - plain), delta
 
 
-def _backward_ops(composer: TimelineComposer, i: int, mode: str) -> dict[str, float] | None:
+def _backward_ops(composer: TimelineComposer, i: int, mode: str, sums: _OpSums
+                  ) -> dict[str, float] | None:
     """The op-class counters of block ``i``'s backward segment in the pass of ``mode``,
-    summed (None when its events have none)."""
+    summed (None when its events have none); read only (``sums`` shares it)."""
     timeline, segments = composer.pass_of(mode)
     start, end = segments.bw[i]
     ops = [getattr(e, "ops", None) for e in timeline.events[start + 1:end + 1]]
     if not any(ops):
         return None
-    total: dict[str, float] = {}
-    get = total.get
-    for o in ops:  # ``add_ops`` for each, inline: 320 segments of some 60 events per search
-        if o:
-            for k, v in o.items():
-                total[k] = get(k, 0.0) + v
+    key = tuple(map(id, ops))
+    total = sums.segments.get(key)
+    if total is None:
+        total = sums.segments[key] = {}
+        get = total.get
+        for o in ops:  # ``add_ops`` for each, inline: 320 segments of some 60 events
+            if o:
+                for k, v in o.items():
+                    total[k] = get(k, 0.0) + v
     return total
 
 
