@@ -255,7 +255,7 @@ class Evaluator:
         return Candidate(
             name=name, layout=layout, units=units, memory=memory, deferred_time=time,
             collectives=dict(collectives), collectives_fsdp1=dict(collectives_fsdp1),
-            fits=runnable(units, ran) and memory.peak_bytes <= s.limit_bytes,
+            fits=memory.peak_bytes <= s.limit_bytes and runnable(units, ran),
             block_modes=list(block_modes), cross_node_bytes=crossing,
         )
 
