@@ -91,10 +91,24 @@ class EventNames:
         self._keys: dict[tuple, list[int]] = {}
         """``keys`` by its arguments and how many names there were (a name added later
         would change what a lookup of it gives)."""
+        self._last: tuple[list[str], list[str], np.ndarray] | None = None
+        """The last ``codes`` asked for, with its arguments."""
+        self.segments: dict[tuple[int, tuple[str, ...]], tuple[np.ndarray, Segments | None]] = {}
+        """``find_segments`` of passes whose columns have these names, by the identity of
+        their codes (kept beside, read only) and the blocks: passes that share their codes
+        (``codes``) share their segments."""
 
     def codes(self, kinds: list[str], modules: list[str]) -> np.ndarray:
-        """``code(kind, module)`` of each event (new names get the next ids)."""
-        return self._ids(self.kinds, kinds) << 32 | self._ids(self.modules, modules)
+        """``code(kind, module)`` of each event (new names get the next ids), read only: the
+        same array again for the same events (the checkpointed passes replay the same
+        modules' hooks in the same order, whatever their policy)."""
+        last = self._last
+        if last is not None and last[0] == kinds and last[1] == modules:
+            return last[2]
+        codes = self._ids(self.kinds, kinds) << 32 | self._ids(self.modules, modules)
+        codes.flags.writeable = False
+        self._last = (kinds, modules, codes)
+        return codes
 
     @staticmethod
     def _ids(table: dict[str, int], names: list[str]) -> np.ndarray:
@@ -281,9 +295,20 @@ class Segments:
 def find_segments(timeline: Timeline, blocks: list[str],
                   columns: EventColumns | None = None) -> Segments | None:
     """Split ``timeline`` at the blocks' first pre-forward and pre-backward events, looked up
-    by code in its ``columns`` (made here when the caller has none)."""
-    first, after = _code_lookups(columns if columns is not None
-                                 else EventColumns.of(timeline.events))
+    by code in its ``columns`` (made here when the caller has none; read only, the same for
+    columns with the same codes: ``EventNames.segments``)."""
+    columns = columns if columns is not None else EventColumns.of(timeline.events)
+    key = (id(columns.codes), tuple(blocks))
+    found = columns.names.segments.get(key)
+    if found is None or found[0] is not columns.codes:
+        found = columns.names.segments[key] = (columns.codes,
+                                               _find_segments(columns, blocks))
+    return found[1]
+
+
+def _find_segments(columns: EventColumns, blocks: list[str]) -> Segments | None:
+    """``find_segments`` over ``columns``' codes."""
+    first, after = _code_lookups(columns)
     fw_starts = first("pre_fw", blocks)
     bw_starts = first("pre_bw", blocks)
     if not blocks or None in fw_starts or None in bw_starts:
