@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
+from fsdp_plan.common.records import with_fields
 from fsdp_plan.cost.compiled_time import CompiledTimes, without_inside
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.precision import Precision
@@ -135,7 +136,7 @@ class UnitClock:
         key = (id(base), replays)
         found = self._replayed.get(key)
         if found is None:
-            found = self._replayed[key] = dataclasses.replace(
+            found = self._replayed[key] = with_fields(
                 base, bw_compute_s=base.bw_compute_s + sum(r[0] for r in replays),
                 bw_host_s=base.bw_host_s + sum(r[1] for r in replays))
         return found
@@ -223,7 +224,7 @@ class UnitClock:
             replays = tuple(recompute[b] for b in blocks if b in recompute) if recompute else ()
             cost = self.replayed(base, replays) if replays else base
             if optimizer_overlap and u.numel:  # [Note: optimizer overlap in the models]
-                cost = dataclasses.replace(cost, optimizer_s=optimizer_time(
+                cost = with_fields(cost, optimizer_s=optimizer_time(
                     hw, rates, s.optimizer, u.shard_numel, s.precision.orig_bytes,
                     u.num_params))
             costs.append(cost)

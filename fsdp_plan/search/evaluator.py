@@ -25,6 +25,7 @@ import math
 
 from fsdp_plan.common.deferred import Deferred
 from fsdp_plan.common.errors import BadInput
+from fsdp_plan.common.records import with_fields
 from fsdp_plan.cost.collectives import count_fsdp1, count_fsdp2, cross_node_bytes, per_step
 from fsdp_plan.cost.compiled_time import compiled_times, without_inside
 from fsdp_plan.cost.ddp_buckets import (
@@ -197,7 +198,7 @@ class Evaluator:
                 strategy=layout.strategy, optimizer=self.settings.optimizer,
                 grad_accum_steps=self.settings.grad_accum_steps, offload=layout.offload,
                 comm_hook=layout.ddp.comm_hook if layout.ddp is not None else None) is None:
-            return dataclasses.replace(layout, optimizer_overlap=True)
+            return with_fields(layout, optimizer_overlap=True)
         return layout
 
     @property

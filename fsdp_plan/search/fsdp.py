@@ -33,6 +33,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from fsdp_plan.common.records import with_fields
 from fsdp_plan.cost.units import check_tied, with_full_precision_units
 from fsdp_plan.facts.checkpointing import TORCHTITAN_MM_STRIDE, mode_sets
 from fsdp_plan.search.candidate import Candidate, Layout, SearchSettings, rank
@@ -152,7 +153,7 @@ def _prefetch_variants(evaluator: Evaluator, base: Layout, name: str,
     out: list[Candidate] = []
     if variants is None:
         variants = ((0, 1), (0, 2), (1, 1), (1, 2)) if n > 1 else ((0, 1),)
-    prefetched = [(dataclasses.replace(base, forward_prefetch=fwp, backward_prefetch=bwp),
+    prefetched = [(with_fields(base, forward_prefetch=fwp, backward_prefetch=bwp),
                    f"{name} fwp{fwp} bwp{bwp}") for fwp, bwp in variants]
     floors = [-math.inf] * len(prefetched)
     met: list[list[list[tuple[int, Candidate]]]] = []
@@ -259,8 +260,7 @@ def _with_counts(evaluator: Evaluator, layout: Layout, name: str, counts: tuple[
     n_full, n_sel = counts
     full, selective = mode_sets(n_full, n_sel)
     suffix = (f" ac{n_full}" if n_full else "") + (f" sac{n_sel}" if n_sel else "")
-    candidate = evaluator.evaluate(dataclasses.replace(layout, full=full,
-                                                       selective=selective - full),
+    candidate = evaluator.evaluate(with_fields(layout, full=full, selective=selective - full),
                                    name + suffix)
     met.setdefault(counts, (candidate, evaluator.runs(candidate)))
     return candidate
