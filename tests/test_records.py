@@ -48,7 +48,13 @@ class _Slotted:
     n: int
 
 
+@dataclasses.dataclass
+class _OnSlots(_Slotted):
+    m: int = 0
+
+
 def test_other_dataclasses_go_through_replace():
-    # __post_init__ (and a field outside __init__) must run again; slots have no __dict__
+    # __post_init__ (and a field outside __init__) must run again; slots are not in __dict__
     assert with_fields(_Checked(2), n=5).doubled == 10
     assert with_fields(_Slotted(1), n=3) == _Slotted(3)
+    assert with_fields(_OnSlots(1, 2), m=4) == _OnSlots(1, 4)
