@@ -871,6 +871,14 @@ def _framed_skeleton(frame: ActivationProfile, units: list[UnitSpec], *, offload
     key = (layout, facts.reshard, offload, sharded_grads, forward_prefetch, backward_prefetch)
     found = frame._skeletons.get(key)
     if found is None:
+        # whether sharded gradients appear changes no buffer's place: the twin's are these
+        twin = frame._skeletons.get((layout, facts.reshard, offload, not sharded_grads,
+                                     forward_prefetch, backward_prefetch))
+        if twin is not None:
+            found = frame._skeletons[key] = _Skeleton(
+                live=twin.live, instants=twin.instants, reduced=twin.reduced,
+                grads_appear=_grads_appear(sharded_grads, offload), width=twin.width)
+            return found
         placed = frame._layouts.get(layout)
         if placed is None:
             placed = frame._layouts[layout] = _layout(frame, units)
@@ -1002,7 +1010,13 @@ def _place_buffers(layout: _Layout, units: list[UnitSpec], *, offload: bool,
         instants=_Placed.join([fw_instants, bw_instants,
                                _with_offload(filled, offload, _SHARD_ORIG)]),
         reduced=np.stack((layout.bw_end[bw_order], bw_order)),
-        grads_appear=sharded_grads and not offload, width=len(units))
+        grads_appear=_grads_appear(sharded_grads, offload), width=len(units))
+
+
+def _grads_appear(sharded_grads: bool, offload: bool) -> bool:
+    """Whether the sharded gradients appear on the device after each reduce-scatter (with
+    offload they are copied to the host)."""
+    return sharded_grads and not offload
 
 
 def _with_offload(instants: _Placed, offload: bool, kind: int) -> _Placed:
