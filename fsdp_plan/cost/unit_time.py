@@ -221,7 +221,13 @@ class UnitClock:
             # Summed in module order: a set's order follows the names' hashes, which change
             # from one process to the next, and so did the last bits of a step whose unit
             # owns several checkpointed blocks (a root-only plan's).
-            replays = tuple(recompute[b] for b in blocks if b in recompute) if recompute else ()
+            if not recompute or not blocks:
+                replays: tuple[tuple[float, float], ...] = ()
+            elif len(blocks) == 1:  # a block's own unit, most of a layout's: no generator
+                replay = recompute.get(blocks[0])
+                replays = () if replay is None else (replay,)
+            else:
+                replays = tuple(recompute[b] for b in blocks if b in recompute)
             cost = self.replayed(base, replays) if replays else base
             if optimizer_overlap and u.numel:  # [Note: optimizer overlap in the models]
                 cost = with_fields(cost, optimizer_s=optimizer_time(
