@@ -33,7 +33,13 @@ from fsdp_plan.cost.memory import (
     memory_timeline,
 )
 from fsdp_plan.cost.precision import Precision
-from fsdp_plan.cost.timeline import AUTOCAST_EXIT, EventColumns, TimelineComposer, find_segments
+from fsdp_plan.cost.timeline import (
+    AUTOCAST_EXIT,
+    EventColumns,
+    EventNames,
+    TimelineComposer,
+    find_segments,
+)
 from fsdp_plan.cost.units import UnitSpec, build_units
 from fsdp_plan.facts.types import Event, ModelFacts, Timeline
 
@@ -471,3 +477,27 @@ def test_peak_and_timeline_agree_on_the_column_skeletons():
             assert peak.peak_bytes == memory_timeline(profile, units, ctx,
                                                       forward_prefetch=1).peak_bytes
             assert all(isinstance(v, int) for v in peak.breakdown.values())
+
+
+def test_passes_with_the_same_events_share_codes_and_segments():
+    # the checkpointed passes replay the same hooks: one codes array and one split for them,
+    # each still what its own events give (another block list, other events: their own)
+    facts = _facts()
+    a, blocks = facts.analysis, facts.graph.blocks
+    names = EventNames()
+    again = [dataclasses.replace(e, level=e.level + 1) for e in a.checkpointed_timeline.events]
+    ckpt = EventColumns.of(a.checkpointed_timeline.events, names)
+    same = EventColumns.of(again, names)
+    assert same.codes is ckpt.codes and not same.codes.flags.writeable
+    alone = EventColumns.of(again)  # names of its own
+    assert [names.named(c) for c in same.codes.tolist()] == [
+        alone.names.named(c) for c in alone.codes.tolist()]
+    plain = EventColumns.of(a.timeline.events, names)
+    assert plain.codes is not ckpt.codes and len(plain) == len(a.timeline.events)
+    split = find_segments(a.checkpointed_timeline, blocks, ckpt)
+    assert find_segments(Timeline(events=again), blocks, same) is split
+    assert split == find_segments(a.checkpointed_timeline, blocks)  # columns of its own
+    assert find_segments(a.timeline, blocks, plain) == find_segments(a.timeline, blocks)
+    assert find_segments(a.timeline, blocks, plain) != split
+    fewer = find_segments(a.checkpointed_timeline, blocks[:-1], ckpt)
+    assert fewer is not split and fewer == find_segments(a.checkpointed_timeline, blocks[:-1])
