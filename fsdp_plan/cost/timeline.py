@@ -550,6 +550,11 @@ class TimelineComposer:
         return {"none": (self.plain, self.plain_seg), "full": (self.ckpt, self.ckpt_seg),
                 "selective": (self.sel, self.sel_seg)}[mode]
 
+    def ops_of(self, mode: str) -> list[dict[str, float] | None]:
+        """Each event's op counters in the pass of ``mode`` (``pass_of``; its columns' list,
+        read only)."""
+        return self._columns[mode].ops
+
     def segment_delta(self, i: int, mode: str, part: str = "fw") -> tuple[int, float]:
         """Level and FLOP change over block ``i``'s forward (``part="fw"``) or backward
         segment in the pass of ``mode``: what the block keeps for backward, what it computes."""

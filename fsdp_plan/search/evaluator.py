@@ -541,9 +541,9 @@ def _backward_ops(composer: TimelineComposer, i: int, mode: str, sums: _OpSums
                   ) -> dict[str, float] | None:
     """The op-class counters of block ``i``'s backward segment in the pass of ``mode``,
     summed (None when its events have none); read only (``sums`` shares it)."""
-    timeline, segments = composer.pass_of(mode)
+    _, segments = composer.pass_of(mode)
     start, end = segments.bw[i]
-    ops = [getattr(e, "ops", None) for e in timeline.events[start + 1:end + 1]]
+    ops = composer.ops_of(mode)[start + 1:end + 1]
     if not any(ops):
         return None
     key = tuple(map(id, ops))
