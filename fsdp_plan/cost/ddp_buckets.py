@@ -465,16 +465,20 @@ def event_times(events: list[Event], hw: Hardware, dtype: str) -> list[float]:
     between two boundaries (``Event.ops``) timed as cost/step_time.py times a unit's ops."""
     rates = Rates.of(hw, dtype)
     times = [0.0] * len(events)
+    flops, counters = [e.flops for e in events], [e.ops for e in events]
     # by the counters' identity and the FLOPs: a deep model's repeated blocks share both
     # (facts/depth.py), so the 70B's 3,857 events need 83 timings
     seconds: dict[tuple[int, float], float] = {}
+    now = 0.0
     for i in range(1, len(events)):
-        delta = max(0.0, events[i].flops - events[i - 1].flops)
-        ops = events[i].ops
+        delta = flops[i] - flops[i - 1]
+        delta = delta if delta > 0.0 else 0.0  # noqa: FURB136 (as max(0.0, delta), faster)
+        ops = counters[i]
         found = seconds.get((id(ops), delta))
         if found is None:
             found = seconds[id(ops), delta] = compute_time(rates, ops, delta)
-        times[i] = times[i - 1] + found
+        now += found
+        times[i] = now
     return times
 
 
