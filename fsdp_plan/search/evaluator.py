@@ -41,6 +41,7 @@ from fsdp_plan.cost.offload import host_bytes, offload_seconds, offloaded_time
 from fsdp_plan.cost.optimizer_overlap import overlap_refusal
 from fsdp_plan.cost.step_time import (
     Rates,
+    add_ops,
     compute_time,
     issue_time,
 )
@@ -550,11 +551,8 @@ def _backward_ops(composer: TimelineComposer, i: int, mode: str, sums: _OpSums
     total = sums.segments.get(key)
     if total is None:
         total = sums.segments[key] = {}
-        get = total.get
-        for o in ops:  # ``add_ops`` for each, inline: 320 segments of some 60 events
-            if o:
-                for k, v in o.items():
-                    total[k] = get(k, 0.0) + v
+        for o in ops:
+            add_ops(total, o)
     return total
 
 
