@@ -670,10 +670,10 @@ def _compose(pieces: list[tuple[EventColumns, int, int]],
 
     def flops() -> np.ndarray:
         """The composite's FLOPs, re-based piece by piece (the glue's as the others)."""
-        out = _gather_flops(used, stacked)
+        before, bases = used.flops_before(stacked)
+        out = _gather_flops(used, stacked, before, bases)
         if glue_piece is not None:
             src, start, end = slices[glue_piece]
-            before, bases = used.flops_before(stacked)
             out[glue_at:glue_at + end - start] = (
                 float(before[glue_piece] - bases[glue_piece]) + src.flops[start:end])
         return out
@@ -743,13 +743,14 @@ def _gather(used: _Pieces, stacked: _Stacked) -> tuple[np.ndarray, np.ndarray, n
     return levels, peaks, stacked.codes[index]
 
 
-def _gather_flops(used: _Pieces, stacked: _Stacked) -> np.ndarray:
-    """FLOPs of the pieces ``used``: ``(flops + e.flops) - base_flops`` per event."""
+def _gather_flops(used: _Pieces, stacked: _Stacked, before: np.ndarray, bases: np.ndarray
+                  ) -> np.ndarray:
+    """FLOPs of the pieces ``used``: ``(flops + e.flops) - base_flops`` per event, given the
+    FLOPs before each piece and its first event's (``_Pieces.flops_before``)."""
     import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
     if not len(used.lengths):
         return np.zeros(0)
-    before, bases = used.flops_before(stacked)
     return ((np.repeat(before, used.lengths) + stacked.flops[_stacked_index(used)])
             - np.repeat(bases, used.lengths))
 
