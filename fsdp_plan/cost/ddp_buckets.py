@@ -501,7 +501,8 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
                   gpus_per_node: int, optimizer_s: float, times: list[float],
                   chains: list[list[HookPhase]] | None = None, host_sync: bool = False,
                   used_map_bytes: int = 0, steps_in_backward: list[float] | None = None,
-                  issued: list[float] | None = None) -> tuple[StepTime, list[float]]:
+                  issued: list[float] | None = None, backward_start: int | None = None
+                  ) -> tuple[StepTime, list[float]]:
     """Forward, then backward with each bucket's all-reduce issued when it is ready and all
     earlier buckets were issued (the reducer launches buckets in order), on the two streams of
     cost/streams.py. Where the hardware file says collectives do not overlap compute
@@ -515,10 +516,12 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     the host waits for each bucket's chain on a GPU (PowerSGD). ``steps_in_backward``: each
     bucket's optimizer seconds when its parameters step after its all-reduce
     (``optimizer_overlap``; cost/optimizer_overlap.py), ``optimizer_s`` then 0. ``issued``:
-    ``host_issue_times(events, hw)`` where the caller keeps it.
+    ``host_issue_times(events, hw)`` where the caller keeps it; ``backward_start``: the first
+    ``pre_bw`` event (the last event without one), ``DdpOrder.backward_start``, likewise.
     Returns the step and when each bucket became ready."""
     n = len(events)
-    bw_start = next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
+    bw_start = (next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
+                if backward_start is None else backward_start)
     forward = times[bw_start]
     rates = Rates.of(hw)
     if issued is None:
@@ -814,7 +817,8 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
                                  precision.orig_bytes)
     times = event_times(events, hw, dtype) if times is None else times
     common = {"world_size": world_size, "gpus_per_node": gpus_per_node,
-              "optimizer_s": optimizer_s, "times": times, "issued": issued}
+              "optimizer_s": optimizer_s, "times": times, "issued": issued,
+              "backward_start": shared.backward_start}
     kind = hook_kind(config.comm_hook)
     chains = None
     if kind is not None:

@@ -781,6 +781,10 @@ class _Skeleton:
     """How many units (the columns of their rates, ``_unit_rates``)."""
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     """The part of its sweep every mix shares (``_sweep_structure``)."""
+    held_bytes: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """The bytes its buffers hold at each point of its sweep, by the identity of the rates
+    they were read from (kept beside, read only): every mix on the frame shares them
+    (``_buffer_bytes``)."""
     serial: int = field(default_factory=lambda: next(_SKELETON_SERIALS))
     """Names the skeleton among a profile's sweeps (``ActivationProfile._sweeps``)."""
 
@@ -1247,8 +1251,8 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     ([Note: sub-steps]): every buffer is present on the half-open range ``start <= point <
     end`` of coded points ``4 * event + sub + 1``, so one sweep suffices. The search calls this
     for every candidate, so the sweep runs on int64 arrays whose points, order and activations
-    the skeleton fixes (``_sweep_of``); per call only the bytes change: the running total at
-    each point is a prefix sum. It visits ``_points``'s points (``memory_timeline``;
+    the skeleton fixes (``_sweep_of``); only the bytes change with the shard size and dtypes:
+    the running total at each point is a prefix sum (``_buffer_bytes``). It visits ``_points``'s points (``memory_timeline``;
     tests/test_pictures.py checks both agree for every candidate).
     """
     static, held = _static_and_held(units, ctx)
@@ -1257,7 +1261,7 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
     grid = _units_facts(units).rates_at(ctx.precision, ctx.shard_size)
     rates = grid.ravel()  # by ``kind * units + unit``: see _sweep_structure
     base = {**static, **held}
-    totals = a["activations"] + _prefix_sums(rates[a["sum_rate"]] * a["sum_mult"])[a["sum_at"]]
+    totals = a["activations"] + _buffer_bytes(skeleton, a, grid)
     best_at = int(totals.argmax())  # the first highest point
     point = int(a["points"][best_at])  # on the frame; ``event``: here
     here = profile.hook_frame()[1]
@@ -1278,6 +1282,18 @@ def estimate_peak(profile: ActivationProfile, units: list[UnitSpec], ctx: StepCo
                 best = MemoryEstimate(peak_bytes=sum(parts.values()), breakdown=parts,
                                       phase="optimizer step in " + _phase_name(profile, point >> 2))
     return best
+
+
+def _buffer_bytes(skeleton: _Skeleton, a: dict[str, np.ndarray], grid: np.ndarray
+                  ) -> np.ndarray:
+    """The bytes ``skeleton``'s buffers and instants hold at each point of its sweep ``a``
+    with ``grid``'s rates (``_unit_rates``): the running sum at each point
+    (``_sweep_structure``), worked out once per skeleton and rates."""
+    found = skeleton.held_bytes.get(id(grid))
+    if found is None or found[0] is not grid:
+        found = skeleton.held_bytes[id(grid)] = (
+            grid, _prefix_sums(grid.ravel()[a["sum_rate"]] * a["sum_mult"])[a["sum_at"]])
+    return found[1]
 
 
 def _breakdown_at(point: int, a: dict[str, np.ndarray], rates: np.ndarray,

@@ -96,9 +96,9 @@ class UnitClock:
         """The forward passes simulated on this clock (``simulate_step``)."""
         self._ordered: dict[tuple, tuple[list[UnitCost], tuple]] = {}
         """Layouts' costs in forward order by layout key and recompute (``ordered_costs``)."""
-        self._bases: dict[tuple, list[tuple[UnitCost, tuple[str, ...]]]] = {}
-        """Layouts' unit costs without recompute, with the blocks each unit owns (in module
-        order), by layout key and mesh (``ordered_costs``)."""
+        self._bases: dict[tuple, _Bases] = {}
+        """Layouts' unit costs without recompute, with the blocks each unit owns, by layout
+        key and mesh (``ordered_costs``)."""
         self.rates = Rates.of(setup.hardware, setup.param_dtype)
         """The compute dtype's rates on the hardware."""
         self._collectives: dict[tuple[str, int, int, int], float] = {}
@@ -209,13 +209,12 @@ class UnitClock:
         hw, rates = s.hardware, self.rates
         bases = self._bases.get(mesh_key) if cached else None
         if bases is None:
-            blocks = self.blocks
-            bases = [(self.unit_cost(u, shard=shard, replicate=replicate),
-                      tuple(m for m in u.owned_modules if m in blocks)) for u in units]
+            bases = _Bases.of([self.unit_cost(u, shard=shard, replicate=replicate)
+                               for u in units], units, self.blocks)
             if cached:
                 self._bases[mesh_key] = bases
         costs: list[UnitCost] = []
-        for u, (base, blocks) in zip(units, bases):
+        for u, base, blocks in zip(units, bases.costs, bases.blocks):
             # A checkpointed block's forward (or, selective, its unsaved ops) runs again
             # inside its unit's backward: [Note: recompute time] in search/evaluator.py.
             # Summed in module order: a set's order follows the names' hashes, which change
@@ -234,14 +233,34 @@ class UnitClock:
                     hw, rates, s.optimizer, u.shard_numel, s.precision.orig_bytes,
                     u.num_params))
             costs.append(cost)
-        # Forward order: the root gathers first, then units as they run.
-        root = [c for c in costs if c.key == "<root>"]
-        ordered = root + [c for c in costs if c.key != "<root>"]
-        found = (ordered, forward_reads(ordered))
+        found = ([costs[i] for i in bases.order], bases.forward_key)
         if cached:
             self._ordered[key] = found
         return found
 
+
+
+@dataclass(frozen=True, slots=True)
+class _Bases:
+    """A layout's unit costs without recompute on one mesh (``UnitClock.unit_cost``), with
+    what every checkpointing mix and optimizer choice of it shares (``ordered_costs``)."""
+
+    costs: list[UnitCost]
+    blocks: list[tuple[str, ...]]
+    """The checkpointable blocks each unit owns, in module order."""
+    order: list[int]
+    """Forward order: the root gathers first, then the units as they run."""
+    forward_key: tuple
+    """What forward reads of the units in that order (``forward_reads``): recompute and the
+    optimizer's steps are backward's, so every mix and choice of the layout has it."""
+
+    @classmethod
+    def of(cls, costs: list[UnitCost], units: list[UnitSpec], blocks: frozenset[str]) -> _Bases:
+        root = [i for i, c in enumerate(costs) if c.key == "<root>"]
+        order = root + [i for i, c in enumerate(costs) if c.key != "<root>"]
+        return cls(costs=costs, blocks=[tuple(m for m in u.owned_modules if m in blocks)
+                                        for u in units],
+                   order=order, forward_key=forward_reads([costs[i] for i in order]))
 
 def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, replicate: int,
                    recompute: Mapping[str, tuple[float, float]], forward_prefetch: int,

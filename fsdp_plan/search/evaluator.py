@@ -116,6 +116,8 @@ class Evaluator:
         """Checkpointed blocks' modes and recompute seconds by mix (``_modes_of``)."""
         self._unit_layouts: dict[tuple, tuple[list[UnitSpec], list[int]]] = {}
         """Units and their forward calls by layout (``_units_and_calls``)."""
+        self._not_once: frozenset[str] | None = None
+        """The analysed modules not called exactly once in forward (``_calls``)."""
         self._communicated: dict[tuple, tuple[dict[str, int], dict[str, int], int]] = {}
         """Collectives and cross-node bytes by layout and which units ran
         (``_communication``)."""
@@ -459,9 +461,15 @@ class Evaluator:
         return out
 
     def _calls(self, units: list[UnitSpec]) -> list[int]:
-        """Forward calls of each unit's modules in one step (a shared module runs twice)."""
+        """Forward calls of each unit's modules in one step (a shared module runs twice): the
+        most of any of its analysed modules (1 for a unit with none). Only a module not called
+        exactly once makes that other than 1, so a unit with none of those reads 1 at once."""
         mods = self.analysis.modules
-        return [max([mods[m].calls for m in u.modules if m in mods] or [1]) for u in units]
+        if self._not_once is None:
+            self._not_once = frozenset(m for m, info in mods.items() if info.calls != 1)
+        not_once = self._not_once
+        return [1 if not_once.isdisjoint(u.modules)
+                else max([mods[m].calls for m in u.modules if m in mods] or [1]) for u in units]
 
     def profile(self, checkpointed: frozenset[int],
                 selective: frozenset[int] = frozenset()) -> ActivationProfile:
