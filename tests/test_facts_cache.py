@@ -206,6 +206,24 @@ def _export(plan: Path, out: Path, **env: str) -> tuple[subprocess.CompletedProc
     return done, "TORCH True" in done.stderr
 
 
+def test_the_cache_keeps_the_op_counters_shared_as_traced():
+    """A deep model's repeated blocks share their op counter objects (facts/depth.py), and
+    the search sums and times them once per object: read back from the cache's form, the
+    events that shared one share one again, and equal counters that did not, do not."""
+    from fsdp_plan.facts.types import Event, Timeline, _timeline, plain_data
+
+    shared, other = {"mm_large": 2.0, "ops": 1.0}, {"memory_bytes": 3.0}
+    events = [Event(kind="pre_fw", module="a", level=i, peak=i + 1, flops=float(i), ops=o)
+              for i, o in enumerate([shared, None, other, shared, dict(shared)])]
+    written = json.loads(json.dumps(plain_data(Timeline(events=events), columns=True)))
+    assert len(written["ops_table"]) == 3  # one entry per object, not per event
+    back = _timeline(written)
+    assert back.events == events
+    ops = [e.ops for e in back.events]
+    assert ops[0] is ops[3] and ops[1] is None
+    assert ops[4] == ops[0] and ops[4] is not ops[0] and ops[2] is not ops[0]
+
+
 def test_an_export_of_a_planned_model_builds_nothing_and_writes_the_same_files(cache, capsys,
                                                                               tmp_path):
     """Planning leaves the model's outline beside its facts; export reads the plan against

@@ -48,9 +48,10 @@ from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.facts.types import ModelFacts, ModelOutline
 from fsdp_plan.model.source import ModelSource, _module_file
 
-FORMAT = 2
-"""The entry layout (2: timelines' events as columns, ``ModelFacts.to_dict(columns=True)``);
-an entry of another format is ignored."""
+FORMAT = 3
+"""The entry layout (2: timelines' events as columns, ``ModelFacts.to_dict(columns=True)``;
+3: their op counters as indices into a table of the distinct ones); an entry of another
+format is ignored."""
 DIR_ENV = "FSDP_PLAN_CACHE_DIR"
 OFF_ENV = "FSDP_PLAN_NO_CACHE"
 """Set to anything but ``""``/``0`` to plan without the cache (tests/conftest.py does)."""

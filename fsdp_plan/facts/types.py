@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -411,7 +412,10 @@ def _timeline(raw: dict[str, Any]) -> Timeline:
     """A ``Timeline`` from its JSON form: a dict per event, or ``event_columns``
     (``ModelFacts.to_dict(columns=True)``)."""
     if "event_columns" in raw:
-        columns = raw["event_columns"]
+        columns = dict(raw["event_columns"])
+        if "ops_table" in raw:  # one object per distinct counters, shared as traced
+            table = raw["ops_table"]
+            columns["ops"] = [None if i is None else table[i] for i in columns["ops"]]
         events = [Event(kind=kind, module=module, level=level, peak=peak, flops=flops, ops=ops)
                   for kind, module, level, peak, flops, ops
                   in zip(*(columns[name] for name in EVENT_FIELDS), strict=True)]
@@ -545,9 +549,10 @@ def _plain_columns(value: Any, kind: type) -> Any:
         plain = {n: plain_data(getattr(value, n))
                  for n in ("checkpointed", "final_level", "seconds", "autocast_released")}
         columns = value.event_columns()
-        plain["event_columns"] = {
-            name: [None if o is None else dict(o) for o in column] if name == "ops"
-            else list(column) for name, column in zip(EVENT_FIELDS, columns, strict=True)}
+        plain["event_columns"] = {name: list(column) for name, column
+                                  in zip(EVENT_FIELDS, columns, strict=True) if name != "ops"}
+        plain["event_columns"]["ops"], plain["ops_table"] = _ops_table(
+            columns[EVENT_FIELDS.index("ops")])
         return plain
     if kind is list:
         return [plain_data(v, columns=True) for v in value]
@@ -557,6 +562,29 @@ def _plain_columns(value: Any, kind: type) -> Any:
     if names is not None:
         return {n: plain_data(getattr(value, n), columns=True) for n in names}
     return plain_data(value)  # dicts and tuples hold no timeline
+
+
+def _ops_table(ops: Sequence[dict[str, float] | None]
+               ) -> tuple[list[int | None], list[dict[str, float]]]:
+    """Events' op counters as an index each (None for none) into a table of the distinct
+    counter objects, in order of first use (``_timeline`` reads them back as one object per
+    entry). A deep model's repeated blocks share their counters (facts/depth.py), and the
+    search times and sums them once per object (cost/ddp_buckets.py ``event_times``,
+    search/evaluator.py ``_OpSums``): written out one per event, the 70B's facts read from
+    the cache summed four times as many counters per search."""
+    where: dict[int, int] = {}
+    table: list[dict[str, float]] = []
+    indices: list[int | None] = []
+    for o in ops:
+        if o is None:
+            indices.append(None)
+            continue
+        i = where.get(id(o))
+        if i is None:
+            i = where[id(o)] = len(table)
+            table.append(dict(o))
+        indices.append(i)
+    return indices, table
 
 
 @dataclass
