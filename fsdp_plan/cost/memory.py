@@ -165,8 +165,11 @@ class ActivationProfile:
         first use: the search's sweeps read their range maxima with ``_gap_maxima``."""
         self._names = columns.names
         self._codes = columns.codes
-        self._pre_bw: tuple[list[int], np.ndarray] | None = None
-        pre_bw = self._pre_backward()[1]
+        self._kind_codes = columns.codes >> 32
+        """Each event's kind id (``EventNames.kinds``)."""
+        self._pre_bw: np.ndarray | None = None
+        self._pre_bw_list: list[int] | None = None
+        pre_bw = self._pre_backward()
         self.backward_start = int(pre_bw[0]) if len(pre_bw) else n - 1
         self.forward_end = max(0, self.backward_start - 1)
         self.loss_span = _loss_span(self.kind_and_module, n, self.backward_start)
@@ -213,7 +216,7 @@ class ActivationProfile:
             import numpy as np  # see [Note: numpy on first use]
 
             n, start = self.num_events, self.backward_start
-            kinds, ids = self._codes >> 32, self._names.kinds
+            kinds, ids = self._kind_codes, self._names.kinds
 
             def of(first: str, second: str, part: np.ndarray) -> np.ndarray:
                 return (part == ids.get(first, -1)) | (part == ids.get(second, -1))
@@ -270,15 +273,21 @@ class ActivationProfile:
         """The kind and module FQN of event ``event``."""
         return self._names.named(int(self._codes[event]))
 
-    def _pre_backward(self) -> tuple[list[int], np.ndarray]:
-        """The indices of the pre-backward events, as a list and as an int64 array."""
+    def _pre_backward(self) -> np.ndarray:
+        """The indices of the pre-backward events (int64)."""
         if self._pre_bw is None:
             import numpy as np  # see [Note: numpy on first use]
 
             kind = self._names.kinds.get("pre_bw", -1)
-            found = np.flatnonzero(self._codes >> 32 == kind)
-            self._pre_bw = (found.tolist(), found)
+            self._pre_bw = np.flatnonzero(self._kind_codes == kind)
         return self._pre_bw
+
+    def _pre_backward_list(self) -> list[int]:
+        """``_pre_backward`` as a list, made on first use (hook frames only: [Note: hook
+        frames]; every mix's profile reads just the first)."""
+        if self._pre_bw_list is None:
+            self._pre_bw_list = self._pre_backward().tolist()
+        return self._pre_bw_list
 
     @property
     def events(self) -> list[Event]:
@@ -351,7 +360,7 @@ class ActivationProfile:
             return left
         names, prefixes = _inside_test(modules)
         # only pre-backward events matter: visit those in ``start..stop`` (by bisection)
-        pre_bw, fqns = self._pre_backward()[0], self._pre_backward_modules()
+        pre_bw, fqns = self._pre_backward_list(), self._pre_backward_modules()
         lo, hi = bisect.bisect_left(pre_bw, start), bisect.bisect_right(pre_bw, stop)
         last_inside = start
         for j in range(hi - 1, lo - 1, -1):  # the last pre-backward inside the unit
@@ -373,7 +382,7 @@ class ActivationProfile:
         """The module of each pre-backward event (``_pre_backward``), in order."""
         if self._pre_bw_modules is None:
             self._pre_bw_modules = self._names.module_names(
-                self._codes[self._pre_backward()[1]])
+                self._codes[self._pre_backward()])
         return self._pre_bw_modules
 
     def windows(self, unit: UnitSpec) -> UnitWindows:

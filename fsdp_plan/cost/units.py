@@ -126,9 +126,8 @@ def _owned(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...]) -> _Owned:
     import numpy as np  # numpy on first use (cost/memory.py [Note: numpy on first use])
 
     groups = [list(g) for g in layout]
-    units = [UnitSpec(modules=g, full_precision=all(graph.modules[m].keeps_full_precision
-                                                   for m in g))
-             for g in groups]
+    full_precision = _full_precision_modules(graph)
+    units = [UnitSpec(modules=g, full_precision=full_precision.issuperset(g)) for g in groups]
     unit_of_module = {m: i for i, g in enumerate(groups) for m in g}
     owner_of: dict[str, int] = {}
     owners: list[int] = []
@@ -154,6 +153,16 @@ def _owned(graph: ModuleGraph, layout: tuple[tuple[str, ...], ...]) -> _Owned:
                             if len(grouped) else np.zeros(0, dtype=bool))
     found = _UNIT_CACHE[key] = _Owned(units, order, starts, grouped[starts])
     return found
+
+
+def _full_precision_modules(graph: ModuleGraph) -> frozenset[str]:
+    """The modules that keep full precision (``ModuleInfo.keeps_full_precision``): a unit of
+    those alone does. Once per graph (in ``_UNIT_CACHE``)."""
+    found = _UNIT_CACHE.get(("full precision",))
+    if found is None:
+        found = _UNIT_CACHE[("full precision",)] = frozenset(
+            fqn for fqn, info in graph.modules.items() if info.keeps_full_precision)
+    return found  # type: ignore[return-value]
 
 
 def _module_sizes(graph: ModuleGraph) -> list[tuple[str, str, int, int, int]]:
