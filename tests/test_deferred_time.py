@@ -64,3 +64,57 @@ def test_the_search_leaves_what_does_not_fit_untimed_and_a_late_time_is_the_same
         forward_prefetch=best.forward_prefetch, backward_prefetch=best.backward_prefetch,
         optimizer_overlap=best.layout.optimizer_overlap)
     assert again == best.time
+
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["optimizer-after", "optimizer-overlap"])
+def test_the_search_clock_keeps_no_spans_and_makes_the_same_ones_when_read(
+        facts, monkeypatch, overlap):
+    """[Note: spans when read]: a step time from the search's clock holds ``DeferredSpans``,
+    which run nothing until read and are then exactly the spans the same evaluation keeps
+    when its clock keeps them (optimizer stepped in backward too); they pickle and copy as
+    that list, and a forward cached by a clock that kept none is not continued by one that
+    keeps them."""
+    import copy
+
+    import fsdp_plan.cost.unit_time as unit_time
+    from fsdp_plan.cost.step_time import simulate_step
+    from fsdp_plan.cost.streams import DeferredSpans
+
+    request = PlanRequest(source=TINY_LLAMA, budget_bytes=3_000_000, world_size=4,
+                          strategy="full", optimizer_overlap=overlap)
+    result = plan_from_facts(facts, request)
+    evaluator = result.evaluator
+    timed = [c for c, _ in evaluator._seen.values()
+             if c.strategy != "ddp" and c.deferred_time.computed]
+    assert timed and all(isinstance(c.time.spans, DeferredSpans) for c in timed)
+    # the chosen plan's were read (its phases, in the plan); the others' never ran
+    assert [c for c in timed if c.time.spans._spans is None]
+    assert not overlap or any(c.layout.optimizer_overlap for c in timed)
+
+    def keeping(*args, **kwargs):  # the clock as it ran before it deferred its spans
+        kwargs["record_spans"] = True
+        return simulate_step(*args, **kwargs)
+    monkeypatch.setattr(unit_time, "simulate_step", keeping)
+    for c in timed:
+        spans = c.time.spans
+        kept = Evaluator(facts.graph, facts.analysis, evaluator.settings).evaluate(
+            c.layout, c.name).time
+        assert isinstance(kept.spans, list) and kept.spans
+        assert spans == kept.spans and kept.spans == spans and len(spans) == len(kept.spans)
+        assert list(spans) == kept.spans and spans[-1] == kept.spans[-1]
+        assert repr(spans) == repr(kept.spans) and c.time == kept  # every field
+        assert pickle.loads(pickle.dumps(spans)) == kept.spans
+        assert type(pickle.loads(pickle.dumps(spans))) is list
+        assert type(copy.deepcopy(spans)) is list
+    monkeypatch.undo()
+    # a clock keeping spans does not continue a forward cached by one that kept none
+    ordered, _ = evaluator.clock.ordered_costs(
+        timed[0].units, shard=timed[0].shard, replicate=timed[0].replicate, recompute={},
+        optimizer_overlap=False, layout_key=None)
+    hw, quiet = evaluator.clock.setup.hardware, {}
+    first = simulate_step(ordered, hw, forward_prefetch=1, forwards=quiet, record_spans=False)
+    again = simulate_step(ordered, hw, forward_prefetch=1, forwards=quiet)
+    alone = simulate_step(ordered, hw, forward_prefetch=1)
+    assert again.spans == alone.spans and first.spans == alone.spans
+    assert any(label.startswith("FW ") for _, label, _, _ in again.spans)

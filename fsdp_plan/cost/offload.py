@@ -29,6 +29,7 @@ from fsdp_plan.common.errors import BadInput
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.precision import OPTIMIZER_STATES, step_bytes
 from fsdp_plan.cost.step_time import StepTime
+from fsdp_plan.cost.streams import DeferredSpans, Span
 from fsdp_plan.cost.units import UnitSpec
 
 HOST_OPTIMIZER_BANDWIDTH = 25e9
@@ -86,9 +87,12 @@ def offloaded_time(time: StepTime, copy_s: float, exposed_s: float,
                    cpu_optimizer_s: float) -> StepTime:
     """The device step ``time`` with the copies' exposed part and the optimizer on the CPU."""
     end = time.step_s - time.optimizer_s + exposed_s
-    spans = [sp for sp in time.spans if sp[1] != "optimizer"]
-    spans.append(("compute", "optimizer (CPU)", end, end + cpu_optimizer_s))
+
+    def spans() -> list[Span]:  # read as the device step's are ([Note: spans when read])
+        kept = [sp for sp in time.spans if sp[1] != "optimizer"]
+        kept.append(("compute", "optimizer (CPU)", end, end + cpu_optimizer_s))
+        return kept
     return dataclasses.replace(
         time, step_s=end + cpu_optimizer_s, optimizer_s=cpu_optimizer_s,
         exposed_comm_s=time.exposed_comm_s + exposed_s, total_comm_s=time.total_comm_s + copy_s,
-        spans=spans)
+        spans=DeferredSpans(spans))

@@ -45,13 +45,14 @@ runs at one NIC's rate. Checked against torchtitan's published 64-A100 runs
 from __future__ import annotations
 
 import bisect
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fsdp_plan.cost.hardware import Hardware
 from fsdp_plan.cost.precision import step_bytes
-from fsdp_plan.cost.streams import Streams
+from fsdp_plan.cost.streams import DeferredSpans, Span, Streams
 
 MM_KEYS = ("mm_small", "mm_medium", "mm_large")
 
@@ -287,10 +288,12 @@ class StepTime:
     host_wait_s: float = 0.0
     """Compute standing still for the host to issue its work ([Note: the host floor] in
     streams.py): part of ``compute_s``, in neither ``forward_s`` nor ``backward_s``."""
-    spans: list[tuple[str, str, float, float]] = field(default_factory=list)
+    spans: Sequence[Span] = field(default_factory=list)
     """(lane, label, start, end) for the report's timeline and the Chrome trace; lanes are
     ``compute``, ``comm``, ``wait`` (compute standing still for communication) and ``host``
-    (the host issuing a stretch of compute, where it has a timeline of its own)."""
+    (the host issuing a stretch of compute, where it has a timeline of its own). A list, or
+    where the search's clock ran without them one made when first read (``DeferredSpans``,
+    [Note: spans when read] in streams.py)."""
 
     @property
     def hidden_comm_s(self) -> float:
@@ -303,8 +306,9 @@ class StepTime:
 
 
 ForwardCache = dict[tuple, tuple[Streams, float, float, float]]
-"""Forward passes simulated already: by what forward reads of each unit and the prefetch
-depth, the streams after it, its end, bubbles and contention (``simulate_step``)."""
+"""Forward passes simulated already: by the prefetch depth, whether spans were kept and what
+forward reads of each unit, the streams after it, its end, bubbles and contention
+(``simulate_step``)."""
 
 
 def forward_reads(units: list[UnitCost]) -> tuple:
@@ -316,7 +320,7 @@ def forward_reads(units: list[UnitCost]) -> tuple:
 def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int = 0,
                   backward_prefetch: int = 1, optimizer_s: float = 0.0,
                   forwards: ForwardCache | None = None,
-                  forward_key: tuple | None = None) -> StepTime:
+                  forward_key: tuple | None = None, record_spans: bool = True) -> StepTime:
     """Run the two-stream simulation over ``units`` given in forward order
     ([Note: two-stream simulation], on ``cost/streams.Streams``).
 
@@ -324,8 +328,10 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     reads only each unit's forward compute, host seconds and all-gather, and the
     checkpointing a search varies changes only backward: a layout's candidates share one
     forward, run once and continued from a copy of its streams. ``forward_key``:
-    ``forward_reads(units)`` where the caller keeps it."""
-    streams = Streams(hw)
+    ``forward_reads(units)`` where the caller keeps it. ``record_spans=False``: the clock
+    keeps no spans, and the step time's are made when first read, by this simulation run
+    again ([Note: spans when read] in streams.py; ``units`` is not changed afterwards)."""
+    streams = Streams(hw, record_spans=record_spans)
 
     def run_pass(order: list[UnitCost], phase: str, now: float, prefetch: int,
                  gathers: list[bool]) -> tuple[float, float, float]:
@@ -337,42 +343,48 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
         backward = phase == "bw"
         tag = phase.upper() + " "
         issue, compute = streams.issue, streams.compute
+        # labels only where spans are kept: a key alone is no span's label, and costs no join
+        record = record_spans
         stream_blocks = not hw.comm_overlaps_compute
         for i, u in enumerate(order):
             # issue all-gathers up to ``prefetch`` units ahead of the one about to compute
             ahead = min(n, i + prefetch + 1)
             while issued < ahead:
                 cost = order[issued]
-                ready.append(issue("AG " + cost.key, now, cost.all_gather_s)
-                             if gathers[issued] else now)
+                ready.append(issue("AG " + cost.key if record else cost.key, now,
+                                   cost.all_gather_s) if gathers[issued] else now)
                 issued += 1
             # without overlap (gloo) compute also waits for whatever the stream still runs
             start = ready[i] if ready[i] > now else now  # noqa: FURB136 (streams.py)
             if stream_blocks and streams.comm_free > start:
                 start = streams.comm_free
-            if start > now:
+            if start > now and record:
                 streams.wait("wait AG " + u.key, now, start)
             bubbles += start - now
             if backward:
-                now, slowdown = compute(tag + u.key, start, u.bw_compute_s, u.bw_host_s)
+                now, slowdown = compute(tag + u.key if record else u.key, start,
+                                        u.bw_compute_s, u.bw_host_s)
                 contention += slowdown
-                reduced = issue("RS " + u.key, now, u.reduce_scatter_s)
+                reduced = issue("RS " + u.key if record else u.key, now, u.reduce_scatter_s)
                 if u.all_reduce_s:
-                    reduced = issue("AR " + u.key, streams.comm_free, u.all_reduce_s)
+                    reduced = issue("AR " + u.key if record else u.key, streams.comm_free,
+                                    u.all_reduce_s)
                 if u.optimizer_s:
                     now, waited, slowdown = streams.step_in_backward(
                         f"optimizer {u.key}", now, reduced, u.optimizer_s)
                     bubbles += waited
                     contention += slowdown
             else:
-                now, slowdown = compute(tag + u.key, start, u.fw_compute_s, u.fw_host_s)
+                now, slowdown = compute(tag + u.key if record else u.key, start,
+                                        u.fw_compute_s, u.fw_host_s)
                 contention += slowdown
         return now, bubbles, contention
 
     if forwards is None:
         key = None
-    else:
-        key = (forward_prefetch, forward_reads(units) if forward_key is None else forward_key)
+    else:  # a forward run without spans has none to continue from
+        key = (forward_prefetch, record_spans,
+               forward_reads(units) if forward_key is None else forward_key)
     if key is not None and key in forwards:
         ran, fw_end, fw_bubbles, fw_cont = forwards[key]
         streams = ran.copy()
@@ -385,6 +397,9 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     bw_end, bw_bubbles, bw_cont = run_pass(bw_order, "bw", fw_end, backward_prefetch,
                                            [u.regather for u in bw_order])
     tail, total_comm = streams.finish(bw_end, optimizer_s)
+    # made from the arguments as given (``optimizer_s`` is the optimizer's after this)
+    spans = streams.spans if record_spans else DeferredSpans(functools.partial(
+        _spans_of, units, hw, forward_prefetch, backward_prefetch, optimizer_s))
     forward = sum(u.fw_compute_s for u in units)
     backward = sum(u.bw_compute_s for u in units)
     bubbles = fw_bubbles + bw_bubbles
@@ -396,8 +411,16 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
     return StepTime(step_s=step, forward_s=forward, backward_s=backward + bw_cont,
                     exposed_comm_s=exposed, total_comm_s=total_comm, optimizer_s=optimizer_s,
                     bubbles_s=bubbles, contention_s=fw_cont + bw_cont, comm_tail_s=tail,
-                    backward_contention_s=bw_cont,
-                    host_wait_s=streams.host_wait_s, spans=streams.spans)
+                    backward_contention_s=bw_cont, host_wait_s=streams.host_wait_s,
+                    spans=spans)
+
+
+def _spans_of(units: list[UnitCost], hw: Hardware, forward_prefetch: int,
+              backward_prefetch: int, optimizer_s: float) -> list[Span]:
+    """The spans of ``simulate_step`` of these, run again keeping them."""
+    return list(simulate_step(units, hw, forward_prefetch=forward_prefetch,
+                              backward_prefetch=backward_prefetch,
+                              optimizer_s=optimizer_s).spans)
 
 
 def step_phases(time: StepTime) -> dict[str, float]:

@@ -38,16 +38,23 @@ per-op and per-unit costs are device seconds already.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from fsdp_plan.cost.hardware import Hardware
+
+Span = tuple[str, str, float, float]
+"""(lane, label, start, end): [Note: two streams]."""
 
 
 class Streams:
     """A compute and a communication stream on one clock, and the spans they ran."""
 
-    def __init__(self, hw: Hardware) -> None:
+    def __init__(self, hw: Hardware, *, record_spans: bool = True) -> None:
         self.hw = hw
         self.spans: list[tuple[str, str, float, float]] = []
+        self.record_spans = record_spans
+        """Whether ``spans`` is kept (off: the search's clock, [Note: spans when read])."""
         self.comm_free = 0.0
         """When the communication stream finishes what was issued so far."""
         self._starts: list[float] = []
@@ -89,7 +96,8 @@ class Streams:
         self._starts.append(start)
         self._ends.append(end)
         self._busy_s += end - start
-        self.spans.append(("comm", label, start, end))
+        if self.record_spans:
+            self.spans.append(("comm", label, start, end))
         return end
 
     def step_in_backward(self, label: str, now: float, reduced: float, seconds: float
@@ -104,7 +112,8 @@ class Streams:
             start = max(reduced, self._beside_ends[-1] if self._beside_ends else 0.0)
             self._beside_starts.append(start)
             self._beside_ends.append(start + seconds)
-            self.spans.append(("comm", label, start, start + seconds))
+            if self.record_spans:
+                self.spans.append(("comm", label, start, start + seconds))
             return now, 0.0, 0.0
         start = max(now, reduced)
         if start > now:
@@ -136,11 +145,12 @@ class Streams:
         began issuing it and ends no earlier than the host finished ([Note: the host floor]).
         Returns (its end, the slowdown in seconds)."""
         begin = issued = start
-        spans = self.spans
+        record = self.record_spans
         if host_s > 0:
             free = self.host_free
             issued = free + host_s
-            spans.append(("host", "issue " + label, free, issued))
+            if record:
+                self.spans.append(("host", "issue " + label, free, issued))
             if free > start:
                 begin = free
             self.host_free = issued
@@ -155,12 +165,14 @@ class Streams:
         end = finished if finished > issued else issued  # noqa: FURB136
         late = issued - finished
         self.host_wait_s += (begin - start) + (late if late > 0.0 else 0.0)  # noqa: FURB136
-        spans.append(("compute", label, begin, end))
+        if record:
+            self.spans.append(("compute", label, begin, end))
         return end, slowed - seconds
 
     def wait(self, label: str, start: float, end: float) -> None:
         """Compute standing still from ``start`` to ``end`` for communication."""
-        self.spans.append(("wait", label, start, end))
+        if self.record_spans:
+            self.spans.append(("wait", label, start, end))
 
     def finish(self, backward_end: float, optimizer_s: float) -> tuple[float, float]:
         """Close the step: the communication tail after ``backward_end``, then the optimizer.
@@ -171,8 +183,61 @@ class Streams:
         if tail > 0:
             self.wait("wait: communication tail", backward_end, comm_finish)
         end = backward_end + tail
-        self.spans.append(("compute", "optimizer", end, end + optimizer_s))
+        if self.record_spans:
+            self.spans.append(("compute", "optimizer", end, end + optimizer_s))
         return tail, self._busy_s
+
+
+class DeferredSpans(Sequence[Span]):
+    """The spans of a clock run that kept none, made by ``make()`` when first read.
+
+    [Note: spans when read]
+    The search runs the clock for every plan whose step time it reads (34 on the 70B shape,
+    126 of some 1,500 units each for 10,006 modules), and a plan's spans, a labelled tuple per
+    collective, stretch of compute and wait, are read only for the plans a report, page or
+    trace shows. So the search's clock keeps none (``Streams(record_spans=False)``): a step
+    time's ``spans`` is this list, which runs the same simulation again, keeping them, when
+    first read, and keeps them. The run is a pure function of the units and the hardware, so
+    the spans are those the first run would have kept, to the bit. It reads as the list it
+    stands for (iterating, indexing, ``len``, ``==``, ``repr``) and pickles and copies as
+    that list."""
+
+    __slots__ = ("_make", "_spans")
+
+    def __init__(self, make: Callable[[], list[Span]]) -> None:
+        self._make: Callable[[], list[Span]] | None = make
+        self._spans: list[Span] | None = None
+
+    def _list(self) -> list[Span]:
+        if self._spans is None:
+            assert self._make is not None
+            self._spans = self._make()
+            self._make = None  # what it captured is freed with it
+        return self._spans
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._list()[index]
+
+    def __iter__(self) -> Iterator[Span]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, DeferredSpans):
+            other = other._list()
+        if not isinstance(other, list):
+            return NotImplemented
+        return self._list() == other
+
+    __hash__ = None  # type: ignore[assignment]  # as the list it stands for
+
+    def __reduce__(self) -> tuple[Any, tuple[list[Span]]]:
+        return list, (self._list(),)
+
+    def __repr__(self) -> str:
+        return repr(self._list())
 
 
 def _busy_within(starts: list[float], ends: list[float], start: float, end: float) -> float:

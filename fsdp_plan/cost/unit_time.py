@@ -6,7 +6,9 @@ compiled block time]), its all-gather and reduce-scatter over the shard axis, it
 over the replicate axis, and the recompute of the checkpointed blocks it owns inside its
 backward (search/evaluator.py [Note: recompute time]). The units then run on the two streams
 (``simulate_step``), with the optimizer step after them; with accumulation, the earlier
-micro-batches (which reduce nothing under ``gradient_sync: last``) come before the last.
+micro-batches (which reduce nothing under ``gradient_sync: last``) come before the last. The
+clock keeps no spans: a step time's are made when first read ([Note: spans when read] in
+cost/streams.py).
 
 ``UnitClock`` holds what every layout of one model on one setup shares, and caches each
 unit's times without recompute: the search times the same units under many prefetch,
@@ -283,13 +285,14 @@ def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, repli
     if optimizer_overlap:  # its steps run in backward, and it never accumulates
         return simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
                              backward_prefetch=backward_prefetch, forwards=clock.forwards,
-                             forward_key=forward_key)
+                             forward_key=forward_key, record_spans=False)
     total_shard = sum(u.shard_numel for u in units)
     optimizer_s = optimizer_time(hw, rates, s.optimizer, total_shard, s.precision.orig_bytes,
                                  clock.param_tensors)
     step = simulate_step(ordered, hw, forward_prefetch=forward_prefetch,
                          backward_prefetch=backward_prefetch, optimizer_s=optimizer_s,
-                         forwards=clock.forwards, forward_key=forward_key)
+                         forwards=clock.forwards, forward_key=forward_key,
+                         record_spans=False)
     if s.grad_accum_steps == 1:
         return step
     earlier = step
@@ -298,5 +301,6 @@ def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, repli
                  for c in ordered]
         earlier = simulate_step(quiet, hw, forward_prefetch=forward_prefetch,
                                 backward_prefetch=backward_prefetch, optimizer_s=optimizer_s,
-                                forwards=clock.forwards, forward_key=forward_key)
+                                forwards=clock.forwards, forward_key=forward_key,
+                                record_spans=False)
     return accumulated_step(step, earlier, s.grad_accum_steps)
