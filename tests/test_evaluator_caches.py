@@ -185,3 +185,26 @@ def test_a_units_recompute_is_summed_in_module_order(facts):
     owned = [m for m in units[-1].owned_modules if m in recompute]
     assert owned == blocks
     assert ordered[0].bw_compute_s == base.bw_compute_s + sum(recompute[b][0] for b in owned)
+
+
+def test_a_units_owned_times_are_shared_across_meshes_and_equal_a_fresh_clocks(facts):
+    """``UnitClock._owned_times``: the pass times of a unit's owned modules are worked out
+    once per module set and parameter count, whatever the layout, mesh or reshard, and every
+    unit cost built on them equals the one a fresh clock builds for that unit alone."""
+    blocks = facts.graph.blocks
+    layouts = [[[b] for b in blocks], [blocks[:2], blocks[2:]], []]
+    shared = Evaluator(facts.graph, facts.analysis, _settings()).clock
+    seen = {}
+    for groups in layouts:
+        for reshard in (True, False):
+            for shard, replicate in ((8, 1), (4, 2), (2, 4), (1, 8)):
+                units = build_units(facts.graph, groups, [reshard] * len(groups), shard)
+                for u in units:
+                    fresh = Evaluator(facts.graph, facts.analysis, _settings()).clock
+                    assert (shared.unit_cost(u, shard=shard, replicate=replicate)
+                            == fresh.unit_cost(u, shard=shard, replicate=replicate))
+                    times = shared._owned_times(u)
+                    assert seen.setdefault((tuple(u.owned_modules), u.num_params),
+                                           times) is times
+                    assert times.blocks == tuple(m for m in u.owned_modules if m in blocks)
+    assert len(shared._owned) == len(seen) < sum(len(g) + 1 for g in layouts) * 2 * 4

@@ -155,8 +155,11 @@ class Streams:
                 begin = free
             self.host_free = issued
         floor = seconds if seconds > 1e-12 else 1e-12  # noqa: FURB136
-        # ``overlap``, in line (the clock's most frequent call)
-        share = _busy_within(self._starts, self._ends, begin, begin + seconds)
+        # ``overlap``, in line (the clock's most frequent call); nothing to scan where the
+        # last collective ended before ``begin`` (they end in issue order)
+        ends = self._ends
+        share = (_busy_within(self._starts, ends, begin, begin + seconds)
+                 if ends and ends[-1] > begin else 0.0)
         if self._beside_ends:
             share += _busy_within(self._beside_starts, self._beside_ends, begin, begin + seconds)
         share /= floor
