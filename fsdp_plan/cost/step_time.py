@@ -348,7 +348,9 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
         stream_blocks = not hw.comm_overlaps_compute
         for i, u in enumerate(order):
             # issue all-gathers up to ``prefetch`` units ahead of the one about to compute
-            ahead = min(n, i + prefetch + 1)
+            ahead = i + prefetch + 1
+            if ahead > n:  # not ``min()``: streams.py, the clock's conditionals
+                ahead = n
             while issued < ahead:
                 cost = order[issued]
                 ready.append(issue("AG " + cost.key if record else cost.key, now,
