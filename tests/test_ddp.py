@@ -370,6 +370,9 @@ def test_configurations_sharing_buckets_share_one_simulated_step(facts, hook, ov
             assert shared.time == alone.time and shared.ready_s == alone.ready_s
             assert shared.memory == alone.memory and shared.buckets == alone.buckets
             layouts.add(tuple(tuple(b.params) for b in alone.buckets))
-            shared.time.spans.clear()  # a candidate's own: the next one's are untouched
+            # a candidate's own list of spans (made when read, [Note: spans when read]):
+            # emptied, the next one's are untouched
+            spans = shared.time.spans
+            (spans if isinstance(spans, list) else spans._list()).clear()
             shared.ready_s.clear()
     assert len(memo) == len(layouts) < 10  # some caps cut the same buckets

@@ -118,3 +118,36 @@ def test_the_search_clock_keeps_no_spans_and_makes_the_same_ones_when_read(
     alone = simulate_step(ordered, hw, forward_prefetch=1)
     assert again.spans == alone.spans and first.spans == alone.spans
     assert any(label.startswith("FW ") for _, label, _, _ in again.spans)
+
+
+def test_ddp_candidates_make_the_same_spans_when_read(facts, monkeypatch):
+    """DDP's clock in the search keeps no spans either ([Note: spans when read]): each DDP
+    candidate's spans, read late, are those the same evaluation keeps when its clock keeps
+    them, and candidates that share a simulated bucket layout each read their own list."""
+    import fsdp_plan.cost.ddp_buckets as ddp_buckets
+    from fsdp_plan.cost.streams import DeferredSpans
+
+    request = PlanRequest(source=TINY_LLAMA, budget_bytes=10**12, world_size=4, strategy="ddp")
+    result = plan_from_facts(facts, request)
+    evaluator = result.evaluator
+    ddp = [c for c, _ in evaluator._seen.values() if c.strategy == "ddp"]
+    assert len(ddp) >= 2 and all(isinstance(c.time.spans, DeferredSpans) for c in ddp)
+    simulate = ddp_buckets.ddp_step_time
+    kept: list = []
+
+    def keeping(*args, **kwargs):  # the clock as it ran before it deferred its spans
+        kwargs["record_spans"] = True
+        step, ready = simulate(*args, **kwargs)
+        kept.append(list(step.spans))
+        return step, ready
+    monkeypatch.setattr(ddp_buckets, "ddp_step_time", keeping)
+    for c in ddp:
+        kept.clear()
+        again = Evaluator(facts.graph, facts.analysis, evaluator.settings).evaluate(
+            c.layout, c.name).time
+        assert len(kept) == 1 and kept[0]  # the one run, keeping its spans
+        assert c.time.spans == kept[0] and repr(c.time.spans) == repr(kept[0])
+        assert dataclasses.replace(c.time, spans=[]) == dataclasses.replace(again, spans=[])
+        assert any(label.startswith("AR bucket") for _, label, _, _ in c.time.spans)
+    lists = [c.time.spans._list() for c in ddp]
+    assert len({id(x) for x in lists}) == len(lists)  # each its own list

@@ -67,6 +67,7 @@ over the later micro-batches until the synchronised backward copies each into it
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Any
@@ -94,7 +95,7 @@ from fsdp_plan.cost.step_time import (
     optimizer_time,
     ranks_per_node_in,
 )
-from fsdp_plan.cost.streams import Streams
+from fsdp_plan.cost.streams import DeferredSpans, Streams
 from fsdp_plan.facts.types import Analysis, Event, ModuleGraph
 
 MIB = 1 << 20
@@ -501,8 +502,8 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
                   gpus_per_node: int, optimizer_s: float, times: list[float],
                   chains: list[list[HookPhase]] | None = None, host_sync: bool = False,
                   used_map_bytes: int = 0, steps_in_backward: list[float] | None = None,
-                  issued: list[float] | None = None, backward_start: int | None = None
-                  ) -> tuple[StepTime, list[float]]:
+                  issued: list[float] | None = None, backward_start: int | None = None,
+                  record_spans: bool = True) -> tuple[StepTime, list[float]]:
     """Forward, then backward with each bucket's all-reduce issued when it is ready and all
     earlier buckets were issued (the reducer launches buckets in order), on the two streams of
     cost/streams.py. Where the hardware file says collectives do not overlap compute
@@ -518,6 +519,8 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     (``optimizer_overlap``; cost/optimizer_overlap.py), ``optimizer_s`` then 0. ``issued``:
     ``host_issue_times(events, hw)`` where the caller keeps it; ``backward_start``: the first
     ``pre_bw`` event (the last event without one), ``DdpOrder.backward_start``, likewise.
+    ``record_spans=False``: the clock keeps no spans and labels none (the search's:
+    ``evaluate_ddp`` makes them when read, [Note: spans when read] in streams.py).
     Returns the step and when each bucket became ready."""
     n = len(events)
     bw_start = (next((i for i, e in enumerate(events) if e.kind == "pre_bw"), n - 1)
@@ -527,7 +530,7 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
     if issued is None:
         issued = host_issue_times(events, hw)
     local = ranks_per_node_in(world_size, 1, gpus_per_node)
-    streams = Streams(hw)
+    streams = Streams(hw, record_spans=record_spans)
     now, _ = streams.compute("FW", 0.0, forward, issued[bw_start])
     done, contention, waited, hook_s = bw_start, 0.0, 0.0, 0.0
     ready: list[float] = []
@@ -542,7 +545,8 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
                                                            ranks_per_node=local)
         streams.issue(label, now, seconds)
         if not hw.comm_overlaps_compute:  # gloo on a CPU: the all-reduce takes the cores
-            streams.wait(f"wait {label}", now, streams.comm_free)
+            if record_spans:
+                streams.wait(f"wait {label}", now, streams.comm_free)
             waited += streams.comm_free - now
             now = streams.comm_free
 
@@ -585,10 +589,11 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
             streams.host_free = max(streams.host_free, now)
 
     for i, bucket in enumerate(buckets):
-        compute_until(bucket.ready_event, f"BW to bucket {i}")
+        compute_until(bucket.ready_event, f"BW to bucket {i}" if record_spans else "")
         ready.append(now)
         if chains is None:
-            all_reduce(f"AR bucket {i} ({bucket.nbytes / MIB:.1f} MiB)", bucket.nbytes)
+            all_reduce(f"AR bucket {i} ({bucket.nbytes / MIB:.1f} MiB)" if record_spans
+                       else "", bucket.nbytes)
         else:
             run_chain(i, chains[i])
         if steps_in_backward and steps_in_backward[i] > 0:  # after the bucket's all-reduce
@@ -836,13 +841,19 @@ def evaluate_ddp(graph: ModuleGraph, analysis: Analysis, config: DDPConfig, *, h
            optimizer_overlap)
     simulated = step_times.get(key) if step_times is not None else None
     if simulated is None:
-        simulated = ddp_step_time(
-            buckets, events, hw, chains=chains, host_sync=kind is not None and kind.host_sync,
+        clock = functools.partial(
+            ddp_step_time, buckets, events, hw, chains=chains,
+            host_sync=kind is not None and kind.host_sync,
             used_map_bytes=4 * len(params) if config.find_unused_parameters else 0,
             steps_in_backward=steps, **common)
+        step, bucket_ready = clock(record_spans=False)
+        # the spans when read: the same run keeping them ([Note: spans when read])
+        simulated = (replace(step, spans=DeferredSpans(lambda: clock()[0].spans)),
+                     bucket_ready)
         if step_times is not None:
             step_times[key] = simulated
-    time, ready = replace(simulated[0], spans=list(simulated[0].spans)), list(
+    shared_spans = simulated[0].spans
+    time, ready = replace(simulated[0], spans=DeferredSpans(lambda: list(shared_spans))), list(
         simulated[1])  # each candidate's own, as when simulated for it
     if grad_accum_steps > 1:
         earlier = time
