@@ -77,7 +77,7 @@ def test_the_search_clock_keeps_no_spans_and_makes_the_same_ones_when_read(
     keeps them."""
     import copy
 
-    import fsdp_plan.cost.unit_time as unit_time
+    from fsdp_plan.cost import unit_time
     from fsdp_plan.cost.step_time import simulate_step
     from fsdp_plan.cost.streams import DeferredSpans
 
@@ -124,7 +124,7 @@ def test_ddp_candidates_make_the_same_spans_when_read(facts, monkeypatch):
     """DDP's clock in the search keeps no spans either ([Note: spans when read]): each DDP
     candidate's spans, read late, are those the same evaluation keeps when its clock keeps
     them, and candidates that share a simulated bucket layout each read their own list."""
-    import fsdp_plan.cost.ddp_buckets as ddp_buckets
+    from fsdp_plan.cost import ddp_buckets
     from fsdp_plan.cost.streams import DeferredSpans
 
     request = PlanRequest(source=TINY_LLAMA, budget_bytes=10**12, world_size=4, strategy="ddp")

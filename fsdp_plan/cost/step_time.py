@@ -349,7 +349,7 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
         for i, u in enumerate(order):
             # issue all-gathers up to ``prefetch`` units ahead of the one about to compute
             ahead = i + prefetch + 1
-            if ahead > n:  # not ``min()``: streams.py, the clock's conditionals
+            if ahead > n:  # noqa: PLR1730 (not ``min()``: streams.py, the clock's conditionals)
                 ahead = n
             while issued < ahead:
                 cost = order[issued]
