@@ -341,10 +341,10 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
         bubbles = contention = 0.0
         n = len(order)
         backward = phase == "bw"
-        tag = phase.upper() + " "
         issue, compute = streams.issue, streams.compute
-        # labels only where spans are kept: a key alone is no span's label, and costs no join
-        record = record_spans
+        # the labels' prefixes only where spans are kept (a key joined to "" is the key)
+        tag, ag, wait_ag, rs, ar, opt = ((phase.upper() + " ", "AG ", "wait AG ", "RS ", "AR ",
+                                          "optimizer ") if record_spans else ("",) * 6)
         stream_blocks = not hw.comm_overlaps_compute
         for i, u in enumerate(order):
             # issue all-gathers up to ``prefetch`` units ahead of the one about to compute
@@ -353,32 +353,29 @@ def simulate_step(units: list[UnitCost], hw: Hardware, *, forward_prefetch: int 
                 ahead = n
             while issued < ahead:
                 cost = order[issued]
-                ready.append(issue("AG " + cost.key if record else cost.key, now,
-                                   cost.all_gather_s) if gathers[issued] else now)
+                ready.append(issue(ag + cost.key, now, cost.all_gather_s)
+                             if gathers[issued] else now)
                 issued += 1
             # without overlap (gloo) compute also waits for whatever the stream still runs
             start = ready[i] if ready[i] > now else now  # noqa: FURB136 (streams.py)
             if stream_blocks and streams.comm_free > start:
                 start = streams.comm_free
-            if start > now and record:
-                streams.wait("wait AG " + u.key, now, start)
+            if start > now:
+                streams.wait(wait_ag + u.key, now, start)
             bubbles += start - now
             if backward:
-                now, slowdown = compute(tag + u.key if record else u.key, start,
-                                        u.bw_compute_s, u.bw_host_s)
+                now, slowdown = compute(tag + u.key, start, u.bw_compute_s, u.bw_host_s)
                 contention += slowdown
-                reduced = issue("RS " + u.key if record else u.key, now, u.reduce_scatter_s)
+                reduced = issue(rs + u.key, now, u.reduce_scatter_s)
                 if u.all_reduce_s:
-                    reduced = issue("AR " + u.key if record else u.key, streams.comm_free,
-                                    u.all_reduce_s)
+                    reduced = issue(ar + u.key, streams.comm_free, u.all_reduce_s)
                 if u.optimizer_s:
                     now, waited, slowdown = streams.step_in_backward(
-                        f"optimizer {u.key}", now, reduced, u.optimizer_s)
+                        opt + u.key, now, reduced, u.optimizer_s)
                     bubbles += waited
                     contention += slowdown
             else:
-                now, slowdown = compute(tag + u.key if record else u.key, start,
-                                        u.fw_compute_s, u.fw_host_s)
+                now, slowdown = compute(tag + u.key, start, u.fw_compute_s, u.fw_host_s)
                 contention += slowdown
         return now, bubbles, contention
 

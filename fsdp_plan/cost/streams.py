@@ -41,6 +41,7 @@ import bisect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from fsdp_plan.common.deferred import Deferred
 from fsdp_plan.cost.hardware import Hardware
 
 Span = tuple[str, str, float, float]
@@ -205,18 +206,13 @@ class DeferredSpans(Sequence[Span]):
     stands for (iterating, indexing, ``len``, ``==``, ``repr``) and pickles and copies as
     that list."""
 
-    __slots__ = ("_make", "_spans")
+    __slots__ = ("_spans",)
 
     def __init__(self, make: Callable[[], list[Span]]) -> None:
-        self._make: Callable[[], list[Span]] | None = make
-        self._spans: list[Span] | None = None
+        self._spans = Deferred(make)  # made once, what ``make`` captured freed then
 
     def _list(self) -> list[Span]:
-        if self._spans is None:
-            assert self._make is not None
-            self._spans = self._make()
-            self._make = None  # what it captured is freed with it
-        return self._spans
+        return self._spans.get()
 
     def __len__(self) -> int:
         return len(self._list())

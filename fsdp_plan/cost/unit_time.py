@@ -87,8 +87,6 @@ class UnitClock:
         self.param_tensors = param_tensors
         self._own_ops: tuple[dict, dict] | None = None
         """Each module's own op counters, computed at the first timing."""
-        self._flops_cache: dict[tuple[str, ...], tuple[float, float, frozenset[str]]] = {}
-        self._ops_cache: dict[tuple[str, ...], tuple[dict, dict]] = {}
         self._owned: dict[tuple[tuple[str, ...], int], _OwnedTimes] = {}
         """What a unit's times read of the modules it owns, by those modules and its parameter
         count (``_owned_times``)."""
@@ -110,30 +108,25 @@ class UnitClock:
         """A collective's seconds by kind, bytes, group and ranks per node (``_collective_s``)."""
 
     def flops(self, unit: UnitSpec) -> tuple[float, float, frozenset[str]]:
-        """Forward and backward FLOPs of the modules a unit owns, and those modules."""
-        key = tuple(unit.owned_modules)
-        if key not in self._flops_cache:
-            self._flops_cache[key] = (
-                sum(self.fw_flops.get(m, 0.0) for m in unit.owned_modules),
+        """Forward and backward FLOPs of the modules a unit owns, and those modules (kept
+        per module set by ``_owned_times``)."""
+        return (sum(self.fw_flops.get(m, 0.0) for m in unit.owned_modules),
                 sum(self.bw_flops.get(m, 0.0) for m in unit.owned_modules),
                 frozenset(unit.owned_modules))
-        return self._flops_cache[key]
 
     def ops(self, unit: UnitSpec) -> tuple[dict[str, float], dict[str, float]]:
-        """The op counters of the modules a unit owns, cached by those modules."""
+        """The op counters of the modules a unit owns (kept per module set by
+        ``_owned_times``)."""
         if self._own_ops is None:
             self._own_ops = tuple(without_inside(o, self.compiled) for o in exclusive_ops(
                 set(self.module_names), self.modules))
         own_fw, own_bw = self._own_ops
-        key = tuple(unit.owned_modules)
-        if key not in self._ops_cache:
-            fw_ops: dict[str, float] = {}
-            bw_ops: dict[str, float] = {}
-            for m in unit.owned_modules:
-                add_ops(fw_ops, own_fw.get(m))
-                add_ops(bw_ops, own_bw.get(m))
-            self._ops_cache[key] = (fw_ops, bw_ops)
-        return self._ops_cache[key]
+        fw_ops: dict[str, float] = {}
+        bw_ops: dict[str, float] = {}
+        for m in unit.owned_modules:
+            add_ops(fw_ops, own_fw.get(m))
+            add_ops(bw_ops, own_bw.get(m))
+        return fw_ops, bw_ops
 
     def replayed(self, base: UnitCost, replays: tuple[tuple[float, float], ...]) -> UnitCost:
         """``base`` (from ``unit_cost``) with ``replays``' recompute ``(seconds, host
@@ -149,9 +142,9 @@ class UnitClock:
     def _owned_times(self, unit: UnitSpec) -> _OwnedTimes:
         """What ``unit``'s times read of the modules it owns, cached by those modules (and its
         parameter count, theirs): its compute and host seconds per pass and the blocks among
-        them. The search meets the same
-        modules in one unit under many meshes, reshard choices and layouts (some 28,000 unit
-        costs for 6,000 module sets on the 10,006-module model)."""
+        them. The search meets the same modules in one unit under many meshes, reshard choices
+        and layouts (some 28,000 unit costs for 6,000 module sets on the 10,006-module
+        model)."""
         key = (tuple(unit.owned_modules), unit.num_params)
         found = self._owned.get(key)
         if found is None:
@@ -266,7 +259,6 @@ class UnitClock:
         return found
 
 
-
 @dataclass(frozen=True, slots=True)
 class _Bases:
     """A layout's unit costs without recompute on one mesh (``UnitClock.unit_cost``), with
@@ -302,6 +294,7 @@ class _OwnedTimes:
     bw_compute_s: float
     fw_host_s: float
     bw_host_s: float
+
 
 def unit_step_time(clock: UnitClock, units: list[UnitSpec], *, shard: int, replicate: int,
                    recompute: Mapping[str, tuple[float, float]], forward_prefetch: int,
