@@ -174,3 +174,29 @@ def test_a_model_the_eager_pass_refuses_is_refused_for_that_with_compile():
     with pytest.raises(BadInput, match="reads a tensor's value"):
         analyze_model(ModelSource(source=cases, args={"case": "item"}, batch_size=2,
                                   seq_len=16), compile_blocks=True)
+
+
+def test_a_tutorial_nn_transformer_plans_compiled_and_matches_the_compiled_step():
+    """``nn.Transformer`` given ``generate_square_subsequent_mask`` without ``tgt_is_causal``
+    (the tutorials' way) asks whether the mask is causal by reading its values. Capturing the
+    blocks' inputs for ``--compile`` answers it as the eager passes do ([Note: causal masks
+    on fake tensors]) instead of failing with the fake tensor's exception (an internal error
+    before). Both layer classes are traced, and the compiled plan's peak is within 5% of
+    FSDPMemTracker with the compiled graphs running."""
+    from fsdp_plan.api import make_plan
+    from fsdp_plan.measure import runtime
+    from fsdp_plan.measure.memory import measure_peak
+    from fsdp_plan.model.transformer_masks import UNKNOWN_MASK_NOTE
+    from fsdp_plan.search.request import PlanRequest
+    source = ModelSource(source="examples/seq2seq_transformer.py", args={"size": "small"},
+                         batch_size=2, seq_len=128)
+    result = make_plan(PlanRequest(source=source, budget_bytes=2 * 10**9, world_size=2,
+                                   strategy="full", compile_blocks=True))
+    facts = result.facts.analysis.compiled
+    assert set(facts.by_class) == {"TransformerEncoderLayer", "TransformerDecoderLayer"}
+    assert UNKNOWN_MASK_NOTE not in (result.plan.model.notes or ())  # recognised as causal
+    measured = measure_peak(result.loaded, result.plan,
+                            runtime.load_policy(runtime.policy_source(result.plan)))
+    assert any("graph calls" in n for n in measured.notes)  # the compiled graphs ran
+    predicted = result.plan.predicted["peak_bytes"]
+    assert abs(predicted - measured.peak_bytes) <= 0.05 * measured.peak_bytes

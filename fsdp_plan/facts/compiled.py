@@ -60,6 +60,7 @@ from fsdp_plan.facts.graph import has_submodule, keeps_full_precision
 from fsdp_plan.facts.types import CompiledBlock, CompiledBlocks
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import rebuild_meta
+from fsdp_plan.model.transformer_masks import transformer_masks_traceable
 from fsdp_plan.policy_runtime import checkpoint_module, resolve_ops
 
 
@@ -381,11 +382,14 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
             for p in model.parameters():
                 if p.is_floating_point() and id(p) not in kept:
                     p.data = p.data.to(param_dtype)
-        args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
-        if param_dtype is not None:
-            cast = functools.partial(_cast_floating, dtype=param_dtype)
-            args, kwargs = cast(args), cast(kwargs)
-        inputs = capture_block_inputs(model, traced, lambda: model(*args, **kwargs))
+        # nn.Transformer's causal-mask check reads values: answered as the eager passes
+        # answer it ([Note: causal masks on fake tensors]), the blocks then get the hint
+        with transformer_masks_traceable(loaded.notes):
+            args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
+            if param_dtype is not None:
+                cast = functools.partial(_cast_floating, dtype=param_dtype)
+                args, kwargs = cast(args), cast(kwargs)
+            inputs = capture_block_inputs(model, traced, lambda: model(*args, **kwargs))
         by_mode: dict[str, dict[str, CompiledBlock]] = {}
         for fqn in traced:
             if fqn not in inputs:
