@@ -200,3 +200,35 @@ def test_a_tutorial_nn_transformer_plans_compiled_and_matches_the_compiled_step(
     assert any("graph calls" in n for n in measured.notes)  # the compiled graphs ran
     predicted = result.plan.predicted["peak_bytes"]
     assert abs(predicted - measured.peak_bytes) <= 0.05 * measured.peak_bytes
+
+
+def test_a_block_whose_compiled_forward_fails_on_its_first_call_is_refused(monkeypatch):
+    """Tracing a block includes its compiled forward's first call, not only the partition:
+    AOTAutograd checks what the forward saves there (with torch 2.13, a selectively
+    checkpointed block under ``activation_memory_budget`` 0.5 fails only then), and a mode
+    that fails it must not be offered. A compile stopped at the partition would miss it."""
+    from fsdp_plan.common.errors import BadInput
+    loaded = load_model(ModelSource(source=MODELS["llama"], args={"size": "tiny"}, batch_size=2,
+                                    seq_len=64))
+    model = rebuild_meta(loaded)
+    fake_mode = new_fake_mode()
+    materialize_fake(model, fake_mode)
+
+    def failing_on_call(gm):
+        def call(args):
+            raise RuntimeError("the compiled graph failed on its first call")
+        call._boxed_call = True
+        return call
+
+    with fake_mode:
+        args, kwargs = loaded.make_inputs(2, 64)
+        fqn = build_module_graph(model).blocks[0]
+        (block_args, block_kwargs), = compiled.capture_block_inputs(
+            model, [fqn], lambda: model(*args, **kwargs)).values()
+        block = model.get_submodule(fqn)
+        compiled.trace_block(block, block_args, block_kwargs, fqn=fqn,
+                             activation_memory_budget=None)  # traces as it is
+        monkeypatch.setattr(torch._functorch.aot_autograd, "make_boxed_func", failing_on_call)
+        with pytest.raises(BadInput, match="does not compile.*failed on its first call"):
+            compiled.trace_block(block, block_args, block_kwargs, fqn=fqn,
+                                 activation_memory_budget=None)
