@@ -376,3 +376,24 @@ def test_configurations_sharing_buckets_share_one_simulated_step(facts, hook, ov
             (spans if isinstance(spans, list) else spans._list()).clear()
             shared.ready_s.clear()
     assert len(memo) == len(layouts) < 10  # some caps cut the same buckets
+
+
+BF16_ONLY = os.path.join(os.path.dirname(__file__), "fixtures", "bf16_only.py")
+
+
+def test_strategy_ddp_on_a_model_that_fails_as_ddp_computes_it_says_why(capsys, tmp_path):
+    """A model whose kernel takes bfloat16 only runs with FSDP's bf16 parameters but not as
+    DDP computes it (float32 parameters under autocast). ``--strategy ddp`` is refused with
+    that reason and exit 2 (it was exit 3 with a message about framework configurations),
+    nothing written; ``--strategy auto`` plans FSDP and says why DDP is not planned."""
+    argv = [BF16_ONLY, "--mem", "8GB", "--world-size", "8", "--seq-len", "64"]
+    policy = tmp_path / "policy.py"
+    assert main([*argv, "--strategy", "ddp", "-o", str(policy)]) == 2
+    err = capsys.readouterr().err
+    assert "--strategy ddp cannot be planned for this model" in err
+    assert "takes bfloat16 weights only" in err and "--strategy auto" in err
+    assert "configuration" not in err and "Traceback" not in err
+    assert not policy.exists()
+    assert main([*argv, "--strategy", "auto", "-o", str(policy)]) == 0
+    out = capsys.readouterr().out
+    assert "where this model fails" in out and policy.exists()

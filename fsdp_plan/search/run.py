@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fsdp_plan.common.collector import cycle_collector_paused
-from fsdp_plan.common.errors import NoFeasiblePlan
+from fsdp_plan.common.errors import BadInput, NoFeasiblePlan
 from fsdp_plan.common.sizes import format_bytes
 from fsdp_plan.facts.types import ModelFacts
 from fsdp_plan.search.candidate import Candidate, SearchSettings, choose
@@ -90,10 +90,8 @@ def run_search(facts: ModelFacts, settings: SearchSettings, generators: Sequence
                                                    settings.precision.lowers_precision)
         competing = [r for r in recipes if sayable(r)]
         ranked = choose(found, competing, settings.strategy)
-        if not ranked:  # only under limits: every search has the root-only layout
-            raise NoFeasiblePlan(f"{limits.name if limits else 'a'} configuration can say no "
-                                 "plan for this model ([Note: framework limits] in "
-                                 "fsdp_plan/search/framework.py).")
+        if not ranked:
+            raise _nothing_ranked(facts, settings, limits)
         if not ranked[0].fits:
             rescues = [(f, f.rescue(evaluator, ranked + competing)) for f in fallbacks]
             usable = [c for f, c in rescues
@@ -103,6 +101,22 @@ def run_search(facts: ModelFacts, settings: SearchSettings, generators: Sequence
             ranked = [usable[0], *ranked]
     return SearchResult(ranked=ranked, recipes=recipes, evaluator=evaluator,
                         seconds=time.perf_counter() - started)
+
+
+def _nothing_ranked(facts: ModelFacts, settings: SearchSettings,
+                    limits: FrameworkLimits | None) -> BadInput | NoFeasiblePlan:
+    """Why a search ranked no candidate at all. Every FSDP search has the root-only layout,
+    so it is ``--strategy ddp`` on a model whose step fails as DDP computes it (under
+    autocast with float32 parameters, ``Analysis.ddp_unavailable``), or a framework's
+    configuration that can say no plan of this model."""
+    unavailable = facts.analysis.ddp_unavailable
+    if settings.strategy == "ddp" and unavailable:
+        return BadInput(f"--strategy ddp cannot be planned for this model: {unavailable}. "
+                        "FSDP computes with the parameters in --param-dtype: plan with "
+                        "--strategy auto or full.")
+    return NoFeasiblePlan(f"{limits.name if limits else 'a'} configuration can say no plan for "
+                          "this model ([Note: framework limits] in "
+                          "fsdp_plan/search/framework.py).")
 
 
 def no_fit_error(tried: list[Candidate], rescues: list[tuple[Fallback, Candidate | None]],
