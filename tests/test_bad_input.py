@@ -515,3 +515,42 @@ def test_module_names_class_names_and_args_stay_strings(tmp_path, monkeypatch, c
     assert module.PLAN["model"]["args"] == {"tag": tag}
     units = [m for u in module.PLAN["units"] for m in u["modules"]]
     assert all(f"blocks.{key}" in units for key in PAYLOADS), units
+
+
+def test_a_rejected_input_is_one_paragraph_in_a_fresh_process(tmp_path):
+    """A meta kernel that rejects the model's inputs makes FakeTensorMode log a whole
+    traceback at ERROR level. The CLI silences that logger, but torch is imported only once a
+    verb needs it, and importing it resets the levels of torch's loggers: a level set before
+    let the traceback through. Only a fresh process shows it (in-process tests import torch
+    first), so this one runs the command as a user does."""
+    import subprocess
+    model = tmp_path / "mismatch.py"
+    model.write_text("""\
+import torch
+from torch import nn
+
+class Mismatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, x):
+        return (x @ self.w.t()).sum()  # (batch, 8) @ (16, 8): the shapes do not chain
+
+def build_model():
+    return Mismatch()
+
+def example_inputs(batch_size, seq_len):
+    return (torch.randn(batch_size, 8),)
+""")
+    done = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", str(model), "--mem",
+                           "1GB", "--world-size", "2", "--no-cache"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "failed on its example inputs" in done.stderr
+    assert "Traceback" not in done.stderr and "fake_tensor.py" not in done.stderr
+    debug = subprocess.run([sys.executable, "-m", "fsdp_plan.cli.main", str(model), "--mem",
+                            "1GB", "--world-size", "2", "--no-cache", "--debug"],
+                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                           check=False)
+    assert debug.returncode == 2 and "Traceback" in debug.stderr  # --debug shows it all

@@ -134,6 +134,13 @@ def describe_unexpected(error: BaseException) -> tuple[str, int]:
     return message, code
 
 
+class _Dropped(logging.Filter):
+    """A logger filter that lets no record through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the SPEC exit code (0 ok, 1 check failed, 2 bad input, 3 no
     plan fits). Nothing but ``KeyboardInterrupt``'s 130 and those codes leaves this function."""
@@ -142,8 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     # FakeTensorMode logs a whole traceback at ERROR level when a meta kernel rejects the
     # model's inputs; the planner reports that error as one paragraph (--debug keeps the log).
+    # A filter, not a level: importing torch (later, when a verb needs it) resets the levels
+    # of torch's loggers, and with them a level set here.
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_log.level
+    quiet = _Dropped()
     try:
         parser, module = build_parser(argv)
         try:
@@ -152,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
         debug = args.debug
         if not debug:
-            fake_log.setLevel(logging.CRITICAL)
+            fake_log.addFilter(quiet)
         try:
             return int(module.run(args) or 0)
         except SystemExit as e:  # sys.exit() in the user's model code: not a result of ours
@@ -187,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                          "instead.\n")
         return EXIT_BAD_INPUT
     finally:
-        fake_log.setLevel(level)
+        fake_log.removeFilter(quiet)
         forget_umask()
 
 
