@@ -364,13 +364,13 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
                      selective_mm_stride: int = 1) -> CompiledBlocks:
     """Trace one block of each class of ``blocks`` compiled (see [Note: compiled blocks]).
 
-    The model is rebuilt on ``meta`` (cut to three blocks per stack when it is deep,
-    facts/depth.py), given fake storage, its parameters cast to ``param_dtype`` as the
+    A copy of the model on ``meta`` (cut to three blocks per stack when it is deep,
+    facts/depth.py) is given fake storage, its parameters cast to ``param_dtype`` as the
     analysis does, and run forward until every traced block has its inputs."""
-    model = rebuild_meta(loaded)
-    reduced = reduced_copy(model, blocks)
-    if reduced is not None:
-        model = reduced[0]
+    # the cut copies only the blocks it keeps and leaves the loaded model as it was, as the
+    # eager passes use it (analysis.py ``_PassSpec.run``); a whole copy only when nothing is cut
+    reduced = reduced_copy(loaded.model, blocks)
+    model = reduced[0] if reduced is not None else rebuild_meta(loaded)
     present = [b for b in blocks if has_submodule(model, b)]
     traced = one_per_class(model, present)
     fake_mode = new_fake_mode()
