@@ -521,7 +521,8 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     compile_error: Exception | None = None
     ddp, ddp_unavailable = None, ""
     plain = _PassSpec(compute)
-    refusal = _compile_refusal(blocks, autocast_dtype) if compile_blocks else None
+    refusal = (_compile_refusal(loaded.model, blocks, param_dtype, autocast_dtype)
+               if compile_blocks else None)
     compiling = compile_blocks and refusal is None
     # the passes after the plain one run beside it: [Note: passes in forked children]
     with ForkedPasses(loaded.notes) as passes:
@@ -597,8 +598,15 @@ def analyze(loaded: LoadedModel, *, param_dtype: torch.dtype | None, blocks: lis
     return analysis
 
 
-def _compile_refusal(blocks: list[str], autocast_dtype: torch.dtype | None) -> str | None:
-    """Why ``--compile`` cannot be planned for this model and precision (None: it can)."""
+def _compile_refusal(model: nn.Module, blocks: list[str], param_dtype: torch.dtype | None,
+                     autocast_dtype: torch.dtype | None) -> str | None:
+    """Why ``--compile`` cannot be planned for this model and precision (None: it can).
+
+    Below float32, each batch norm with parameters is a float32 FSDP unit of its own
+    ([Note: batch norm in full precision] in cost/units.py). One inside a block would be
+    unsharded by FSDP2's hooks in the middle of the block's compiled forward, and Dynamo
+    refuses those (``fullgraph=True``: "Attempted to call function marked as skipped"), so
+    the step would fail at its first forward."""
     if not blocks:
         return ("--compile compiles the model's repeated blocks, and this model has none (no "
                 "container of same-class children); plan without --compile.")
@@ -606,6 +614,16 @@ def _compile_refusal(blocks: list[str], autocast_dtype: torch.dtype | None) -> s
         return ("--compile with --autocast is not modelled: the compiled blocks' partition is "
                 "traced with the parameters in param_dtype. Plan compiled blocks with "
                 "--param-dtype bf16, or autocast without --compile.")
+    if param_dtype is not None and param_dtype.itemsize < 4:
+        for block in blocks:
+            for name, module in model.get_submodule(block).named_modules():
+                if keeps_full_precision(module):
+                    return (f"--compile compiles each repeated block whole (fullgraph=True), "
+                            f"and block {block!r} holds batch norm {block}.{name} "
+                            f"({type(module).__name__}), which runs in float32 as an FSDP "
+                            f"unit of its own below --param-dtype float32; FSDP2's hooks on "
+                            "that unit cannot run inside the compiled graph, so the step "
+                            "would fail. Plan without --compile, or with --param-dtype fp32.")
     return None
 
 
