@@ -185,3 +185,19 @@ def test_html_draws_each_ranks_median_step(capsys, tmp_path):
         assert f"rank {rank} stream 84" in text and f"rank {rank} step 552" in text
     assert "exposed communication" in text and "idle, the host launching nothing" in text
     assert '<script src="http' not in text  # nothing loaded from the network
+
+
+def test_cpu_advice_does_not_count_the_tail_inside_the_communication():
+    """The tail runs from backward's end to the last collective's end, so on a CPU run it
+    holds the host's work before the last reduce-scatter and can be longer than the
+    communication (a compiled seq2seq step: 5.25 ms of collectives, a 7.65 ms tail). The
+    advice once called the tail a part ("of which") of the communication."""
+    from types import SimpleNamespace
+
+    from fsdp_plan.cli.trace import advice
+    figures = SimpleNamespace(exposed_comm_s=5.246e-3, exposed_delaying_compute_s=0.0,
+                              host_wait_s=11.562e-3, step_s=44.682e-3, comm_tail_s=7.655e-3)
+    rank = SimpleNamespace(source="cpu", median=lambda: figures)
+    line = advice(SimpleNamespace(ranks=[rank]))
+    assert "5.25 ms/step of communication" in line and "of which" not in line
+    assert "the last collective ends 7.66 ms after backward" in line

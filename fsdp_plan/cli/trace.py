@@ -95,9 +95,11 @@ def advice(analysis: TraceAnalysis) -> str:
                 f"communication {delaying * _MS:.2f} of {exposed * _MS:.2f} ms exposed)")
     if not gpu:  # a CPU run: no launch queue tells waiting compute apart ([Note: the measured
         # step split]); idle is Python between ops, exposed is the gloo collectives' own time
+        # the tail runs to the last collective's end, so it holds the host's work before
+        # that collective too and can be longer than the communication itself
         return (f"a CPU (gloo) run: {exposed * _MS:.2f} ms/step of communication with no op "
-                f"beside it, of which the tail after backward is {tail * _MS:.2f} ms; "
-                f"{host * _MS:.2f} ms/step no op ran (the host's own work)")
+                f"beside it; the last collective ends {tail * _MS:.2f} ms after backward (the "
+                f"tail); {host * _MS:.2f} ms/step no op ran (the host's own work)")
     if delaying > 0.1 * step:
         return (f"compute waits for communication {delaying * _MS:.2f} ms/step "
                 f"({delaying / step:.0%}): more overlap (prefetch, smaller buckets or units) "
