@@ -134,11 +134,9 @@ def describe_unexpected(error: BaseException) -> tuple[str, int]:
     return message, code
 
 
-class _Dropped(logging.Filter):
+def _dropped(_record: logging.LogRecord) -> bool:
     """A logger filter that lets no record through."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return False
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     # A filter, not a level: importing torch (later, when a verb needs it) resets the levels
     # of torch's loggers, and with them a level set here.
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    quiet = _Dropped()
     try:
         parser, module = build_parser(argv)
         try:
@@ -161,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
         debug = args.debug
         if not debug:
-            fake_log.addFilter(quiet)
+            fake_log.addFilter(_dropped)
         try:
             return int(module.run(args) or 0)
         except SystemExit as e:  # sys.exit() in the user's model code: not a result of ours
@@ -196,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                          "instead.\n")
         return EXIT_BAD_INPUT
     finally:
-        fake_log.removeFilter(quiet)
+        fake_log.removeFilter(_dropped)
         forget_umask()
 
 

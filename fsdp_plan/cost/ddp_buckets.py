@@ -545,8 +545,7 @@ def ddp_step_time(buckets: list[Bucket], events: list[Event], hw: Hardware, *, w
                                                            ranks_per_node=local)
         streams.issue(label, now, seconds)
         if not hw.comm_overlaps_compute:  # gloo on a CPU: the all-reduce takes the cores
-            if record_spans:
-                streams.wait(f"wait {label}", now, streams.comm_free)
+            streams.wait(f"wait {label}", now, streams.comm_free)
             waited += streams.comm_free - now
             now = streams.comm_free
 

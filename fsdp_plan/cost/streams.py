@@ -53,7 +53,7 @@ class Streams:
 
     def __init__(self, hw: Hardware, *, record_spans: bool = True) -> None:
         self.hw = hw
-        self.spans: list[tuple[str, str, float, float]] = []
+        self.spans: list[Span] = []
         self.record_spans = record_spans
         """Whether ``spans`` is kept (off: the search's clock, [Note: spans when read])."""
         self.comm_free = 0.0

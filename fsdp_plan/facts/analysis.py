@@ -614,16 +614,17 @@ def _compile_refusal(model: nn.Module, blocks: list[str], param_dtype: torch.dty
         return ("--compile with --autocast is not modelled: the compiled blocks' partition is "
                 "traced with the parameters in param_dtype. Plan compiled blocks with "
                 "--param-dtype bf16, or autocast without --compile.")
-    if param_dtype is not None and param_dtype.itemsize < 4:
-        for block in blocks:
-            for name, module in model.get_submodule(block).named_modules():
-                if keeps_full_precision(module):
-                    return (f"--compile compiles each repeated block whole (fullgraph=True), "
-                            f"and block {block!r} holds batch norm {block}.{name} "
-                            f"({type(module).__name__}), which runs in float32 as an FSDP "
-                            f"unit of its own below --param-dtype float32; FSDP2's hooks on "
-                            "that unit cannot run inside the compiled graph, so the step "
-                            "would fail. Plan without --compile, or with --param-dtype fp32.")
+    lowered = param_dtype is not None and param_dtype.itemsize < 4
+    held = next(((block, f"{block}.{name}", module) for block in blocks if lowered
+                 for name, module in model.get_submodule(block).named_modules()
+                 if keeps_full_precision(module)), None)
+    if held is not None:
+        block, norm, module = held
+        return (f"--compile compiles each repeated block whole (fullgraph=True), and block "
+                f"{block!r} holds batch norm {norm} ({type(module).__name__}), which runs in "
+                "float32 as an FSDP unit of its own below --param-dtype float32; FSDP2's hooks "
+                "on that unit cannot run inside the compiled graph, so the step would fail. "
+                "Plan without --compile, or with --param-dtype fp32.")
     return None
 
 
