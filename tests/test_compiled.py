@@ -15,6 +15,7 @@ from fsdp_plan.facts.graph import build_module_graph
 from fsdp_plan.model.fake import materialize_fake, new_fake_mode
 from fsdp_plan.model.load import load_model, rebuild_meta
 from fsdp_plan.model.source import ModelSource
+from fsdp_plan.model.transformer_masks import transformer_masks_traceable
 
 MODELS = {"llama": "examples/llama.py", "gpt2": "examples/gpt2.py"}
 HF_LLAMA = "examples/hf/llama.json"
@@ -24,11 +25,13 @@ def _runtime_saved(loaded, fqn: str, budget: float | None) -> tuple[int, int]:
     """Run ``fqn`` compiled (the partitioned graphs executed op by op) on fake bf16 tensors and
     count, once per storage, the tensors the compiled forward saves through autograd's
     saved-tensor hooks that are not parameters, buffers or the block's inputs; also how many
-    times the compiled graphs ran."""
+    times the compiled graphs ran. The block's inputs are what a run on real tensors hands it:
+    on fake position ids transformers cannot see one unpacked sequence and builds a mask a
+    real step does not (``transformer_masks_traceable`` answers as real values would)."""
     model = rebuild_meta(loaded)
     fake_mode = new_fake_mode()
     materialize_fake(model, fake_mode)
-    with fake_mode:
+    with fake_mode, transformer_masks_traceable():
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
         args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
