@@ -173,3 +173,33 @@ def test_autocast_flag_plans_float32_units_and_predicts_from_an_autocast_trace(t
                               "--format", "json"])
     assert code == 0, err
     assert json.loads(out)["predicted"]["peak_bytes"] != autocast_peak
+
+
+FLOAT32_ROUTER = os.path.join(ROOT, "tests", "fixtures", "float32_router.py")
+
+
+@pytest.mark.parametrize("strategy", ["full", "ddp"])
+def test_a_float32_autocast_region_is_planned_as_a_gpu_runs_it(strategy):
+    """torchtitan's MoE router opens ``torch.autocast(x.device.type, dtype=torch.float32)``
+    inside a bfloat16 step. CUDA computes the gate in float32 and saves the float32 copies;
+    a CPU's ``torch.autocast`` refused float32 with a warning, so the analysis and the CPU
+    measurements ran the gate in bfloat16 and left the copies out. The region is now planned
+    exactly as the same casts written out, without the warning, and the CPU measurement (the
+    fake one for FSDP, real gloo workers for DDP) agrees with the plan."""
+    import warnings
+
+    def plan(explicit: bool):
+        source = ModelSource(source=FLOAT32_ROUTER, args={"explicit": explicit},
+                             batch_size=4, seq_len=128)
+        return make_plan(PlanRequest(source=source, strategy=strategy, budget_bytes=10**9,
+                                     world_size=2))
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*autocast, but the target dtype")
+        region = plan(explicit=False)
+    written_out = plan(explicit=True)
+    activations = [r.plan.predicted["breakdown"]["activations"] for r in (region, written_out)]
+    assert activations[0] == activations[1]
+    policy = load_policy_module(region.policy_source())
+    measured = measure_peak(region.loaded, region.plan, policy)
+    assert measured.peak_bytes == region.plan.predicted["peak_bytes"], measured.breakdown

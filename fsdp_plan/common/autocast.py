@@ -78,6 +78,49 @@ def autocast_context(dtype: str | None, device_type: str = "cpu") -> Iterator[No
         yield
 
 
+@contextlib.contextmanager
+def float32_autocast_as_on_cuda() -> Iterator[None]:
+    """Within the block, ``torch.autocast("cpu", dtype=torch.float32)`` computes in float32 as
+    CUDA's autocast does, instead of being disabled with a warning.
+
+    [Note: float32 autocast regions]
+    Models open float32 regions inside a lower-precision step so that a few ops compute in
+    float32 whatever the parameters' dtype: torchtitan's MoE router runs its gate as
+    ``torch.autocast(device_type=x.device.type, dtype=torch.float32)``. CUDA's autocast takes
+    float32: the gate's matmul casts its bfloat16 input and weight up, saves the float32 copy
+    of the input for backward, and returns float32 scores. ``torch.autocast``'s Python check
+    allows only bfloat16 and float16 on a CPU, so on the CPU tensors every fake pass and gloo
+    measurement runs, the region was disabled: the gate ran in bfloat16 and the float32 copy,
+    ``batch x seq x dim x 4`` bytes a MoE layer, was missing from the plan and from verify
+    alike. The dispatcher's CPU autocast does compute in float32 when asked, so within this
+    block the check lets float32 through on a CPU. Nothing else changes: other dtypes and
+    devices go to ``torch.autocast`` as given. Enter it around forward and backward both, so
+    activation checkpointing's recompute opens the same region.
+    """
+    import torch
+    from torch.amp import autocast_mode
+
+    original = autocast_mode.autocast.__init__
+    if getattr(original, "float32_on_cpu", False):  # already inside the block
+        yield
+        return
+
+    def init(self: Any, device_type: str, dtype: Any = None, enabled: bool = True,
+             cache_enabled: bool | None = None) -> None:
+        float32_on_cpu = device_type == "cpu" and enabled and dtype == torch.float32
+        original(self, device_type, torch.bfloat16 if float32_on_cpu else dtype, enabled,
+                 cache_enabled)
+        if float32_on_cpu:
+            self.fast_dtype = torch.float32
+
+    init.float32_on_cpu = True  # type: ignore[attr-defined]
+    autocast_mode.autocast.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        autocast_mode.autocast.__init__ = original  # type: ignore[method-assign]
+
+
 def device_type_of(value: Any) -> str:
     """The device type of the first tensor in ``value`` (inputs or a module), else ``cpu``."""
     import torch

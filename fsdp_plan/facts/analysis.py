@@ -33,7 +33,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from fsdp_plan.common.autocast import autocast_context
+from fsdp_plan.common.autocast import autocast_context, float32_autocast_as_on_cuda
 from fsdp_plan.common.errors import BadInput, Stop
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
 from fsdp_plan.facts.compiled import analyze_compiled
@@ -237,15 +237,15 @@ def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
     return tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
-def _bytes_of(value: Any) -> int:
+def _storages(value: Any) -> dict[int, int]:
+    """The distinct storages of the tensors in ``value``: their ids and bytes."""
     leaves, _ = tree_flatten(value)
-    seen: set[int] = set()
-    total = 0
-    for t in leaves:
-        if isinstance(t, torch.Tensor) and id(t.untyped_storage()) not in seen:
-            seen.add(id(t.untyped_storage()))
-            total += t.untyped_storage().nbytes()
-    return total
+    return {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in leaves
+            if isinstance(t, torch.Tensor)}
+
+
+def _bytes_of(value: Any) -> int:
+    return sum(_storages(value).values())
 
 
 def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
@@ -326,11 +326,16 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
     tracker = ModTracker()
     tracker.register_user_hooks(pre_fw, post_fw, lambda m, g: record("pre_bw", m),
                                 lambda m, g: record("post_bw", m))
-    # nn.Transformer's causal-mask check reads values: [Note: causal masks on fake tensors]
+    # nn.Transformer's causal-mask check reads values: [Note: causal masks on fake tensors];
+    # [Note: one dispatch mode per pass]; float32 regions compute as on a GPU, in backward's
+    # recompute too ([Note: float32 autocast regions] in common/autocast.py)
     with fake_mode, transformer_masks_traceable(loaded.notes, watch=False) as masks, \
-            meter.watching(masks):  # [Note: one dispatch mode per pass]
+            meter.watching(masks), float32_autocast_as_on_cuda():
         args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
         input_bytes = _bytes_of((args, kwargs))  # as the loop feeds them
+        # the inputs are counted once, as inputs: a forward that saves one as it was fed (a
+        # float32 input to a float32 matmul or convolution) adds no activation
+        meter.excluded |= set(_storages((args, kwargs)))
         try:
             checker = DtypeChecker(running_modules(tracker))  # fake kernels accept mixed dtypes
             with tracker, meter.measuring(checker), torch.autograd.graph.saved_tensors_hooks(

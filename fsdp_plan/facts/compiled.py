@@ -50,6 +50,7 @@ import torch
 import torch.hub
 from torch import fx, nn
 
+from fsdp_plan.common.autocast import float32_autocast_as_on_cuda
 from fsdp_plan.common.collector import cycle_collector_paused
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.checkpointing import DEFAULT_SELECTIVE_OPS
@@ -377,7 +378,8 @@ def analyze_compiled(loaded: Any, *, param_dtype: torch.dtype | None, blocks: li
     materialize_fake(model, fake_mode)
     kept = {id(p) for m in model.modules() if keeps_full_precision(m)
             for p in m.parameters(recurse=False)}
-    with fake_mode, cycle_collector_paused():
+    # [Note: float32 autocast regions]: a block's float32 region traced as a GPU runs it
+    with fake_mode, cycle_collector_paused(), float32_autocast_as_on_cuda():
         if param_dtype is not None:
             for p in model.parameters():
                 if p.is_floating_point() and id(p) not in kept:

@@ -66,6 +66,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_plan.common.autocast import float32_autocast_as_on_cuda
 from fsdp_plan.common.errors import BadInput, CheckFailed, Stop
 from fsdp_plan.common.limits import MAX_WORLD_SIZE
 from fsdp_plan.common.safe_yaml import clip
@@ -322,7 +323,10 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     try:
         module_name, _, func_name = target.partition(":")
-        result = getattr(importlib.import_module(module_name), func_name)(ctx, payload)
+        # a CPU worker computes a model's float32 regions as a GPU does, as the plan analysed
+        # them ([Note: float32 autocast regions] in common/autocast.py)
+        with float32_autocast_as_on_cuda():
+            result = getattr(importlib.import_module(module_name), func_name)(ctx, payload)
         _atomic_json(_rank_file(workdir, rank, "result.json"), result)
     except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
         lines = traceback.format_exception_only(type(e), e)

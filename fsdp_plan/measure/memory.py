@@ -43,7 +43,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_plan.common.autocast import GPU_DIFFERENCE
+from fsdp_plan.common.autocast import GPU_DIFFERENCE, float32_autocast_as_on_cuda
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.compiled import graph_backend
 from fsdp_plan.facts.dtypes import DtypeChecker, running_modules
@@ -184,7 +184,8 @@ def measure_peak(loaded: LoadedModel, plan: Plan, policy_module: types.ModuleTyp
             notes.append(GPU_DIFFERENCE)
         mesh = runtime.make_mesh("cpu", replicate, shard)  # outside fake mode: see make_mesh
         # [Note: causal masks on fake tensors]: nn.Transformer's mask check, as analysed
-        with fake_mode, transformer_masks_traceable(notes):
+        # float32 regions as on a GPU ([Note: float32 autocast regions]), as analysed
+        with fake_mode, transformer_masks_traceable(notes), float32_autocast_as_on_cuda():
             if compiled:
                 model = policy_module.apply_fully_shard(
                     model, mesh, compile_backend=graph_backend(ran, run=True))
