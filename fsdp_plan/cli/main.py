@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib
 import importlib.util
 import logging
@@ -34,6 +35,7 @@ from fsdp_plan.cli import plan as plan_verb
 from fsdp_plan.cli.process import ReportChannel, end_process, mark_process_ends_after_command
 from fsdp_plan.common.errors import EXIT_BAD_INPUT, EXIT_CHECK_FAILED, FsdpPlanError, Stop
 from fsdp_plan.common.files import forget_umask, remember_umask
+from fsdp_plan.common.torch_warnings import artefacts_hidden
 
 VERBS = {"verify": "fsdp_plan.cli.verify", "bench": "fsdp_plan.cli.bench",
          "predict": "fsdp_plan.cli.predict", "calibrate": "fsdp_plan.cli.calibrate",
@@ -159,8 +161,11 @@ def main(argv: list[str] | None = None) -> int:
         debug = args.debug
         if not debug:
             fake_log.addFilter(_dropped)
+        # [Note: warnings of the planner's passes] in common/torch_warnings.py
+        quiet = contextlib.nullcontext() if debug else artefacts_hidden()
         try:
-            return int(module.run(args) or 0)
+            with quiet:
+                return int(module.run(args) or 0)
         except SystemExit as e:  # sys.exit() in the user's model code: not a result of ours
             raise FsdpPlanError(f"the run was stopped by sys.exit({e.code!r}), called by the "
                                 "model's code or a library it uses; nothing was written. Remove "

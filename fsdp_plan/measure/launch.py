@@ -70,6 +70,7 @@ from fsdp_plan.common.autocast import float32_autocast_as_on_cuda
 from fsdp_plan.common.errors import BadInput, CheckFailed, Stop
 from fsdp_plan.common.limits import MAX_WORLD_SIZE
 from fsdp_plan.common.safe_yaml import clip
+from fsdp_plan.common.torch_warnings import artefacts_hidden
 from fsdp_plan.measure.fork_server import die_with_parent
 from fsdp_plan.model.user_process import end_forked_children
 
@@ -324,8 +325,9 @@ def _child_main(rank: int, nproc: int, port: int, target: str, payload: Any, wor
     try:
         module_name, _, func_name = target.partition(":")
         # a CPU worker computes a model's float32 regions as a GPU does, as the plan analysed
-        # them ([Note: float32 autocast regions] in common/autocast.py)
-        with float32_autocast_as_on_cuda():
+        # them ([Note: float32 autocast regions] in common/autocast.py), and prints no warning
+        # of the measuring machinery ([Note: warnings of the planner's passes])
+        with float32_autocast_as_on_cuda(), artefacts_hidden():
             result = getattr(importlib.import_module(module_name), func_name)(ctx, payload)
         _atomic_json(_rank_file(workdir, rank, "result.json"), result)
     except BaseException as e:  # noqa: BLE001 - report everything, KeyboardInterrupt included
