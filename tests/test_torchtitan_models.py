@@ -73,6 +73,15 @@ def test_unknown_flavor_and_model_are_bad_input() -> None:
     assert code == 2 and "flavors are" in err and "Traceback" not in err
 
 
+def test_a_varlen_attention_model_is_refused_with_what_to_do() -> None:
+    """gpt_oss attends through VarlenAttention by default; planning it stopped with the
+    model's own "attention_masks must be instance of VarlenMetadata" assertion. It is now
+    refused before any pass, naming the backend and an alternative."""
+    code, _, err = run_cli(["torchtitan:gpt_oss:debugmodel", "--mem", "80GB"])
+    assert code == 2 and "VarlenAttention" in err and "--hf-config" in err, err
+    assert "VarlenMetadata" not in err and "Traceback" not in err
+
+
 def test_debugmodel_plans_with_torchtitans_units_and_verifies(tmp_path: Path) -> None:
     """The restricted plan is exactly torchtitan's layout ([norm, lm_head] one unit, root
     last), export needs no hook, and FSDPMemTracker on the fake process group measures the

@@ -92,6 +92,7 @@ def build_model(name: str = "llama3", flavor: str = "debugmodel",
         _size_rope(config, int(seq_len))
     model = config.build()
     swap_flex_attention(model)
+    _refuse_varlen_attention(model, name, flavor)
     return model
 
 
@@ -122,6 +123,21 @@ def swap_flex_attention(model: nn.Module) -> int:
                     ScaledDotProductAttention.Config()))
                 swapped += 1
     return swapped
+
+
+def _refuse_varlen_attention(model: nn.Module, name: str, flavor: str) -> None:
+    """A model attending through torchtitan's ``VarlenAttention`` (gpt_oss by default: its
+    attention sinks and sliding windows ride on the kernel's logsumexp) cannot run here: the
+    varlen kernels are CUDA flash attention, fed per-document metadata the trainer builds, and
+    causal SDPA in its place would drop the sinks' gradient. Refused with what to do."""
+    from torchtitan.models.common.attention import VarlenAttention
+    if any(isinstance(m, VarlenAttention) for m in model.modules()):
+        raise BadInput(f"torchtitan's {name} ({flavor}) attends through VarlenAttention (CUDA "
+                       "flash-attention varlen kernels fed per-document metadata, which carry "
+                       "its attention sinks and sliding windows), and fsdp-plan analyses "
+                       "torchtitan's FlexAttention models only (llama3, qwen3, deepseek_v3, "
+                       "kimi_k2_7). Plan it from a model file whose attention runs on a CPU "
+                       "(e.g. a Hugging Face GptOss config with --hf-config).")
 
 
 def example_inputs(batch_size: int, seq_len: int) -> tuple[torch.Tensor, ...]:
