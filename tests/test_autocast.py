@@ -203,3 +203,18 @@ def test_a_float32_autocast_region_is_planned_as_a_gpu_runs_it(strategy):
     policy = load_policy_module(region.policy_source())
     measured = measure_peak(region.loaded, region.plan, policy)
     assert measured.peak_bytes == region.plan.predicted["peak_bytes"], measured.breakdown
+
+
+def test_a_model_failing_under_autocast_is_told_to_plan_without_it(capsys, tmp_path):
+    """A kernel taking bfloat16 only (as transformers' Mixtral experts call
+    ``torch._grouped_mm``) fails under ``--autocast bf16``, where parameters stay float32.
+    The refusal said to check example_inputs and --batch-size/--seq-len; it now names the
+    autocast and what to plan instead. Without --autocast the same model plans."""
+    from fsdp_plan.cli.main import main
+    argv = [os.path.join(ROOT, "tests", "fixtures", "bf16_only.py"), "--mem", "8GB",
+            "--world-size", "8", "--seq-len", "64", "-o", str(tmp_path / "policy.py")]
+    assert main([*argv, "--autocast", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "torch.autocast(bfloat16)" in err and "Plan without --autocast" in err, err
+    assert not (tmp_path / "policy.py").exists()
+    assert main(argv) == 0

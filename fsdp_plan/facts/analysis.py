@@ -372,7 +372,8 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
             raise
         except Exception as e:
             where = failed_in[0] if failed_in else stack[-1] if stack else None
-            raise _explain_trace_failure(e, loaded, where, _shapes(args, kwargs)) from e
+            raise _explain_trace_failure(e, loaded, where, _shapes(args, kwargs),
+                                         _dtype_name(autocast_dtype)) from e
         except (KeyboardInterrupt, SystemExit, Stop):
             raise
         except BaseException as e:  # the model's own BaseException subclass, GeneratorExit
@@ -403,7 +404,10 @@ def _shapes(args: tuple, kwargs: dict) -> str:
 
 
 def _explain_trace_failure(error: Exception, loaded: LoadedModel,
-                           module: str | None = None, given: str = "") -> BadInput:
+                           module: str | None = None, given: str = "",
+                           autocast: str | None = None) -> BadInput:
+    """The one-paragraph refusal for a pass that failed; ``autocast``: the dtype the pass's
+    forward ran under ``torch.autocast`` in (the likelier cause, then, is the precision)."""
     name = type(error).__name__
     text = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else name
     if "DynamicOutputShape" in name or "data-dependent" in str(error).lower():
@@ -434,11 +438,16 @@ def _explain_trace_failure(error: Exception, loaded: LoadedModel,
             f"the model reads a tensor's value{inside}{at} ({name}: {text}): .item(), .tolist(), "
             "int()/float()/bool() of a tensor and `if tensor:` need real values, and planning runs "
             "on fake tensors, which have none. Compute the value from shapes or the config.")
+    check = "example_inputs and --batch-size/--seq-len against what the model's forward expects"
+    advice = f"Check {check}." if autocast is None else (
+        f"The forward ran under torch.autocast({autocast}) with float32 parameters (--autocast), "
+        "where only the ops on autocast's lists are cast down: a kernel that takes only "
+        "low-precision inputs fails there. Plan without --autocast (FSDP's mixed precision "
+        f"casts the parameters instead), or check {check}.")
     return BadInput(
         f"the model failed on its example inputs (batch {loaded.source.batch_size}, sequence "
         f"{loaded.source.seq_len}{'; given ' + given if given else ''}){inside}{at} with {name}: "
-        f"{text}. Check example_inputs and "
-        "--batch-size/--seq-len against what the model's forward expects.")
+        f"{text}. {advice}")
 
 
 def apply_checkpointing(model: nn.Module, fqns: list[str],
