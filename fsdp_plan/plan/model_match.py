@@ -14,7 +14,7 @@ from typing import Any
 
 from fsdp_plan.common.errors import BadInput
 from fsdp_plan.facts.types import ModelOutline
-from fsdp_plan.model.source import ModelSource, source_digest, source_kind
+from fsdp_plan.model.source import TORCHTITAN_ENTRY, ModelSource, source_digest, source_kind
 from fsdp_plan.plan.document import Plan
 from fsdp_plan.plan.read import resolve_candidates
 
@@ -27,7 +27,8 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
     ``package.module:attr`` or a config, as for planning. Otherwise the plan's ``model`` is
     used, and a plan is data: it may name a model file (``.py``) or a Hugging Face config
     (``.json``) that exists as a regular file, but never a module to import (``kind: import``
-    would run whatever the plan names). A relative path is looked up next to the plan file
+    would run whatever the plan names), save fsdp-plan's own ``torchtitan:NAME:FLAVOR``
+    builder (``_own_torchtitan_builder``). A relative path is looked up next to the plan file
     first, then in the working folder, and nowhere else (``plan/read.resolve_candidates``).
     """
     recipe = plan.model
@@ -38,6 +39,8 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
         return ModelSource(source=model_path, kind=source_kind(model_path), **common)
     source = recipe.source
     kind = recipe.kind or source_kind(source)
+    if kind == "import" and _own_torchtitan_builder(source, recipe.entry, common["args"]):
+        return ModelSource(source=source, kind=kind, **common)
     if kind == "import":
         raise BadInput(f"the plan names the model {source!r} as a module to import (kind: "
                        "import); fsdp-plan does not import what a plan file names, since that "
@@ -64,6 +67,16 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
                    "from the plan file's folder, else the working folder; folders above them are "
                    "never searched).")
 
+
+def _own_torchtitan_builder(source: str, entry: str | None, args: dict[str, Any]) -> bool:
+    """Whether a plan's imported model is fsdp-plan's own ``torchtitan:NAME:FLAVOR`` builder
+    with only the arguments the shorthand gives. Importing it runs no code the plan chose: it
+    imports ``torchtitan.models.NAME`` only for a NAME in torchtitan's list of its models, and
+    ``seq_len`` sizes the RoPE caches. So ``verify PLAN.yaml`` needs no MODEL for such a plan."""
+    return (source == TORCHTITAN_ENTRY and entry in (None, "build_model")
+            and set(args) <= {"name", "flavor", "seq_len"}
+            and all(isinstance(args.get(k, ""), str) for k in ("name", "flavor"))
+            and type(args.get("seq_len", 0)) is int)
 
 
 def check_outline_matches(plan: Plan, outline: ModelOutline, source: ModelSource) -> None:
