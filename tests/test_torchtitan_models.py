@@ -71,6 +71,8 @@ def test_unknown_flavor_and_model_are_bad_input() -> None:
         torchtitan_models.build_model("llama9", "debugmodel")
     code, _, err = run_cli(["torchtitan:llama3:9B", "--mem", "80GB"])
     assert code == 2 and "flavors are" in err and "Traceback" not in err
+    with pytest.raises(BadInput, match="seq_len -5 sizes no RoPE cache"):  # from a plan file
+        torchtitan_models.build_model("llama3", "debugmodel", seq_len=-5)
 
 
 def test_a_varlen_attention_model_is_refused_with_what_to_do() -> None:

@@ -101,6 +101,8 @@ build_model.fsdp_plan_notes = [NOTE]  # type: ignore[attr-defined]  (load.py rea
 
 def _size_rope(config: Any, seq_len: int) -> None:
     """What ``Decoder.Config.update_from_config`` does with ``training.seq_len``."""
+    if seq_len < 1:
+        raise BadInput(f"seq_len {seq_len} sizes no RoPE cache; it must be 1 or more.")
     for layer in getattr(config, "layers", []) or []:
         attention = getattr(layer, "attention", None)
         rope = getattr(attention, "rope", None)
