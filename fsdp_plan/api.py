@@ -457,13 +457,15 @@ def verify_by_measurement(result: PlanResult, loaded: LoadedModel,
     predicted = plan.predicted["peak_bytes"]
     plan.predicted["measured_peak_bytes"] = int(measured.peak_bytes)
     if progress:
-        progress(f"verify: predicted peak {format_bytes(predicted)}, FSDPMemTracker measured "
-                 f"{format_bytes(measured.peak_bytes)} "
+        figure = format_bytes(measured.peak_bytes)
+        how = (f"measured {figure} {measured.where}" if measured.where
+               else f"FSDPMemTracker measured {figure}")
+        progress(f"verify: predicted peak {format_bytes(predicted)}, {how} "
                  f"({(predicted - measured.peak_bytes) / measured.peak_bytes:+.1%})")
     limit = plan.limit_bytes
     if measured.peak_bytes > limit:
-        raise NoFeasiblePlan(f"the chosen plan measured {format_bytes(measured.peak_bytes)} under "
-                             f"FSDPMemTracker, above the limit {format_bytes(limit)}; nothing "
+        raise NoFeasiblePlan(f"the chosen plan measured {format_bytes(measured.peak_bytes)} "
+                             f"{measured.where or 'under FSDPMemTracker'}, above the limit {format_bytes(limit)}; nothing "
                              "was written. Raise --headroom or add GPUs.",
                              smallest_peak_bytes=measured.peak_bytes)
     return int(measured.peak_bytes)

@@ -218,3 +218,17 @@ def test_a_model_failing_under_autocast_is_told_to_plan_without_it(capsys, tmp_p
     assert "torch.autocast(bfloat16)" in err and "Plan without --autocast" in err, err
     assert not (tmp_path / "policy.py").exists()
     assert main(argv) == 0
+
+
+def test_verify_of_a_ddp_plan_says_how_it_measured(capsys, tmp_path):
+    """A DDP plan is measured by MemTracker on one real gloo rank, not by FSDPMemTracker on
+    the fake process group; --verify's line said "FSDPMemTracker measured" for both."""
+    from fsdp_plan.cli.main import main
+    argv = [FLOAT32_ROUTER, "--mem", "8GB", "--world-size", "2", "--batch-size", "4",
+            "--seq-len", "128", "--top", "0", "--verify", "-o", str(tmp_path / "policy.py")]
+    assert main([*argv, "--strategy", "ddp"]) == 0
+    err = capsys.readouterr().err
+    assert "on a real one-rank gloo run (MemTracker) (+0.0%)" in err, err
+    assert "FSDPMemTracker" not in err
+    assert main([*argv, "--strategy", "full"]) == 0
+    assert "FSDPMemTracker measured" in capsys.readouterr().err

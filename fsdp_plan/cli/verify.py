@@ -186,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
         pictures.refuse_with(args, "the plan cannot be predicted as written, so there is no "
                              "predicted step to draw")
     policy = runtime.load_policy(runtime.policy_source(plan))
-    progress.step(f"measuring a steady step at world size {plan.world_size}")
+    progress.step("measuring a steady step of one rank on real CPU tensors (a DDP rank holds "
+                  "the whole model at any world size)" if plan.strategy == "ddp" else
+                  f"measuring a steady step at world size {plan.world_size}")
     with user_code_output_to_stderr():  # the model's print()s stay off the report
         measured = measured_peak(loaded, plan, policy, record=pictures.wanted(args))
     progress.step("comparing")
