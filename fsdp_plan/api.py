@@ -456,16 +456,15 @@ def verify_by_measurement(result: PlanResult, loaded: LoadedModel,
     measured = measured_peak(loaded, plan, load_policy_module(result.policy_source()))
     predicted = plan.predicted["peak_bytes"]
     plan.predicted["measured_peak_bytes"] = int(measured.peak_bytes)
+    figure = format_bytes(measured.peak_bytes)
+    how = (f"measured {figure} {measured.where}" if measured.where  # a DDP plan: one real rank
+           else f"FSDPMemTracker measured {figure}")
     if progress:
-        figure = format_bytes(measured.peak_bytes)
-        how = (f"measured {figure} {measured.where}" if measured.where
-               else f"FSDPMemTracker measured {figure}")
         progress(f"verify: predicted peak {format_bytes(predicted)}, {how} "
                  f"({(predicted - measured.peak_bytes) / measured.peak_bytes:+.1%})")
     limit = plan.limit_bytes
     if measured.peak_bytes > limit:
-        raise NoFeasiblePlan(f"the chosen plan measured {format_bytes(measured.peak_bytes)} "
-                             f"{measured.where or 'under FSDPMemTracker'}, above the limit {format_bytes(limit)}; nothing "
-                             "was written. Raise --headroom or add GPUs.",
+        raise NoFeasiblePlan(f"the chosen plan: {how}, above the limit {format_bytes(limit)}; "
+                             "nothing was written. Raise --headroom or add GPUs.",
                              smallest_peak_bytes=measured.peak_bytes)
     return int(measured.peak_bytes)
