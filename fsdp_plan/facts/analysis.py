@@ -332,10 +332,11 @@ def run_pass(loaded: LoadedModel, *, param_dtype: torch.dtype | None,
     with fake_mode, transformer_masks_traceable(loaded.notes, watch=False) as masks, \
             meter.watching(masks), float32_autocast_as_on_cuda():
         args, kwargs = loaded.make_inputs(loaded.source.batch_size, loaded.source.seq_len)
-        input_bytes = _bytes_of((args, kwargs))  # as the loop feeds them
+        fed_storages = _storages((args, kwargs))
+        input_bytes = sum(fed_storages.values())  # as the loop feeds them
         # the inputs are counted once, as inputs: a forward that saves one as it was fed (a
         # float32 input to a float32 matmul or convolution) adds no activation
-        meter.excluded |= set(_storages((args, kwargs)))
+        meter.excluded |= fed_storages.keys()
         try:
             checker = DtypeChecker(running_modules(tracker))  # fake kernels accept mixed dtypes
             with tracker, meter.measuring(checker), torch.autograd.graph.saved_tensors_hooks(

@@ -137,8 +137,7 @@ def _refuse_varlen_attention(model: nn.Module, name: str, flavor: str) -> None:
         raise BadInput(f"torchtitan's {name} ({flavor}) attends through VarlenAttention (CUDA "
                        "flash-attention varlen kernels fed per-document metadata, which carry "
                        "its attention sinks and sliding windows), and fsdp-plan analyses "
-                       "torchtitan's FlexAttention models only (llama3, qwen3, deepseek_v3, "
-                       "kimi_k2_7). Plan it from a model file whose attention runs on a CPU "
+                       "torchtitan's FlexAttention models only. Plan it from a model file whose attention runs on a CPU "
                        "(e.g. a Hugging Face GptOss config with --hf-config).")
 
 

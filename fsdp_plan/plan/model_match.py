@@ -39,9 +39,9 @@ def source_from_plan(plan: Plan, model_path: str | None = None,
         return ModelSource(source=model_path, kind=source_kind(model_path), **common)
     source = recipe.source
     kind = recipe.kind or source_kind(source)
-    if kind == "import" and _own_torchtitan_builder(source, recipe.entry, common["args"]):
-        return ModelSource(source=source, kind=kind, **common)
     if kind == "import":
+        if _own_torchtitan_builder(source, recipe.entry, common["args"]):
+            return ModelSource(source=source, kind=kind, **common)
         raise BadInput(f"the plan names the model {source!r} as a module to import (kind: "
                        "import); fsdp-plan does not import what a plan file names, since that "
                        "would run code the plan chose. If you trust it, give it on the command "
